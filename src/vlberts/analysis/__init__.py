@@ -1,0 +1,9 @@
+"""The VisualBERT paper's analyses for every architecture (SPEC §5).
+
+grounding  entity grounding per attention head (§3.1, Figure 3): inputs, accumulator, result
+boxes      IoU and union boxes
+figures    Figure 3 as a PNG (matplotlib, Agg)
+report     best-head tables (Markdown, HTML) and a Markdown summary
+
+Submodules are imported explicitly (figures pulls in matplotlib; nothing heavy runs at import).
+"""

@@ -1,0 +1,83 @@
+"""Figures of the grounding analysis (matplotlib, Agg; no pyplot global state).
+
+`head_accuracy_figure` draws the paper's Figure 3: "Entity grounding accuracy of the attention heads
+organized by layer. The rule-based baseline is drawn as the grey line."
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from vlberts.analysis.grounding import GroundingResult
+from vlberts.io import atomic_path
+
+ACTIVE_COLOR = "#08306b"  # dark blue: heads that look at the image (§3.1 "dark and large dots")
+INACTIVE_COLOR = "#9ecae1"  # light blue: heads that mostly look at the words ("light and small dots")
+BASELINE_COLOR = "#808080"  # §3.1 / Figure 3: the baseline is "the grey line"
+
+
+def head_accuracy_figure(
+    result: GroundingResult,
+    *,
+    title: str | None = "Entity grounding accuracy of attention heads",
+    show_upper_bound: bool = True,
+    xlabel: str = "Layer",
+    figsize: tuple[float, float] = (6.4, 4.0),
+) -> Figure:
+    """Figure 3: one dot per head at (layer number, accuracy in %); active heads dark and large,
+    inactive light and small; the most-confident-region baseline as a grey line; optionally the upper
+    bound (best any head could do with these regions) as a dashed line.
+
+    For two-stream models pass e.g. `xlabel="Cross-attention layer"`.
+    """
+    L, H = result.accuracy.shape
+    acc = 100.0 * result.accuracy  # (L, H) percent
+    x = np.broadcast_to(np.arange(1, L + 1)[:, None], (L, H))  # (L, H) 1-based layer numbers
+    thr = 100.0 * result.options.active_threshold
+    # Legend words follow the options' comparison: strict by default, so exactly 20% is inactive.
+    above, below = ("\u2265", "<") if result.options.active_inclusive else (">", "\u2264")
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    active, inactive = result.active, ~result.active
+    # Inactive first so the active heads are drawn on top where dots overlap.
+    if inactive.any():
+        ax.scatter(x[inactive], acc[inactive], s=10, c=INACTIVE_COLOR, linewidths=0, zorder=2,
+                   label=f"heads with {below} {thr:g}% of attention on regions")
+    if active.any():
+        ax.scatter(x[active], acc[active], s=36, c=ACTIVE_COLOR, linewidths=0, zorder=3,
+                   label=f"heads with {above} {thr:g}% of attention on regions")
+    ax.axhline(100.0 * result.baseline_accuracy, color=BASELINE_COLOR, linewidth=1.5, zorder=1,
+               label=f"baseline: most confident region ({100.0 * result.baseline_accuracy:.2f}%)")
+    top = max(float(acc.max()), 100.0 * result.baseline_accuracy)
+    if show_upper_bound:
+        ax.axhline(100.0 * result.upper_bound, color="black", linestyle="--", linewidth=1.0, zorder=1,
+                   label=f"upper bound ({100.0 * result.upper_bound:.2f}%)")
+        top = max(top, 100.0 * result.upper_bound)
+    ax.set_xlim(0.5, L + 0.5)
+    ax.set_xticks(np.arange(1, L + 1))
+    # Head room for the legend; never far past 100%, but a dot at 100% stays whole.
+    ax.set_ylim(0.0, min(105.0, top * 1.2 + 2.0))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("Grounding accuracy (%)")
+    if title:
+        ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize="small", frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def save_head_accuracy_figure(result: GroundingResult, path: str | Path, *, dpi: int = 150, **kwargs) -> Path:
+    """Write `head_accuracy_figure(result, **kwargs)` as a PNG (atomically); the size in pixels is
+    figsize * dpi exactly (no tight bounding box), 960 x 600 by default."""
+    path = Path(path)
+    fig = head_accuracy_figure(result, **kwargs)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    return path

@@ -1,0 +1,129 @@
+"""Tables and text summaries of a `GroundingResult`: Markdown for READMEs and logs, HTML fragments for
+the report pages. Numbers are printed in percent with two decimals, as the paper does ("50.77").
+
+HTML goes through jinja2 with autoescaping, so any caller-supplied text (captions, model names) is
+escaped; Markdown free text has its table-breaking characters escaped.
+"""
+
+from __future__ import annotations
+
+import jinja2
+import numpy as np
+
+from vlberts.analysis.grounding import GroundingResult, HeadScore
+
+
+def best_heads(result: GroundingResult, k: int = 10, *, active_only: bool = False) -> list[HeadScore]:
+    """The top-k heads by accuracy (ties: lower layer, then lower head first).
+
+    `active_only` keeps only the heads flagged active, as the paper's Table 2 does ("We only consider
+    heads that are allocating on average more than 20% of the attention ... to all image regions").
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    L, H = result.accuracy.shape
+    layer, head = np.divmod(np.arange(L * H), H)  # (L*H,) row-major indices
+    acc = result.accuracy.reshape(-1)
+    order = np.lexsort((head, layer, -acc))  # primary key last: accuracy descending
+    if active_only:
+        order = order[result.active.reshape(-1)[order]]
+    return [result.head(int(layer[i]), int(head[i])) for i in order[:k]]
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.2f}"
+
+
+def _md_text(s: str) -> str:
+    """Free text safe inside a Markdown table or line: no pipes, no line breaks, no raw HTML tags."""
+    s = " ".join(str(s).split())
+    for ch in ("\\", "|", "<", ">", "*", "_", "`", "[", "]"):
+        s = s.replace(ch, "\\" + ch)
+    return s
+
+
+def _rows(heads: list[HeadScore]) -> list[dict[str, str]]:
+    return [
+        {
+            "rank": str(i),
+            "head": h.label,
+            "accuracy": _pct(h.accuracy),
+            "mass": _pct(h.region_mass),
+            "active": "yes" if h.active else "no",
+        }
+        for i, h in enumerate(heads, 1)
+    ]
+
+
+def best_heads_markdown(result: GroundingResult, k: int = 10, *, active_only: bool = False) -> str:
+    """A Markdown table of the top-k heads: rank, head (<layer>-<head>, 1-based), accuracy (%),
+    mean share of the entities' attention on regions (%), active flag."""
+    lines = [
+        "| rank | head | accuracy (%) | attention on regions (%) | active |",
+        "|---:|:---|---:|---:|:---:|",
+    ]
+    for r in _rows(best_heads(result, k, active_only=active_only)):
+        lines.append(f"| {r['rank']} | {r['head']} | {r['accuracy']} | {r['mass']} | {r['active']} |")
+    return "\n".join(lines) + "\n"
+
+
+_ENV = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+_HEADS_HTML = _ENV.from_string(
+    """<table class="grounding-heads">
+{% if caption %}
+  <caption>{{ caption }}</caption>
+{% endif %}
+  <thead>
+    <tr><th>rank</th><th>head</th><th>accuracy (%)</th><th>attention on regions (%)</th><th>active</th></tr>
+  </thead>
+  <tbody>
+{% for r in rows %}
+    <tr class="{{ 'active' if r.active == 'yes' else 'inactive' }}"><td>{{ r.rank }}</td><td>{{ r.head }}</td><td>{{ r.accuracy }}</td><td>{{ r.mass }}</td><td>{{ r.active }}</td></tr>
+{% endfor %}
+  </tbody>
+</table>
+"""
+)
+
+
+def best_heads_html(
+    result: GroundingResult, k: int = 10, *, active_only: bool = False, caption: str | None = None
+) -> str:
+    """The same table as `best_heads_markdown`, as an HTML <table> fragment (everything escaped)."""
+    return _HEADS_HTML.render(rows=_rows(best_heads(result, k, active_only=active_only)), caption=caption)
+
+
+def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Entity grounding") -> str:
+    """A Markdown section: headline numbers, the options used, the best heads, and per-layer numbers."""
+    o = result.options
+    best = result.best_head
+    best_active = result.best_active_head
+    cmp = ">=" if o.active_inclusive else ">"
+    lines = [
+        f"## {_md_text(title)}",
+        "",
+        f"- entities: {result.n_entities} in {result.n_captions} captions",
+        f"- baseline (most confident region): {_pct(result.baseline_accuracy)}%",
+        f"- upper bound (some region is correct): {_pct(result.upper_bound)}%",
+        f"- best head: {best.label} at {_pct(best.accuracy)}% ({'active' if best.active else 'inactive'})",
+        "- best active head: "
+        + ("none" if best_active is None else f"{best_active.label} at {_pct(best_active.accuracy)}%"),
+        f"- best layer: {result.best_layer + 1}",
+        f"- options: token={o.token}, iou_rule={o.iou_rule}, IoU >= {o.iou_threshold:g}, "
+        f"active if mean attention on regions {cmp} {100 * o.active_threshold:g}%",
+        "",
+        f"### Best {k} heads",
+        "",
+        best_heads_markdown(result, k),
+        "### Per layer",
+        "",
+        "| layer | best head | max accuracy (%) | mean accuracy (%) | active heads |",
+        "|---:|:---|---:|---:|---:|",
+    ]
+    for layer, h in enumerate(result.best_per_layer):
+        lines.append(
+            f"| {layer + 1} | {h.label} | {_pct(result.layer_max[layer])} | {_pct(result.layer_mean[layer])} "
+            f"| {int(result.active[layer].sum())}/{result.num_heads} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,208 @@
+"""The `vlberts` command line.
+
+Every command is a thin wrapper over a recipe or library function; heavy imports happen inside the
+command so that `vlberts --help` is instant. Bad input raises `VlbertsError`, which `main` prints as one
+line (`error: <file>: record <r>: <what>`) and turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
+
+app = typer.Typer(
+    name="vlberts",
+    help="Vision-and-language BERTs: build the embedded world, extract region features, pre-train, "
+    "fine-tune, evaluate and analyse VisualBERT-family models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+world_app = typer.Typer(help="The embedded world: a seeded image-text world exported in the real data formats.", no_args_is_help=True)
+features_app = typer.Typer(help="Region-feature stores: import existing feature files, inspect a store.", no_args_is_help=True)
+finetune_app = typer.Typer(help="Fine-tune a pre-trained model on a downstream task.", no_args_is_help=True)
+evaluate_app = typer.Typer(help="Score predictions with a task's official metric.", no_args_is_help=True)
+analyze_app = typer.Typer(help="Look inside a model: attention-head grounding analysis.", no_args_is_help=True)
+app.add_typer(world_app, name="world")
+app.add_typer(features_app, name="features")
+app.add_typer(finetune_app, name="finetune")
+app.add_typer(evaluate_app, name="evaluate")
+app.add_typer(analyze_app, name="analyze")
+
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+# --------------------------------------------------------------------------- world
+
+@world_app.command("build")
+def world_build(
+    out: Path = typer.Option(..., help="Directory to write the world into."),
+    images: int = typer.Option(1000, help="Number of images."),
+    seed: int = typer.Option(0, help="Random seed; the same seed gives the same world."),
+    image_size: int = typer.Option(128, help="Image width and height in pixels."),
+    overwrite: bool = typer.Option(False, help="Replace an existing non-empty OUT."),
+    workers: Optional[int] = typer.Option(None, help="Worker processes (default: CPU count); the output does not depend on it."),
+) -> None:
+    """Generate images, captions with entities and parses, and VQA questions; export the real formats."""
+    from vlberts.world.build import build_world
+
+    info = build_world(out, n_images=images, seed=seed, image_size=image_size, overwrite=overwrite, workers=workers)
+    typer.echo(info.summary())
+
+
+# --------------------------------------------------------------------------- features
+
+class FeatureFormat(str, Enum):
+    """Feature file formats the store imports from and exports to (vlberts.features.tsv.TSV_FORMATS)."""
+
+    butd_tsv = "butd-tsv"
+    lxmert_tsv = "lxmert-tsv"
+
+
+@features_app.command("import")
+def features_import(
+    src: Path = typer.Argument(..., help="The feature file to import."),
+    format: FeatureFormat = typer.Option(..., "--format", help="butd-tsv (6 fields) or lxmert-tsv (10 fields)."),
+    out: Path = typer.Option(..., help="The store (.h5) to write."),
+    float16: bool = typer.Option(False, "--float16", help="Store features as float16 (half the size)."),
+    extractor: str = typer.Option("unknown", help="Name of the extractor that produced SRC, saved in the store."),
+    classes: Optional[Path] = typer.Option(None, help="Object vocabulary (objects_vocab.txt) that objects_id indexes."),
+    attributes: Optional[Path] = typer.Option(None, help="Attribute vocabulary (attributes_vocab.txt)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once the import has succeeded)."),
+) -> None:
+    """Stream a BUTD or LXMERT TSV into a region store; a bad line leaves no store behind."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from vlberts.features.importers import import_features, read_vocab
+    from vlberts.features.record import StoreMetadata
+    from vlberts.features.store import RegionStore
+
+    meta = StoreMetadata(
+        extractor=extractor,
+        classes=None if classes is None else read_vocab(classes),
+        attributes=None if attributes is None else read_vocab(attributes),
+    )
+    console = Console(stderr=True)
+    size = src.stat().st_size if src.is_file() else None
+    columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    # No bar when stderr is not a terminal: logs get the summary line only.
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("import", total=size)
+        import_features(
+            src,
+            format.value,
+            out,
+            dtype="float16" if float16 else "float32",
+            metadata=meta,
+            overwrite=overwrite,
+            progress=lambda n: bar.advance(task, n),
+        )
+    with RegionStore(out) as store:
+        info = store.info()
+    typer.echo(
+        f"wrote {out}: {info['num_images']} images, {info['num_boxes']} boxes, "
+        f"{info['feature_dim']}-d {info['dtype']} features, fields {', '.join(info['fields'])}"
+    )
+
+
+@features_app.command("info")
+def features_info(store: Path = typer.Argument(..., help="A region store (.h5).")) -> None:
+    """Print a JSON summary of a store: images, boxes per image, width, dtype, fields, extractor."""
+    import json
+
+    from vlberts.features.store import RegionStore
+
+    with RegionStore(store) as s:
+        typer.echo(json.dumps(s.info(), indent=2))
+
+
+@features_app.command("export")
+def features_export(
+    store: Path = typer.Argument(..., help="A region store (.h5)."),
+    format: FeatureFormat = typer.Option(..., "--format", help="butd-tsv (integer ids) or lxmert-tsv (needs objects)."),
+    out: Path = typer.Option(..., help="The TSV file to write."),
+    zero_missing_attrs: bool = typer.Option(False, help="lxmert-tsv: write zero attributes when the store has none."),
+) -> None:
+    """Write a store as a BUTD or LXMERT TSV (features as float32)."""
+    from vlberts.features.importers import export_tsv
+
+    n = export_tsv(store, out, format.value, zero_missing_attrs=zero_missing_attrs)
+    typer.echo(f"wrote {out}: {n} images as {format.value}")
+
+
+# --------------------------------------------------------------------------- extract
+
+@app.command("extract")
+def extract(
+    world: Path = typer.Option(..., help="World directory (scenes.jsonl, world.json, images/)."),
+    out: Path = typer.Option(..., help="The region store (.h5) to write."),
+    tsv: bool = typer.Option(False, "--tsv", help="Also write OUT-stem.butd.tsv (6 fields) and OUT-stem.lxmert.tsv (10 fields)."),
+    detector: Optional[Path] = typer.Option(None, help="Load these world-detector weights (.safetensors + .json) instead of training."),
+    float16: bool = typer.Option(False, "--float16", help="Store features and cls_prob as float16."),
+    min_boxes: int = typer.Option(10, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
+    max_boxes: int = typer.Option(36, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
+    conf_thresh: float = typer.Option(0.2, help="Keep boxes whose max class confidence after NMS reaches this."),
+    feature_dim: Optional[int] = typer.Option(None, help="Region-feature width of a trained detector (default 128; a loaded one keeps its own)."),
+    order: str = typer.Option("confidence", help="Kept boxes by confidence, or 'butd': RoI order between min and max boxes."),
+    seed: int = typer.Option(0, help="Seed of detector training and proposals."),
+    epochs: int = typer.Option(3, help="Detector training epochs over the train split."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
+) -> None:
+    """Train the world detector (or load one) and extract region features for every world image."""
+    import os
+
+    # Before torch loads OpenMP (libgomp): idle threads spin only briefly, then sleep. The detector's
+    # many small ops (8-image steps) otherwise slow down 10x when another process shares the cores
+    # (measured on 2 cores: 156 s instead of 13 s for a tiny-world run beside another training job),
+    # while a short spin keeps the quiet-machine speed (fully passive waiting cost 15-20 %).
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    from vlberts.recipes.extract import ExtractConfig
+    from vlberts.recipes.extract import extract as run_extract
+
+    cfg = ExtractConfig(
+        world=str(world), out=str(out), detector=str(detector or ""), tsv=tsv, float16=float16, min_boxes=min_boxes,
+        max_boxes=max_boxes, conf_thresh=conf_thresh, order=order, feature_dim=feature_dim or 0,
+        seed=seed, epochs=epochs, overwrite=overwrite,
+    )
+    typer.echo(run_extract(cfg).summary())
+
+
+# --------------------------------------------------------------------------- evaluate
+
+@evaluate_app.command("vqa")
+def evaluate_vqa(
+    predictions: Path = typer.Option(..., help="Official results file: a JSON list of {question_id, answer}."),
+    questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json)."),
+    annotations: Path = typer.Option(..., help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json)."),
+    out: Path = typer.Option(..., help="Directory to write metrics.json into."),
+) -> None:
+    """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
+    from vlberts.io import write_json
+    from vlberts.tasks.vqa import evaluate_predictions
+
+    metrics = evaluate_predictions(predictions, questions, annotations)
+    write_json(out / "metrics.json", metrics)
+    types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
+    typer.echo(f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})")
+    typer.echo(f"wrote {out / 'metrics.json'}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: run the app, turning `VlbertsError` into one line and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except VlbertsError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Typed, frozen configs: strict loading from dicts/YAML and `--key=value` overrides.
+
+Model configs hold architecture only; run configs hold training switches (DESIGN.md habit 2). Unknown
+keys are errors that list the valid ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from vlberts.errors import VlbertsError
+
+C = TypeVar("C")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a (nested) config dataclass."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Convert `value` to the annotated type `tp` (basic types, Optional, tuples, nested dataclasses)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where)
+            except VlbertsError as e:
+                errors.append(str(e))
+        raise VlbertsError(f"{where}: cannot read {value!r} as {tp}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise VlbertsError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise VlbertsError(f"{where}: expected a list, got {value!r}")
+        elem = args[0] if args else Any
+        items = [_convert(v, elem, where) for v in value]
+        return tuple(items) if origin is tuple else items
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise VlbertsError(f"{where}: expected a mapping for {tp.__name__}")
+        return from_dict(tp, value, where=where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise VlbertsError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise VlbertsError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value))
+        except ValueError:
+            raise VlbertsError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise VlbertsError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise VlbertsError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise VlbertsError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
+    """Build the dataclass `cls` from `data`; unknown keys and bad values are `VlbertsError`s."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise VlbertsError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}"
+        )
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise VlbertsError(f"{where}: {e}") from None
+
+
+def load_yaml(cls: type[C], path: str | Path) -> C:
+    """Read a config dataclass from a YAML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("config file not found", path=path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise VlbertsError(f"malformed YAML: {str(e).splitlines()[0]}", path=path) from None
+    return from_dict(cls, data, where=str(path))
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--lr=1e-4", "--model.hidden_size=64", "steps=10"]`` into a nested dict of strings."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.lstrip("-").partition("=")
+        if not sep or not key:
+            raise VlbertsError(f"override {arg!r} is not of the form --key=value")
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise VlbertsError(f"override {arg!r} conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `update` into a copy of `base`."""
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def apply_overrides(cfg: C, args: list[str] | dict[str, Any]) -> C:
+    """Return `cfg` with `--key=value` overrides applied and validated."""
+    upd = parse_overrides(args) if isinstance(args, list) else args
+    if not upd:
+        return cfg
+    return from_dict(type(cfg), merge(to_dict(cfg), upd), where=type(cfg).__name__)

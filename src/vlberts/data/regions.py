@@ -1,0 +1,77 @@
+"""Turning stored region records into model inputs; shared by every dataset.
+
+Boxes are normalised by the image size here (xyxy / (W, H, W, H)); spatial encodings are computed in
+the model from these (SPEC §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from vlberts.errors import VlbertsError
+
+
+class RegionRecordLike(Protocol):
+    image_id: str
+    image_w: int
+    image_h: int
+    boxes: np.ndarray  # (N, 4) xyxy pixels
+    features: np.ndarray  # (N, D)
+
+
+class RegionSource(Protocol):
+    def get(self, image_id: str) -> RegionRecordLike: ...
+
+
+@dataclass
+class Regions:
+    feats: np.ndarray  # (R, D) float32
+    boxes: np.ndarray  # (R, 4) float32 normalised xyxy
+    pixel_boxes: np.ndarray  # (R, 4) float32 xyxy pixels
+    conf: np.ndarray | None  # (R,) detector confidence, when the store has it
+
+
+def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None) -> Regions:
+    """The first `max_regions` regions of an image (stores keep them in detector order)."""
+    rec = source.get(str(image_id))
+    feats = np.asarray(rec.features[:max_regions], dtype=np.float32)
+    if feature_dim is not None and feats.shape[1] != feature_dim:
+        raise VlbertsError(
+            f"region features are {feats.shape[1]}-d but the model expects {feature_dim}-d (visual_dim)",
+            path=getattr(source, "path", None),
+            record=f"image {image_id}",
+        )
+    pix = np.asarray(rec.boxes[:max_regions], dtype=np.float32)
+    scale = np.array([rec.image_w, rec.image_h, rec.image_w, rec.image_h], dtype=np.float32)
+    conf = getattr(rec, "obj_conf", None)
+    conf = None if conf is None else np.asarray(conf[:max_regions], dtype=np.float32)
+    return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=conf)
+
+
+def pad_regions(items: list[Regions]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack a batch of region sets, zero-padded to the largest: feats (B, R, D), boxes (B, R, 4), mask (B, R)."""
+    B = len(items)
+    R = max(len(r.feats) for r in items)
+    D = items[0].feats.shape[1]
+    feats = torch.zeros(B, R, D)
+    boxes = torch.zeros(B, R, 4)
+    mask = torch.zeros(B, R, dtype=torch.bool)
+    for i, r in enumerate(items):
+        n = len(r.feats)
+        feats[i, :n] = torch.from_numpy(r.feats)
+        boxes[i, :n] = torch.from_numpy(r.boxes)
+        mask[i, :n] = True
+    return feats, boxes, mask
+
+
+def pad_sequences(seqs: list[np.ndarray | list[int]], value: int) -> torch.Tensor:
+    """Right-pad int sequences to (B, T)."""
+    T = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), T), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
+    return out

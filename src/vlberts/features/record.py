@@ -1,0 +1,187 @@
+"""The canonical per-image region record (SPEC §2) and the metadata that names its extractor.
+
+Every feature format vlberts reads (BUTD TSV, LXMERT TSV, ...) becomes a `RegionRecord`; every
+writer takes one. Conventions, fixed here once:
+
+- `image_id` is always a string. BUTD's integer ids become their decimal string ("42"), LXMERT's
+  string ids ("COCO_val2014_000000131089") stay as they are.
+- `boxes` are (x1, y1, x2, y2) in pixels of the original image, float32. Normalising them (and
+  every spatial encoding) happens in collate/the model, never in files.
+- Letters in shape comments: N boxes of this image, D feature width, C detector classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vlberts.errors import VlbertsError
+
+# Characters that would break a TSV line or a one-line error message.
+_BAD_ID_CHARS = ("\t", "\n", "\r")
+
+
+def canonical_image_id(image_id: object) -> str:
+    """The canonical string key: ints (and numpy ints) become their decimal string, strings stay."""
+    if isinstance(image_id, (bool, np.bool_)):
+        raise VlbertsError(f"image id must be a string or an integer, got {image_id!r}")
+    if isinstance(image_id, (int, np.integer)):
+        return str(int(image_id))
+    if not isinstance(image_id, str):
+        raise VlbertsError(f"image id must be a string or an integer, got {type(image_id).__name__}")
+    if not image_id or any(c in image_id for c in _BAD_ID_CHARS):
+        raise VlbertsError(f"image id {image_id!r} is empty or holds a tab/newline")
+    return image_id
+
+
+def _array(value: Any, dtype: Any, name: str, image_id: str) -> np.ndarray:
+    try:
+        return np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise VlbertsError(f"{name} cannot be read as {np.dtype(dtype).name}: {e}", record=image_id) from None
+
+
+@dataclass(frozen=True, eq=False)
+class RegionRecord:
+    """Detected regions of one image.
+
+    Arrays are coerced on construction: boxes/obj_conf/attr_conf to float32, obj_id/attr_id to int64,
+    cls_prob to float32 unless it is float16; features keep float16 when given float16 (a store read
+    with `upcast=False`), otherwise float32. Any shape disagreement is a one-line `VlbertsError`.
+    `num_boxes` is derived from `boxes`, so it can never disagree with the arrays.
+    """
+
+    image_id: str
+    image_w: int
+    image_h: int
+    boxes: np.ndarray  # (N, 4) float32, xyxy pixels of the original image
+    features: np.ndarray  # (N, D) float32 (or float16 as stored)
+    cls_prob: np.ndarray | None = None  # (N, C) detector class distribution (column layout as the extractor wrote it)
+    obj_id: np.ndarray | None = None  # (N,) int64, detected object class index (LXMERT: 0-based, background excluded)
+    obj_conf: np.ndarray | None = None  # (N,) float32, its confidence
+    attr_id: np.ndarray | None = None  # (N,) int64, detected attribute index
+    attr_conf: np.ndarray | None = None  # (N,) float32, its confidence
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: coerce fields once, here
+        image_id = canonical_image_id(self.image_id)
+        set_(self, "image_id", image_id)
+        for name in ("image_w", "image_h"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise VlbertsError(f"{name} must be a positive integer, got {v!r}", record=image_id)
+            set_(self, name, int(v))
+
+        boxes = _array(self.boxes, np.float32, "boxes", image_id)
+        if boxes.ndim != 2 or boxes.shape[1] != 4:
+            raise VlbertsError(f"boxes must have shape (N, 4), got {boxes.shape}", record=image_id)
+        n = boxes.shape[0]
+        if not np.isfinite(boxes).all():
+            raise VlbertsError("boxes hold NaN or inf", record=image_id)
+        # xyxy, not xywh: a file in the wrong convention usually trips this.
+        if n and ((boxes[:, 2] < boxes[:, 0]).any() or (boxes[:, 3] < boxes[:, 1]).any()):
+            raise VlbertsError("boxes must be (x1, y1, x2, y2) with x2 >= x1 and y2 >= y1", record=image_id)
+        set_(self, "boxes", boxes)
+
+        feats = np.asarray(self.features)
+        feats = _array(feats, np.float16 if feats.dtype == np.float16 else np.float32, "features", image_id)
+        if feats.ndim != 2 or feats.shape[0] != n:
+            raise VlbertsError(f"features must have shape ({n}, D) for {n} boxes, got {feats.shape}", record=image_id)
+        set_(self, "features", feats)
+
+        if self.cls_prob is not None:
+            cp = np.asarray(self.cls_prob)
+            cp = _array(cp, np.float16 if cp.dtype == np.float16 else np.float32, "cls_prob", image_id)
+            if cp.ndim != 2 or cp.shape[0] != n:
+                raise VlbertsError(f"cls_prob must have shape ({n}, C) for {n} boxes, got {cp.shape}", record=image_id)
+            set_(self, "cls_prob", cp)
+
+        for ids, conf in (("obj_id", "obj_conf"), ("attr_id", "attr_conf")):
+            i, c = getattr(self, ids), getattr(self, conf)
+            if (i is None) != (c is None):
+                raise VlbertsError(f"{ids} and {conf} must be given together", record=image_id)
+            if i is None:
+                continue
+            i = _array(i, np.int64, ids, image_id)
+            c = _array(c, np.float32, conf, image_id)
+            if i.shape != (n,) or c.shape != (n,):
+                raise VlbertsError(
+                    f"{ids} and {conf} must have shape ({n},) for {n} boxes, got {i.shape} and {c.shape}",
+                    record=image_id,
+                )
+            set_(self, ids, i)
+            set_(self, conf, c)
+
+    @property
+    def num_boxes(self) -> int:
+        return int(self.boxes.shape[0])
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.features.shape[1])
+
+    @property
+    def has_objects(self) -> bool:
+        return self.obj_id is not None
+
+    @property
+    def has_attrs(self) -> bool:
+        return self.attr_id is not None
+
+    def differences(self, other: RegionRecord, atol: float = 0.0) -> list[str]:
+        """Names of the fields that differ (arrays compared with `atol`); [] means the same record.
+
+        A list rather than a bool so that a failing comparison (tests, "do my re-extracted features
+        match the released ones?") says where.
+        """
+        diffs = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if a is None or b is None or a.shape != b.shape:
+                    diffs.append(f.name)
+                elif not np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=0.0, atol=atol, equal_nan=True):
+                    diffs.append(f.name)
+            elif a != b:
+                diffs.append(f.name)
+        return diffs
+
+
+STORE_METADATA_KEYS = ("extractor", "weights_hash", "settings", "classes", "attributes", "source", "notes")
+
+
+@dataclass
+class StoreMetadata:
+    """What produced a store; saved with it so that features can be reproduced and compared.
+
+    `settings` holds the extraction settings as JSON values. Keys other code relies on, when known:
+    `box_policy` ("fixed36", "10-36", "10-100", "144"), `conf_thresh`, `min_boxes`, `max_boxes`,
+    `nms`, `feature_layer` ("pool5", "fc6", ...), `background_column` ("first"/"last"/"none").
+    `classes`/`attributes` are the vocabularies `obj_id`/`attr_id` index into (one name per line of
+    e.g. objects_vocab.txt, synonyms kept as written). `source` records an import: format, file, bytes, sha256.
+    """
+
+    extractor: str = "unknown"
+    weights_hash: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    classes: list[str] | None = None
+    attributes: list[str] | None = None
+    source: dict[str, Any] | None = None
+    notes: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, path: object = None) -> StoreMetadata:
+        """Build from a dict; unknown keys are an error (a typo must not vanish silently)."""
+        unknown = sorted(set(d) - set(STORE_METADATA_KEYS))
+        if unknown:
+            raise VlbertsError(
+                f"unknown store metadata key(s) {', '.join(unknown)}; valid: {', '.join(STORE_METADATA_KEYS)}",
+                path=path,
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,502 @@
+"""The canonical region-feature store: one HDF5 file holding the regions of every image (SPEC §2).
+
+Layout (format "vlberts-region-store", version 1). I images, B = total boxes over all images:
+
+    /image_ids   (I,)    utf-8 variable-length strings, the canonical ids in write order
+    /image_w     (I,)    int32
+    /image_h     (I,)    int32
+    /offset      (I,)    int64   first row of the image in the per-box arrays
+    /count       (I,)    int32   its number of boxes N (rows offset .. offset+N)
+    /boxes       (B, 4)  float32 xyxy pixels
+    /features    (B, D)  float32 or float16 (the store's `dtype`)
+    /cls_prob    (B, C)  same dtype as features            (optional)
+    /obj_id      (B,)    int64,  /obj_conf  (B,) float32    (optional, together)
+    /attr_id     (B,)    int64,  /attr_conf (B,) float32    (optional, together)
+    attrs: format, format_version, feature_dim, dtype, metadata (JSON of `StoreMetadata`),
+           created (JSON: time, vlberts version)
+
+Flat per-box arrays (rather than padded (I, Nmax, D) blocks) keep variable box counts (10-100
+policies) free of padding, and an image is one contiguous slice. Lookup is O(1): the reader loads
+the small per-image arrays and builds an id -> row dict when opened (about 0.1 s per 100k images).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id
+from vlberts.io import atomic_path
+
+STORE_FORMAT = "vlberts-region-store"
+STORE_FORMAT_VERSION = 1
+STORE_DTYPES = {"float32": np.float32, "float16": np.float16}
+OPTIONAL_FIELDS = ("cls_prob", "obj_id", "obj_conf", "attr_id", "attr_conf")
+
+_FLUSH_BYTES = 32 << 20  # buffer this much box data before one resize+write per dataset
+_CHUNK_BYTES = 256 << 10  # HDF5 chunk size target: a 36-box 2048-d image spans 2-3 chunks
+
+
+def _chunk_rows(row_bytes: int) -> int:
+    return int(max(1, min(4096, _CHUNK_BYTES // max(1, row_bytes))))
+
+
+def _as_metadata(metadata: StoreMetadata | dict[str, Any] | None) -> StoreMetadata:
+    if metadata is None:
+        return StoreMetadata()
+    if isinstance(metadata, StoreMetadata):
+        return metadata
+    return StoreMetadata.from_dict(metadata)
+
+
+class RegionStoreWriter:
+    """Write a store atomically: a temp file next to `path` becomes `path` only on a clean close.
+
+        with RegionStoreWriter("feats.h5", feature_dim=2048, dtype="float16",
+                               metadata=StoreMetadata(extractor="butd-caffe"), with_objects=True) as w:
+            for rec in records:
+                w.add(rec)
+
+    The fields a store holds are fixed when it is opened; a record that lacks one of them, or carries
+    one the store does not hold, is an error (nothing is dropped or invented silently). `metadata`
+    may be replaced until close (an importer fills in the source hash at the end).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        feature_dim: int,
+        dtype: str = "float32",
+        metadata: StoreMetadata | dict[str, Any] | None = None,
+        with_cls_prob: int | None = None,
+        with_objects: bool = False,
+        with_attrs: bool = False,
+    ):
+        if dtype not in STORE_DTYPES:
+            raise VlbertsError(f"unknown store dtype {dtype!r}; valid: {', '.join(STORE_DTYPES)}", path=path)
+        if int(feature_dim) < 1:
+            raise VlbertsError(f"feature_dim must be >= 1, got {feature_dim}", path=path)
+        if with_cls_prob is not None and int(with_cls_prob) < 1:
+            raise VlbertsError(f"with_cls_prob must be the number of classes (>= 1), got {with_cls_prob}", path=path)
+        self.path = Path(path)
+        self.feature_dim = int(feature_dim)
+        self.dtype = dtype
+        self.metadata = _as_metadata(metadata)
+        self.num_classes = None if with_cls_prob is None else int(with_cls_prob)
+        self.with_objects = bool(with_objects)
+        self.with_attrs = bool(with_attrs)
+
+        self._np_dtype = STORE_DTYPES[dtype]
+        self._ids: list[str] = []
+        self._index: dict[str, int] = {}
+        self._w: list[int] = []
+        self._h: list[int] = []
+        self._count: list[int] = []
+        self._rows = 0  # rows already written to the per-box datasets
+        self._buf: dict[str, list[np.ndarray]] = {}
+        self._buf_bytes = 0
+        self._closed = False
+
+        # Enter atomic_path by hand so that close()/abort() (or the with-block) decide the outcome.
+        self._stack = contextlib.ExitStack()
+        self._tmp = self._stack.enter_context(atomic_path(self.path))
+        try:
+            self._f = h5py.File(self._tmp, "w")
+            self._ds = self._create_datasets()
+        except BaseException as e:
+            self._stack.__exit__(type(e), e, e.__traceback__)
+            raise
+
+    # (name, row shape, dtype) of every per-box dataset this store holds.
+    def _box_fields(self) -> list[tuple[str, tuple[int, ...], Any]]:
+        fields: list[tuple[str, tuple[int, ...], Any]] = [
+            ("boxes", (4,), np.float32),
+            ("features", (self.feature_dim,), self._np_dtype),
+        ]
+        if self.num_classes is not None:
+            fields.append(("cls_prob", (self.num_classes,), self._np_dtype))
+        if self.with_objects:
+            fields += [("obj_id", (), np.int64), ("obj_conf", (), np.float32)]
+        if self.with_attrs:
+            fields += [("attr_id", (), np.int64), ("attr_conf", (), np.float32)]
+        return fields
+
+    def _create_datasets(self) -> dict[str, h5py.Dataset]:
+        ds = {}
+        for name, row, dt in self._box_fields():
+            row_bytes = int(np.prod(row, dtype=np.int64)) * np.dtype(dt).itemsize
+            ds[name] = self._f.create_dataset(
+                name, shape=(0, *row), maxshape=(None, *row), dtype=dt, chunks=(_chunk_rows(row_bytes), *row)
+            )
+            self._buf[name] = []
+        return ds
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, image_id: object) -> bool:
+        try:
+            return canonical_image_id(image_id) in self._index
+        except VlbertsError:
+            return False
+
+    def add(self, rec: RegionRecord) -> None:
+        """Append one image. Duplicate ids, a wrong feature width or missing/extra fields are errors."""
+        if self._closed:
+            raise VlbertsError("store writer is already closed", path=self.path, record=rec.image_id)
+        if rec.image_id in self._index:
+            raise VlbertsError(
+                f"duplicate image id {rec.image_id} (first added as image #{self._index[rec.image_id]})",
+                path=self.path,
+                record=rec.image_id,
+            )
+        if rec.feature_dim != self.feature_dim and rec.num_boxes:
+            raise VlbertsError(
+                f"feature width {rec.feature_dim} but the store holds {self.feature_dim}-d features",
+                path=self.path,
+                record=rec.image_id,
+            )
+        self._check_fields(rec)
+        n = rec.num_boxes
+        arrays = {
+            "boxes": rec.boxes,
+            "features": rec.features.reshape(n, self.feature_dim),  # a 0-box record may arrive as (0, 0)
+            "cls_prob": rec.cls_prob,
+            "obj_id": rec.obj_id,
+            "obj_conf": rec.obj_conf,
+            "attr_id": rec.attr_id,
+            "attr_conf": rec.attr_conf,
+        }
+        for name, _, dt in self._box_fields():
+            with np.errstate(over="ignore"):  # float16 overflow is reported below, by name
+                a = np.asarray(arrays[name]).astype(dt, copy=False)
+            if dt == np.float16 and not np.isfinite(a).all() and np.isfinite(arrays[name]).all():
+                raise VlbertsError(
+                    f"{name} values exceed the float16 range (max |x| = {np.abs(arrays[name]).max():.4g}); "
+                    "store as float32",
+                    path=self.path,
+                    record=rec.image_id,
+                )
+            self._buf[name].append(a)
+            self._buf_bytes += a.nbytes
+        self._index[rec.image_id] = len(self._ids)
+        self._ids.append(rec.image_id)
+        self._w.append(rec.image_w)
+        self._h.append(rec.image_h)
+        self._count.append(n)
+        if self._buf_bytes >= _FLUSH_BYTES:
+            self._flush()
+
+    def _check_fields(self, rec: RegionRecord) -> None:
+        present = {"cls_prob": rec.cls_prob is not None, "objects": rec.has_objects, "attrs": rec.has_attrs}
+        wanted = {"cls_prob": self.num_classes is not None, "objects": self.with_objects, "attrs": self.with_attrs}
+        for name in present:
+            if present[name] != wanted[name]:
+                has = "has" if present[name] else "lacks"
+                holds = "holds" if wanted[name] else "does not hold"
+                raise VlbertsError(f"record {has} {name} but the store {holds} them", path=self.path, record=rec.image_id)
+        if rec.cls_prob is not None and rec.cls_prob.shape[1] != self.num_classes:
+            raise VlbertsError(
+                f"cls_prob has {rec.cls_prob.shape[1]} classes but the store holds {self.num_classes}",
+                path=self.path,
+                record=rec.image_id,
+            )
+        for ids, vocab in (("obj_id", self.metadata.classes), ("attr_id", self.metadata.attributes)):
+            a = getattr(rec, ids)
+            if a is not None and vocab is not None and a.size and (a.min() < 0 or a.max() >= len(vocab)):
+                raise VlbertsError(
+                    f"{ids} outside the {len(vocab)}-entry vocabulary (range {a.min()}..{a.max()})",
+                    path=self.path,
+                    record=rec.image_id,
+                )
+
+    def _flush(self) -> None:
+        if not self._buf_bytes and all(not v for v in self._buf.values()):
+            return
+        new_rows = None
+        for name, parts in self._buf.items():
+            block = np.concatenate(parts, axis=0)
+            new_rows = block.shape[0]
+            ds = self._ds[name]
+            ds.resize(self._rows + new_rows, axis=0)
+            ds[self._rows : self._rows + new_rows] = block
+            parts.clear()
+        self._rows += new_rows or 0
+        self._buf_bytes = 0
+
+    def _finish(self) -> None:
+        self._flush()
+        f = self._f
+        count = np.asarray(self._count, dtype=np.int32)
+        offset = np.zeros(len(count), dtype=np.int64)
+        np.cumsum(count[:-1], out=offset[1:])
+        f.create_dataset("image_ids", data=np.array(self._ids, dtype=object), dtype=h5py.string_dtype("utf-8"))
+        f.create_dataset("image_w", data=np.asarray(self._w, dtype=np.int32))
+        f.create_dataset("image_h", data=np.asarray(self._h, dtype=np.int32))
+        f.create_dataset("offset", data=offset)
+        f.create_dataset("count", data=count)
+        from vlberts import __version__
+
+        f.attrs["format"] = STORE_FORMAT
+        f.attrs["format_version"] = STORE_FORMAT_VERSION
+        f.attrs["feature_dim"] = self.feature_dim
+        f.attrs["dtype"] = self.dtype
+        f.attrs["metadata"] = json.dumps(self.metadata.to_dict())
+        created = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "vlberts": __version__}
+        f.attrs["created"] = json.dumps(created)
+
+    def close(self) -> Path:
+        """Finish the file and move it to `path`; returns `path`."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        try:
+            self._finish()
+            self._f.close()
+        except BaseException as e:
+            self._f.close()
+            self._stack.__exit__(type(e), e, e.__traceback__)
+            raise
+        self._stack.close()  # os.replace(tmp, path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written so far; `path` is left as it was (absent, or the previous store)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._f.close()
+        err = RuntimeError("aborted")
+        with contextlib.suppress(RuntimeError):
+            self._stack.__exit__(RuntimeError, err, None)  # atomic_path removes the temp file
+
+    def __enter__(self) -> RegionStoreWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class RegionStore:
+    """Read a store: `len`, `in`, `ids()`, `get(id)`, `get_many(ids)`, `records()`, `info()`.
+
+    `upcast=True` (default) returns float16-stored features and cls_prob as float32; `upcast=False`
+    returns them as stored (half the memory in a data loader; the model casts anyway).
+
+    Safe in DataLoader workers: the HDF5 handle is opened lazily and reopened in any process other
+    than the one that opened it (h5py handles must not cross a fork), and pickling drops it.
+    """
+
+    def __init__(self, path: str | Path, upcast: bool = True):
+        self.path = Path(path)
+        self.upcast = upcast
+        if not self.path.is_file():
+            raise VlbertsError("region store not found", path=self.path)
+        self._file: h5py.File | None = None
+        self._pid: int | None = None
+        self._ds: dict[str, h5py.Dataset] = {}
+        f = self._h5()
+        attrs = f.attrs
+        if attrs.get("format") != STORE_FORMAT:
+            self.close()
+            raise VlbertsError(f"not a {STORE_FORMAT} (HDF5 file without format={STORE_FORMAT!r})", path=self.path)
+        version = int(attrs.get("format_version", -1))
+        if version > STORE_FORMAT_VERSION:
+            self.close()
+            raise VlbertsError(
+                f"store format version {version} is newer than this vlberts reads ({STORE_FORMAT_VERSION}); upgrade vlberts",
+                path=self.path,
+            )
+        self.feature_dim = int(attrs["feature_dim"])
+        self.dtype = str(attrs["dtype"])
+        self.format_version = version
+        self.metadata = StoreMetadata.from_dict(json.loads(attrs["metadata"]), path=self.path)
+        self.created = json.loads(attrs.get("created", "{}"))
+        self.fields = [name for name in ("boxes", "features", *OPTIONAL_FIELDS) if name in f]
+        # Per-image index, held in memory: 20 bytes + one id per image.
+        try:
+            self._ids: list[str] = f["image_ids"].asstr()[()].tolist()
+            self._w = f["image_w"][()]
+            self._h = f["image_h"][()]
+            self._offset = f["offset"][()]
+            self._count = f["count"][()]
+        except KeyError as e:
+            self.close()
+            raise VlbertsError(f"damaged store: missing dataset ({e})", path=self.path) from None
+        self._index = {image_id: i for i, image_id in enumerate(self._ids)}
+
+    def _h5(self) -> h5py.File:
+        """The HDF5 handle of this process (opened on first use, reopened after a fork)."""
+        if self._file is None or self._pid != os.getpid():
+            try:
+                # Default HDF5 locking (not locking=False): a second open of the same file in this
+                # process with other flags would fail. Where locks fail (some NFS/Lustre mounts), set
+                # HDF5_USE_FILE_LOCKING=FALSE; stores are never modified in place, so that is safe.
+                self._file = h5py.File(self.path, "r")
+            except OSError as e:
+                raise VlbertsError(f"cannot open as HDF5 ({e})", path=self.path) from None
+            self._pid = os.getpid()
+            self._ds = {}
+        return self._file
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        f = self._h5()
+        if name not in self._ds:
+            self._ds[name] = f[name]
+        return self._ds[name]
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file, self._pid, self._ds = None, None, {}
+
+    def __enter__(self) -> RegionStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_file=None, _pid=None, _ds={})  # a spawned worker opens its own handle
+        return state
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, image_id: object) -> bool:
+        try:
+            return canonical_image_id(image_id) in self._index
+        except VlbertsError:
+            return False
+
+    def ids(self) -> list[str]:
+        """All image ids, in the order they were written."""
+        return list(self._ids)
+
+    def _row(self, image_id: str | int) -> int:
+        try:
+            row = self._index.get(canonical_image_id(image_id))
+        except VlbertsError:
+            row = None
+        if row is None:
+            raise VlbertsError(f"image id {image_id} not in store", path=self.path, record=image_id)
+        return row
+
+    def num_boxes(self, image_id: str | int) -> int:
+        """Number of boxes of one image, without reading its arrays."""
+        return int(self._count[self._row(image_id)])
+
+    def image_size(self, image_id: str | int) -> tuple[int, int]:
+        """(width, height) of one image, without reading its arrays."""
+        i = self._row(image_id)
+        return int(self._w[i]), int(self._h[i])
+
+    def _read(self, i: int, start: int, n: int) -> RegionRecord:
+        arrays = {name: self._dataset(name)[start : start + n] for name in self.fields}
+        if self.upcast:
+            for name in ("features", "cls_prob"):
+                if name in arrays and arrays[name].dtype == np.float16:
+                    arrays[name] = arrays[name].astype(np.float32)
+        return RegionRecord(image_id=self._ids[i], image_w=int(self._w[i]), image_h=int(self._h[i]), **arrays)
+
+    def get(self, image_id: str | int) -> RegionRecord:
+        """The record of one image; a missing id is a `VlbertsError` naming the store and the id."""
+        i = self._row(image_id)
+        return self._read(i, int(self._offset[i]), int(self._count[i]))
+
+    def get_many(self, image_ids: Iterable[str | int]) -> list[RegionRecord]:
+        return [self.get(image_id) for image_id in image_ids]
+
+    def records(self, block_rows: int = 8192) -> Iterator[RegionRecord]:
+        """Every record in write order, reading `block_rows` box rows per HDF5 read (for exports)."""
+        n_img = len(self._ids)
+        i = 0
+        while i < n_img:
+            j, rows = i, 0
+            while j < n_img and (rows == 0 or rows + self._count[j] <= block_rows):
+                rows += int(self._count[j])
+                j += 1
+            start = int(self._offset[i])
+            block = {name: self._dataset(name)[start : start + rows] for name in self.fields}
+            for k in range(i, j):
+                s, n = int(self._offset[k]) - start, int(self._count[k])
+                arrays = {name: a[s : s + n] for name, a in block.items()}
+                if self.upcast:
+                    for name in ("features", "cls_prob"):
+                        if name in arrays and arrays[name].dtype == np.float16:
+                            arrays[name] = arrays[name].astype(np.float32)
+                yield RegionRecord(image_id=self._ids[k], image_w=int(self._w[k]), image_h=int(self._h[k]), **arrays)
+            i = j
+
+    def info(self) -> dict[str, Any]:
+        """A JSON-ready summary: counts, boxes per image, width, dtype, fields, extractor metadata.
+
+        Vocabularies are summarised as their sizes (the full lists are in `.metadata`).
+        """
+        counts = np.asarray(self._count, dtype=np.int64)
+        meta = self.metadata.to_dict()
+        classes, attributes = meta.pop("classes"), meta.pop("attributes")
+        return {
+            "path": str(self.path),
+            "format": f"{STORE_FORMAT} v{self.format_version}",
+            "num_images": len(self),
+            "num_boxes": int(counts.sum()),
+            "boxes_per_image": {
+                "min": int(counts.min()) if counts.size else 0,
+                "mean": round(float(counts.mean()), 3) if counts.size else 0.0,
+                "max": int(counts.max()) if counts.size else 0,
+            },
+            "feature_dim": self.feature_dim,
+            "dtype": self.dtype,
+            "fields": self.fields,
+            "num_classes_cls_prob": int(self._dataset("cls_prob").shape[1]) if "cls_prob" in self.fields else None,
+            "classes_vocab_size": None if classes is None else len(classes),
+            "attributes_vocab_size": None if attributes is None else len(attributes),
+            "metadata": meta,
+            "created": self.created,
+        }
+
+
+def write_store_records(
+    path: str | Path,
+    records: Iterable[RegionRecord],
+    dtype: str = "float32",
+    metadata: StoreMetadata | dict[str, Any] | None = None,
+) -> Path:
+    """Write records into a new store, taking feature width and fields from the first record.
+
+    Convenient for in-memory producers (the world detector, tests); an empty iterable is an error
+    because the feature width would be unknown.
+    """
+    it = iter(records)
+    first = next(it, None)
+    if first is None:
+        raise VlbertsError("no records to write", path=path)
+    if first.num_boxes == 0 and first.feature_dim == 0:
+        raise VlbertsError("the first record has no boxes, so the feature width is unknown", path=path, record=first.image_id)
+    with RegionStoreWriter(
+        path,
+        feature_dim=first.feature_dim,
+        dtype=dtype,
+        metadata=metadata,
+        with_cls_prob=None if first.cls_prob is None else first.cls_prob.shape[1],
+        with_objects=first.has_objects,
+        with_attrs=first.has_attrs,
+    ) as w:
+        w.add(first)
+        for rec in it:
+            w.add(rec)
+    return Path(path)

@@ -1,0 +1,131 @@
+"""Atomic writes and careful reads.
+
+Every file vlberts writes goes through a temp file in the same directory and an `os.replace`, so an
+interrupted run never leaves a half-written file under the final name. Directories that are built in
+one go (a world, a report) are built under a temporary name and swapped in at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+
+
+def _umask() -> int:
+    """The process umask (read by setting and restoring it; there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        if tmp_path.exists():  # mkstemp makes files 0600; give them the usual umask-based mode
+            os.chmod(tmp_path, 0o666 & ~_umask())
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[Any]:
+    """Open a temp file for writing; it becomes `path` only if the block finishes."""
+    if "b" in mode:
+        encoding = None
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Build a directory under a temporary name; swap it in as `path` when the block succeeds.
+
+    An existing non-empty `path` is an error unless `overwrite` is set, in which case it is replaced
+    only after the new directory is complete.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
+        raise VlbertsError("already exists and is not empty (pass --overwrite to replace it)", path=path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
+    """Write JSON atomically."""
+    with atomic_open(path) as f:
+        json.dump(obj, f, indent=indent)
+        f.write("\n")
+
+
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file; a missing or malformed file is a one-line `VlbertsError` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
+    except UnicodeDecodeError as e:
+        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """Read a JSON-lines file; the error for a bad line names the line number as the record."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}") from None
+    return rows
+
+
+def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: object) -> None:
+    """Fail with a one-line error when a JSON record is not a dict holding `keys`."""
+    if not isinstance(obj, dict):
+        raise VlbertsError(f"expected an object, got {type(obj).__name__}", path=path, record=record)
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)

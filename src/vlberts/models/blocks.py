@@ -1,0 +1,235 @@
+"""Exact-BERT building blocks shared by every architecture (SPEC §1).
+
+Parameter names follow BERT's (`attention.self.query`, `attention.output.LayerNorm`, `intermediate`,
+`output`), so BERT checkpoints map onto any architecture with a declarative key map.
+
+Attention has two paths that compute the same function:
+- the fast path, `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels);
+- the explicit path, softmax(QK^T / sqrt(d) + mask) V, which also returns the probabilities.
+The explicit path runs only when attention maps are asked for (analysis, tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),  # BERT's exact erf GELU
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; valid: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """The width/depth-free part of a Transformer layer, shared by every architecture's config."""
+
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+
+
+def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, S) bool key mask -> (B, 1, 1, S) additive bias: 0 where attended, dtype-min where masked."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    bias = bias.masked_fill(~mask.bool(), torch.finfo(dtype).min)
+    return bias[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """BERT self-attention, also usable as cross-attention (queries from `x`, keys/values from `ctx`).
+
+    `ctx_dim` lets the keys/values come from a stream of another width (ViLBERT co-attention).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dropout: float, ctx_dim: int | None = None):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden size {hidden_size} is not a multiple of {num_heads} heads")
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        ctx_dim = ctx_dim or hidden_size
+        self.query = nn.Linear(hidden_size, hidden_size)
+        self.key = nn.Linear(ctx_dim, hidden_size)
+        self.value = nn.Linear(ctx_dim, hidden_size)
+        self.dropout_p = dropout
+
+    def _heads(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        return x.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+
+    def forward(
+        self, x: Tensor, bias: Tensor | None, ctx: Tensor | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, Sq, D), ctx (B, Sk, Dc) or None for self-attention, bias (B, 1, 1|Sq, Sk) additive.
+
+        Returns the context (B, Sq, D) and, if asked, the probabilities (B, H, Sq, Sk).
+        """
+        ctx = x if ctx is None else ctx
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(ctx)), self._heads(self.value(ctx))
+        p_drop = self.dropout_p if self.training else 0.0
+        if need_weights:
+            scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, Sq, Sk)
+            if bias is not None:
+                scores = scores + bias
+            probs = scores.softmax(dim=-1)
+            out = F.dropout(probs, p_drop, self.training) @ v  # (B, H, Sq, d)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
+            probs = None
+        B, H, S, d = out.shape
+        return out.transpose(1, 2).reshape(B, S, H * d), probs
+
+
+class AddNorm(nn.Module):
+    """BERT's post-LN residual: LayerNorm(dropout(dense(h)) + residual)."""
+
+    def __init__(self, in_size: int, hidden_size: int, dropout: float, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(in_size, hidden_size)
+        self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(h)) + residual)
+
+
+class AttentionBlock(nn.Module):
+    """Attention + output projection with residual (BERT's `attention.{self,output}`)."""
+
+    def __init__(self, cfg: BlockConfig, ctx_dim: int | None = None):
+        super().__init__()
+        self.self = MultiHeadAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout, ctx_dim)
+        self.output = AddNorm(cfg.hidden_size, cfg.hidden_size, cfg.hidden_dropout, cfg.layer_norm_eps)
+
+    def forward(
+        self, x: Tensor, bias: Tensor | None, ctx: Tensor | None = None, need_weights: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        h, probs = self.self(x, bias, ctx, need_weights)
+        return self.output(h, x), probs
+
+
+class Intermediate(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.dense(x))
+
+
+class FeedForward(nn.Module):
+    """BERT's `intermediate` + `output` (dense-act-dense, residual, LayerNorm)."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.intermediate = Intermediate(cfg)
+        self.output = AddNorm(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_dropout, cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.output(self.intermediate(x), x)
+
+
+class TransformerLayer(nn.Module):
+    """One BERT layer: self-attention block then feed-forward block.
+
+    The feed-forward sub-modules sit directly on the layer (`layer.intermediate`, `layer.output`) as in
+    BERT, so checkpoints map by name.
+    """
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.attention = AttentionBlock(cfg)
+        ff = FeedForward(cfg)
+        self.intermediate, self.output = ff.intermediate, ff.output
+
+    def forward(self, x: Tensor, bias: Tensor | None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        h, probs = self.attention(x, bias, need_weights=need_weights)
+        return self.output(self.intermediate(h), h), probs
+
+
+class Encoder(nn.Module):
+    """A stack of BERT layers (`encoder.layer.N`)."""
+
+    def __init__(self, cfg: BlockConfig, num_layers: int):
+        super().__init__()
+        self.layer = nn.ModuleList([TransformerLayer(cfg) for _ in range(num_layers)])
+
+    def forward(self, x: Tensor, bias: Tensor | None, need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """Returns the last hidden state and, if asked, one (B, H, S, S) probability map per layer."""
+        maps = []
+        for layer in self.layer:
+            x, probs = layer(x, bias, need_weights)
+            if need_weights:
+                maps.append(probs)
+        return x, maps
+
+
+class Pooler(nn.Module):
+    """BERT pooler: tanh(W h_[CLS] + b)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, first: Tensor) -> Tensor:
+        return torch.tanh(self.dense(first))
+
+
+class PredictionHeadTransform(nn.Module):
+    """BERT's `cls.predictions.transform`: dense, activation, LayerNorm."""
+
+    def __init__(self, hidden_size: int, act: str, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.act = activation(act)
+        self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class MLMHead(nn.Module):
+    """BERT's masked-LM head; the decoder weight is tied to the word embeddings by the owner."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, act: str, eps: float):
+        super().__init__()
+        self.transform = PredictionHeadTransform(hidden_size, act, eps)
+        self.decoder = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.transform(x)) + self.bias
+
+
+def init_bert_weights(module: nn.Module, std: float = 0.02) -> None:
+    """BERT initialisation: N(0, std) for linear/embedding weights, zero biases, unit LayerNorm."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)

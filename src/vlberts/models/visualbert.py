@@ -1,0 +1,193 @@
+"""VisualBERT (Li et al. 2019; "What Does BERT with Vision Look At?", §2 and App. A.2).
+
+One Transformer over the concatenation [text ; regions]. Text embeddings are BERT's. Each region's
+embedding is the sum of (App. A.2)
+  f_o  a projection of the detector's region feature,
+  f_s  a visual segment embedding,
+  f_p  a visual position embedding; when word-region alignments are given (VCR) it is the average of the
+       aligned words' position embeddings plus the visual position embedding of index 0,
+and one LayerNorm covers the whole concatenated sequence. Regions are never masked in pre-training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from vlberts.data.batch import VLInputs
+from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, init_bert_weights, mask_bias
+from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
+from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
+
+
+@dataclass(frozen=True)
+class VisualBertConfig:
+    """Architecture only; training switches live in the run config."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    visual_dim: int = 2048  # width of the detector's region features
+    # VisualBERT's only use of box geometry: the Flickr30K setting concatenates 6-d
+    # (x1/W, y1/H, x2/W, y2/H, w/W, h/H) to the feature, so the projection reads visual_dim + 6.
+    visual_spatial: Literal["none", "6d"] = "none"
+    # Copy the text segment/position tables into the visual ones at initialisation (original code).
+    special_visual_initialize: bool = True
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.visual_spatial not in ("none", "6d"):
+            raise ValueError(f"visual_spatial must be 'none' or '6d', got {self.visual_spatial!r}")
+
+    @property
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            self.hidden_size,
+            self.num_heads,
+            self.intermediate_size,
+            self.hidden_act,
+            self.hidden_dropout,
+            self.attention_dropout,
+            self.layer_norm_eps,
+        )
+
+    @property
+    def projection_in(self) -> int:
+        return self.visual_dim + SPATIAL_DIMS[self.visual_spatial]
+
+
+class VisualBertEmbeddings(nn.Module):
+    def __init__(self, cfg: VisualBertConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, D, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, D)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, D)
+        self.visual_token_type_embeddings = nn.Embedding(cfg.type_vocab_size, D)
+        self.visual_position_embeddings = nn.Embedding(cfg.max_position_embeddings, D)
+        self.visual_projection = nn.Linear(cfg.projection_in, D)
+        self.LayerNorm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.spatial = cfg.visual_spatial
+
+    def forward(self, x: VLInputs) -> Tensor:
+        B, T = x.input_ids.shape
+        pos = torch.arange(T, device=x.input_ids.device)
+        text = (
+            self.word_embeddings(x.input_ids)
+            + self.token_type_embeddings(x.token_type_ids)
+            + self.position_embeddings(pos)[None]
+        )  # (B, T, D)
+
+        feats = x.region_feats
+        if self.spatial != "none":
+            feats = torch.cat([feats, spatial_encoding(x.region_boxes, self.spatial).to(feats.dtype)], dim=-1)
+        R = feats.shape[1]
+        vtype = x.region_type_ids
+        if vtype is None:
+            vtype = torch.ones(B, R, dtype=torch.long, device=feats.device)
+        zero_pos = self.visual_position_embeddings.weight[0]  # (D,)
+        if x.image_text_alignment is not None:
+            # App. A.2 / B.2: position = average of the aligned words' position embeddings.
+            align = x.image_text_alignment  # (B, R, K)
+            valid = (align >= 0).to(text.dtype)  # (B, R, K)
+            word_pos = self.position_embeddings(align.clamp(min=0)) * valid[..., None]  # (B, R, K, D)
+            vpos = word_pos.sum(2) / valid.sum(2).clamp(min=1)[..., None] + zero_pos
+        else:
+            vpos = zero_pos.expand(B, R, -1)
+        vis = self.visual_projection(feats) + self.visual_token_type_embeddings(vtype) + vpos  # (B, R, D)
+        return self.dropout(self.LayerNorm(torch.cat([text, vis], dim=1)))  # (B, T + R, D)
+
+
+class VisualBertModel(nn.Module):
+    """The VisualBERT encoder: embeddings, BERT layers, pooler."""
+
+    def __init__(self, cfg: VisualBertConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = VisualBertEmbeddings(cfg)
+        self.encoder = Encoder(cfg.block, cfg.num_layers)
+        self.pooler = Pooler(cfg.hidden_size)
+
+    def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+        T = x.input_ids.shape[1]
+        h = self.embeddings(x)  # (B, S, D), S = T + R
+        mask = torch.cat([x.attention_mask.bool(), x.region_mask.bool()], dim=1)  # (B, S)
+        h, maps = self.encoder(h, mask_bias(mask, h.dtype), need_weights=need_attn)
+        attn = None
+        if need_attn:
+            S = h.shape[1]
+            attn = AttentionMaps(
+                joint=maps,
+                text_index=torch.arange(T, device=h.device),
+                region_index=torch.arange(T, S, device=h.device),
+                source="joint",
+            )
+        return VLOutput(text=h[:, :T], vision=h[:, T:], pooled=self.pooler(h[:, 0]), attentions=attn)
+
+
+class VisualBertForPreTraining(nn.Module):
+    """VisualBERT with its two pre-training heads (App. A.3): MLM with the image, sentence-image match."""
+
+    def __init__(self, cfg: VisualBertConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = VisualBertModel(cfg)
+        self.cls = nn.Module()
+        self.cls.predictions = MLMHead(cfg.hidden_size, cfg.vocab_size, cfg.hidden_act, cfg.layer_norm_eps)
+        self.cls.seq_relationship = nn.Linear(cfg.hidden_size, 2)
+        init_bert_weights(self, cfg.initializer_range)
+        if cfg.special_visual_initialize:
+            emb = self.bert.embeddings
+            with torch.no_grad():
+                emb.visual_token_type_embeddings.weight.copy_(emb.token_type_embeddings.weight)
+                emb.visual_position_embeddings.weight.copy_(emb.position_embeddings.weight)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def forward(self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None) -> PretrainOutput:
+        """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) for the N
+        selected tokens in row-major order. Otherwise logits are (B, T, V)."""
+        out = self.bert(x, need_attn)
+        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        return PretrainOutput(
+            mlm_logits=self.cls.predictions(text),
+            match_logits=self.cls.seq_relationship(out.pooled),  # (B, 2)
+            encoded=out,
+        )
+
+
+class VisualBertForVQA(nn.Module):
+    """VisualBERT's VQA model (App. B.1): the question is followed by a [MASK] token, and an answer
+    classifier (dropout + linear, as in the original `training_head_type == "vqa"`) reads the [MASK]
+    token's final hidden state."""
+
+    def __init__(self, cfg: VisualBertConfig, num_answers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = VisualBertModel(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.classifier = nn.Linear(cfg.hidden_size, num_answers)
+        init_bert_weights(self, cfg.initializer_range)
+
+    def forward(self, x: VLInputs, answer_pos: Tensor) -> Tensor:
+        """answer_pos (B,) index of the [MASK] slot in the text; returns answer logits (B, A)."""
+        out = self.bert(x)
+        slot = out.text[torch.arange(out.text.shape[0], device=out.text.device), answer_pos]  # (B, D)
+        return self.classifier(self.dropout(slot))

@@ -1,0 +1,104 @@
+"""Loading weight files safely and mapping foreign key layouts onto ours.
+
+Our own checkpoints are safetensors + JSON. Foreign `.bin`/`.pth` files are read with
+`torch.load(weights_only=True)`, which refuses arbitrary pickled objects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from vlberts.errors import VlbertsError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def find_weights(path: str | Path) -> Path:
+    """A weights file, or the standard weights file inside a checkpoint directory."""
+    path = Path(path)
+    if path.is_dir():
+        for name in WEIGHT_FILES:
+            if (path / name).is_file():
+                return path / name
+        raise VlbertsError(f"no weights file ({' or '.join(WEIGHT_FILES)}) in directory", path=path)
+    if not path.is_file():
+        raise VlbertsError("weights file not found", path=path)
+    return path
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Read a safetensors or PyTorch weights file into a flat name -> tensor dict (on CPU)."""
+    path = find_weights(path)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt file, pickle with arbitrary objects, ...
+        raise VlbertsError(f"cannot read weights: {str(e).splitlines()[0]}", path=path) from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]  # common training-checkpoint wrapper
+    if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
+        raise VlbertsError("weights file does not hold a flat name -> tensor state dict", path=path)
+    return sd
+
+
+def rename_keys(sd: dict[str, Tensor], rules: list[tuple[str, str]]) -> dict[str, Tensor]:
+    """Apply regex substitutions in order to every key; a rule mapping to "" drops the key."""
+    out = {}
+    for k, v in sd.items():
+        for pat, rep in rules:
+            k = re.sub(pat, rep, k)
+        if k:
+            out[k] = v
+    return out
+
+
+def load_into(
+    model: nn.Module,
+    sd: dict[str, Tensor],
+    *,
+    source: str | Path,
+    allow_missing: Callable[[str], bool] = lambda k: False,
+    allow_unexpected: Callable[[str], bool] = lambda k: False,
+) -> list[str]:
+    """Copy `sd` into `model`, checking names and shapes.
+
+    Any key the model lacks, any model key the file lacks, or any shape disagreement is a one-line
+    `VlbertsError` naming the first few offending keys, unless the predicates allow it. Returns the
+    model keys left at their initial values.
+    """
+    own = model.state_dict()
+    # Tied parameters appear under several names; they need to be present only once.
+    tied = tied_aliases(model)
+    missing = [k for k in own if k not in sd and k not in tied and not allow_missing(k)]
+    unexpected = [k for k in sd if k not in own and not allow_unexpected(k)]
+    bad_shape = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in sd if k in own and sd[k].shape != own[k].shape]
+    problems = []
+    if bad_shape:
+        problems.append("shape mismatch: " + ", ".join(bad_shape[:3]))
+    if missing:
+        problems.append("missing keys: " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+    if unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
+    if problems:
+        raise VlbertsError("weights do not fit the model; " + "; ".join(problems), path=source)
+    model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
+    return [k for k in own if k not in sd and k not in tied]
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier-named parameter."""
+    seen: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        else:
+            seen[id(p)] = name
+    return aliases

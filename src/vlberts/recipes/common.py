@@ -1,0 +1,85 @@
+"""Pieces every recipe uses: devices and precision, seeding, run directories, progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from vlberts.config import to_dict
+from vlberts.errors import VlbertsError
+from vlberts.io import atomic_open
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise VlbertsError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on CUDA when asked (or 'auto'); full fp32 on CPU unless bf16 is forced."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise VlbertsError(f"precision must be auto, fp32 or bf16, got {precision!r}")
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_threads() -> None:
+    """Use every core we were given (CI: 2) unless the user pinned a number."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def save_run_config(out: Path, cfg: Any, name: str = "run_config.yaml") -> None:
+    with atomic_open(out / name) as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def progress(disable: bool | None = None) -> Progress:
+    """A rich progress bar for long steps (quiet when stderr is not a terminal, unless forced)."""
+    if disable is None:
+        disable = not sys.stderr.isatty() and not os.environ.get("VLBERTS_PROGRESS")
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=disable,
+        transient=False,
+    )
+
+
+def field_help(cls: type) -> str:
+    """`--key=value` documentation of a run-config dataclass, from each field's `help` metadata."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        lines.append(f"--{f.name}={default}: {f.metadata.get('help', '')}")
+    return "\n\n".join(lines)
+
+
+def opt(default: Any, help: str) -> Any:
+    """A run-config field with its help text."""
+    return dataclasses.field(default=default, metadata={"help": help})

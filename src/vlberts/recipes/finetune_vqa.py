@@ -1,0 +1,217 @@
+"""Recipe: fine-tune VisualBERT on VQA (VisualBERT App. B.1; SPEC §4) and predict.
+
+Training reads VQA v2 questions + annotations and a region store; the answer vocabulary is built from
+the training answers (answers given by at least `min_answer_count` questions); targets are the VQA soft
+scores; the loss is BCE x number of answers (or VisualBERT's KL). After training, the model predicts
+the evaluation questions, writes them in the official results format, and scores them with the
+official VQA accuracy next to the majority-answer baseline.
+
+    RUN/model/             the fine-tuned model (weights, config with the answer list, vocabulary)
+    RUN/predictions.json   official-format predictions on the evaluation questions
+    RUN/metrics.json       accuracy (percent), per answer type, majority baseline
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vlberts.config import apply_overrides, from_dict
+from vlberts.data.regions import RegionSource
+from vlberts.data.sampling import Position
+from vlberts.data.vqa import VQAExample, read_vqa
+from vlberts.data.vqa_dataset import VQAData, collate_vqa
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import write_json
+from vlberts.models.visualbert import VisualBertForVQA
+from vlberts.models.weights import load_into
+from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.tasks.vqa import (
+    AnswerVocab,
+    build_answer_vocab,
+    majority_baseline,
+    score_predictions,
+    soft_targets,
+    vqa_bce_loss,
+    vqa_kl_loss,
+    write_predictions,
+)
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
+from vlberts.training.loop import batches, start_or_resume, update
+from vlberts.training.metrics import MetricsLog
+from vlberts.training.optim import build_optimizer, linear_warmup_decay
+
+LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
+
+
+@dataclass(frozen=True)
+class FinetuneVQAConfig:
+    init: str = opt("", "pre-trained vlberts model directory (e.g. a pretrain run's RUN/model)")
+    train_questions: str = opt("", "VQA v2 questions json of the training split")
+    train_annotations: str = opt("", "VQA v2 annotations json of the training split")
+    eval_questions: str = opt("", "questions json to predict and score after training (optional)")
+    eval_annotations: str = opt("", "annotations json of the evaluation questions (optional)")
+    features: str = opt("", "region-feature store holding every image")
+    out: str = opt("runs/vqa", "run directory")
+    min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 gives VQA v2's 3129)")
+    loss: str = opt("bce", "bce (BCE x answers, LXMERT/ViLBERT/VL-BERT) or kl (VisualBERT)")
+    epochs: float = opt(10.0, "passes over the training questions")
+    batch_size: int = opt(64, "examples per micro-batch")
+    grad_accum: int = opt(1, "micro-batches per update")
+    lr: float = opt(5e-5, "peak learning rate")
+    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised answer classifier")
+    warmup: float = opt(0.1, "fraction of updates spent warming up")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
+    max_text_len: int = opt(32, "question tokens incl. [CLS] [MASK] [SEP]")
+    max_regions: int = opt(36, "regions per image")
+    seed: int = opt(0, "seed of head initialisation and data order")
+    log_every: int = opt(10, "updates between metrics records")
+    ckpt_every: int = opt(500, "updates between checkpoints")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    num_workers: int = opt(0, "DataLoader worker processes")
+    eval_batch_size: int = opt(256, "examples per prediction batch")
+    stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+
+
+def build_vqa_model(init: str | Path, num_answers: int) -> tuple[VisualBertForVQA, object]:
+    """A VQA model whose encoder comes from a pre-trained model directory; the classifier is new."""
+    model_cfg, _ = read_model_config(init)
+    model = VisualBertForVQA(model_cfg, num_answers)
+    sd = load_file(str(Path(init) / "model.safetensors"))
+    load_into(
+        model, {k: v for k, v in sd.items() if k.startswith("bert.")}, source=init,
+        allow_missing=lambda k: k.startswith("classifier."),
+    )
+    return model, model_cfg
+
+
+def load_vqa_model(directory: str | Path) -> tuple[VisualBertForVQA, AnswerVocab, TextTokenizer]:
+    """Load a fine-tuned VQA model directory written by this recipe."""
+    model_cfg, meta = read_model_config(directory)
+    if meta.get("task") != "vqa":
+        raise VlbertsError("not a fine-tuned VQA model (config.json has no task 'vqa')", path=Path(directory) / "config.json")
+    vocab = AnswerVocab(tuple(meta["answers"]))
+    model = VisualBertForVQA(model_cfg, len(vocab))
+    load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
+    return model, vocab, TextTokenizer.load(directory)
+
+
+@torch.no_grad()
+def predict_vqa(
+    model: VisualBertForVQA, vocab: AnswerVocab, tok: TextTokenizer, examples: list[VQAExample], regions: RegionSource,
+    *, max_regions: int = 36, max_text_len: int = 32, batch_size: int = 256, device: str = "auto", precision: str = "auto",
+) -> dict[int, str]:
+    """question_id -> predicted answer (argmax over the answer classes)."""
+    dev = resolve_device(device)
+    model.to(dev).eval()
+    data = VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions, feature_dim=model.cfg.visual_dim)
+    preds: dict[int, str] = {}
+    for start in range(0, len(data), batch_size):
+        batch = collate_vqa([data[i] for i in range(start, min(start + batch_size, len(data)))], len(vocab), tok.pad_id).to(dev)
+        with autocast(dev, precision):
+            logits = model(batch.inputs, batch.answer_pos)
+        for qid, a in zip(batch.question_ids.tolist(), logits.argmax(-1).tolist()):
+            preds[qid] = vocab.answers[a]
+    return preds
+
+
+def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
+    """Fine-tune, then predict and score the evaluation questions; returns the model directory."""
+    set_threads()
+    out = Path(cfg.out)
+    device = resolve_device(cfg.device)
+    for key in ("init", "train_questions", "train_annotations", "features"):
+        if not getattr(cfg, key):
+            raise VlbertsError(f"finetune vqa needs --{key}")
+    if cfg.loss not in LOSSES:
+        raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
+
+    train = read_vqa(cfg.train_questions, cfg.train_annotations)
+    vocab = build_answer_vocab(train, cfg.min_answer_count)
+    if not len(vocab):
+        raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions", path=cfg.train_annotations)
+    _, stats = soft_targets(train, vocab)
+    store = RegionStore(cfg.features)
+    tok = TextTokenizer.load(cfg.init)
+    seed_everything(cfg.seed)
+    model, model_cfg = build_vqa_model(cfg.init, len(vocab))
+    model.to(device)
+    data = VQAData(train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions, feature_dim=model_cfg.visual_dim)
+
+    steps = max(1, round(cfg.epochs * len(data) / (cfg.batch_size * cfg.grad_accum)))
+    head = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    if cfg.head_lr_mult != 1.0:  # a separate group for the new classifier
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
+        optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
+    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
+    loss_fn = LOSSES[cfg.loss]
+
+    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None)
+    stream = batches(
+        data, lambda ex: collate_vqa(ex, len(vocab), tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
+        start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+    )
+    extra = {"task": "vqa", "answers": list(vocab.answers), "head": "mask"}
+
+    model.train()
+    step, done_here = state.step, 0
+    t0 = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task("fine-tune VQA", total=steps, completed=step, info="")
+        while step < steps:
+            total = 0.0
+            for _ in range(cfg.grad_accum):
+                batch, pos = next(stream)
+                batch = batch.to(device, non_blocking=True)
+                with autocast(device, cfg.precision):
+                    logits = model(batch.inputs, batch.answer_pos)
+                loss = loss_fn(logits.float(), batch.targets) / cfg.grad_accum
+                loss.backward()
+                total += loss.item()
+            grad_norm = update(model, optimizer, scheduler, cfg.clip)
+            step += 1
+            done_here += 1
+            bar.update(task, completed=step, info=f"loss {total:.3f}")
+            if step % cfg.log_every == 0 or step == steps:
+                log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                           "seconds": round(time.perf_counter() - t0, 3)})
+            if step % cfg.ckpt_every == 0 or step == steps:
+                save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra)
+            if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
+                return None
+
+    final = out / "model"
+    save_model_dir(final, model, model_cfg, extra=extra)
+    tok.save(final)
+
+    metrics = {"train_questions": len(train), "num_answers": len(vocab),
+               "train_questions_without_target": stats.num_without_target, "steps": steps}
+    if cfg.eval_questions:
+        examples = read_vqa(cfg.eval_questions, cfg.eval_annotations or None)
+        preds = predict_vqa(model, vocab, tok, examples, store, max_regions=cfg.max_regions, max_text_len=cfg.max_text_len,
+                            batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
+        write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in examples))
+        if cfg.eval_annotations:
+            scores = score_predictions(preds, examples)
+            baseline = majority_baseline(train, examples)
+            metrics.update(scores.to_dict())
+            metrics["majority_baseline"] = baseline.accuracy
+            metrics["majority_baseline_per_answer_type"] = baseline.per_answer_type
+    write_json(out / "metrics.json", metrics)
+    return final
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> FinetuneVQAConfig:
+    return apply_overrides(from_dict(FinetuneVQAConfig, base or {}), args)

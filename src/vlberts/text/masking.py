@@ -1,0 +1,54 @@
+"""Masked language modelling input corruption (BERT; VisualBERT App. A.3; reference §3.1).
+
+Each subword is selected independently with probability 0.15 (VisualBERT's `random_word`); a selected
+subword becomes [MASK] 80% of the time, a random vocabulary token 10% and stays unchanged 10%. With
+`word_ids`, whole words are selected and every subword of a word shares the decision (VL-BERT).
+Special tokens are never selected. Randomness comes from an explicit numpy Generator, so a data
+pipeline can derive it from (seed, epoch, index) and resume exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def mask_tokens(
+    ids: list[int] | np.ndarray,
+    rng: np.random.Generator,
+    *,
+    mask_id: int,
+    vocab_size: int,
+    special_ids: frozenset[int] | set[int] = frozenset(),
+    prob: float = 0.15,
+    word_ids: list[int | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Corrupt `ids` for MLM.
+
+    Returns (input ids, labels) as int64 arrays; labels hold the original id where a token was selected
+    and IGNORE_INDEX elsewhere.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    eligible = np.array([i not in special_ids for i in ids.tolist()], dtype=bool)
+    if word_ids is None:
+        selected = (rng.random(n) < prob) & eligible
+        # One draw per token decides between [MASK] (< 0.8), random (< 0.9) and keep.
+        action = rng.random(n)
+        random_tok = rng.integers(0, vocab_size, size=n)
+    else:
+        # Whole-word masking: decide per word, apply the same action to all its subwords.
+        words = [w for w in word_ids]
+        uniq = sorted({w for w in words if w is not None})
+        w_sel = dict(zip(uniq, rng.random(len(uniq)) < prob))
+        w_act = dict(zip(uniq, rng.random(len(uniq))))
+        selected = np.array([w is not None and w_sel[w] for w in words], dtype=bool) & eligible
+        action = np.array([w_act[w] if w is not None else 1.0 for w in words])
+        random_tok = rng.integers(0, vocab_size, size=n)
+    labels = np.where(selected, ids, IGNORE_INDEX)
+    out = ids.copy()
+    out[selected & (action < 0.8)] = mask_id
+    swap = selected & (action >= 0.8) & (action < 0.9)
+    out[swap] = random_tok[swap]
+    return out, labels

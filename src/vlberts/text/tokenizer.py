@@ -1,0 +1,129 @@
+"""WordPiece tokenisation through Hugging Face `tokenizers`.
+
+Two ways in: train a WordPiece vocabulary on a corpus (the embedded world, or your captions), or load a
+BERT `vocab.txt`. Either way the tokenizer is saved as a BERT-format `vocab.txt` plus a small JSON of its
+settings, so a checkpoint directory is self-contained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from vlberts.errors import VlbertsError
+from vlberts.io import atomic_open, read_json, write_json
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Subword ids of a pre-split sentence and, for each word, the positions of its subwords."""
+
+    ids: list[int]
+    word_tokens: list[list[int]]  # word index -> positions in `ids` (0-based, before [CLS] is added)
+
+
+class TextTokenizer:
+    """A BERT WordPiece tokenizer (lower-casing, BERT pre-tokenisation, `##` continuation prefix)."""
+
+    def __init__(self, tok: Tokenizer, lowercase: bool = True):
+        self.tok = tok
+        self.lowercase = lowercase
+        vocab = tok.get_vocab()
+        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise VlbertsError(f"vocabulary lacks special token(s) {', '.join(missing)}")
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self.special_ids = frozenset((self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id))
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _pipeline(model: models.Model, lowercase: bool) -> Tokenizer:
+        tok = Tokenizer(model)
+        tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+        return tok
+
+    @classmethod
+    def train(cls, corpus: Iterable[str], vocab_size: int = 1000, min_frequency: int = 1, lowercase: bool = True) -> TextTokenizer:
+        """Learn a WordPiece vocabulary; the five BERT special tokens take ids 0..4."""
+        tok = cls._pipeline(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100), lowercase)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            continuing_subword_prefix="##",
+            show_progress=False,
+        )
+        tok.train_from_iterator(corpus, trainer=trainer)
+        return cls(tok, lowercase)
+
+    @classmethod
+    def from_vocab(cls, vocab_file: str | Path, lowercase: bool = True) -> TextTokenizer:
+        """Load a BERT `vocab.txt` (one token per line; line number = id)."""
+        vocab_file = Path(vocab_file)
+        if not vocab_file.is_file():
+            raise VlbertsError("vocabulary file not found", path=vocab_file)
+        vocab: dict[str, int] = {}
+        with open(vocab_file, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                token = line.rstrip("\n")
+                if token in vocab:
+                    raise VlbertsError(f"duplicate token {token!r}", path=vocab_file, record=f"line {i + 1}")
+                vocab[token] = i
+        if "[UNK]" not in vocab:
+            raise VlbertsError("vocabulary has no [UNK] token", path=vocab_file)
+        model = models.WordPiece(vocab=vocab, unk_token="[UNK]", max_input_chars_per_word=100)
+        return cls(cls._pipeline(model, lowercase), lowercase)
+
+    def save(self, directory: str | Path) -> None:
+        """Write `vocab.txt` (BERT format) and `tokenizer_config.json` into `directory`."""
+        directory = Path(directory)
+        vocab = sorted(self.tok.get_vocab().items(), key=lambda kv: kv[1])
+        if [i for _, i in vocab] != list(range(len(vocab))):
+            raise VlbertsError("vocabulary ids are not contiguous")
+        with atomic_open(directory / "vocab.txt") as f:
+            f.writelines(t + "\n" for t, _ in vocab)
+        write_json(directory / "tokenizer_config.json", {"do_lower_case": self.lowercase, "tokenizer_class": "BertTokenizer"})
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TextTokenizer:
+        """Load what `save` wrote (or any BERT checkpoint directory holding `vocab.txt`)."""
+        directory = Path(directory)
+        cfg_path = directory / "tokenizer_config.json"
+        lowercase = read_json(cfg_path).get("do_lower_case", True) if cfg_path.is_file() else True
+        return cls.from_vocab(directory / "vocab.txt", lowercase=lowercase)
+
+    # ------------------------------------------------------------------ use
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str:
+        return self.tok.id_to_token(i)
+
+    def encode(self, text: str) -> list[int]:
+        """Subword ids of `text`, without special tokens."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_words(self, words: list[str]) -> Encoded:
+        """Subword ids of an already split sentence, keeping which subwords belong to which word."""
+        enc = self.tok.encode(words, is_pretokenized=True, add_special_tokens=False)
+        word_tokens: list[list[int]] = [[] for _ in words]
+        for pos, w in enumerate(enc.word_ids):
+            if w is not None:
+                word_tokens[w].append(pos)
+        return Encoded(ids=list(enc.ids), word_tokens=word_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,194 @@
+"""Checkpoints: safetensors + JSON, written atomically, resumed exactly (SPEC §6).
+
+A model directory holds `model.safetensors` and `config.json` ({"format", "arch", "config", ...}).
+A training checkpoint is a model directory plus `optimizer.safetensors` and `state.json` (step,
+scheduler, data position, RNG states), under `RUN/checkpoints/step_NNNNNNNN/`. The directory is built
+under a temporary name and renamed; `RUN/checkpoints/latest` (written atomically last) names the
+newest complete one, so an interrupted run resumes from it and loses only the steps since.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from vlberts.config import to_dict
+from vlberts.errors import VlbertsError
+from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, write_json
+from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
+from vlberts.models.weights import load_into, tied_aliases
+
+FORMAT = "vlberts/1"
+
+
+# --------------------------------------------------------------------------- model directories
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict without tied aliases (safetensors refuses shared storage), contiguous, on CPU."""
+    aliases = tied_aliases(model)
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}
+
+
+def save_model_dir(directory: str | Path, model: nn.Module, cfg: Any, extra: dict[str, Any] | None = None) -> None:
+    """Write `model.safetensors` + `config.json` into `directory` (each file atomically)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with atomic_path(directory / "model.safetensors") as tmp:
+        save_file(_unique_state(model), str(tmp), metadata={"format": FORMAT})
+    write_json(directory / "config.json", {"format": FORMAT, "arch": arch_of(cfg), "config": to_dict(cfg), **(extra or {})})
+
+
+def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
+    """The architecture config and the whole `config.json` of a vlberts model directory."""
+    directory = Path(directory)
+    meta = read_json(directory / "config.json")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise VlbertsError(f"not a vlberts model directory (config.json format is not {FORMAT!r})", path=directory / "config.json")
+    return config_from_dict(meta["arch"], meta["config"]), meta
+
+
+def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Build the pre-training model a directory describes and load its weights (strictly)."""
+    directory = Path(directory)
+    cfg, meta = read_model_config(directory)
+    model = build_pretraining_model(cfg)
+    load_into(model, load_file(str(directory / "model.safetensors")), source=directory / "model.safetensors")
+    return model, cfg, meta
+
+
+# --------------------------------------------------------------------------- RNG
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    meta = {
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = meta["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+# --------------------------------------------------------------------------- training checkpoints
+
+def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"state.{idx}.{name}"] = v.detach().to("cpu").contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = v
+    for key, v in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+@dataclass
+class TrainState:
+    """What a resumed run needs besides the weights."""
+
+    step: int  # optimizer updates done
+    data: dict[str, Any]  # the data position, e.g. {"epoch": 1, "index": 4096}
+    extra: dict[str, Any]
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    *,
+    model: nn.Module,
+    cfg: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainState,
+    model_extra: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Atomically write a full training checkpoint and point `latest` at it; keep the newest `keep`."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    name = f"step_{state.step:08d}"
+    with atomic_dir(ckpt_root / name, overwrite=True) as tmp:
+        save_model_dir(tmp, model, cfg, model_extra)
+        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        rng_tensors, rng_meta = rng_state()
+        save_file({**opt_tensors, **rng_tensors}, str(tmp / "optimizer.safetensors"))
+        write_json(
+            tmp / "state.json",
+            {
+                "step": state.step,
+                "data": state.data,
+                "extra": state.extra,
+                "optimizer": opt_meta,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": rng_meta,
+            },
+        )
+    with atomic_open(ckpt_root / "latest") as f:
+        f.write(name + "\n")
+    old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != name)
+    for p in old[: max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    return ckpt_root / name
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise VlbertsError("checkpoint named by 'latest' is incomplete", path=path)
+    return path
+
+
+def restore_checkpoint(
+    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainState:
+    """Load weights, optimizer, scheduler and RNG states from a training checkpoint directory."""
+    path = Path(path)
+    load_into(model, load_file(str(path / "model.safetensors")), source=path / "model.safetensors")
+    meta = read_json(path / "state.json")
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    opt_tensors = {k: v for k, v in tensors.items() if k.startswith("state.")}
+    optimizer.load_state_dict(_unflatten_optimizer(opt_tensors, meta["optimizer"]))
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, meta["rng"])
+    return TrainState(step=meta["step"], data=meta["data"], extra=meta["extra"])
+
+
+def dumps_config(cfg: Any) -> str:
+    return json.dumps(to_dict(cfg), indent=2)

@@ -1,0 +1,78 @@
+"""Loop pieces shared by the training recipes; the loops themselves stay in the recipes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from vlberts.config import to_dict
+from vlberts.data.sampling import EpochBatchSampler, Position
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, write_json
+from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
+
+
+def batches(
+    data: Any,
+    collate: Callable[[list], Any],
+    *,
+    batch_size: int,
+    seed: int,
+    start: Position,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> Iterator[tuple[Any, Position]]:
+    """Endless (batch, position after it) pairs in the resumable order of `EpochBatchSampler`.
+
+    The loader and the position tracker walk two copies of the same deterministic sampler, so the
+    positions stay in step with the batches whatever the number of workers.
+    """
+    sampler = EpochBatchSampler(len(data), batch_size, seed, start)
+    positions = sampler.iter_with_positions()
+    loader = DataLoader(
+        data, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+        pin_memory=pin_memory, persistent_workers=num_workers > 0,
+    )
+    for batch in loader:
+        _, pos = next(positions)
+        yield batch, pos
+
+
+def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> float:
+    """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",)) -> None:
+    """A resumed run must use the settings it started with (except how long this invocation runs)."""
+    path = out / "run_config.json"
+    if path.is_file():
+        before = {k: v for k, v in read_json(path).items() if k not in ignore}
+        now = {k: v for k, v in to_dict(cfg).items() if k not in ignore}
+        diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if diff:
+            raise VlbertsError(
+                f"run directory holds a checkpoint of a run with different settings ({', '.join(diff)}); "
+                "use a new --out or the original settings",
+                path=path,
+            )
+    write_json(path, to_dict(cfg))
+
+
+def start_or_resume(out: Path, cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[TrainState, bool]:
+    """Restore the newest checkpoint of `out` if there is one; record the run config either way."""
+    latest = latest_checkpoint(out)
+    if latest is None:
+        write_json(out / "run_config.json", to_dict(cfg))
+        return TrainState(step=0, data=Position().to_dict(), extra={}), False
+    check_same_run(out, cfg)
+    return restore_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler), True

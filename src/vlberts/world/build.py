@@ -1,0 +1,338 @@
+"""Build the embedded world: sample, render and describe N images, and export them in the real formats.
+
+    OUT/images/{image_id:012d}.png
+    OUT/scenes.jsonl                                   world ground truth, one image per line
+    OUT/annotations/captions_{train,val,test}.json     COCO captions
+    OUT/dataset_world.json                             Karpathy split file
+    OUT/vqa/v2_OpenEnded_world_{split}_questions.json  VQA v2 questions
+    OUT/vqa/v2_world_{split}_annotations.json          VQA v2 annotations (10 answers each)
+    OUT/flickr30k_entities/Sentences/{image_id}.txt    Flickr30K Entities phrases + chains
+    OUT/flickr30k_entities/Annotations/{image_id}.xml  Flickr30K Entities boxes (1-based pixels)
+    OUT/flickr30k_entities/{train,val,test}.txt        image ids per split
+    OUT/parses/{train,val,test}.conllu                 gold Stanford dependency parses
+    OUT/world.json                                     seed, counts, vocabularies, conventions
+
+Determinism: everything random about image k is drawn from `SeedSequence([seed, k])` (one child
+stream each for the scene, the pixels, the captions and the questions), and the split from
+`SeedSequence([seed, 0])`, so the output is byte-identical for any number of worker processes.
+The directory is built under a temporary name and swapped in at the end (`vlberts.io.atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vlberts.errors import VlbertsError
+from vlberts.io import atomic_dir, atomic_open, write_json
+from vlberts.world import export
+from vlberts.world.grammar import Caption, generate_captions
+from vlberts.world.png import encode_png
+from vlberts.world.questions import QUESTION_ID_FACTOR, Question, generate_questions
+from vlberts.world.relations import scene_geometry, scene_referents
+from vlberts.world.render import render_scene
+from vlberts.world.scene import Scene, SceneConfig, sample_scene, scene_line
+from vlberts.world.vocab import BACKGROUND_TONES, COLOURS, RELATION_WORDS, SHAPES, SIZES
+
+SPLITS = export.SPLITS
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Everything that determines a world's content (besides the seed and the number of images)."""
+
+    image_size: int = 128
+    min_objects: int = 3
+    max_objects: int = 6
+    captions_per_image: int = 5
+    questions_per_image: int = 6
+    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)  # train, val, test
+
+    @property
+    def scene(self) -> SceneConfig:
+        return SceneConfig(image_size=self.image_size, min_objects=self.min_objects, max_objects=self.max_objects)
+
+    def validate(self) -> None:
+        self.scene.validate()
+        if not 1 <= self.captions_per_image < export.CAPTION_ID_FACTOR:
+            raise VlbertsError(f"captions per image must be 1..{export.CAPTION_ID_FACTOR - 1}")
+        if not 0 <= self.questions_per_image < QUESTION_ID_FACTOR:
+            raise VlbertsError(f"questions per image must be 0..{QUESTION_ID_FACTOR - 1}")
+        fr = self.split_fractions
+        if len(fr) != 3 or any(f < 0 for f in fr) or abs(sum(fr) - 1) > 1e-6:
+            raise VlbertsError(f"split fractions must be three non-negative numbers summing to 1, got {fr}")
+
+
+@dataclass(frozen=True)
+class WorldImage:
+    """One image of the world, in memory."""
+
+    scene: Scene
+    pixels: np.ndarray | None  # (H, W, 3) uint8, None when not rendered
+    captions: tuple[Caption, ...]
+    questions: tuple[Question, ...]
+
+
+def make_image(image_id: int, seed: int, cfg: WorldConfig = WorldConfig(), render: bool = True) -> WorldImage:
+    """Image `image_id` of the world with this seed: the same every time, in any process."""
+    scene_ss, pixel_ss, caption_ss, question_ss = np.random.SeedSequence([seed, image_id]).spawn(4)
+    scene = sample_scene(np.random.default_rng(scene_ss), image_id, cfg.scene)
+    pixels = render_scene(scene, np.random.default_rng(pixel_ss)) if render else None
+    geom, refs = scene_geometry(scene), scene_referents(scene)  # shared by captions and questions
+    captions = generate_captions(scene, np.random.default_rng(caption_ss), cfg.captions_per_image, geom, refs)
+    questions = generate_questions(scene, np.random.default_rng(question_ss), cfg.questions_per_image, geom, refs)
+    return WorldImage(scene, pixels, tuple(captions), tuple(questions))
+
+
+def split_sizes(n: int, fractions: tuple[float, float, float]) -> tuple[int, int, int]:
+    """(train, val, test) image counts; val and test get at least one image each when n >= 3 and
+    their fraction is positive."""
+    sizes = [round(n * f) for f in fractions[1:]]
+    if n >= 3:
+        sizes = [max(1, s) if f > 0 else 0 for s, f in zip(sizes, fractions[1:])]
+    n_val, n_test = sizes
+    return n - n_val - n_test, n_val, n_test
+
+
+def assign_splits(n: int, seed: int, fractions: tuple[float, float, float]) -> dict[int, str]:
+    """image id (1..n) -> split, a seeded random partition with `split_sizes` parts."""
+    perm = np.random.default_rng(np.random.SeedSequence([seed, 0])).permutation(n) + 1
+    n_train, n_val, _ = split_sizes(n, fractions)
+    out = {}
+    for k, image_id in enumerate(perm.tolist()):
+        out[image_id] = "train" if k < n_train else ("val" if k < n_train + n_val else "test")
+    return out
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    out: Path
+    seed: int
+    n_images: int
+    image_size: int
+    splits: dict[str, int]
+    n_objects: int
+    n_captions: int
+    n_entities: int
+    n_questions: int
+    seconds: float
+    workers: int
+    format_version: int = export.FORMAT_VERSION
+    template_counts: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        rate = self.n_images / self.seconds if self.seconds > 0 else float("inf")
+        parts = " / ".join(f"{k} {v}" for k, v in self.splits.items())
+        return (
+            f"Built the embedded world in {self.out}: {self.n_images} images of {self.image_size}x{self.image_size} "
+            f"pixels (seed {self.seed}; {parts}) with {self.n_objects} objects, {self.n_captions} captions holding "
+            f"{self.n_entities} entity phrases and gold dependency parses, and {self.n_questions} VQA questions with "
+            f"10 answers each, in COCO, Karpathy, VQA v2, Flickr30K Entities and CoNLL-U formats; "
+            f"{self.seconds:.1f} s ({rate:.0f} images/s, {self.workers} worker{'s' if self.workers != 1 else ''})."
+        )
+
+
+# --------------------------------------------------------------------------- per-image work (in workers)
+
+@dataclass
+class _ImageOut:
+    """What a worker hands back for one image: ready-made records for the per-split files."""
+
+    image_id: int
+    split: str
+    scene_line: str
+    coco_image: dict
+    coco_annotations: list[dict]
+    karpathy: dict
+    vqa_questions: list[dict]
+    vqa_annotations: list[dict]
+    conllu: str
+    n_objects: int
+    n_entities: int
+    templates: list[str]
+
+
+_JOB: dict = {}  # set once per worker process by _init_worker
+
+
+def _init_worker(root: str, seed: int, cfg: WorldConfig) -> None:
+    _JOB.update(root=Path(root), seed=seed, cfg=cfg)
+
+
+def _build_image(item: tuple[int, str]) -> _ImageOut:
+    image_id, split = item
+    root, seed, cfg = _JOB["root"], _JOB["seed"], _JOB["cfg"]
+    im = make_image(image_id, seed, cfg)
+    scene, captions = im.scene, list(im.captions)
+    (root / "images" / scene.file_name).write_bytes(encode_png(im.pixels))
+    # Per-image files are written plainly: the whole directory only appears when complete (atomic_dir).
+    fl = root / "flickr30k_entities"
+    (fl / "Sentences" / f"{image_id}.txt").write_text(export.flickr_sentences_file(captions), encoding="utf-8")
+    (fl / "Annotations" / f"{image_id}.xml").write_text(export.flickr_annotation_xml(scene, captions), encoding="utf-8")
+    return _ImageOut(
+        image_id=image_id,
+        split=split,
+        scene_line=scene_line(scene, split),
+        coco_image=export.coco_image(scene),
+        coco_annotations=export.coco_annotations(scene, captions),
+        karpathy=export.karpathy_image(scene, captions, split),
+        vqa_questions=[export.vqa_question(q) for q in im.questions],
+        vqa_annotations=[export.vqa_annotation(q) for q in im.questions],
+        conllu="".join(export.conllu_block(image_id, k, c) for k, c in enumerate(captions)),
+        n_objects=len(scene.objects),
+        n_entities=sum(len(c.entities) for c in captions),
+        templates=[c.template for c in captions],
+    )
+
+
+def _dump_json(path: Path, obj: object) -> None:
+    # json.dumps (C encoder) rather than vlberts.io.write_json's json.dump (pure-Python encoder): the
+    # VQA and Karpathy files hold hundreds of thousands of records, and this is several times faster.
+    with atomic_open(path) as f:
+        f.write(json.dumps(obj, separators=(",", ":")))
+        f.write("\n")
+
+
+def _pool_context() -> mp.context.BaseContext:
+    # fork where it exists (as torch's DataLoader does): no re-import of the caller's main module, so a
+    # script without an `if __name__ == "__main__"` guard works. Workers touch only numpy and PIL,
+    # never torch, so threads a parent may run do not matter to them. spawn elsewhere.
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+# --------------------------------------------------------------------------- the build
+
+def build_world(
+    out: str | Path,
+    n_images: int,
+    seed: int,
+    image_size: int = 128,
+    overwrite: bool = False,
+    workers: int | None = None,
+    config: WorldConfig | None = None,
+) -> WorldInfo:
+    """Generate the embedded world into `out` (see the module docstring for the layout).
+
+    `config` sets everything but the image size (`image_size` wins); `workers` defaults to the CPU count.
+    Raises `VlbertsError` for bad settings or a non-empty `out` without `overwrite`.
+    """
+    t0 = time.perf_counter()
+    cfg = dataclasses.replace(config or WorldConfig(), image_size=image_size)
+    cfg.validate()
+    if not 1 <= n_images <= 10**8:
+        raise VlbertsError(f"number of images must be between 1 and 100000000, got {n_images}")
+    if seed < 0:
+        raise VlbertsError(f"seed must be a non-negative integer, got {seed}")
+    n_workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    n_workers = min(n_workers, max(1, n_images // 16))  # tiny worlds are not worth a process pool
+
+    splits = assign_splits(n_images, seed, cfg.split_fractions)
+    items = [(i, splits[i]) for i in range(1, n_images + 1)]
+
+    with atomic_dir(out, overwrite=overwrite) as root:
+        for sub in ("images", "annotations", "vqa", "parses", "flickr30k_entities/Sentences",
+                    "flickr30k_entities/Annotations"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+
+        if n_workers == 1:
+            _init_worker(str(root), seed, cfg)
+            results = [_build_image(it) for it in items]
+        else:
+            chunk = max(1, min(64, n_images // (n_workers * 8)))
+            with _pool_context().Pool(n_workers, initializer=_init_worker, initargs=(str(root), seed, cfg)) as pool:
+                results = list(pool.imap(_build_image, items, chunksize=chunk))
+
+        _write_collections(root, results, seed, n_images, cfg)
+        info = WorldInfo(
+            out=Path(out), seed=seed, n_images=n_images, image_size=cfg.image_size,
+            splits={s: sum(1 for r in results if r.split == s) for s in SPLITS},
+            n_objects=sum(r.n_objects for r in results),
+            n_captions=sum(len(r.coco_annotations) for r in results),
+            n_entities=sum(r.n_entities for r in results),
+            n_questions=sum(len(r.vqa_questions) for r in results),
+            seconds=0.0, workers=n_workers,
+            template_counts=_count(t for r in results for t in r.templates),
+        )
+        write_json(root / "world.json", _world_json(info, cfg))
+    seconds = time.perf_counter() - t0
+    return dataclasses.replace(info, seconds=seconds)
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images: int, cfg: WorldConfig) -> None:
+    """The files that gather all images (or all images of a split); `results` are in image id order."""
+    with atomic_open(root / "scenes.jsonl") as f:
+        f.writelines(r.scene_line + "\n" for r in results)
+    _dump_json(root / "dataset_world.json", {"dataset": "world", "images": [r.karpathy for r in results]})
+    for split in SPLITS:
+        part = [r for r in results if r.split == split]
+        _dump_json(root / "annotations" / f"captions_{split}.json", export.coco_captions_file(
+            [r.coco_image for r in part], [a for r in part for a in r.coco_annotations]))
+        _dump_json(root / "vqa" / f"v2_OpenEnded_world_{split}_questions.json",
+                   export.vqa_questions_file(split, [q for r in part for q in r.vqa_questions]))
+        _dump_json(root / "vqa" / f"v2_world_{split}_annotations.json",
+                   export.vqa_annotations_file(split, [a for r in part for a in r.vqa_annotations]))
+        with atomic_open(root / "flickr30k_entities" / f"{split}.txt") as f:
+            f.writelines(f"{r.image_id}\n" for r in part)
+        with atomic_open(root / "parses" / f"{split}.conllu") as f:
+            f.writelines(r.conllu for r in part)
+
+
+def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
+    return {
+        "name": "world",
+        "format_version": export.FORMAT_VERSION,
+        "seed": info.seed,
+        "n_images": info.n_images,
+        "image_size": [cfg.image_size, cfg.image_size],
+        "objects_per_image": [cfg.min_objects, cfg.max_objects],
+        "captions_per_image": cfg.captions_per_image,
+        "questions_per_image": cfg.questions_per_image,
+        "splits": info.splits,
+        "counts": {"images": info.n_images, "objects": info.n_objects, "captions": info.n_captions,
+                   "entities": info.n_entities, "questions": info.n_questions},
+        "caption_templates": info.template_counts,
+        "vocab": {
+            "shapes": list(SHAPES),
+            "colours": {k: list(v) for k, v in COLOURS.items()},
+            "sizes": list(SIZES),
+            "relations": {k: list(v) for k, v in RELATION_WORDS.items()},
+            "background_tones": list(BACKGROUND_TONES),
+        },
+        "files": {
+            "images": "images/{image_id:012d}.png",
+            "scenes": "scenes.jsonl",
+            "coco_captions": "annotations/captions_{split}.json",
+            "karpathy": "dataset_world.json",
+            "vqa_questions": "vqa/v2_OpenEnded_world_{split}_questions.json",
+            "vqa_annotations": "vqa/v2_world_{split}_annotations.json",
+            "flickr30k_entities": "flickr30k_entities",
+            "parses": "parses/{split}.conllu",
+        },
+        "conventions": {
+            "boxes": "scenes.jsonl: [x1, y1, x2, y2] integer pixel edges, 0-based, end exclusive (x2 - x1 = width); "
+                     "read as float xyxy pixels this is the library convention",
+            "flickr_boxes": "Annotations/*.xml: 1-based inclusive pixel indices (xmin = x1 + 1, xmax = x2), as in "
+                            "Flickr30K Entities; vlberts.data.flickr_entities converts back to 0-based float xyxy",
+            "object_id": "1-based draw order within an image; later objects occlude earlier ones",
+            "caption_id": "image_id * 10 + caption index (COCO annotation id = Karpathy sentid)",
+            "question_id": "image_id * 1000 + question index",
+            "chain_id": "image_id * 100 + local id: object id (1..9), 10 = background (scene), 11.. = plural sets; "
+                        "0 = notvisual",
+            "sent_id": "{image_id}_{caption index}",
+            "karpathy_tokens": "caption words without punctuation; raw is the exact caption text",
+        },
+    }

@@ -1,0 +1,35 @@
+"""Typed run configs: strict loading, `--key=value` overrides."""
+
+import dataclasses
+
+import pytest
+
+from vlberts.config import apply_overrides, from_dict, parse_overrides
+from vlberts.errors import VlbertsError
+from vlberts.models.visualbert import VisualBertConfig
+from vlberts.recipes.pretrain import PretrainConfig
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = apply_overrides(PretrainConfig(), ["--lr=3e-4", "--steps=12", "--pairs=false", "--model=visualbert-tiny"])
+    assert (cfg.lr, cfg.steps, cfg.pairs, cfg.model) == (3e-4, 12, False, "visualbert-tiny")
+    assert parse_overrides(["--a.b=1", "c=2"]) == {"a": {"b": "1"}, "c": "2"}
+
+
+def test_unknown_keys_list_the_valid_ones():
+    with pytest.raises(VlbertsError, match="unknown key.*stpes.*valid keys:.*steps"):
+        apply_overrides(PretrainConfig(), ["--stpes=3"])
+
+
+def test_bad_values_are_errors():
+    with pytest.raises(VlbertsError, match="steps"):
+        apply_overrides(PretrainConfig(), ["--steps=many"])
+    with pytest.raises(VlbertsError, match="visual_spatial"):
+        from_dict(VisualBertConfig, {"visual_spatial": "7d"})
+    with pytest.raises(VlbertsError, match="not of the form"):
+        apply_overrides(PretrainConfig(), ["--steps"])
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PretrainConfig().steps = 3  # type: ignore[misc]

@@ -1,0 +1,281 @@
+"""The canonical region record and the HDF5 store: conventions, exact round-trips, O(1) lookup,
+atomic writes, and use from DataLoader worker processes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord, StoreMetadata
+import vlberts.features.store as store_module
+from vlberts.features.store import RegionStore, RegionStoreWriter, write_store_records
+
+
+def make_record(image_id, n, d=6, c=None, objects=False, attrs=False, seed=0) -> RegionRecord:
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0, 50, (n, 2)).astype(np.float32)
+    wh = rng.uniform(1, 30, (n, 2)).astype(np.float32)
+    kw = {}
+    if c is not None:
+        p = rng.random((n, c)).astype(np.float32)
+        kw["cls_prob"] = p / p.sum(1, keepdims=True)
+    if objects:
+        kw.update(obj_id=rng.integers(0, 20, n), obj_conf=rng.random(n))
+    if attrs:
+        kw.update(attr_id=rng.integers(0, 7, n), attr_conf=rng.random(n))
+    return RegionRecord(
+        image_id=image_id,
+        image_w=100 + n,
+        image_h=80 + n,
+        boxes=np.concatenate([xy, xy + wh], axis=1),
+        features=rng.normal(size=(n, d)).astype(np.float32),
+        **kw,
+    )
+
+
+def leftovers(directory) -> list[str]:
+    """Temp files an interrupted write would leave (atomic writes name them .<name>.*.tmp)."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+# --------------------------------------------------------------------------- record
+
+
+def test_record_ids_are_strings_and_arrays_are_coerced():
+    rec = RegionRecord(
+        image_id=np.int64(42),
+        image_w=np.int32(640),
+        image_h=480,
+        boxes=[[0, 0, 10, 20]],
+        features=np.ones((1, 3), dtype=np.float64),
+        obj_id=[5],
+        obj_conf=[0.5],
+    )
+    assert rec.image_id == "42"
+    assert (rec.image_w, rec.image_h, rec.num_boxes, rec.feature_dim) == (640, 480, 1, 3)
+    assert rec.boxes.dtype == np.float32 and rec.features.dtype == np.float32
+    assert rec.obj_id.dtype == np.int64 and rec.obj_conf.dtype == np.float32
+    assert RegionRecord("COCO_val2014_000000131089", 1, 1, np.zeros((0, 4)), np.zeros((0, 3))).num_boxes == 0
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"boxes": np.zeros((2, 3))}, "boxes must have shape (N, 4)"),
+        ({"features": np.zeros((3, 6))}, "features must have shape (2, D)"),
+        ({"boxes": np.array([[10, 0, 5, 5], [0, 0, 1, 1]])}, "x2 >= x1"),
+        ({"boxes": np.array([[0, 0, np.nan, 5], [0, 0, 1, 1]])}, "NaN"),
+        ({"obj_id": np.zeros(2)}, "obj_id and obj_conf must be given together"),
+        ({"attr_id": np.zeros(3), "attr_conf": np.zeros(3)}, "must have shape (2,)"),
+        ({"cls_prob": np.zeros((2,))}, "cls_prob must have shape (2, C)"),
+        ({"image_w": 0}, "image_w must be a positive integer"),
+        ({"image_h": 1.5}, "image_h must be a positive integer"),
+        ({"image_id": True}, "image id must be a string or an integer"),
+        ({"image_id": "a\tb"}, "tab/newline"),
+    ],
+)
+def test_record_validation_is_one_line(change, words):
+    base = dict(image_id="img", image_w=10, image_h=10, boxes=np.zeros((2, 4)), features=np.zeros((2, 6)))
+    with pytest.raises(VlbertsError) as e:
+        RegionRecord(**{**base, **change})
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_metadata_rejects_unknown_keys():
+    with pytest.raises(VlbertsError, match="unknown store metadata key.*extracter"):
+        StoreMetadata.from_dict({"extracter": "typo"})
+
+
+# --------------------------------------------------------------------------- store
+
+
+def test_store_round_trip_is_exact_with_every_field(tmp_path):
+    recs = [make_record(f"img{i}", n, c=5, objects=True, attrs=True, seed=i) for i, n in enumerate([3, 0, 36, 1])]
+    meta = StoreMetadata(
+        extractor="test-detector",
+        weights_hash="sha256:abc",
+        settings={"box_policy": "10-36", "conf_thresh": 0.2, "min_boxes": 10, "max_boxes": 36, "feature_layer": "pool5"},
+        classes=[f"c{i}" for i in range(20)],
+        attributes=[f"a{i}" for i in range(7)],
+    )
+    path = tmp_path / "s.h5"
+    with RegionStoreWriter(path, 6, metadata=meta, with_cls_prob=5, with_objects=True, with_attrs=True) as w:
+        for r in recs:
+            w.add(r)
+    with RegionStore(path) as s:
+        assert len(s) == 4 and s.ids() == ["img0", "img1", "img2", "img3"]
+        for r in recs:
+            got = s.get(r.image_id)
+            assert got.differences(r) == []
+            assert got.features.dtype == np.float32 and got.obj_id.dtype == np.int64
+        assert s.metadata == meta
+        assert s.image_size("img2") == (136, 116) and s.num_boxes("img2") == 36
+        info = s.info()
+    assert info["num_images"] == 4 and info["num_boxes"] == 40
+    assert info["boxes_per_image"] == {"min": 0, "mean": 10.0, "max": 36}
+    assert info["fields"] == ["boxes", "features", "cls_prob", "obj_id", "obj_conf", "attr_id", "attr_conf"]
+    assert (info["feature_dim"], info["dtype"], info["num_classes_cls_prob"]) == (6, "float32", 5)
+    assert (info["classes_vocab_size"], info["attributes_vocab_size"]) == (20, 7)
+    assert info["metadata"]["settings"]["box_policy"] == "10-36"
+
+
+def test_float16_storage_is_close_and_upcast_by_default(tmp_path):
+    recs = [make_record(i, 12, d=64, c=9, seed=i) for i in range(5)]
+    write_store_records(tmp_path / "f16.h5", recs, dtype="float16")
+    with h5py.File(tmp_path / "f16.h5") as f:
+        assert f["features"].dtype == np.float16 and f["cls_prob"].dtype == np.float16
+        assert f["boxes"].dtype == np.float32  # boxes stay exact pixels
+    with RegionStore(tmp_path / "f16.h5") as s:
+        assert s.dtype == "float16"
+        for r in recs:
+            got = s.get(int(r.image_id))  # int ids are looked up by their decimal string
+            assert got.features.dtype == np.float32
+            np.testing.assert_allclose(got.features, r.features, rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(got.cls_prob, r.cls_prob, rtol=1e-3, atol=1e-4)
+            np.testing.assert_array_equal(got.boxes, r.boxes)
+    with RegionStore(tmp_path / "f16.h5", upcast=False) as s:
+        assert s.get("0").features.dtype == np.float16
+
+
+def test_float16_overflow_is_an_error(tmp_path):
+    rec = RegionRecord("big", 10, 10, np.zeros((1, 4)), np.full((1, 2), 1e6))
+    with pytest.raises(VlbertsError, match="exceed the float16 range"):
+        write_store_records(tmp_path / "s.h5", [rec], dtype="float16")
+    assert not (tmp_path / "s.h5").exists() and leftovers(tmp_path) == []
+
+
+def test_missing_id_names_store_and_id(tmp_path):
+    path = write_store_records(tmp_path / "s.h5", [make_record("a", 2)])
+    with RegionStore(path) as s:
+        assert "a" in s and "b" not in s and 3 not in s
+        with pytest.raises(VlbertsError) as e:
+            s.get("b")
+    assert str(e.value) == f"{path}: record b: image id b not in store"
+    assert e.value.path == str(path) and e.value.record == "b"
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (make_record("a", 2, seed=9), "duplicate image id a (first added as image #0)"),
+        (make_record("c", 2, d=5), "feature width 5 but the store holds 6-d features"),
+        (make_record("c", 2, objects=True), "record has objects but the store does not hold them"),
+        (make_record("c", 2, c=3), "record has cls_prob but the store does not hold them"),
+    ],
+)
+def test_writer_errors_name_the_record_and_leave_nothing(tmp_path, bad, words):
+    path = tmp_path / "s.h5"
+    with pytest.raises(VlbertsError) as e:
+        with RegionStoreWriter(path, 6) as w:
+            w.add(make_record("a", 2))
+            w.add(make_record("b", 3))
+            w.add(bad)
+    assert words in str(e.value) and f"record {bad.image_id}" in str(e.value)
+    assert not path.exists() and leftovers(tmp_path) == []
+
+
+def test_vocabulary_range_is_checked(tmp_path):
+    rec = make_record("a", 4, objects=True)  # obj_id in [0, 20)
+    with pytest.raises(VlbertsError, match="obj_id outside the 3-entry vocabulary"):
+        write_store_records(tmp_path / "s.h5", [rec], metadata={"classes": ["a", "b", "c"]})
+
+
+def test_interrupt_keeps_the_previous_store(tmp_path):
+    path = write_store_records(tmp_path / "s.h5", [make_record("old", 2)])
+    with pytest.raises(KeyboardInterrupt):
+        with RegionStoreWriter(path, 6) as w:
+            w.add(make_record("new", 2))
+            raise KeyboardInterrupt
+    with RegionStore(path) as s:
+        assert s.ids() == ["old"]
+    assert leftovers(tmp_path) == []
+
+
+def test_not_a_store_is_a_clear_error(tmp_path):
+    (tmp_path / "text.h5").write_text("hello")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = 1
+    with pytest.raises(VlbertsError, match="cannot open as HDF5"):
+        RegionStore(tmp_path / "text.h5")
+    with pytest.raises(VlbertsError, match="not a vlberts-region-store"):
+        RegionStore(tmp_path / "other.h5")
+    with pytest.raises(VlbertsError, match="region store not found"):
+        RegionStore(tmp_path / "absent.h5")
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """3000 tiny images with 0..4 boxes whose features spell their own row: a wrong lookup shows."""
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 5, 3000)
+    recs = [
+        RegionRecord(
+            image_id=f"im{i:05d}",
+            image_w=10 + i,
+            image_h=20 + i,
+            boxes=np.tile(np.array([[0, 0, 1, 1]], np.float32), (n, 1)) * (i + 1),
+            features=np.full((n, 2), i, np.float32) + np.arange(n, dtype=np.float32)[:, None] / 10,
+        )
+        for i, n in enumerate(counts)
+    ]
+    path = tmp_path_factory.mktemp("many") / "many.h5"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store_module, "_FLUSH_BYTES", 100)  # many small resize+write flushes, not one
+        write_store_records(path, recs)
+    return path, recs
+
+
+def test_lookup_by_id_on_thousands_of_images(many):
+    path, recs = many
+    t0 = time.perf_counter()
+    s = RegionStore(path)
+    assert time.perf_counter() - t0 < 1.0
+    order = np.random.default_rng(2).permutation(len(recs))
+    for i in order[:1500]:
+        got = s.get(f"im{i:05d}")
+        assert got.differences(recs[i]) == [], i
+    with h5py.File(path) as f:  # the layout the docstring promises: contiguous slices
+        assert f["offset"][-1] + f["count"][-1] == f["features"].shape[0] == sum(r.num_boxes for r in recs)
+
+
+def test_records_iterates_in_write_order_across_blocks(many):
+    path, recs = many
+    with RegionStore(path) as s:
+        got = list(s.records(block_rows=7))
+    assert [r.image_id for r in got] == [r.image_id for r in recs]
+    assert all(a.differences(b) == [] for a, b in zip(got, recs))
+
+
+class _StoreDataset:
+    def __init__(self, store: RegionStore, ids: list[str]):
+        self.store, self.ids = store, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        rec = self.store.get(self.ids[i])
+        assert self.store._pid == os.getpid()  # this worker opened its own handle
+        return rec.image_id, float(rec.features.sum())
+
+
+def test_usable_from_dataloader_workers_and_pickle(many):
+    torch = pytest.importorskip("torch")
+    path, recs = many
+    store = RegionStore(path)
+    store.get("im00000")  # the parent's handle is open when the workers fork
+    ids = [r.image_id for r in recs[:200]]
+    loader = torch.utils.data.DataLoader(
+        _StoreDataset(store, ids), batch_size=None, num_workers=2, multiprocessing_context="fork"
+    )
+    got = dict(loader)
+    assert got == {r.image_id: float(r.features.sum()) for r in recs[:200]}
+    clone = pickle.loads(pickle.dumps(store))  # what a spawned worker receives
+    assert clone.get("im00007").differences(recs[7]) == []
+    assert store.get("im00009").differences(recs[9]) == []  # the parent still reads after the fork

@@ -1,0 +1,81 @@
+"""Tokenizer (WordPiece via `tokenizers`) and MLM masking (BERT 80/10/10 at 15%)."""
+
+import numpy as np
+import pytest
+
+from vlberts.errors import VlbertsError
+from vlberts.text.masking import IGNORE_INDEX, mask_tokens
+from vlberts.text.tokenizer import SPECIAL_TOKENS, TextTokenizer
+
+CORPUS = ["a small red circle sits above the blue square .", "two green triangles are near a star ."] * 20
+
+
+def test_trained_vocabulary_has_bert_special_ids_and_roundtrips(tmp_path):
+    tok = TextTokenizer.train(CORPUS, vocab_size=200)
+    assert [tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id] == [0, 1, 2, 3, 4]
+    ids = tok.encode("a small red circle")
+    assert tok.decode(ids) == "a small red circle"
+    tok.save(tmp_path)
+    lines = (tmp_path / "vocab.txt").read_text().splitlines()
+    assert lines[:5] == list(SPECIAL_TOKENS)
+    again = TextTokenizer.load(tmp_path)
+    assert again.encode("a small red circle") == ids
+    assert again.vocab_size == tok.vocab_size
+
+
+def test_bert_vocab_txt_splits_into_wordpieces(tmp_path):
+    vocab = list(SPECIAL_TOKENS) + ["red", "circ", "##le", "##s", "a", "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = TextTokenizer.from_vocab(tmp_path / "vocab.txt")
+    enc = tok.encode_words(["A", "red", "circles", "."])
+    assert [tok.id_to_token(i) for i in enc.ids] == ["a", "red", "circ", "##le", "##s", "."]
+    assert enc.word_tokens == [[0], [1], [2, 3, 4], [5]]
+    assert tok.encode("blue") == [tok.unk_id]
+
+
+def test_vocab_errors_name_the_file(tmp_path):
+    with pytest.raises(VlbertsError, match="vocab.txt"):
+        TextTokenizer.from_vocab(tmp_path / "vocab.txt")
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[UNK]\n")
+    with pytest.raises(VlbertsError, match="line 3"):
+        TextTokenizer.from_vocab(tmp_path / "vocab.txt")
+
+
+def test_masking_rates_and_labels():
+    rng = np.random.default_rng(0)
+    ids = np.arange(10, 110)  # no special ids
+    n, selected, masked, randomized, kept = 0, 0, 0, 0, 0
+    for _ in range(400):
+        out, labels = mask_tokens(ids, rng, mask_id=4, vocab_size=1000, special_ids={0, 1, 2, 3, 4})
+        sel = labels != IGNORE_INDEX
+        assert np.array_equal(labels[sel], ids[sel])  # labels are the originals
+        assert np.array_equal(out[~sel], ids[~sel])  # unselected tokens untouched
+        n += len(ids)
+        selected += sel.sum()
+        masked += (out[sel] == 4).sum()
+        kept += (out[sel] == ids[sel]).sum()
+        randomized += ((out[sel] != 4) & (out[sel] != ids[sel])).sum()
+    assert abs(selected / n - 0.15) < 0.01
+    assert abs(masked / selected - 0.8) < 0.02
+    assert abs(kept / selected - 0.1) < 0.015  # a random token can equal the original, rarely
+    assert abs(randomized / selected - 0.1) < 0.015
+
+
+def test_masking_never_selects_special_tokens_and_is_reproducible():
+    ids = [2] + list(range(10, 40)) + [3, 0, 0]
+    a = mask_tokens(ids, np.random.default_rng(7), mask_id=4, vocab_size=50, special_ids={0, 2, 3, 4}, prob=0.9)
+    b = mask_tokens(ids, np.random.default_rng(7), mask_id=4, vocab_size=50, special_ids={0, 2, 3, 4}, prob=0.9)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert (a[1][[0, 31, 32, 33]] == IGNORE_INDEX).all()
+
+
+def test_whole_word_masking_shares_the_decision_across_subwords():
+    ids = list(range(10, 22))
+    word_ids = [0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4, 5]
+    for seed in range(50):
+        out, labels = mask_tokens(ids, np.random.default_rng(seed), mask_id=4, vocab_size=100, prob=0.5, word_ids=word_ids)
+        sel = labels != IGNORE_INDEX
+        for w in set(word_ids):
+            members = [i for i, x in enumerate(word_ids) if x == w]
+            assert len({bool(sel[i]) for i in members}) == 1
+            assert len({out[i] == 4 for i in members}) == 1
