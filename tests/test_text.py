@@ -79,3 +79,14 @@ def test_whole_word_masking_shares_the_decision_across_subwords():
             members = [i for i, x in enumerate(word_ids) if x == w]
             assert len({bool(sel[i]) for i in members}) == 1
             assert len({out[i] == 4 for i in members}) == 1
+
+
+def test_training_is_deterministic_and_spells_unseen_words():
+    a = TextTokenizer.train(CORPUS, vocab_size=60)
+    b = TextTokenizer.train(list(reversed(CORPUS)), vocab_size=60)
+    assert a.tok.get_vocab() == b.tok.get_vocab()
+    # Frequent words are whole tokens; an unseen word is spelled from the corpus' characters.
+    assert [a.id_to_token(i) for i in a.encode("red")] == ["red"]
+    assert [a.id_to_token(i) for i in a.encode("dare")] == ["d", "##a", "##r", "##e"]
+    with pytest.raises(VlbertsError, match="smaller than"):
+        TextTokenizer.train(CORPUS, vocab_size=10)

@@ -175,6 +175,136 @@ def extract(
     typer.echo(run_extract(cfg).summary())
 
 
+# --------------------------------------------------------------------------- run-config commands
+
+def _run_config(recipe_module, ctx: typer.Context, config: Optional[Path]):
+    """The recipe's typed run config from an optional YAML file plus `--key=value` overrides."""
+    from vlberts.config import load_yaml, to_dict
+
+    base = to_dict(load_yaml(recipe_module.CONFIG_CLASS, config)) if config else None
+    return recipe_module.config_from_args(list(ctx.args), base)
+
+
+CONFIG_OPTION = typer.Option(None, "--config", help="YAML file with settings; --key=value flags override it.")
+
+
+@app.command("pretrain", context_settings=OVERRIDES)
+def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Pre-train VisualBERT on captions + region features: MLM with the image and sentence-image
+    prediction (App. A.3). Resumes from RUN/checkpoints when started again on the same --out.
+
+    Example: vlberts pretrain --captions=WORLD/annotations/captions_train.json --features=F.h5 --out=runs/pt
+
+    Run `vlberts show-config pretrain` for every setting.
+    """
+    from vlberts.recipes import pretrain as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    final = recipe.pretrain(cfg)
+    typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})" if final is None else f"wrote {final}")
+
+
+@finetune_app.command("vqa", context_settings=OVERRIDES)
+def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune a pre-trained model on VQA v2 files (answer vocabulary from the training answers,
+    soft scores, BCE), then predict and score the evaluation questions with the official metric.
+
+    Example: vlberts finetune vqa --init=runs/pt/model --features=F.h5 --train_questions=Q.json
+    --train_annotations=A.json --eval_questions=QT.json --eval_annotations=AT.json --out=runs/vqa
+
+    Run `vlberts show-config finetune-vqa` for every setting.
+    """
+    from vlberts.io import read_json
+    from vlberts.recipes import finetune_vqa as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    final = recipe.finetune_vqa(cfg)
+    if final is None:
+        typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})")
+        return
+    m = read_json(Path(cfg.out) / "metrics.json")
+    if "accuracy" in m:
+        typer.echo(f"VQA accuracy {m['accuracy']:.2f}% on {m['num_questions']} questions "
+                   f"(majority-answer baseline {m['majority_baseline']:.2f}%)")
+    typer.echo(f"wrote {final} and {Path(cfg.out) / 'metrics.json'}")
+
+
+@analyze_app.command("grounding", context_settings=OVERRIDES)
+def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Entity grounding by attention heads (§3.1, Figure 3): per-head accuracy at IoU >= 0.5 against
+    Flickr30K Entities boxes, the most-confident-region baseline, active heads, best-heads table.
+
+    Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
+    --features=F.h5 --split=test --out=runs/grounding
+
+    Run `vlberts show-config analyze-grounding` for every setting and its documented default.
+    """
+    from vlberts.recipes import analyze_grounding as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    rep = recipe.analyze_grounding(cfg)
+    r = rep.result
+    typer.echo(f"{r.n_entities} entities in {r.n_captions} captions; best head {r.best_head.label} "
+               f"{100 * r.best_head.accuracy:.2f}%, baseline {100 * r.baseline_accuracy:.2f}%, "
+               f"upper bound {100 * r.upper_bound:.2f}%, best layer {r.best_layer + 1} of {r.num_layers}")
+    typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
+
+
+@app.command("demo", context_settings=OVERRIDES)
+def demo_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("runs/demo"), help="Output directory (replaced if it holds an earlier demo)."),
+    quick: bool = typer.Option(False, "--quick", help="Smaller world and schedules: a smoke test in under 3 minutes."),
+    seed: int = typer.Option(0, help="Seed of everything."),
+) -> None:
+    """The main job on a fresh embedded world: world -> region features -> VisualBERT pre-training ->
+    visual-word probe -> VQA -> entity grounding; writes OUT/report.html and OUT/summary.json.
+
+    Further settings as --key=value; run `vlberts show-config demo` for them.
+    """
+    from vlberts.config import parse_overrides
+    from vlberts.recipes import demo as recipe
+
+    extra = list(ctx.args)
+    cfg = recipe.config_from_args([f"--out={out}", f"--quick={quick}", f"--seed={seed}", *extra])
+    cfg = recipe.resolve(cfg, explicit=set(parse_overrides(extra)))
+    s = recipe.run_demo(cfg, log=lambda m: typer.echo(m, err=True))
+    typer.echo(recipe.format_summary(s, out))
+
+
+SHOW = {
+    "pretrain": "vlberts.recipes.pretrain",
+    "finetune-vqa": "vlberts.recipes.finetune_vqa",
+    "analyze-grounding": "vlberts.recipes.analyze_grounding",
+    "demo": "vlberts.recipes.demo",
+    "extract": "vlberts.recipes.extract",
+}
+
+
+@app.command("show-config")
+def show_config(command: str = typer.Argument(..., help=f"One of: {', '.join(SHOW)}.")) -> None:
+    """Print every setting of a command with its default and meaning."""
+    import importlib
+
+    from vlberts.recipes.common import field_help
+
+    if command not in SHOW:
+        raise VlbertsError(f"unknown command {command!r}; valid: {', '.join(SHOW)}")
+    module = importlib.import_module(SHOW[command])
+    typer.echo(field_help(module.CONFIG_CLASS).replace("\n\n", "\n"))
+
+
+@app.command("models")
+def models_cmd() -> None:
+    """List the named model configurations (for --model)."""
+    from vlberts.models.builders import MODEL_CONFIGS, model_config
+
+    for name in MODEL_CONFIGS:
+        c = model_config(name)
+        typer.echo(f"{name:18s} {c.num_layers} layers x {c.num_heads} heads, width {c.hidden_size}, "
+                   f"visual_dim {c.visual_dim} (overridden by the feature store)")
+
+
 # --------------------------------------------------------------------------- evaluate
 
 @evaluate_app.command("vqa")

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vlberts.data.batch import VLInputs
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences
+from vlberts.data.regions import RegionSource, caption_inputs, load_regions
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -70,18 +69,10 @@ def visual_word_accuracy(
     feature_dim = model.cfg.visual_dim
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        feats, boxes, rmask = pad_regions([load_regions(regions, it.image_id, max_regions, feature_dim) for it in chunk])
+        x = caption_inputs([it.ids for it in chunk], [load_regions(regions, it.image_id, max_regions, feature_dim) for it in chunk])
         if zero_regions:
-            feats = torch.zeros_like(feats)
-        ids = pad_sequences([it.ids for it in chunk], 0)
-        x = VLInputs(
-            input_ids=ids,
-            token_type_ids=torch.zeros_like(ids),
-            attention_mask=pad_sequences([[1] * len(it.ids) for it in chunk], 0).bool(),
-            region_feats=feats,
-            region_boxes=boxes,
-            region_mask=rmask,
-        ).to(dev)
+            x.region_feats = torch.zeros_like(x.region_feats)
+        x = x.to(dev)
         logits = model(x).mlm_logits  # (B, T, V)
         pred = logits.argmax(-1).cpu()
         for i, it in enumerate(chunk):

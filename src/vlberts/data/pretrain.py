@@ -48,6 +48,8 @@ class CaptionPretrainData:
         mlm_prob: float = 0.15,
         seed: int = 0,
         feature_dim: int | None = None,
+        focus_ids: frozenset[int] = frozenset(),
+        focus_prob: float | None = None,
     ):
         if not captions:
             raise ValueError("no captions to pre-train on")
@@ -60,6 +62,8 @@ class CaptionPretrainData:
         self.mlm_prob = mlm_prob
         self.seed = seed
         self.feature_dim = feature_dim
+        self.focus_ids = focus_ids
+        self.focus_prob = focus_prob
         # Tokenise once; examples only index into these.
         self.ids = [e.ids for e in tokenizer.tok.encode_batch([c.text for c in captions], add_special_tokens=False)]
         self.by_image: dict[str, list[int]] = {}
@@ -97,7 +101,8 @@ class CaptionPretrainData:
             ids = [tok.cls_id, *a, tok.sep_id]
             segments = [0] * len(ids)
         masked, labels = mask_tokens(
-            ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob
+            ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
+            focus_ids=self.focus_ids, focus_prob=self.focus_prob,
         )
         regions = load_regions(self.regions, cap.image_id, self.max_regions, self.feature_dim)
         return {

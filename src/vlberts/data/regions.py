@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from vlberts.data.batch import VLInputs
 from vlberts.errors import VlbertsError
 
 
@@ -75,3 +76,17 @@ def pad_sequences(seqs: list[np.ndarray | list[int]], value: int) -> torch.Tenso
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
     return out
+
+
+def caption_inputs(id_seqs: list[list[int]], regions: list[Regions], pad_id: int = 0) -> VLInputs:
+    """One-segment inputs `[CLS] caption [SEP]` + regions for a batch (analyses, probes, inference)."""
+    feats, boxes, rmask = pad_regions(regions)
+    ids = pad_sequences(id_seqs, pad_id)  # (B, T)
+    return VLInputs(
+        input_ids=ids,
+        token_type_ids=torch.zeros_like(ids),
+        attention_mask=pad_sequences([[1] * len(s) for s in id_seqs], 0).bool(),
+        region_feats=feats,
+        region_boxes=boxes,
+        region_mask=rmask,
+    )

@@ -336,6 +336,15 @@ class RegionStore:
             self.close()
             raise VlbertsError(f"damaged store: missing dataset ({e})", path=self.path) from None
         self._index = {image_id: i for i, image_id in enumerate(self._ids)}
+        self._cache: dict[str, RegionRecord] | None = None
+
+    def preload(self) -> RegionStore:
+        """Read every record into memory once (block reads), so `get` no longer touches the file.
+
+        Worth it for stores that fit in memory and are read many times (the world's: ~30 MB for 5,000
+        images); a per-image HDF5 read costs ~0.3 ms, a dict lookup nothing. Returns self."""
+        self._cache = {rec.image_id: rec for rec in self.records()}
+        return self
 
     def _h5(self) -> h5py.File:
         """The HDF5 handle of this process (opened on first use, reopened after a fork)."""
@@ -415,6 +424,8 @@ class RegionStore:
     def get(self, image_id: str | int) -> RegionRecord:
         """The record of one image; a missing id is a `VlbertsError` naming the store and the id."""
         i = self._row(image_id)
+        if self._cache is not None:
+            return self._cache[self._ids[i]]
         return self._read(i, int(self._offset[i]), int(self._count[i]))
 
     def get_many(self, image_ids: Iterable[str | int]) -> list[RegionRecord]:

@@ -161,6 +161,10 @@ class VisualBertForPreTraining(nn.Module):
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
+    def encode(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+        """The encoder alone (no heads): what the analyses read."""
+        return self.bert(x, need_attn)
+
     def forward(self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None) -> PretrainOutput:
         """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) for the N
         selected tokens in row-major order. Otherwise logits are (B, T, V)."""

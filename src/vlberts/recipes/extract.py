@@ -70,6 +70,9 @@ class ExtractConfig:
     overwrite: bool = opt(False, "replace an existing store (only once extraction has succeeded)")
 
 
+CONFIG_CLASS = ExtractConfig
+
+
 @dataclass
 class ExtractResult:
     store: Path

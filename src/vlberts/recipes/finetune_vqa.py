@@ -77,8 +77,12 @@ class FinetuneVQAConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
     num_workers: int = opt(0, "DataLoader worker processes")
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     eval_batch_size: int = opt(256, "examples per prediction batch")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+
+
+CONFIG_CLASS = FinetuneVQAConfig
 
 
 def build_vqa_model(init: str | Path, num_answers: int) -> tuple[VisualBertForVQA, object]:
@@ -140,9 +144,23 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions", path=cfg.train_annotations)
     _, stats = soft_targets(train, vocab)
     store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
+    eval_examples = read_vqa(cfg.eval_questions, cfg.eval_annotations or None) if cfg.eval_questions else []
+    for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)):
+        missing = [ex.image_id for ex in examples if ex.image_id not in store]
+        if missing:
+            raise VlbertsError(
+                f"image id {missing[0]} of {path} not in store ({len(missing)} questions affected)",
+                path=cfg.features, record=missing[0],
+            )
     model, model_cfg = build_vqa_model(cfg.init, len(vocab))
+    if model_cfg.visual_dim != store.feature_dim:
+        raise VlbertsError(
+            f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
+        )
     model.to(device)
     data = VQAData(train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions, feature_dim=model_cfg.visual_dim)
 
@@ -199,7 +217,7 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
     metrics = {"train_questions": len(train), "num_answers": len(vocab),
                "train_questions_without_target": stats.num_without_target, "steps": steps}
     if cfg.eval_questions:
-        examples = read_vqa(cfg.eval_questions, cfg.eval_annotations or None)
+        examples = eval_examples
         preds = predict_vqa(model, vocab, tok, examples, store, max_regions=cfg.max_regions, max_text_len=cfg.max_text_len,
                             batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
         write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in examples))

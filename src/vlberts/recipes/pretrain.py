@@ -56,6 +56,8 @@ class PretrainConfig:
     max_text_len: int = opt(48, "tokens per example, [CLS]/[SEP] included")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     mlm_prob: float = opt(0.15, "MLM selection probability")
+    mlm_focus_words: tuple[str, ...] = opt((), "words selected with mlm_focus_prob instead of mlm_prob (comma list; default none)")
+    mlm_focus_prob: float = opt(0.15, "selection probability of the mlm_focus_words (see the README: the demo's masking)")
     match_weight: float = opt(1.0, "weight of the sentence-image loss")
     seed: int = opt(0, "seed of initialisation, data order, masking and negatives")
     log_every: int = opt(10, "updates between metrics records")
@@ -63,7 +65,11 @@ class PretrainConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
     num_workers: int = opt(0, "DataLoader worker processes")
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
+
+
+CONFIG_CLASS = PretrainConfig
 
 
 def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenizer:
@@ -80,6 +86,17 @@ def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenize
     return tok
 
 
+def focus_ids(tok: TextTokenizer, words: tuple[str, ...]) -> frozenset[int]:
+    """Subword ids of the focus words; a word that is not one subword of the vocabulary is an error."""
+    ids = set()
+    for w in words:
+        sub = tok.encode(w)
+        if len(sub) != 1 or sub[0] == tok.unk_id:
+            raise VlbertsError(f"mlm_focus_words: {w!r} is not a single token of the vocabulary ({len(sub)} subwords)")
+        ids.add(sub[0])
+    return frozenset(ids)
+
+
 def pretrain(cfg: PretrainConfig) -> Path | None:
     """Run (or resume) pre-training; returns the final model directory, or None if stopped early."""
     set_threads()
@@ -90,6 +107,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
 
     captions = read_caption_refs(cfg.captions, split=cfg.split)
     store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
     missing = [c.image_id for c in captions if c.image_id not in store]
     if missing:
         raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} captions affected)", path=cfg.features, record=missing[0])
@@ -112,6 +131,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     data = CaptionPretrainData(
         captions, store, tok, pairs=cfg.pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
         mlm_prob=cfg.mlm_prob, seed=cfg.seed, feature_dim=model_cfg.visual_dim,
+        focus_ids=focus_ids(tok, cfg.mlm_focus_words), focus_prob=cfg.mlm_focus_prob,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)

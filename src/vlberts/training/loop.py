@@ -34,9 +34,12 @@ def batches(
     """
     sampler = EpochBatchSampler(len(data), batch_size, seed, start)
     positions = sampler.iter_with_positions()
+    # The loader's own generator: creating its iterator draws a base seed, which must not come from the
+    # global RNG (a resumed run creates its iterator at another point of that stream than the original).
     loader = DataLoader(
         data, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
         pin_memory=pin_memory, persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
     )
     for batch in loader:
         _, pos = next(positions)

@@ -1,0 +1,153 @@
+"""From annotated captions, a region store and a model to the per-caption inputs of the grounding analysis.
+
+The analysis itself (`grounding.py`) is pure numbers; this module is the driver around it:
+
+    Flickr30K Entities captions ─ entity_captions ─> EntityCaption (subword ids, entity positions, gold boxes)
+    EntityCaption + regions + model ─ grounding_inputs ─> GroundingInput (attention text -> regions per head)
+
+The model sees `[CLS] caption [SEP]` and the image's regions, exactly as in pre-training's single-caption
+form; the paper analyses the pre-trained model "before fine-tuning on any task" (§3, footnote 2).
+
+Which entities are analysed (reference §4 and BAN/VisualBERT's Flickr30K reader): phrases of the null
+chain (notvisual), phrases whose chain has no box (`nobndbox`, `scene`-only) and phrases cut off by the
+text budget are left out and counted, so a report can say how many were skipped and why.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vlberts.analysis.grounding import GroundingEntity, GroundingInput
+from vlberts.data.flickr_entities import FlickrEntitiesImage
+from vlberts.data.regions import RegionSource, caption_inputs, load_regions
+from vlberts.errors import VlbertsError
+from vlberts.text.tokenizer import TextTokenizer
+
+
+@dataclass
+class EntityCaption:
+    """One caption ready for the model: `[CLS] words [SEP]` ids and its grounded entities."""
+
+    image_id: str
+    caption_id: str  # "<image id>_<line>" (the CoNLL-U sent_id convention of the world)
+    words: tuple[str, ...]
+    ids: list[int]  # [CLS] subwords [SEP]
+    word_tokens: list[list[int]]  # word index -> positions in `ids` ([CLS] offset included)
+    entities: list[GroundingEntity]
+    entity_words: list[tuple[int, int]]  # per entity: (first word index, one past the last)
+
+
+@dataclass
+class SkipCounts:
+    """Phrases the analysis could not use, by reason."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, reason: str, n: int = 1) -> None:
+        self.counts[reason] += n
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(sorted(self.counts.items()))
+
+
+def entity_captions(
+    images: Iterable[FlickrEntitiesImage], tok: TextTokenizer, max_text_len: int = 64, skipped: SkipCounts | None = None
+) -> list[EntityCaption]:
+    """Tokenise every caption, keeping each word's subword positions, and attach each grounded phrase.
+
+    Captions longer than `max_text_len` subwords (with [CLS]/[SEP]) are cut at the end; phrases that
+    lose a word to the cut are skipped as "truncated".
+    """
+    skipped = skipped if skipped is not None else SkipCounts()
+    out = []
+    for im in images:
+        for cap in im.captions:
+            enc = tok.encode_words(list(cap.words))
+            keep = max_text_len - 2
+            ids = [tok.cls_id, *enc.ids[:keep], tok.sep_id]
+            word_tokens = [[p + 1 for p in w if p < keep] for w in enc.word_tokens]  # +1 for [CLS]
+            entities, spans = [], []
+            for gp in cap.phrases:
+                p = gp.phrase
+                if p.chain_id == 0:
+                    skipped.add("notvisual")
+                    continue
+                if not gp.boxes:
+                    skipped.add("scene" if gp.is_scene else "no box")
+                    continue
+                words = [word_tokens[i] for i in range(p.first_word_index, p.end)]
+                if any(len(w) == 0 for w in words):
+                    skipped.add("truncated")
+                    continue
+                entities.append(GroundingEntity(
+                    word_tokens=words,
+                    gold_boxes=np.asarray(gp.boxes, dtype=np.float64),
+                    caption_id=f"{cap.image_id}_{cap.index}",
+                    chain_id=str(p.chain_id),
+                    phrase=p.text,
+                ))
+                spans.append((p.first_word_index, p.end))
+            out.append(EntityCaption(cap.image_id, f"{cap.image_id}_{cap.index}", cap.words, ids, word_tokens, entities, spans))
+    return out
+
+
+def region_confidence(record, path: object = None) -> np.ndarray:
+    """(N,) detection confidence of each region, for the most-confident-region baseline (§3.1).
+
+    The detector's `obj_conf` when the store has it (LXMERT TSVs, world stores); otherwise the best
+    non-background class probability of `cls_prob` (column 0 is background). BUTD 6-field TSVs carry
+    neither, and then no baseline can be computed.
+    """
+    if getattr(record, "obj_conf", None) is not None:
+        return np.asarray(record.obj_conf, dtype=np.float64)
+    if getattr(record, "cls_prob", None) is not None:
+        return np.asarray(record.cls_prob, dtype=np.float64)[:, 1:].max(axis=1)
+    raise VlbertsError(
+        "the store has no detection confidences (obj_conf or cls_prob), which the most-confident-region "
+        "baseline needs; import features that carry them (e.g. an LXMERT TSV)",
+        path=path,
+        record=f"image {record.image_id}",
+    )
+
+
+@torch.no_grad()
+def grounding_inputs(
+    model: torch.nn.Module,
+    captions: list[EntityCaption],
+    regions: RegionSource,
+    *,
+    max_regions: int = 36,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[EntityCaption, GroundingInput]]:
+    """Run the model on each caption with its image and yield the caption with its `GroundingInput`.
+
+    `model.encode(x, need_attn=True)` must return a `VLOutput` whose `attentions.text_to_region()` is
+    (L, B, H, T, R): the joint map's text rows and region columns for single-stream models, the
+    text-to-vision maps for two-stream ones. Captions without entities are not run.
+    """
+    model.eval()
+    work = [c for c in captions if c.entities]
+    feature_dim = model.cfg.visual_dim
+    path = getattr(regions, "path", None)
+    for start in range(0, len(work), batch_size):
+        chunk = work[start : start + batch_size]
+        recs = [regions.get(c.image_id) for c in chunk]
+        regs = [load_regions(regions, c.image_id, max_regions, feature_dim) for c in chunk]
+        x = caption_inputs([c.ids for c in chunk], regs).to(device)
+        maps = model.encode(x, need_attn=True).attentions
+        t2r = maps.text_to_region().float().cpu().numpy()  # (L, B, H, T, R)
+        for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
+            n = len(reg.feats)
+            conf = region_confidence(rec, path)[:n]
+            yield cap, GroundingInput(
+                attn=t2r[:, b, :, : len(cap.ids), :n],  # (L, H, T_b, R_b): drop padding
+                region_boxes=reg.pixel_boxes.astype(np.float64),
+                region_conf=conf,
+                entities=cap.entities,
+            )

@@ -1,0 +1,221 @@
+"""Recipe: the main job end to end on a fresh embedded world (what `make demo` runs).
+
+    1. world      build a seeded world, exported in the real formats          OUT/world/
+    2. features   train the world detector, extract region features           OUT/features.h5
+    3. pretrain   VisualBERT: MLM with the image + sentence-image prediction  OUT/pretrain/
+    4. probe      masked colour/shape words, with the regions and zeroed      (numbers in summary.json)
+    5. VQA        fine-tune on the train questions, score the test questions  OUT/vqa/
+    6. grounding  entity grounding by attention heads on the test captions    OUT/grounding/
+    7. report     OUT/report.html, OUT/summary.json, a printed summary
+
+Every step calls the same recipe the CLI exposes for real data (`vlberts world build`, `extract`,
+`pretrain`, `finetune vqa`, `analyze grounding`), with the settings below. `quick` runs a smaller
+world and shorter schedules for smoke tests; its numbers are not expected to show the phenomena.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from vlberts.analysis.visual_words import probe_items, visual_word_accuracy
+from vlberts.config import apply_overrides, from_dict
+from vlberts.data.coco import read_caption_refs
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import read_json, write_json
+from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
+from vlberts.recipes.common import opt, set_threads
+from vlberts.recipes.extract import ExtractConfig, extract
+from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
+from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.training.checkpoint import load_pretraining_model
+from vlberts.world.build import build_world
+from vlberts.world.vocab import COLOUR_NAMES, SHAPES
+
+MARKER = ".vlberts-demo"  # marks a directory the demo may replace
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    out: str = opt("runs/demo", "output directory (replaced if it holds an earlier demo)")
+    quick: bool = opt(False, "a smaller world and shorter schedules (a smoke test, under 3 minutes)")
+    seed: int = opt(0, "seed of the world, the detector, pre-training and fine-tuning")
+    images: int = opt(2000, "world images (quick: 400)")
+    model: str = opt("visualbert-small", "named model configuration")
+    pretrain_steps: int = opt(1500, "pre-training updates (quick: 60)")
+    pretrain_batch: int = opt(32, "pre-training batch size")
+    pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
+    vqa_epochs: float = opt(3.0, "VQA fine-tuning epochs (quick: 1)")
+    vqa_batch: int = opt(64, "VQA batch size")
+    vqa_lr: float = opt(5e-4, "VQA peak learning rate")
+    detector_epochs: int = opt(3, "world-detector training epochs")
+    device: str = opt("auto", "auto, cpu, cuda")
+
+
+CONFIG_CLASS = DemoConfig
+
+
+QUICK = {"images": 400, "pretrain_steps": 60, "vqa_epochs": 1.0, "detector_epochs": 1}
+
+
+def resolve(cfg: DemoConfig, explicit: set[str] = frozenset()) -> DemoConfig:
+    """Apply the quick preset to every setting the user did not give explicitly."""
+    if not cfg.quick:
+        return cfg
+    return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
+
+
+def _prepare_out(out: Path) -> None:
+    """Start from an empty directory; only a directory an earlier demo made is ever removed."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).is_file():
+            raise VlbertsError("exists, is not empty and was not made by `vlberts demo`; choose another --out", path=out)
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by vlberts demo; `vlberts demo` replaces this directory\n")
+
+
+def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
+    """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
+    set_threads()
+    out = Path(cfg.out)
+    _prepare_out(out)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def step(name: str, t: float) -> None:
+        timings[name] = round(time.perf_counter() - t, 1)
+
+    # 1. The world (SPEC §7), exported in the real formats.
+    t = time.perf_counter()
+    world = out / "world"
+    info = build_world(world, n_images=cfg.images, seed=cfg.seed)
+    step("world", t)
+    log(info.summary())
+
+    # 2. Region features from the world detector (SPEC §2).
+    t = time.perf_counter()
+    features = out / "features.h5"
+    ex = extract(ExtractConfig(world=str(world), out=str(features), seed=cfg.seed, epochs=cfg.detector_epochs))
+    step("features", t)
+    log(ex.summary())
+
+    # 3. Task-agnostic pre-training (VisualBERT App. A.3).
+    t = time.perf_counter()
+    pre_cfg = PretrainConfig(
+        captions=str(world / "annotations" / "captions_train.json"), features=str(features), out=str(out / "pretrain"),
+        model=cfg.model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
+        seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
+        device=cfg.device,
+    )
+    model_dir = pretrain(pre_cfg)
+    step("pretrain", t)
+    log(f"pre-trained {cfg.model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s -> {model_dir}")
+
+    # 4. Does the image help masked language modelling on visual words?
+    t = time.perf_counter()
+    probe = visual_word_probe(model_dir, world, features, device=cfg.device)
+    step("probe", t)
+    log(f"masked colour/shape words: {probe['with_regions']['accuracy']:.1f}% with the image, "
+        f"{probe['regions_zeroed']['accuracy']:.1f}% with region features zeroed ({probe['with_regions']['n']} words)")
+
+    # 5. VQA fine-tuning and official evaluation on the test split.
+    t = time.perf_counter()
+    vqa = world / "vqa"
+    vqa_cfg = FinetuneVQAConfig(
+        init=str(model_dir), out=str(out / "vqa"), features=str(features),
+        train_questions=str(vqa / "v2_OpenEnded_world_train_questions.json"),
+        train_annotations=str(vqa / "v2_world_train_annotations.json"),
+        eval_questions=str(vqa / "v2_OpenEnded_world_test_questions.json"),
+        eval_annotations=str(vqa / "v2_world_test_annotations.json"),
+        epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
+        min_answer_count=9, ckpt_every=10**9,
+    )
+    finetune_vqa(vqa_cfg)
+    vqa_metrics = read_json(out / "vqa" / "metrics.json")
+    step("vqa", t)
+    log(f"VQA test accuracy {vqa_metrics['accuracy']:.2f}% (majority-answer baseline {vqa_metrics['majority_baseline']:.2f}%)")
+
+    # 6. Entity grounding by the pre-trained model's heads ("What Does BERT with Vision Look At?" §3.1).
+    t = time.perf_counter()
+    g = analyze_grounding(GroundingConfig(
+        model=str(model_dir), entities=str(world / "flickr30k_entities"), features=str(features), split="test",
+        out=str(out / "grounding"), device=cfg.device,
+    ))
+    step("grounding", t)
+    r = g.result
+    log(f"entity grounding: best head {r.best_head.label} at {100 * r.best_head.accuracy:.2f}% "
+        f"(most-confident-region baseline {100 * r.baseline_accuracy:.2f}%)")
+
+    summary = {
+        "mlm_visual_word_acc": round(probe["with_regions"]["accuracy"], 2),
+        "mlm_visual_word_acc_regions_zeroed": round(probe["regions_zeroed"]["accuracy"], 2),
+        "mlm_visual_word_n": probe["with_regions"]["n"],
+        "vqa_accuracy": vqa_metrics["accuracy"],
+        "vqa_majority_baseline": vqa_metrics["majority_baseline"],
+        "vqa_per_answer_type": vqa_metrics["per_answer_type"],
+        "grounding_best_head_acc": round(100 * r.best_head.accuracy, 2),
+        "grounding_best_head": r.best_head.label,
+        "grounding_baseline_acc": round(100 * r.baseline_accuracy, 2),
+        "grounding_upper_bound": round(100 * r.upper_bound, 2),
+        "grounding_best_layer": r.best_layer + 1,
+        "grounding_layer_max": [round(100 * float(v), 2) for v in r.layer_max],
+        "num_layers": r.num_layers,
+        "num_heads": r.num_heads,
+        "grounding_entities": r.n_entities,
+        "model": cfg.model,
+        "quick": cfg.quick,
+        "seed": cfg.seed,
+        "images": cfg.images,
+        "timings": timings,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_json(out / "summary.json", summary)
+    from vlberts.analysis.html_report import write_demo_report
+
+    write_demo_report(out, summary, probe=probe, grounding=g, vqa=vqa_metrics, pretrain_log=out / "pretrain" / "metrics.jsonl")
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def visual_word_probe(model_dir: Path, world: Path, features: Path, split: str = "test", device: str = "auto") -> dict[str, Any]:
+    """MLM accuracy on masked colour and shape words of the split's captions, with and without the image."""
+    from vlberts.text.tokenizer import TextTokenizer
+
+    model, _, _ = load_pretraining_model(model_dir)
+    tok = TextTokenizer.load(model_dir)
+    captions = read_caption_refs(world / "annotations" / f"captions_{split}.json")
+    items = probe_items(captions, tok, set(SHAPES) | set(COLOUR_NAMES))
+    with RegionStore(features) as store:
+        return {
+            "with_regions": visual_word_accuracy(model, items, store, device=device),
+            "regions_zeroed": visual_word_accuracy(model, items, store, zero_regions=True, device=device),
+        }
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> DemoConfig:
+    return apply_overrides(from_dict(DemoConfig, base or {}), args)
+
+
+def format_summary(s: dict[str, Any], out: str | Path) -> str:
+    """The short printed summary: the headline numbers and whether each phenomenon holds."""
+    from vlberts.analysis.html_report import phenomena
+
+    lines = [
+        f"vlberts demo ({'quick' if s['quick'] else 'full'}, {s['seconds']:.0f}s): {s['model']}, "
+        f"{s['num_layers']} layers x {s['num_heads']} heads, {s['images']} images",
+        f"  masked colour/shape words   {s['mlm_visual_word_acc']:6.2f}% with the image, "
+        f"{s['mlm_visual_word_acc_regions_zeroed']:6.2f}% with regions zeroed",
+        f"  VQA (test, official metric) {s['vqa_accuracy']:6.2f}%, majority baseline {s['vqa_majority_baseline']:6.2f}%",
+        f"  entity grounding            best head {s['grounding_best_head']} {s['grounding_best_head_acc']:6.2f}% "
+        f"(layer {s['grounding_best_layer']}), most-confident-region baseline {s['grounding_baseline_acc']:6.2f}%",
+    ]
+    for text, ok in phenomena(s):
+        lines.append(f"  [{'ok' if ok else '--'}] {text}")
+    lines.append(f"  report: {Path(out) / 'report.html'}   numbers: {Path(out) / 'summary.json'}")
+    return "\n".join(lines)

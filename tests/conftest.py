@@ -1,0 +1,53 @@
+"""Shared fixtures: one tiny embedded world with extracted region features, built once per test session.
+
+Everything the end-to-end tests need (captions, VQA files, Flickr30K Entities, CoNLL-U, a region
+store) comes from `vlberts world build` + `vlberts extract` on 60 images, about 15 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class TinyWorld:
+    root: Path  # the world directory
+    store: Path  # its region store (HDF5)
+
+    @property
+    def captions_train(self) -> Path:
+        return self.root / "annotations" / "captions_train.json"
+
+    def vqa(self, split: str) -> tuple[Path, Path]:
+        return (self.root / "vqa" / f"v2_OpenEnded_world_{split}_questions.json",
+                self.root / "vqa" / f"v2_world_{split}_annotations.json")
+
+    @property
+    def entities(self) -> Path:
+        return self.root / "flickr30k_entities"
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> TinyWorld:
+    from vlberts.recipes.extract import ExtractConfig, extract
+    from vlberts.world.build import build_world
+
+    base = tmp_path_factory.mktemp("tiny_world")
+    build_world(base / "world", n_images=60, seed=5, workers=1)
+    extract(ExtractConfig(world=str(base / "world"), out=str(base / "features.h5"), epochs=2, max_steps=20, seed=0))
+    return TinyWorld(base / "world", base / "features.h5")
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(tiny_world, tmp_path_factory) -> Path:
+    """A 2-layer VisualBERT pre-trained for a few updates on the tiny world: its model directory."""
+    from vlberts.recipes.pretrain import PretrainConfig, pretrain
+
+    out = tmp_path_factory.mktemp("tiny_pretrain") / "run"
+    return pretrain(PretrainConfig(
+        captions=str(tiny_world.captions_train), features=str(tiny_world.store), out=str(out),
+        model="visualbert-tiny", vocab_size=200, steps=4, batch_size=8, ckpt_every=100,
+    ))

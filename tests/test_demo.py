@@ -1,0 +1,54 @@
+"""`vlberts demo` end to end at toy scale: every step runs, summary.json holds the issue's keys, the
+report is self-contained HTML, and an earlier demo directory is replaced while a foreign one is not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+KEYS = {
+    "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "vqa_majority_baseline",
+    "grounding_best_head_acc", "grounding_baseline_acc", "grounding_best_layer", "num_layers", "seconds",
+}
+
+# Toy settings on top of --quick: the point is that every step runs and reports, not the numbers.
+TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=0.2", "--model=visualbert-tiny",
+       "--detector_epochs=1"]
+
+
+def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert KEYS <= set(summary)
+    assert summary["num_layers"] == 2 and 1 <= summary["grounding_best_layer"] <= 2
+    assert summary["images"] == 48 and summary["quick"] is True
+    for step in ("world", "features", "pretrain", "probe", "vqa", "grounding"):
+        assert step in summary["timings"]
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
+    assert "http://" not in html and "https://" not in html  # self-contained
+    assert "entity grounding" in proc.stdout and "report:" in proc.stdout
+    for sub in ("world/annotations/captions_train.json", "features.h5", "pretrain/model/model.safetensors",
+                "vqa/predictions.json", "grounding/entity_grounding.png"):
+        assert (out / sub).exists(), sub
+
+    # Running again replaces the earlier demo.
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--seed=1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "summary.json").read_text())["seed"] == 1
+
+
+def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "was not made by `vlberts demo`" in proc.stderr and "Traceback" not in proc.stderr
+    assert (out / "thesis.tex").read_text() == "precious"

@@ -1,0 +1,108 @@
+"""VQA fine-tuning recipe on the tiny world: official-format predictions, metrics with the majority
+baseline, the CLI, resume, and errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlberts.errors import VlbertsError
+from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa, load_vqa_model
+from vlberts.training.metrics import MetricsLog
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def vqa_cfg(world, init: Path, out: Path, **kw) -> FinetuneVQAConfig:
+    tq, ta = world.vqa("train")
+    eq, ea = world.vqa("test")
+    base = dict(
+        init=str(init), out=str(out), features=str(world.store), train_questions=str(tq), train_annotations=str(ta),
+        eval_questions=str(eq), eval_annotations=str(ea), min_answer_count=2, epochs=1.0, batch_size=16,
+        lr=1e-3, log_every=1, ckpt_every=2,
+    )
+    base.update(kw)
+    return FinetuneVQAConfig(**base)
+
+
+def test_finetune_writes_model_predictions_and_metrics(tiny_world, tiny_pretrained, tmp_path):
+    out = tmp_path / "vqa"
+    final = finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, out))
+    metrics = json.loads((out / "metrics.json").read_text())
+    eq, ea = tiny_world.vqa("test")
+    n_test = len(json.loads(eq.read_text())["questions"])
+    assert metrics["num_questions"] == n_test
+    assert 0 <= metrics["accuracy"] <= 100 and 0 < metrics["majority_baseline"] <= 100
+    assert set(metrics["per_answer_type"]) <= {"yes/no", "number", "other"}
+    preds = json.loads((out / "predictions.json").read_text())
+    assert len(preds) == n_test and set(preds[0]) == {"question_id", "answer"}
+
+    # The official-format file scores the same through `vlberts evaluate vqa`.
+    proc = subprocess.run(
+        [str(VLBERTS), "evaluate", "vqa", "--predictions", str(out / "predictions.json"), "--questions", str(eq),
+         "--annotations", str(ea), "--out", str(tmp_path / "eval")],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["accuracy"] == metrics["accuracy"]
+
+    model, vocab, tok = load_vqa_model(final)
+    assert model.classifier.out_features == len(vocab) == metrics["num_answers"]
+
+
+def test_finetune_resume_equals_uninterrupted(tiny_world, tiny_pretrained, tmp_path):
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref"))
+    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", stop_after=3)) is None
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run"))
+    a, b = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl"), MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert json.loads((tmp_path / "ref" / "metrics.json").read_text())["accuracy"] == \
+        json.loads((tmp_path / "run" / "metrics.json").read_text())["accuracy"]
+
+
+def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path):
+    with pytest.raises(VlbertsError, match="unknown loss 'mse'; valid: bce, kl"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "a", loss="mse"))
+    with pytest.raises(VlbertsError, match="no answer is given by 100000\\+ training questions"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "b", min_answer_count=100000))
+
+
+def test_cli_malformed_annotations_exit_2_naming_the_file(tiny_world, tiny_pretrained, tmp_path):
+    tq, _ = tiny_world.vqa("train")
+    bad = tmp_path / "annotations.json"
+    bad.write_text('{"annotations": [{"question_id": 1,')
+    proc = subprocess.run(
+        [str(VLBERTS), "finetune", "vqa", f"--init={tiny_pretrained}", f"--features={tiny_world.store}",
+         f"--train_questions={tq}", f"--train_annotations={bad}", f"--out={tmp_path / 'run'}"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and str(bad) in proc.stderr and "malformed JSON" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_feature_dimension_that_disagrees_with_the_model(tiny_world, tiny_pretrained, tmp_path):
+    """A store whose features are wider than the model's visual_dim is named, with the image."""
+    import numpy as np
+
+    from vlberts.features.record import RegionRecord, StoreMetadata
+    from vlberts.features.store import RegionStore, RegionStoreWriter
+
+    wide = tmp_path / "wide.h5"
+    with RegionStore(tiny_world.store) as src, RegionStoreWriter(wide, feature_dim=src.feature_dim + 4, metadata=StoreMetadata(extractor="test")) as w:
+        for rec in src.records():
+            w.add(RegionRecord(rec.image_id, rec.image_w, rec.image_h, rec.boxes,
+                               np.concatenate([rec.features, np.zeros((rec.num_boxes, 4), np.float32)], 1)))
+    tq, ta = tiny_world.vqa("train")
+    proc = subprocess.run(
+        [str(VLBERTS), "finetune", "vqa", f"--init={tiny_pretrained}", f"--features={wide}", f"--train_questions={tq}",
+         f"--train_annotations={ta}", f"--out={tmp_path / 'run'}", "--min_answer_count=2"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "features are" in proc.stderr and "expects" in proc.stderr and str(wide) in proc.stderr
+    assert "Traceback" not in proc.stderr

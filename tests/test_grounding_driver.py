@@ -1,0 +1,176 @@
+"""The grounding driver: Flickr30K Entities captions -> token positions -> model attention ->
+GroundingInputs, and the `analyze grounding` recipe and CLI on the tiny world."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vlberts.analysis.entities import SkipCounts, entity_captions, grounding_inputs, region_confidence
+from vlberts.analysis.grounding import GroundingAccumulator
+from vlberts.data.flickr_entities import EntityBoxes, ground_sentences, parse_entity_sentence, FlickrEntitiesImage
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord
+from vlberts.models.builders import build_pretraining_model, visualbert_tiny
+from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
+from vlberts.text.tokenizer import TextTokenizer
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def tokenizer(tmp_path: Path) -> TextTokenizer:
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "the", "red", "skate", "##board", "man", "on",
+             "each", "other", "near", "dog", "and", "are", "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    return TextTokenizer.from_vocab(tmp_path / "vocab.txt")
+
+
+def image(lines: list[str]) -> FlickrEntitiesImage:
+    sentences = [parse_entity_sentence(line) for line in lines]
+    ann = EntityBoxes(
+        filename=None, width=100, height=80, depth=3,
+        boxes={11: ((10.0, 10.0, 40.0, 40.0),), 12: ((50.0, 20.0, 90.0, 70.0), (0.0, 0.0, 5.0, 5.0))},
+        scene=frozenset({13}), nobox=frozenset({14}),
+    )
+    return FlickrEntitiesImage("7", 100, 80, tuple(ground_sentences("7", sentences, ann)))
+
+
+def test_entity_positions_follow_subwords_and_skips_are_counted(tmp_path):
+    tok = tokenizer(tmp_path)
+    im = image([
+        "[/EN#11/people a man] on [/EN#12/other the red skateboard] .",
+        "[/EN#11/people a man] and [/EN#15/animals a dog] are near [/EN#0/notvisual each other] "
+        "[/EN#13/scene the] [/EN#14/other man] .",
+    ])
+    skipped = SkipCounts()
+    caps = entity_captions([im], tok, skipped=skipped)
+    c0 = caps[0]
+    # [CLS] a man on the red skate ##board . [SEP]
+    assert [tok.id_to_token(i) for i in c0.ids] == ["[CLS]", "a", "man", "on", "the", "red", "skate", "##board", ".", "[SEP]"]
+    assert tok.decode(c0.ids) == "a man on the red skateboard."
+    assert [e.word_tokens for e in c0.entities] == [[[1], [2]], [[4], [5], [6, 7]]]
+    assert c0.entities[1].positions("last") == [7] and c0.entities[1].positions("head_mean") == [6, 7]
+    np.testing.assert_array_equal(c0.entities[1].gold_boxes, [[50, 20, 90, 70], [0, 0, 5, 5]])
+    assert c0.entities[0].caption_id == "7_0" and c0.entities[0].chain_id == "11"
+    # Second caption: chain 15 has no annotation at all ("no box"), 0 is notvisual, 13 scene, 14 nobndbox.
+    assert [e.phrase for e in caps[1].entities] == ["a man"]
+    assert skipped.to_dict() == {"no box": 2, "notvisual": 1, "scene": 1}
+
+
+def test_truncated_phrases_are_skipped(tmp_path):
+    tok = tokenizer(tmp_path)
+    skipped = SkipCounts()
+    caps = entity_captions([image(["[/EN#11/people a man] on [/EN#12/other the red skateboard] ."])], tok,
+                           max_text_len=7, skipped=skipped)
+    # Budget 5 subwords: "a man on the red" -> the skateboard phrase loses its last word.
+    assert [e.phrase for e in caps[0].entities] == ["a man"]
+    assert skipped.to_dict() == {"truncated": 1}
+
+
+def test_region_confidence_sources():
+    boxes = np.array([[0, 0, 5, 5], [1, 1, 9, 9]], np.float32)
+    feats = np.zeros((2, 4), np.float32)
+    with_conf = RegionRecord("1", 10, 10, boxes, feats, obj_id=[0, 1], obj_conf=[0.2, 0.9])
+    np.testing.assert_allclose(region_confidence(with_conf), [0.2, 0.9])
+    cls = np.array([[0.9, 0.05, 0.05], [0.1, 0.3, 0.6]], np.float32)  # column 0 = background
+    np.testing.assert_allclose(region_confidence(RegionRecord("1", 10, 10, boxes, feats, cls_prob=cls)), [0.05, 0.6])
+    with pytest.raises(VlbertsError, match="no detection confidences"):
+        region_confidence(RegionRecord("1", 10, 10, boxes, feats), path="f.h5")
+
+
+class FakeStore:
+    def __init__(self, records):
+        self.records = {r.image_id: r for r in records}
+
+    def get(self, image_id):
+        return self.records[str(image_id)]
+
+
+def test_grounding_inputs_slice_the_joint_map_and_drop_padding(tmp_path):
+    tok = tokenizer(tmp_path)
+    caps = entity_captions([image([
+        "[/EN#11/people a man] on [/EN#12/other the red skateboard] .",
+        "[/EN#11/people a man] .",
+    ])], tok)
+    rng = np.random.default_rng(0)
+    boxes = np.array([[10, 10, 40, 40], [50, 20, 90, 70], [0, 0, 99, 79]], np.float32)
+    rec = RegionRecord("7", 100, 80, boxes, rng.random((3, 16), dtype=np.float32), obj_id=[0, 1, 2], obj_conf=[0.5, 0.1, 0.9])
+    torch.manual_seed(0)
+    model = build_pretraining_model(visualbert_tiny(vocab_size=tok.vocab_size))
+    got = list(grounding_inputs(model, caps, FakeStore([rec]), batch_size=2))
+    assert len(got) == 2
+    (c0, g0), (c1, g1) = got
+    assert g0.attn.shape == (2, 4, len(c0.ids), 3) and g1.attn.shape == (2, 4, len(c1.ids), 3)
+    np.testing.assert_allclose(g0.region_conf, [0.5, 0.1, 0.9])
+
+    # Same numbers as the explicit joint map of an unbatched forward pass on the second caption.
+    from vlberts.data.batch import VLInputs
+
+    ids = torch.tensor([c1.ids])
+    x = VLInputs(ids, torch.zeros_like(ids), torch.ones_like(ids, dtype=torch.bool), torch.from_numpy(rec.features)[None],
+                 torch.from_numpy(boxes / np.array([100, 80, 100, 80], np.float32))[None], torch.ones(1, 3, dtype=torch.bool))
+    model.eval()
+    joint = model.encode(x, need_attn=True).attentions.joint  # per layer (1, H, S, S)
+    T = len(c1.ids)
+    want = np.stack([m[0, :, :T, T:].detach().numpy() for m in joint])  # (L, H, T, R)
+    np.testing.assert_allclose(g1.attn, want, atol=1e-6)
+    # Each text row's region share is below 1 (the rest went to words).
+    assert (g1.region_mass < 1).all() and (g1.region_mass > 0).all()
+    acc = GroundingAccumulator()
+    for _, g in got:
+        acc.add(g)
+    assert acc.result().n_entities == 3
+
+
+def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrained, tmp_path):
+    out = tmp_path / "g"
+    rep = analyze_grounding(GroundingConfig(model=str(tiny_pretrained), entities=str(tiny_world.entities),
+                                            features=str(tiny_world.store), split="test", out=str(out)))
+    data = json.loads((out / "grounding.json").read_text())
+    assert data["num_layers"] == 2 and data["num_heads"] == 4
+    assert data["n_entities"] == rep.result.n_entities > 0
+    assert 0 <= data["baseline_accuracy"] <= data["upper_bound"] <= 1
+    assert "joint self-attention of all 2 layers" in data["attention_maps"]
+    assert set(data["skipped_phrases"]) <= {"notvisual", "scene", "no box", "truncated"}
+    assert (out / "entity_grounding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| rank | head |" in (out / "grounding.md").read_text()
+
+
+def test_analyze_options_change_the_numbers_and_bad_options_fail(tiny_world, tiny_pretrained, tmp_path):
+    common = dict(model=str(tiny_pretrained), entities=str(tiny_world.entities), features=str(tiny_world.store), split="test")
+    last = analyze_grounding(GroundingConfig(out=str(tmp_path / "a"), **common)).result
+    first = analyze_grounding(GroundingConfig(out=str(tmp_path / "b"), token="first", **common)).result
+    assert last.n_entities == first.n_entities and not np.array_equal(last.accuracy, first.accuracy)
+    with pytest.raises(VlbertsError, match="token must be one of"):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "c"), token="middle", **common))
+
+
+def test_cli_analyze_grounding_and_missing_image(tiny_world, tiny_pretrained, tmp_path):
+    proc = subprocess.run(
+        [str(VLBERTS), "analyze", "grounding", f"--model={tiny_pretrained}", f"--entities={tiny_world.entities}",
+         f"--features={tiny_world.store}", "--split=val", f"--out={tmp_path / 'g'}"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "best head" in proc.stdout and "baseline" in proc.stdout
+
+    # A split file naming an image the store does not hold.
+    ents = tmp_path / "ents"
+    import shutil
+
+    shutil.copytree(tiny_world.entities, ents)
+    (ents / "test.txt").write_text("424242\n")
+    proc = subprocess.run(
+        [str(VLBERTS), "analyze", "grounding", f"--model={tiny_pretrained}", f"--entities={ents}",
+         f"--features={tiny_world.store}", f"--out={tmp_path / 'h'}"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "image id 424242 not in store" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "h").exists()

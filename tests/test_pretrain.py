@@ -1,0 +1,125 @@
+"""VisualBERT pre-training recipe on the tiny world: losses fall, checkpoints resume exactly, the
+metrics log of a resumed run equals an uninterrupted one, bad settings and data are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlberts.errors import VlbertsError
+from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.training.checkpoint import latest_checkpoint, load_pretraining_model
+from vlberts.training.metrics import MetricsLog
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def cfg_for(world, out: Path, **kw) -> PretrainConfig:
+    base = dict(
+        captions=str(world.captions_train), features=str(world.store), out=str(out), model="visualbert-tiny",
+        vocab_size=200, steps=8, batch_size=4, lr=1e-3, warmup=0.25, log_every=1, ckpt_every=3, seed=1,
+        max_text_len=40,
+    )
+    base.update(kw)
+    return PretrainConfig(**base)
+
+
+def test_interrupted_run_resumes_exactly(tiny_world, tmp_path):
+    # Uninterrupted reference run.
+    ref = tmp_path / "ref"
+    final = pretrain(cfg_for(tiny_world, ref))
+    assert final == ref / "model"
+    ref_log = MetricsLog.read(ref / "metrics.jsonl")
+    assert [r["step"] for r in ref_log] == list(range(1, 9))
+
+    # Interrupted after 5 updates: the last checkpoint is at step 3, so steps 4-5 are redone on resume.
+    run = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, run, stop_after=5)) is None
+    assert latest_checkpoint(run).name == "step_00000003"
+    assert pretrain(cfg_for(tiny_world, run)) == run / "model"
+    log = MetricsLog.read(run / "metrics.jsonl")
+
+    assert [r["step"] for r in log] == list(range(1, 9))
+    for a, b in zip(ref_log, log):
+        assert a["mlm_loss"] == b["mlm_loss"] and a["match_loss"] == b["match_loss"] and a["lr"] == b["lr"]
+    wa, wb = load_file(str(ref / "model" / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_refuses_changed_settings(tiny_world, tmp_path):
+    run = tmp_path / "run"
+    pretrain(cfg_for(tiny_world, run, stop_after=4))
+    with pytest.raises(VlbertsError, match="different settings.*lr"):
+        pretrain(cfg_for(tiny_world, run, lr=5e-4))
+
+
+def test_losses_fall_and_model_directory_loads(tiny_world, tmp_path):
+    out = tmp_path / "pt"
+    pretrain(cfg_for(tiny_world, out, steps=80, batch_size=16, log_every=5, ckpt_every=100, lr=2e-3))
+    log = MetricsLog.read(out / "metrics.jsonl")
+    assert log[-1]["mlm_loss"] < 0.8 * log[0]["mlm_loss"]
+    model, cfg, meta = load_pretraining_model(out / "model")
+    assert cfg.num_layers == 2 and meta["steps"] == 80 and meta["arch"] == "visualbert"
+    assert (out / "model" / "vocab.txt").is_file()
+    assert json.loads((out / "run_config.json").read_text())["steps"] == 80
+
+
+def test_gradient_accumulation_runs_and_counts_updates(tiny_world, tmp_path):
+    out = tmp_path / "acc"
+    pretrain(cfg_for(tiny_world, out, steps=3, batch_size=2, grad_accum=2, ckpt_every=100))
+    assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_task_specific_single_caption_mode(tiny_world, tmp_path):
+    out = tmp_path / "mlm"
+    pretrain(cfg_for(tiny_world, out, steps=2, pairs=False, ckpt_every=100))
+    assert all(r["match_loss"] == 0.0 for r in MetricsLog.read(out / "metrics.jsonl"))
+
+
+def test_unknown_model_name_lists_the_valid_ones(tiny_world, tmp_path):
+    with pytest.raises(VlbertsError, match="unknown model 'visualbert-huge'; valid: visualbert-base"):
+        pretrain(cfg_for(tiny_world, tmp_path / "x", model="visualbert-huge"))
+
+
+def test_cli_pretrain_bad_override_and_missing_image(tiny_world, tmp_path):
+    proc = subprocess.run([str(VLBERTS), "pretrain", "--stepz=3"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "unknown key(s) stepz" in proc.stderr and "Traceback" not in proc.stderr
+
+    # A captions file naming an image the store lacks.
+    caps = json.loads(tiny_world.captions_train.read_text())
+    caps["images"].append({**caps["images"][0], "id": 999999})
+    caps["annotations"][0]["image_id"] = 999999
+    bad = tmp_path / "captions.json"
+    bad.write_text(json.dumps(caps))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [str(VLBERTS), "pretrain", f"--captions={bad}", f"--features={tiny_world.store}", f"--out={out}",
+         "--model=visualbert-tiny", "--steps=1"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "image id 999999 not in store" in proc.stderr and str(tiny_world.store) in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / "model").exists()
+
+
+def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [str(VLBERTS), "pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+         f"--out={out}", "--model=visualbert-tiny", "--steps=2", "--batch_size=4", "--vocab_size=200"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {out / 'model'}" in proc.stdout
+    show = subprocess.run([str(VLBERTS), "show-config", "pretrain"], capture_output=True, text=True)
+    assert show.returncode == 0 and "--grad_accum=1" in show.stdout and "--mlm_prob=0.15" in show.stdout
