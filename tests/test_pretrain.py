@@ -123,3 +123,13 @@ def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):
     assert f"wrote {out / 'model'}" in proc.stdout
     show = subprocess.run([str(VLBERTS), "show-config", "pretrain"], capture_output=True, text=True)
     assert show.returncode == 0 and "--grad_accum=1" in show.stdout and "--mlm_prob=0.15" in show.stdout
+
+
+def test_focus_words_must_be_single_tokens(tmp_path):
+    from vlberts.recipes.pretrain import focus_ids
+    from vlberts.text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.train(["a red circle", "two blue squares"], vocab_size=100)
+    assert len(focus_ids(tok, ("red", "squares"))) == 2
+    with pytest.raises(VlbertsError, match="'zebra' is not a single token"):
+        focus_ids(tok, ("zebra",))

@@ -298,3 +298,24 @@ def test_splits_partition_the_images():
     s = assign_splits(100, 5, (0.8, 0.1, 0.1))
     assert sorted(s) == list(range(1, 101)) and Counter(s.values()) == {"train": 80, "val": 10, "test": 10}
     assert s == assign_splits(100, 5, (0.8, 0.1, 0.1)) and s != assign_splits(100, 6, (0.8, 0.1, 0.1))
+
+
+def test_explicit_phrases_name_colour_and_shape_and_minimal_ones_need_not(images):
+    """Default `explicit` style: a referring phrase names its objects' colour and shape whenever a unique
+    descriptor with both exists (always for single objects); `minimal` keeps the fewest modifiers."""
+    def phrases(imgs):
+        for im in imgs:
+            for cap in im.captions:
+                if cap.template == "copula":  # the predicate, not the phrase, states the rest
+                    continue
+                for e in cap.entities:
+                    if e.type == "other" and len(e.object_ids) == 1:
+                        yield cap.words[e.start:e.end]
+
+    explicit = list(phrases(images))
+    assert explicit and all(any(w in COLOURS for w in p) and any(w in SINGULAR for w in p) for p in explicit)
+    minimal = list(phrases([make_image(i, SEED, WorldConfig(referring="minimal")) for i in range(1, 80)]))
+    lacking = sum(1 for p in minimal if not (any(w in COLOURS for w in p) and any(w in SINGULAR for w in p)))
+    assert lacking > 0.3 * len(minimal)
+    with pytest.raises(VlbertsError, match="referring must be one of explicit, minimal"):
+        build_world("unused", n_images=1, seed=0, config=WorldConfig(referring="verbose"))

@@ -48,11 +48,13 @@ def world_build(
     image_size: int = typer.Option(128, help="Image width and height in pixels."),
     overwrite: bool = typer.Option(False, help="Replace an existing non-empty OUT."),
     workers: Optional[int] = typer.Option(None, help="Worker processes (default: CPU count); the output does not depend on it."),
+    referring: str = typer.Option("explicit", help="Captions name colour and shape always (explicit) or the fewest modifiers (minimal)."),
 ) -> None:
     """Generate images, captions with entities and parses, and VQA questions; export the real formats."""
-    from vlberts.world.build import build_world
+    from vlberts.world.build import WorldConfig, build_world
 
-    info = build_world(out, n_images=images, seed=seed, image_size=image_size, overwrite=overwrite, workers=workers)
+    info = build_world(out, n_images=images, seed=seed, image_size=image_size, overwrite=overwrite, workers=workers,
+                       config=WorldConfig(referring=referring))
     typer.echo(info.summary())
 
 
@@ -190,8 +192,10 @@ CONFIG_OPTION = typer.Option(None, "--config", help="YAML file with settings; --
 
 @app.command("pretrain", context_settings=OVERRIDES)
 def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
-    """Pre-train VisualBERT on captions + region features: MLM with the image and sentence-image
-    prediction (App. A.3). Resumes from RUN/checkpoints when started again on the same --out.
+    """Pre-train VisualBERT: MLM with the image + sentence-image prediction.
+
+    Reads COCO-format captions and a region store (VisualBERT App. A.3). Started again on the same
+    --out, it resumes from RUN/checkpoints exactly.
 
     Example: vlberts pretrain --captions=WORLD/annotations/captions_train.json --features=F.h5 --out=runs/pt
 
@@ -206,8 +210,9 @@ def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> 
 
 @finetune_app.command("vqa", context_settings=OVERRIDES)
 def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
-    """Fine-tune a pre-trained model on VQA v2 files (answer vocabulary from the training answers,
-    soft scores, BCE), then predict and score the evaluation questions with the official metric.
+    """Fine-tune on VQA v2 files, then predict and score with the official metric.
+
+    The answer vocabulary comes from the training answers; targets are soft scores; the loss is BCE.
 
     Example: vlberts finetune vqa --init=runs/pt/model --features=F.h5 --train_questions=Q.json
     --train_annotations=A.json --eval_questions=QT.json --eval_annotations=AT.json --out=runs/vqa
@@ -231,8 +236,10 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
 @analyze_app.command("grounding", context_settings=OVERRIDES)
 def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
-    """Entity grounding by attention heads (§3.1, Figure 3): per-head accuracy at IoU >= 0.5 against
-    Flickr30K Entities boxes, the most-confident-region baseline, active heads, best-heads table.
+    """Entity grounding by attention heads ("What Does BERT with Vision Look At?" §3.1, Fig. 3).
+
+    Per-head accuracy at IoU >= 0.5 against Flickr30K Entities boxes, the most-confident-region
+    baseline, active heads, the best-heads table and the figure.
 
     Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --split=test --out=runs/grounding
@@ -257,8 +264,10 @@ def demo_cmd(
     quick: bool = typer.Option(False, "--quick", help="Smaller world and schedules: a smoke test in under 3 minutes."),
     seed: int = typer.Option(0, help="Seed of everything."),
 ) -> None:
-    """The main job on a fresh embedded world: world -> region features -> VisualBERT pre-training ->
-    visual-word probe -> VQA -> entity grounding; writes OUT/report.html and OUT/summary.json.
+    """The main job on a fresh embedded world, end to end (what `make demo` runs).
+
+    world -> region features -> VisualBERT pre-training -> visual-word probe -> VQA -> entity
+    grounding; writes OUT/report.html and OUT/summary.json.
 
     Further settings as --key=value; run `vlberts show-config demo` for them.
     """

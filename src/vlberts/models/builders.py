@@ -32,14 +32,18 @@ def visualbert_tiny(**kw: Any) -> VisualBertConfig:
 
 
 def visualbert_small(**kw: Any) -> VisualBertConfig:
-    """The laptop-scale VisualBERT of the demo: 6 layers x 4 heads, width 128, with 6-d box geometry
-    (VisualBERT's Flickr30K setting, the one its grounding analysis was run in).
+    """The laptop-scale VisualBERT of the demo: 6 layers x 8 heads of width 16 (model width 128), with
+    6-d box geometry (VisualBERT's Flickr30K setting, the one its grounding analysis was run in).
+
+    Eight narrow heads rather than four wide ones: the same cost, and in the world runs of issue 2 the
+    image helped masked-word prediction more (47.5% vs 15.9% with regions zeroed, against 34.7% vs
+    16.5% for a 4-head run with a different masking; see the issue note).
 
     No dropout: the demo sees each caption only a few times, so there is little to regularise, and on
     CPU dropout's random masks cost about a third of the step time (measured: 0.224 s vs 0.151 s per
     32-example step on 2 cores)."""
     base = VisualBertConfig(
-        hidden_size=128, num_layers=6, num_heads=4, intermediate_size=512,
+        hidden_size=128, num_layers=6, num_heads=8, intermediate_size=512,
         max_position_embeddings=128, visual_spatial="6d", hidden_dropout=0.0, attention_dropout=0.0,
     )
     return dataclasses.replace(base, **kw)

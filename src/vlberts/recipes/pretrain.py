@@ -81,7 +81,8 @@ def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenize
     elif cfg.tokenizer:
         tok = TextTokenizer.load(cfg.tokenizer)
     else:
-        tok = TextTokenizer.train(texts, vocab_size=cfg.vocab_size)
+        # The focus words join the corpus so that a trained vocabulary holds each as one token.
+        tok = TextTokenizer.train([*texts, *cfg.mlm_focus_words], vocab_size=cfg.vocab_size)
     tok.save(saved)
     return tok
 

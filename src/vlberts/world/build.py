@@ -33,7 +33,7 @@ import numpy as np
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, write_json
 from vlberts.world import export
-from vlberts.world.grammar import Caption, generate_captions
+from vlberts.world.grammar import REFERRING_STYLES, Caption, generate_captions
 from vlberts.world.png import encode_png
 from vlberts.world.questions import QUESTION_ID_FACTOR, Question, generate_questions
 from vlberts.world.relations import scene_geometry, scene_referents
@@ -54,6 +54,7 @@ class WorldConfig:
     captions_per_image: int = 5
     questions_per_image: int = 6
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)  # train, val, test
+    referring: str = "explicit"  # how captions refer to objects: explicit | minimal (grammar.REFERRING_STYLES)
 
     @property
     def scene(self) -> SceneConfig:
@@ -61,6 +62,8 @@ class WorldConfig:
 
     def validate(self) -> None:
         self.scene.validate()
+        if self.referring not in REFERRING_STYLES:
+            raise VlbertsError(f"referring must be one of {', '.join(REFERRING_STYLES)}, got {self.referring!r}")
         if not 1 <= self.captions_per_image < export.CAPTION_ID_FACTOR:
             raise VlbertsError(f"captions per image must be 1..{export.CAPTION_ID_FACTOR - 1}")
         if not 0 <= self.questions_per_image < QUESTION_ID_FACTOR:
@@ -86,7 +89,7 @@ def make_image(image_id: int, seed: int, cfg: WorldConfig = WorldConfig(), rende
     scene = sample_scene(np.random.default_rng(scene_ss), image_id, cfg.scene)
     pixels = render_scene(scene, np.random.default_rng(pixel_ss)) if render else None
     geom, refs = scene_geometry(scene), scene_referents(scene)  # shared by captions and questions
-    captions = generate_captions(scene, np.random.default_rng(caption_ss), cfg.captions_per_image, geom, refs)
+    captions = generate_captions(scene, np.random.default_rng(caption_ss), cfg.captions_per_image, geom, refs, cfg.referring)
     questions = generate_questions(scene, np.random.default_rng(question_ss), cfg.questions_per_image, geom, refs)
     return WorldImage(scene, pixels, tuple(captions), tuple(questions))
 
@@ -300,6 +303,7 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
         "image_size": [cfg.image_size, cfg.image_size],
         "objects_per_image": [cfg.min_objects, cfg.max_objects],
         "captions_per_image": cfg.captions_per_image,
+        "referring": cfg.referring,
         "questions_per_image": cfg.questions_per_image,
         "splits": info.splits,
         "counts": {"images": info.n_images, "objects": info.n_objects, "captions": info.n_captions,

@@ -21,8 +21,9 @@ Templates, with an example each (A, B: referring noun phrases; REL: a relation t
   frag_scene    A on SCENE .                         a large yellow hexagon on a speckled grey background .
 
 A caption holds one to three referring phrases (at most four objects in all).
-Referring phrases pick out their objects uniquely in the image (`relations.scene_referents`),
-usually with the fewest modifiers, sometimes with one more; plural phrases carry their exact count
+Referring phrases pick out their objects uniquely in the image (`relations.scene_referents`);
+`explicit` style (default) names colour and shape always, `minimal` style uses the fewest modifiers,
+sometimes one more (REFERRING_STYLES); plural phrases carry their exact count
 ("two red circles" only when exactly two objects are red circles). The head noun is the shape word,
 "object"/"shape" when the phrase names no shape, or "shape" with the shape word as a noun compound
 ("a red star shape", nn). Five captions of one image rotate over templates, over which objects they
@@ -184,6 +185,15 @@ def is_tree(heads: list[int]) -> bool:
 
 # --------------------------------------------------------------------------- the writer
 
+# How referring phrases choose their modifiers:
+#   explicit  every phrase names the colour and the shape, plus the size where that alone is not unique
+#             ("the small red circle"); a masked colour or shape word is then decided by the image
+#   minimal   the fewest modifiers that make the phrase unique, sometimes one more ("the red object",
+#             "a circle"); masked words are often undecidable even with the image, and colour/shape
+#             compete with "small"/"object" for the same slot
+# Measured (VisualBERT-small, 1,500 updates on 5,000 images): with `minimal` captions the image never
+# helped masked-word prediction; with `explicit` captions it did. See the note of issue 2.
+REFERRING_STYLES = ("explicit", "minimal")
 P_NN = 0.18  # "a red star shape": shape word as a noun compound
 P_DEFINITE = 0.45
 P_SCENE_PP = 0.08  # rel_verb ends with "on a grey background"
@@ -203,7 +213,10 @@ class CaptionWriter:
     """Writes the captions of one scene; holds what earlier captions already said."""
 
     def __init__(self, scene: Scene, rng: np.random.Generator,
-                 geom: Geometry | None = None, refs: Referents | None = None):
+                 geom: Geometry | None = None, refs: Referents | None = None, referring: str = "explicit"):
+        if referring not in REFERRING_STYLES:
+            raise ValueError(f"referring must be one of {', '.join(REFERRING_STYLES)}, got {referring!r}")
+        self.referring = referring
         self.scene = scene
         self.rng = rng
         self.geom: Geometry = geom if geom is not None else scene_geometry(scene)
@@ -268,6 +281,12 @@ class CaptionWriter:
 
     def _describe(self, u: Unit) -> Ref:
         ds = self.refs.unique[u[0]] if len(u) == 1 else self.refs.groups[u]
+        if self.referring == "explicit":
+            # Colour and shape always, size only where it is needed to be unique.
+            full = [d for d in ds if "colour" in d and "shape" in d]
+            if full:
+                least = [d for d in full if not any(set(e) < set(d) for e in full)]
+                return self._ref(u, self._pick(least, [0.25 ** self.used_desc[u][d] for d in least]))
         minimal = {d for d in ds if not any(set(e) < set(d) for e in ds)}
         weights = []
         for d in ds:
@@ -629,10 +648,11 @@ class CaptionWriter:
 
 
 def generate_captions(
-    scene: Scene, rng: np.random.Generator, n: int = 5, geom: Geometry | None = None, refs: Referents | None = None
+    scene: Scene, rng: np.random.Generator, n: int = 5, geom: Geometry | None = None, refs: Referents | None = None,
+    referring: str = "explicit",
 ) -> list[Caption]:
     """`n` true captions of `scene` with entities and gold parses (module docstring)."""
-    writer = CaptionWriter(scene, rng, geom, refs)
+    writer = CaptionWriter(scene, rng, geom, refs, referring)
     return [writer.write() for _ in range(n)]
 
 
