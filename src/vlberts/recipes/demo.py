@@ -50,7 +50,7 @@ class DemoConfig:
     pretrain_steps: int = opt(1400, "pre-training updates (quick: 60)")
     pretrain_batch: int = opt(32, "pre-training batch size")
     pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
-    focus_prob: float = opt(0.35, "masking probability of the world's colour and shape words (0.15: plain VisualBERT)")
+    focus_prob: float = opt(0.5, "masking probability of the world's colour and shape words (0.15: plain VisualBERT)")
     vqa_epochs: float = opt(1.0, "VQA fine-tuning epochs")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
