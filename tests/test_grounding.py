@@ -355,3 +355,19 @@ def test_figure_is_a_png_of_the_expected_size_with_both_kinds_of_dot(tmp_path):
     for color in (ACTIVE_COLOR, INACTIVE_COLOR, BASELINE_COLOR):
         assert _rgb(color) in pixels, color
     assert not list(tmp_path.joinpath("fig").glob("*.tmp"))  # written atomically
+
+
+def test_heads_that_see_no_regions_pick_nothing_and_are_inactive():
+    # Layer 1 of caption_a with zero attention to every region, as text_to_region() reports the layers
+    # before the fusion layer of VisualBERT without early fusion: no pick (-1), no hit, zero mass.
+    inp = caption_a()
+    attn = inp.attn.copy()
+    attn[0] = 0.0
+    blind = GroundingInput(attn=attn, region_boxes=inp.region_boxes, region_conf=inp.region_conf, entities=inp.entities)
+    scores = score_caption(blind)
+    assert (scores.pred[0] == -1).all() and not scores.hit[0].any() and (scores.mass[0] == 0).all()
+    assert (scores.pred[1] == score_caption(inp).pred[1]).all()  # the layer that sees regions is unchanged
+    res = ground([blind])
+    assert res.accuracy[0].tolist() == [0.0, 0.0] and not res.active[0].any()
+    assert res.accuracy[1].tolist() == ground([inp]).accuracy[1].tolist()
+    assert res.baseline_accuracy == 0.5  # the baseline does not depend on the heads

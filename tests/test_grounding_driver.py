@@ -174,3 +174,20 @@ def test_cli_analyze_grounding_and_missing_image(tiny_world, tiny_pretrained, tm
     assert proc.returncode == 2
     assert "image id 424242 not in store" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "h").exists()
+
+
+def test_grounding_inputs_without_early_fusion_give_zero_attention_before_the_fusion_layer(tmp_path):
+    tok = tokenizer(tmp_path)
+    caps = entity_captions([image(["[/EN#11/people a man] on [/EN#12/other the red skateboard] ."])], tok)
+    rng = np.random.default_rng(0)
+    boxes = np.array([[10, 10, 40, 40], [50, 20, 90, 70], [0, 0, 99, 79]], np.float32)
+    rec = RegionRecord("7", 100, 80, boxes, rng.random((3, 16), dtype=np.float32), obj_id=[0, 1, 2], obj_conf=[0.5, 0.1, 0.9])
+    torch.manual_seed(0)
+    model = build_pretraining_model(visualbert_tiny(vocab_size=tok.vocab_size, num_layers=3, fusion_layer=2))
+    (cap, g), = grounding_inputs(model, caps, FakeStore([rec]))
+    assert g.attn.shape == (3, 4, len(cap.ids), 3)
+    assert (g.attn[:2] == 0).all() and (g.attn[2] > 0).all()
+    acc = GroundingAccumulator()
+    acc.add(g)
+    res = acc.result()
+    assert (res.accuracy[:2] == 0).all() and not res.active[:2].any() and (res.mean_region_mass[:2] == 0).all()

@@ -67,3 +67,116 @@ def test_alignment_positions_average_the_aligned_words():
     got = emb(x)  # after LayerNorm
     ln = torch.nn.functional.layer_norm(expected, (expected.shape[-1],), emb.LayerNorm.weight, emb.LayerNorm.bias, emb.LayerNorm.eps)
     torch.testing.assert_close(got[0, 7], ln, atol=1e-5, rtol=0)
+
+
+# --- VisualBERT without early fusion (paper App. B and App. C, C2) ------------------------------------
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+from vlberts.errors import VlbertsError  # noqa: E402
+from vlberts.models.blocks import mask_bias  # noqa: E402
+from vlberts.models.builders import model_config  # noqa: E402
+
+
+def _layer_outputs(model, x):
+    """Each encoder layer's output hidden states, captured with forward hooks."""
+    outs = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0].detach().clone()))
+             for layer in model.bert.encoder.layer]
+    try:
+        model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs
+
+
+def test_without_early_fusion_regions_do_not_reach_layers_before_the_fusion_layer():
+    torch.manual_seed(0)
+    model = build_pretraining_model(visualbert_tiny(num_layers=3, fusion_layer=2)).eval()
+    x = _inputs()
+    other = dataclasses.replace(x, region_feats=torch.randn_like(x.region_feats), region_boxes=torch.rand_like(x.region_boxes))
+    no_regions = dataclasses.replace(x, region_feats=x.region_feats[:, :0], region_boxes=x.region_boxes[:, :0],
+                                     region_mask=x.region_mask[:, :0])
+    a, b, c = _layer_outputs(model, x), _layer_outputs(model, other), _layer_outputs(model, no_regions)
+    for i in (0, 1):  # text alone: (B, T, D), whatever the regions, and the same as with no regions at all
+        assert a[i].shape == (2, 7, 32)
+        assert torch.equal(a[i], b[i]) and torch.equal(a[i], c[i])
+    assert a[2].shape == (2, 11, 32)
+    assert not torch.allclose(a[2][:, :7], b[2][:, :7])  # the fusion layer's text sees the regions
+    assert not torch.allclose(model(x).mlm_logits, model(other).mlm_logits)
+
+
+def test_without_early_fusion_sdpa_and_explicit_agree_and_text_to_region_is_zero_before_fusion():
+    torch.manual_seed(0)
+    model = build_pretraining_model(visualbert_tiny(num_layers=3, fusion_layer=2, visual_spatial="6d")).eval()
+    x = _inputs()
+    fast, slow = model(x), model(x, need_attn=True)
+    torch.testing.assert_close(fast.mlm_logits, slow.mlm_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.match_logits, slow.match_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.encoded.vision, slow.encoded.vision, atol=1e-5, rtol=0)
+    maps = slow.encoded.attentions
+    assert maps.fusion_layer == 2
+    assert [tuple(m.shape) for m in maps.joint] == [(2, 4, 7, 7), (2, 4, 7, 7), (2, 4, 11, 11)]
+    for m in maps.joint:
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+        assert m[0, :, :, 5:7].abs().max() == 0  # padded words get no attention, before fusion too
+    t2r = maps.text_to_region()
+    assert t2r.shape == (3, 2, 4, 7, 4)
+    assert t2r[:2].abs().max() == 0  # layers that do not see the regions pay them nothing
+    torch.testing.assert_close(t2r[2], maps.joint[2][:, :, :7, 7:])
+    assert "layers 1-2 see no regions" in maps.describe()
+
+
+def test_fusion_layer_zero_is_the_old_model():
+    torch.manual_seed(0)
+    old = build_pretraining_model(visualbert_tiny()).eval()
+    torch.manual_seed(0)
+    new = build_pretraining_model(visualbert_tiny(fusion_layer=0)).eval()
+    torch.manual_seed(0)
+    late = build_pretraining_model(visualbert_tiny(fusion_layer=1)).eval()
+    sd_old, sd_new, sd_late = old.state_dict(), new.state_dict(), late.state_dict()
+    assert sd_old.keys() == sd_new.keys() == sd_late.keys()  # the field adds no parameter
+    assert all(torch.equal(sd_old[k], sd_new[k]) and torch.equal(sd_old[k], sd_late[k]) for k in sd_old)
+    x = _inputs()
+    # The old forward, written out: embeddings, all layers over [text ; regions], heads.
+    bert = old.bert
+    h = bert.embeddings(x)
+    mask = torch.cat([x.attention_mask, x.region_mask], dim=1)
+    h, _ = bert.encoder(h, mask_bias(mask, h.dtype))
+    want = old.cls.predictions(h[:, :7])
+    for out in (old(x), new(x)):
+        assert torch.equal(out.mlm_logits, want)
+        assert torch.equal(out.match_logits, old.cls.seq_relationship(bert.pooler(h[:, 0])))
+    assert not torch.allclose(late(x).mlm_logits, want)  # same weights, later fusion: another function
+
+
+def test_fusion_layer_config_and_named_variant():
+    with pytest.raises(ValueError, match="fusion_layer"):
+        visualbert_tiny(fusion_layer=2)  # 2 layers: the last one (index 1) must see the regions
+    with pytest.raises(ValueError, match="fusion_layer"):
+        visualbert_tiny(fusion_layer=-1)
+    cfg = model_config("visualbert-no-early-fusion")
+    assert (cfg.num_layers, cfg.fusion_layer, cfg.hidden_size, cfg.num_heads) == (13, 12, 768, 12)
+    assert model_config("visualbert-no-early-fusion", num_layers=4).fusion_layer == 3
+    assert visualbert_tiny(fusion_layer=1).fusion_layer == 1
+    with pytest.raises(VlbertsError, match="fusion_layer"):
+        model_config("visualbert-small", fusion_layer=6)
+
+
+def test_models_command_describes_every_architecture():
+    from typer.testing import CliRunner
+
+    from vlberts.cli import app
+    from vlberts.models.builders import MODEL_CONFIGS
+
+    res = CliRunner().invoke(app, ["models"])
+    assert res.exit_code == 0, res.output
+    lines = {ln.split()[0]: ln for ln in res.output.splitlines() if ln.strip() and not ln.startswith("(")}
+    assert set(lines) == set(MODEL_CONFIGS)
+    assert "6 co-attention layers" in lines["vilbert-base"]
+    assert "2 co-attention layers" in lines["vilbert-depth2"]
+    assert "9 language + 5 object-relationship + 5 cross-modality" in lines["lxmert-base"]
+    assert "regions join at layer 13" in lines["visualbert-no-early-fusion"]

@@ -310,8 +310,8 @@ def models_cmd() -> None:
 
     for name in MODEL_CONFIGS:
         c = model_config(name)
-        typer.echo(f"{name:18s} {c.num_layers} layers x {c.num_heads} heads, width {c.hidden_size}, "
-                   f"visual_dim {c.visual_dim} (overridden by the feature store)")
+        typer.echo(f"{name:27s} {c.describe()}")
+    typer.echo("(visual_dim is set from the feature store when a run builds the model)")
 
 
 # --------------------------------------------------------------------------- evaluate

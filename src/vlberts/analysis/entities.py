@@ -130,6 +130,10 @@ def grounding_inputs(
     `model.encode(x, need_attn=True)` must return a `VLOutput` whose `attentions.text_to_region()` is
     (L, B, H, T, R): the joint map's text rows and region columns for single-stream models, the
     text-to-vision maps for two-stream ones. Captions without entities are not run.
+
+    For VisualBERT without early fusion (`cfg.fusion_layer` > 0) the layers before the fusion layer do
+    not see the regions; `text_to_region()` gives them zero attention, so their heads keep their place in
+    the (L, H) grid (comparable with the full model's) with zero region mass and no hits.
     """
     model.eval()
     work = [c for c in captions if c.entities]

@@ -15,7 +15,9 @@ Works for every architecture:
   slice of the joint self-attention map, so its rows sum to the share of attention that went to the
   image, not to 1; `region_mass` is that share;
 - two-stream models (ViLBERT, LXMERT): `attn` is the text-to-vision cross-attention, rows sum to 1 over
-  the regions; `region_mass` is 1 everywhere and every head counts as active.
+  the regions; `region_mass` is 1 everywhere and every head counts as active;
+- layers that do not see the regions (VisualBERT without early fusion, before its fusion layer): `attn`
+  is zero, so their heads have zero region mass, are never active and never score a hit.
 
 Letters in shape comments: L layers, H heads, T text tokens, R regions, E entities of a caption,
 K gold boxes of an entity.
@@ -231,7 +233,7 @@ class GroundingInput:
 class CaptionScores:
     """Per-entity outcome for one caption; kept for qualitative views and per-entity breakdowns."""
 
-    pred: np.ndarray  # (L, H, E) int, the region each head picks for each entity
+    pred: np.ndarray  # (L, H, E) int, the region each head picks for each entity; -1: no attention to any region
     hit: np.ndarray  # (L, H, E) bool, pred agrees with the gold boxes
     mass: np.ndarray  # (L, H, E) float64, share of the entity's attention that went to regions
     baseline_pred: np.ndarray  # (E,) int, the most confident valid region
@@ -269,16 +271,21 @@ def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOpti
     # §3.1: "the image region that receives the most attention weight compared to other image
     # regions ... without considering other words": argmax over the region columns only.
     # Ties go to the lowest region index (np.argmax).
+    # A head whose attention to every valid region is exactly zero picks nothing (pred -1, never a hit):
+    # the layers before the fusion layer of VisualBERT without early fusion do not see the regions, and
+    # their text-to-region maps are zeros (AttentionMaps.text_to_region), which np.argmax would otherwise
+    # read as a choice of region 0.
+    blind = ~(np.where(valid, ent_attn, 0.0) > 0).any(axis=-1)  # (L, H, E)
     if not valid.all():
         ent_attn = np.where(valid, ent_attn, -np.inf)
-    pred = ent_attn.argmax(axis=-1)  # (L, H, E)
+    pred = np.where(blind, -1, ent_attn.argmax(axis=-1))  # (L, H, E)
     mass = np.matmul(inp.region_mass, w.T)  # (L, H, T) @ (T, E) -> (L, H, E)
 
     correct = np.zeros((E, R), dtype=bool)
     for e, ent in enumerate(inp.entities):  # E is a handful per caption; the heads are vectorised
         correct[e] = correct_regions(inp.region_boxes, ent.gold_boxes, options)
     correct &= valid  # a padded region is never a correct answer
-    hit = correct[np.arange(E), pred]  # (E, R)[(E,), (L, H, E)] -> (L, H, E)
+    hit = correct[np.arange(E), pred] & ~blind  # (E, R)[(E,), (L, H, E)] -> (L, H, E)
 
     # Baseline (§3.1): "always chooses the region with the highest detection confidence".
     conf = np.where(valid, inp.region_conf, -np.inf)

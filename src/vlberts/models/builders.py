@@ -14,6 +14,8 @@ from torch import nn
 
 from vlberts.config import from_dict
 from vlberts.errors import VlbertsError
+from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
+from vlberts.models.vilbert import ViLBertConfig, ViLBertForPreTraining
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining
 
 
@@ -49,17 +51,123 @@ def visualbert_small(**kw: Any) -> VisualBertConfig:
     return dataclasses.replace(base, **kw)
 
 
+def visualbert_no_early_fusion(**kw: Any) -> VisualBertConfig:
+    """VisualBERT w/o Early Fusion (paper App. B and App. C, C2): the image is "not combined with the text in
+    the initial Transformer layer but instead at the very end with a new Transformer layer". BERT-base's 12
+    layers run on the text alone and a 13th, new layer sees text and regions (the original code's
+    `bypass_transformer` + `additional_layer`). Initialised from BERT, layers 0-11 take BERT's weights and
+    layer 12 starts random. Pass `num_layers` to change the depth; the fusion layer stays the last one
+    unless `fusion_layer` is given too."""
+    num_layers = kw.pop("num_layers", 13)
+    kw.setdefault("fusion_layer", num_layers - 1)
+    return dataclasses.replace(VisualBertConfig(), num_layers=num_layers, **kw)
+
+
+def lxmert_base(**kw: Any) -> LxmertConfig:
+    """LXMERT as in the paper (§3.3): 9 language, 5 object-relationship, 5 cross-modality layers, width 768,
+    12 heads, 2048-d RoI features, heads for 1600 objects, 400 attributes and 9500 answers."""
+    return dataclasses.replace(LxmertConfig(), **kw)
+
+
+def lxmert_tiny(**kw: Any) -> LxmertConfig:
+    """A 1/1/1-layer LXMERT of width 32 for unit tests."""
+    base = LxmertConfig(
+        vocab_size=100, hidden_size=32, num_heads=2, intermediate_size=64, language_layers=1, relation_layers=1,
+        cross_layers=1, max_position_embeddings=64, visual_dim=16, num_object_labels=10, num_attr_labels=6,
+        num_qa_labels=8,
+    )
+    return dataclasses.replace(base, **kw)
+
+
+def vilbert_depth(k: int, **kw: Any) -> ViLBertConfig:
+    """ViLBERT with k Co-TRM -> TRM blocks (the depth of the paper's Table 2 ablation): k visual layers and
+    k co-attention layers, placed before the last k text layers and before every visual layer, the
+    layout of the released `bert_base_{k}layer_{k}conect.json` configs (k = 2, 4, 6, 8). Everything else
+    is the released base config; the co-attention keeps 8 heads at every depth (the released 2-layer
+    config says 1024 heads of width 1, which we take for a typo)."""
+    num_layers = kw.get("num_layers", ViLBertConfig.num_layers)
+    placed = ViLBertConfig(
+        v_num_layers=k, t_biattention_id=tuple(range(num_layers - k, num_layers)), v_biattention_id=tuple(range(k)),
+    )
+    return dataclasses.replace(placed, **kw)
+
+
+def vilbert_base(**kw: Any) -> ViLBertConfig:
+    """ViLBERT as in the paper (§3.1) and the released `bert_base_6layer_6conect.json`: a BERT-base text
+    stream (12 layers, width 768, 12 heads); a visual stream of width 1024, 8 heads, feed-forward 1024,
+    6 layers; 6 co-attention layers (width 1024, 8 heads) before text layers 6..11 and visual layers
+    0..5; 2048-d region features; 1601 region classes."""
+    return vilbert_depth(6, **kw)
+
+
+def vilbert_depth2(**kw: Any) -> ViLBertConfig:
+    """Table 2's 2-layer ViLBERT: co-attention before text layers 10, 11 and visual layers 0, 1."""
+    return vilbert_depth(2, **kw)
+
+
+def vilbert_depth4(**kw: Any) -> ViLBertConfig:
+    """Table 2's 4-layer ViLBERT: co-attention before text layers 8..11 and visual layers 0..3."""
+    return vilbert_depth(4, **kw)
+
+
+def vilbert_depth6(**kw: Any) -> ViLBertConfig:
+    """Table 2's 6-layer ViLBERT, the paper's full model (= `vilbert_base`)."""
+    return vilbert_depth(6, **kw)
+
+
+def vilbert_depth8(**kw: Any) -> ViLBertConfig:
+    """Table 2's 8-layer ViLBERT: co-attention before text layers 4..11 and visual layers 0..7."""
+    return vilbert_depth(8, **kw)
+
+
+def vilbert_single_stream(**kw: Any) -> ViLBertConfig:
+    """The paper's Single-Stream baseline (§4): one BERT-base over [text ; [IMG] ; regions], no visual
+    layers and no co-attention; the ViLBERT image embedding (5-d locations) at the text width, and
+    ViLBERT's heads (see the module docstring of `vilbert.py` for how it is realised)."""
+    # The visual stream's sizes follow the text's: the regions run through the text layers.
+    text = {k: kw.get(k, getattr(ViLBertConfig, k)) for k in ("hidden_size", "num_heads", "intermediate_size")}
+    single = dict(
+        single_stream=True, v_hidden_size=text["hidden_size"], v_num_heads=text["num_heads"],
+        v_intermediate_size=text["intermediate_size"], v_num_layers=0, t_biattention_id=(), v_biattention_id=(),
+    )
+    return ViLBertConfig(**{**single, **kw})
+
+
+def vilbert_tiny(**kw: Any) -> ViLBertConfig:
+    """A ViLBERT for unit tests: 3 text layers (width 32), 2 visual layers (width 24), 2 co-attention
+    layers (width 16) before text layers 1, 2 and visual layers 0, 1; three different widths so that a
+    mixed-up projection cannot go unnoticed."""
+    base = ViLBertConfig(
+        vocab_size=100, hidden_size=32, num_heads=2, intermediate_size=48, num_layers=3, max_position_embeddings=64,
+        visual_dim=16, v_hidden_size=24, v_num_heads=2, v_intermediate_size=40, v_num_layers=2,
+        bi_hidden_size=16, bi_num_heads=2, t_biattention_id=(1, 2), v_biattention_id=(0, 1), num_region_classes=11,
+    )
+    return dataclasses.replace(base, **kw)
+
+
 MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "visualbert-base": visualbert_base,
     "visualbert-small": visualbert_small,
     "visualbert-tiny": visualbert_tiny,
+    "visualbert-no-early-fusion": visualbert_no_early_fusion,
+    "lxmert-base": lxmert_base,
+    "lxmert-tiny": lxmert_tiny,
+    "vilbert-base": vilbert_base,
+    "vilbert-depth2": vilbert_depth2,
+    "vilbert-depth4": vilbert_depth4,
+    "vilbert-depth6": vilbert_depth6,
+    "vilbert-depth8": vilbert_depth8,
+    "vilbert-single-stream": vilbert_single_stream,
+    "vilbert-tiny": vilbert_tiny,
 }
 
 ARCHS: dict[str, tuple[type, Callable[[Any], nn.Module]]] = {
     "visualbert": (VisualBertConfig, VisualBertForPreTraining),
+    "lxmert": (LxmertConfig, LxmertForPreTraining),
+    "vilbert": (ViLBertConfig, ViLBertForPreTraining),
 }
 
-CONFIG_ARCH = {VisualBertConfig: "visualbert"}
+CONFIG_ARCH = {VisualBertConfig: "visualbert", LxmertConfig: "lxmert", ViLBertConfig: "vilbert"}
 
 
 def model_config(name: str, **kw: Any):

@@ -4,6 +4,9 @@ Our parameter names follow BERT's, so the map is short: HF's `visual_bert.` pref
 (a bare `VisualBertModel` has no prefix), and the MLM decoder, which HF ties to the word embeddings,
 is dropped because ours is tied too. Works for checkpoints saved by `save_pretrained`
 (`config.json` + `model.safetensors` or `pytorch_model.bin`).
+
+LXMERT's converter lives in `convert_hf_lxmert.py` (its rename table is longer); `load_hf_lxmert` is
+re-exported here so that every Hugging Face loader is reachable from this module.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json
+from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining
 from vlberts.models.weights import load_into, read_state_dict, rename_keys
 

@@ -25,6 +25,13 @@ class AttentionMaps:
     text_to_vision: list[Tensor] = field(default_factory=list)  # per layer (B, H, T, R)
     vision_to_text: list[Tensor] = field(default_factory=list)  # per layer (B, H, R, T)
     source: str = "joint"  # which maps the text-to-region view below is taken from
+    # Single-stream models where the regions join late (VisualBERT without early fusion): the joint maps
+    # of layers before this index are text-only, (B, H, T, T), with the text at positions 0..T-1.
+    fusion_layer: int = 0
+    # Two-stream models whose vision stream starts with elements that are not regions (ViLBERT's [IMG],
+    # the whole-image element at position 0): the vision_self / text_to_vision / vision_to_text maps
+    # cover those too, and `text_to_region` drops their columns so that column r is the caller's region r.
+    vision_offset: int = 0
 
     def text_to_region(self) -> Tensor:
         """(L, B, H, T, R): the attention each text token pays to each region, per layer and head.
@@ -34,12 +41,21 @@ class AttentionMaps:
         """
         if self.joint:
             t, r = self.text_index, self.region_index
-            return torch.stack([m[:, :, t][:, :, :, r] for m in self.joint])
+            # A layer before `fusion_layer` has no region columns: the regions are not part of its
+            # input, so its text pays them zero attention (and the grounding analysis reads such a head
+            # as one that never looks at the image, not as one that picks region 0).
+            return torch.stack([
+                m[:, :, t][:, :, :, r] if i >= self.fusion_layer else m.new_zeros(*m.shape[:2], len(t), len(r))
+                for i, m in enumerate(self.joint)
+            ])
         if self.text_to_vision:
-            return torch.stack(self.text_to_vision)
+            return torch.stack(self.text_to_vision)[..., self.vision_offset :]
         raise ValueError("no text-to-region attention maps were recorded")
 
     def describe(self) -> str:
+        if self.joint and self.fusion_layer:
+            return (f"joint self-attention maps of {len(self.joint)} layers, sliced text rows x region columns; "
+                    f"layers 1-{self.fusion_layer} see no regions (zero attention to them)")
         if self.joint:
             return f"joint self-attention maps of {len(self.joint)} layers, sliced text rows x region columns"
         return f"text-to-vision cross-attention maps of {len(self.text_to_vision)} layers"
@@ -53,6 +69,7 @@ class VLOutput:
     vision: Tensor  # (B, R, Dv) final hidden states at the region positions
     pooled: Tensor  # (B, D) pooled output used by the classification heads
     attentions: AttentionMaps | None = None
+    image: Tensor | None = None  # (B, Dv) final state of a whole-image element (ViLBERT's h_IMG), if any
 
 
 @dataclass
@@ -60,3 +77,29 @@ class PretrainOutput:
     mlm_logits: Tensor  # (B, T, V), or (N, V) at the N positions asked for
     match_logits: Tensor  # (B, 2)
     encoded: VLOutput
+
+
+@dataclass
+class LxmertPretrainOutput:
+    """LXMERT's pre-training heads (§3.1); the first three fields are `PretrainOutput`'s.
+
+    A head the model was built without gives None.
+    """
+
+    mlm_logits: Tensor  # (B, T, V), or (N, V) at the N positions asked for
+    match_logits: Tensor  # (B, 2), index 1 = the sentence matches the image (LXMERT's convention)
+    encoded: VLOutput
+    obj_logits: Tensor | None = None  # (B, R, n_obj) detected-object label logits
+    attr_logits: Tensor | None = None  # (B, R, n_attr) detected-attribute label logits
+    feat_pred: Tensor | None = None  # (B, R, F) regressed RoI features
+    qa_logits: Tensor | None = None  # (B, A) answer logits
+
+
+@dataclass
+class ViLBertPretrainOutput:
+    """ViLBERT's pre-training heads (§2.2); the first three fields are `PretrainOutput`'s."""
+
+    mlm_logits: Tensor  # (B, T, V), or (N, V) at the N positions asked for
+    match_logits: Tensor  # (B, 2) alignment; index 0 = aligned, 1 = not aligned (the original's label)
+    encoded: VLOutput
+    region_logits: Tensor  # (B, R, C) masked-region class logits at the caller's regions ([IMG] excluded)

@@ -7,6 +7,9 @@ embedding is the sum of (App. A.2)
   f_p  a visual position embedding; when word-region alignments are given (VCR) it is the average of the
        aligned words' position embeddings plus the visual position embedding of index 0,
 and one LayerNorm covers the whole concatenated sequence. Regions are never masked in pre-training.
+
+`fusion_layer` > 0 gives the ablation "VisualBERT w/o Early Fusion" (App. B, App. C "C2"): the layers
+before it run on the text alone, and the regions join at layer `fusion_layer`.
 """
 
 from __future__ import annotations
@@ -46,12 +49,25 @@ class VisualBertConfig:
     visual_spatial: Literal["none", "6d"] = "none"
     # Copy the text segment/position tables into the visual ones at initialisation (original code).
     special_visual_initialize: bool = True
+    # Index of the first encoder layer that sees the regions. 0 is VisualBERT: early fusion, the regions
+    # join the text at the input of layer 0. k > 0 is the ablation "VisualBERT w/o Early Fusion" (App. B:
+    # "image representations are not combined with the text in the initial Transformer layer but instead
+    # at the very end with a new Transformer layer"; App. C, C2): layers 0..k-1 run on the text alone, and
+    # at layer k the regions join as they left the embedding layer. The paper's variant is k =
+    # num_layers - 1 with one layer added on top of BERT's (`visualbert_no_early_fusion`), as in the
+    # original code's `bypass_transformer`, whose `additional_layer` is our layer k.
+    fusion_layer: int = 0
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.visual_spatial not in ("none", "6d"):
             raise ValueError(f"visual_spatial must be 'none' or '6d', got {self.visual_spatial!r}")
+        if not 0 <= self.fusion_layer < self.num_layers:
+            # At least one layer must see the regions, or the image would never reach the text.
+            raise ValueError(
+                f"fusion_layer must be in [0, num_layers - 1] = [0, {self.num_layers - 1}], got {self.fusion_layer}"
+            )
 
     @property
     def block(self) -> BlockConfig:
@@ -68,6 +84,11 @@ class VisualBertConfig:
     @property
     def projection_in(self) -> int:
         return self.visual_dim + SPATIAL_DIMS[self.visual_spatial]
+
+    def describe(self) -> str:
+        late = f", regions join at layer {self.fusion_layer + 1}" if self.fusion_layer else ""
+        return (f"{self.num_layers} layers x {self.num_heads} heads, width {self.hidden_size}, "
+                f"visual_dim {self.visual_dim}{late}")
 
 
 class VisualBertEmbeddings(nn.Module):
@@ -124,10 +145,27 @@ class VisualBertModel(nn.Module):
         self.pooler = Pooler(cfg.hidden_size)
 
     def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+        """With `need_attn`, `attentions.joint` holds one map per layer: (B, H, S, S) for the layers that
+        see the regions, (B, H, T, T) for the text-only layers before `cfg.fusion_layer`."""
         T = x.input_ids.shape[1]
         h = self.embeddings(x)  # (B, S, D), S = T + R
         mask = torch.cat([x.attention_mask.bool(), x.region_mask.bool()], dim=1)  # (B, S)
-        h, maps = self.encoder(h, mask_bias(mask, h.dtype), need_weights=need_attn)
+        bias = mask_bias(mask, h.dtype)  # (B, 1, 1, S)
+        k = self.cfg.fusion_layer
+        if k == 0:
+            h, maps = self.encoder(h, bias, need_weights=need_attn)
+        else:
+            # Without early fusion: the text alone through layers 0..k-1, then the regions' embeddings
+            # are appended and layers k.. run on the whole sequence (original code: `bypass_transformer`).
+            text, maps = h[:, :T], []
+            for layer in self.encoder.layer[:k]:
+                text, probs = layer(text, bias[..., :T], need_attn)  # (B, T, D); probs (B, H, T, T)
+                maps.append(probs)
+            h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
+            for layer in self.encoder.layer[k:]:
+                h, probs = layer(h, bias, need_attn)
+                maps.append(probs)
+            maps = maps if need_attn else []
         attn = None
         if need_attn:
             S = h.shape[1]
@@ -136,6 +174,7 @@ class VisualBertModel(nn.Module):
                 text_index=torch.arange(T, device=h.device),
                 region_index=torch.arange(T, S, device=h.device),
                 source="joint",
+                fusion_layer=k,
             )
         return VLOutput(text=h[:, :T], vision=h[:, T:], pooled=self.pooler(h[:, 0]), attentions=attn)
 

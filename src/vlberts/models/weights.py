@@ -52,11 +52,17 @@ def rename_keys(sd: dict[str, Tensor], rules: list[tuple[str, str]]) -> dict[str
     """Apply regex substitutions in order to every key; a rule mapping to "" drops the key."""
     out = {}
     for k, v in sd.items():
-        for pat, rep in rules:
-            k = re.sub(pat, rep, k)
+        k = rename_key(k, rules)
         if k:
             out[k] = v
     return out
+
+
+def rename_key(key: str, rules: list[tuple[str, str]]) -> str:
+    """One key through `rename_keys`' rules ("" = dropped)."""
+    for pat, rep in rules:
+        key = re.sub(pat, rep, key)
+    return key
 
 
 def load_into(
@@ -66,19 +72,30 @@ def load_into(
     source: str | Path,
     allow_missing: Callable[[str], bool] = lambda k: False,
     allow_unexpected: Callable[[str], bool] = lambda k: False,
+    file_names: dict[str, str] | None = None,
 ) -> list[str]:
     """Copy `sd` into `model`, checking names and shapes.
 
     Any key the model lacks, any model key the file lacks, or any shape disagreement is a one-line
     `VlbertsError` naming the first few offending keys, unless the predicates allow it. Returns the
-    model keys left at their initial values.
+    model keys left at their initial values. `file_names` maps renamed keys back to the names in the
+    file, so that errors about keys from the file also give the name the user can find there.
     """
+    names = file_names or {}
+
+    def shown(k: str) -> str:
+        return f"{k} (file key {names[k]})" if names.get(k, k) != k else k
+
     own = model.state_dict()
     # Tied parameters appear under several names; they need to be present only once.
     tied = tied_aliases(model)
     missing = [k for k in own if k not in sd and k not in tied and not allow_missing(k)]
-    unexpected = [k for k in sd if k not in own and not allow_unexpected(k)]
-    bad_shape = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}" for k in sd if k in own and sd[k].shape != own[k].shape]
+    unexpected = [shown(k) for k in sd if k not in own and not allow_unexpected(k)]
+    bad_shape = [
+        f"{shown(k)} {tuple(sd[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sd
+        if k in own and sd[k].shape != own[k].shape
+    ]
     problems = []
     if bad_shape:
         problems.append("shape mismatch: " + ", ".join(bad_shape[:3]))

@@ -116,7 +116,11 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
 def _maps_used(model: Any) -> str:
     """Which attention maps the analysis read, in words (single-stream: the joint map's text x region block)."""
     L = model.cfg.num_layers
-    return f"joint self-attention of all {L} layers x {model.cfg.num_heads} heads, text rows x region columns"
+    text = f"joint self-attention of all {L} layers x {model.cfg.num_heads} heads, text rows x region columns"
+    k = getattr(model.cfg, "fusion_layer", 0)
+    if k:  # VisualBERT without early fusion: the first k layers never see the regions
+        text += f"; layers 1-{k} run on the text alone (zero attention to regions, never a hit)"
+    return text
 
 
 def _skips(skipped: dict[str, int]) -> str:

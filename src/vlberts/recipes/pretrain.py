@@ -11,10 +11,12 @@ same run directory it resumes from the newest one and reproduces the uninterrupt
     RUN/metrics.jsonl     one record per logged step
     RUN/checkpoints/      training checkpoints (`latest` names the newest)
     RUN/model/            the final model directory (weights, config, vocabulary)
+    RUN/bert_init.json    with --bert_init: which tensors came from the BERT checkpoint, which stayed random
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ from vlberts.data.pretrain import CaptionPretrainData, collate_pretrain
 from vlberts.data.sampling import Position
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
+from vlberts.io import read_json, write_json
+from vlberts.models.bert_init import init_text_from_bert
 from vlberts.models.builders import build_pretraining_model, model_config
 from vlberts.objectives.mlm import masked_positions, match_loss, mlm_loss
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
@@ -45,6 +49,12 @@ class PretrainConfig:
     vocab_size: int = opt(1000, "size of the WordPiece vocabulary when one is trained")
     model: str = opt("visualbert-small", "named model configuration (see `vlberts models`)")
     init: str = opt("", "start from this vlberts model directory (e.g. a task-agnostic run's RUN/model)")
+    bert_init: str = opt(
+        "",
+        "initialise the text side from this Hugging Face BERT directory (config.json + model.safetensors or "
+        "pytorch_model.bin); the vocabulary is then the checkpoint's vocab.txt (its own, or --tokenizer=DIR "
+        "holding the same one); writes RUN/bert_init.json listing what was copied and what stayed random",
+    )
     pairs: bool = opt(True, "two captions + sentence-image prediction; false: one caption, MLM only")
     steps: int = opt(1000, "optimizer updates")
     batch_size: int = opt(64, "examples per micro-batch")
@@ -78,12 +88,40 @@ def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenize
         return TextTokenizer.load(saved)
     if cfg.init:
         tok = TextTokenizer.load(cfg.init)
+    elif cfg.bert_init:
+        tok = bert_tokenizer(cfg)
     elif cfg.tokenizer:
         tok = TextTokenizer.load(cfg.tokenizer)
     else:
         # The focus words join the corpus so that a trained vocabulary holds each as one token.
         tok = TextTokenizer.train([*texts, *cfg.mlm_focus_words], vocab_size=cfg.vocab_size)
     tok.save(saved)
+    return tok
+
+
+def bert_tokenizer(cfg: PretrainConfig) -> TextTokenizer:
+    """The vocabulary of the `bert_init` checkpoint: `tokenizer` if given, else the checkpoint's own
+    vocab.txt. Any other vocabulary would hand BERT's embedding rows to the wrong words, so a vocabulary
+    that differs from the checkpoint's (its vocab.txt, or the size in its config.json) is an error."""
+    bert = Path(cfg.bert_init)
+    src = Path(cfg.tokenizer) if cfg.tokenizer else bert
+    if not (src / "vocab.txt").is_file():
+        where = "--tokenizer has none" if cfg.tokenizer else "the checkpoint directory has none; pass --tokenizer=DIR holding it"
+        raise VlbertsError(f"--bert_init needs the checkpoint's vocab.txt: {where}", path=src)
+    tok = TextTokenizer.load(src)
+    if cfg.tokenizer and (bert / "vocab.txt").is_file():
+        if TextTokenizer.load(bert).tok.get_vocab() != tok.tok.get_vocab():
+            raise VlbertsError(
+                f"--tokenizer's vocab.txt differs from the --bert_init checkpoint's ({bert / 'vocab.txt'})",
+                path=src / "vocab.txt",
+            )
+    if (bert / "config.json").is_file():
+        size = read_json(bert / "config.json").get("vocab_size")
+        if size != tok.vocab_size:
+            raise VlbertsError(
+                f"vocab.txt has {tok.vocab_size} tokens but the BERT checkpoint's vocabulary has {size} "
+                "(config.json vocab_size): use the checkpoint's own vocab.txt", path=src / "vocab.txt"
+            )
     return tok
 
 
@@ -105,6 +143,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     device = resolve_device(cfg.device)
     if not cfg.captions or not cfg.features:
         raise VlbertsError("pretrain needs --captions=FILE and --features=STORE")
+    if cfg.init and cfg.bert_init:
+        raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
     captions = read_caption_refs(cfg.captions, split=cfg.split)
     store = RegionStore(cfg.features)
@@ -121,6 +161,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     else:
         model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, visual_dim=store.feature_dim)
         model = build_pretraining_model(model_cfg)
+        if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
+            report = init_text_from_bert(model, cfg.bert_init)
+            write_json(out / "bert_init.json", report.to_dict())
+            print(report.summary(), file=sys.stderr)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features

@@ -1,0 +1,101 @@
+"""Hugging Face LXMERT checkpoints -> vlberts (`LxmertModel`, `LxmertForPreTraining` and
+`LxmertForQuestionAnswering` directories written by `save_pretrained`: `config.json` +
+`model.safetensors` or `pytorch_model.bin`).
+
+The rename table, applied in order to every key of the file (a bare `LxmertModel` has no `lxmert.`
+prefix; rule 1 adds it):
+
+| # | Hugging Face key                                   | vlberts key                                   |
+|---|----------------------------------------------------|-----------------------------------------------|
+| 1 | `embeddings.` / `encoder.` / `pooler.` (bare model) | `lxmert.embeddings.` / `lxmert.encoder.` / ... |
+| 2 | `lxmert.encoder.visn_fc.{visn_fc,visn_layer_norm,box_fc,box_layer_norm}` | `lxmert.object_embeddings.{same}` |
+| 3 | `lxmert.encoder.layer.N.`                          | `lxmert.encoder.layer.N.` (unchanged, BERT's names) |
+| 4 | `lxmert.encoder.r_layers.N.`                       | `lxmert.r_encoder.layer.N.`                   |
+| 5 | `lxmert.encoder.x_layers.N.`                       | `lxmert.x_layers.N.`                          |
+| 6 | `x_layers.N.visual_attention.att.{query,key,value}` | `x_layers.N.cross_attention.self.{same}`      |
+| 7 | `x_layers.N.visual_attention.output.`              | `x_layers.N.cross_attention.output.`          |
+| 8 | `x_layers.N.{lang,visn}_self_att.{self,output}.`   | unchanged                                     |
+| 9 | `x_layers.N.{lang,visn}_inter.`                    | `x_layers.N.{lang,visn}_ffn.intermediate.`    |
+| 10| `x_layers.N.{lang,visn}_output.`                   | `x_layers.N.{lang,visn}_ffn.output.`          |
+| 11| `lxmert.pooler.`, `lxmert.embeddings.`, `cls.`, `obj_predict_head.`, `answer_head.` | unchanged |
+| 12| `cls.predictions.decoder.weight`                   | dropped: tied to the word embeddings          |
+| 13| `*.position_ids` (saved by old versions)           | dropped: not a parameter                      |
+
+Heads the file does not hold (all of them for a bare `LxmertModel`; `cls` and `obj_predict_head` for
+`LxmertForQuestionAnswering`) stay freshly initialised; any other missing, unexpected or mis-shaped key
+is a `VlbertsError` naming the first offending keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json
+from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
+from vlberts.models.weights import load_into, read_state_dict, rename_key
+
+HF_LXMERT_RULES = [
+    (r"^(embeddings|encoder|pooler)\.", r"lxmert.\1."),  # 1
+    (r"^lxmert\.encoder\.visn_fc\.", "lxmert.object_embeddings."),  # 2
+    (r"^lxmert\.encoder\.r_layers\.(\d+)\.", r"lxmert.r_encoder.layer.\1."),  # 4
+    (r"^lxmert\.encoder\.x_layers\.", "lxmert.x_layers."),  # 5
+    (r"\.visual_attention\.att\.", ".cross_attention.self."),  # 6
+    (r"\.visual_attention\.output\.", ".cross_attention.output."),  # 7
+    (r"^(lxmert\.x_layers\.\d+)\.(lang|visn)_inter\.", r"\1.\2_ffn.intermediate."),  # 9
+    (r"^(lxmert\.x_layers\.\d+)\.(lang|visn)_output\.", r"\1.\2_ffn.output."),  # 10
+    (r"^cls\.predictions\.decoder\.weight$", ""),  # 12
+    (r"\.position_ids$", ""),  # 13
+]
+
+_HEAD_PREFIXES = ("cls.", "obj_predict_head.", "answer_head.")
+
+
+def lxmert_config_from_hf(hf: dict) -> LxmertConfig:
+    """Translate a HF `LxmertConfig` dict; settings we do not implement are errors, not ignored."""
+    if hf.get("tie_word_embeddings") is False:
+        raise VlbertsError("tie_word_embeddings=False (an MLM decoder apart from the word embeddings) is not supported")
+    obj = hf.get("task_obj_predict", True)
+    try:
+        return LxmertConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_heads=hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            language_layers=hf["l_layers"],
+            relation_layers=hf["r_layers"],
+            cross_layers=hf["x_layers"],
+            hidden_act=hf.get("hidden_act", "gelu"),
+            hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
+            attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+            max_position_embeddings=hf.get("max_position_embeddings", 512),
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            initializer_range=hf.get("initializer_range", 0.02),
+            visual_dim=hf["visual_feat_dim"],
+            visual_pos_dim=hf.get("visual_pos_dim", 4),
+            # HF builds a head only if its task (and, for object prediction, its loss) is switched on.
+            num_object_labels=hf.get("num_object_labels", 1600) if obj and hf.get("visual_obj_loss", True) else 0,
+            num_attr_labels=hf.get("num_attr_labels", 400) if obj and hf.get("visual_attr_loss", True) else 0,
+            feat_regression=bool(obj and hf.get("visual_feat_loss", True)),
+            num_qa_labels=hf.get("num_qa_labels", 9500) if hf.get("task_qa", True) else 0,
+        )
+    except KeyError as e:
+        raise VlbertsError(f"HF LXMERT config lacks {e.args[0]}") from None
+    except ValueError as e:
+        raise VlbertsError(f"HF LXMERT config: {e}") from None
+
+
+def load_hf_lxmert(path: str | Path) -> LxmertForPreTraining:
+    """Load a HF LXMERT checkpoint directory into our `LxmertForPreTraining`."""
+    path = Path(path)
+    cfg = lxmert_config_from_hf(read_json(path / "config.json"))
+    model = LxmertForPreTraining(cfg)
+    sd, file_names = {}, {}
+    for k, v in read_state_dict(path).items():
+        ours = rename_key(k, HF_LXMERT_RULES)
+        if ours:
+            sd[ours], file_names[ours] = v, k
+    absent = tuple(p for p in _HEAD_PREFIXES if not any(k.startswith(p) for k in sd))
+    load_into(model, sd, source=path, allow_missing=lambda k: k.startswith(absent), file_names=file_names)
+    model.tie_weights()
+    return model
