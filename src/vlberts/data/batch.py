@@ -40,6 +40,9 @@ class VLInputs:
     region_mask: Tensor  # (B, R) bool, True for real regions
     region_type_ids: Tensor | None = None  # (B, R) long; None = all 1 (VisualBERT visual segment)
     image_text_alignment: Tensor | None = None  # (B, R, K) long word positions, -1 = none (VCR)
+    # (B, 3, H, W) float image pixels, normalised as the model's CNN expects; region_boxes are relative to
+    # this H, W. Only end-to-end models (VL-BERT `end_to_end`) read it; None everywhere else.
+    pixels: Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VLInputs:
         return _to(self, device, non_blocking)

@@ -17,6 +17,17 @@ from vlberts.errors import VlbertsError
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
 from vlberts.models.vilbert import ViLBertConfig, ViLBertForPreTraining
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining
+from vlberts.models.vlbert import VLBertConfig, VLBertForPreTraining
+from vlberts.models.wvisualbert import (
+    WVisualBertConfig,
+    WVisualBertForPreTraining,
+    wvisualbert_base,
+    wvisualbert_h,
+    wvisualbert_nt,
+    wvisualbert_s,
+    wvisualbert_s_nt,
+    wvisualbert_tiny,
+)
 
 
 def visualbert_base(**kw: Any) -> VisualBertConfig:
@@ -145,6 +156,29 @@ def vilbert_tiny(**kw: Any) -> ViLBertConfig:
     return dataclasses.replace(base, **kw)
 
 
+def vlbert_base(**kw: Any) -> VLBertConfig:
+    """VL-BERT-base (paper §4.1): BERT-base (12 layers x 12 heads, width 768), 2048-d RoI appearance features,
+    2048-d sin/cos geometry, 1601 detector classes for masked RoI classification, no relationship head.
+    The paper's visual network is a ResNet-101 Fast R-CNN tuned with the model; we do not ship it, so this
+    config reads precomputed region features (pass `end_to_end=True` with a CNN of your own for the other mode)."""
+    return dataclasses.replace(VLBertConfig(), **kw)
+
+
+def vlbert_tiny(**kw: Any) -> VLBertConfig:
+    """A 2-layer VL-BERT on precomputed features for unit tests."""
+    base = VLBertConfig(
+        vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+        max_position_embeddings=64, visual_dim=16, geometry_dim=32, num_region_classes=11,
+    )
+    return dataclasses.replace(base, **kw)
+
+
+def vlbert_e2e_tiny(**kw: Any) -> VLBertConfig:
+    """A 2-layer end-to-end VL-BERT for unit tests: a 2-conv CNN (8, 16 channels, stride 4) + 4x4 RoIAlign
+    inside the model, reading `VLInputs.pixels`."""
+    return vlbert_tiny(**{"end_to_end": True, "cnn_channels": (8, 16), "roi_size": 4, **kw})
+
+
 MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "visualbert-base": visualbert_base,
     "visualbert-small": visualbert_small,
@@ -159,15 +193,29 @@ MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "vilbert-depth8": vilbert_depth8,
     "vilbert-single-stream": vilbert_single_stream,
     "vilbert-tiny": vilbert_tiny,
+    "vlbert-base": vlbert_base,
+    "vlbert-tiny": vlbert_tiny,
+    "vlbert-e2e-tiny": vlbert_e2e_tiny,
+    "wvisualbert-base": wvisualbert_base,
+    "wvisualbert-tiny": wvisualbert_tiny,
+    "wvisualbert-nt": wvisualbert_nt,
+    "wvisualbert-s": wvisualbert_s,
+    "wvisualbert-s-nt": wvisualbert_s_nt,
+    "wvisualbert-h": wvisualbert_h,
 }
 
 ARCHS: dict[str, tuple[type, Callable[[Any], nn.Module]]] = {
     "visualbert": (VisualBertConfig, VisualBertForPreTraining),
     "lxmert": (LxmertConfig, LxmertForPreTraining),
     "vilbert": (ViLBertConfig, ViLBertForPreTraining),
+    "vlbert": (VLBertConfig, VLBertForPreTraining),
+    "wvisualbert": (WVisualBertConfig, WVisualBertForPreTraining),
 }
 
-CONFIG_ARCH = {VisualBertConfig: "visualbert", LxmertConfig: "lxmert", ViLBertConfig: "vilbert"}
+CONFIG_ARCH = {
+    VisualBertConfig: "visualbert", LxmertConfig: "lxmert", ViLBertConfig: "vilbert", VLBertConfig: "vlbert",
+    WVisualBertConfig: "wvisualbert",
+}
 
 
 def model_config(name: str, **kw: Any):

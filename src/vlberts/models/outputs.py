@@ -103,3 +103,13 @@ class ViLBertPretrainOutput:
     match_logits: Tensor  # (B, 2) alignment; index 0 = aligned, 1 = not aligned (the original's label)
     encoded: VLOutput
     region_logits: Tensor  # (B, R, C) masked-region class logits at the caller's regions ([IMG] excluded)
+
+
+@dataclass
+class VLBertPretrainOutput:
+    """VL-BERT's pre-training heads (§3.3); the first three fields are `PretrainOutput`'s."""
+
+    mlm_logits: Tensor  # (B, T, V), or (N, V) at the N positions asked for
+    match_logits: Tensor | None  # (B, 2) only with `with_match_head` (off in the paper's recipe), else None
+    encoded: VLOutput
+    region_logits: Tensor  # (B, R, C) masked RoI classification logits at the caller's regions (whole image excluded)

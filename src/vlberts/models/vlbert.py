@@ -1,0 +1,377 @@
+"""VL-BERT (Su et al., ICLR 2020, "VL-BERT: Pre-training of Generic Visual-Linguistic Representations").
+
+One Transformer over one sequence (§3.2, Fig. 1):
+
+    [CLS] text [SEP]  [IMG]_whole  [IMG]_1 ... [IMG]_R  [END]
+    segment  A/B      C            C ...                C       (ids 0/1, 2, 2, 2; type_vocab_size 3)
+    position 0..n-1   n            n ...                n + 1   (n = the sample's real text length)
+
+Every element's embedding is token + visual feature + segment + sequence position (§3.2), then BERT's
+embedding LayerNorm and dropout:
+- token: WordPiece for words; one learned [IMG] embedding for every visual element (a learned object-[MASK]
+  embedding for a masked RoI); a learned [END] embedding.
+- visual feature embedding = ReLU(FC(concat(appearance, geometry))) (§3.2 "the output of a fully connected
+  layer taking the concatenation of visual appearance feature and visual geometry embedding"). Appearance is
+  the RoI's detector feature (2048-d in the paper); geometry is the box embedded with sin/cos at different
+  wavelengths (2048-d; `geometry_embedding`). Visual elements get their own RoI's; text elements get the
+  whole-image RoI's (§3.2 "for the non-visual elements ... features extracted on the whole input image").
+  Text and visual elements each pass their visual feature embedding through their own LayerNorm; the text one
+  starts with weight 0, so an initialisation from BERT starts as BERT on the text (released code:
+  `visual_ln_text`, `visual_scale_text_init=0`; `visual_ln_object`, init 1).
+- text-only samples (§3.3, the BooksCorpus/Wikipedia stream, input "<Text, ∅>"): "the visual feature
+  embedding term is a learnable embedding shared for all words"; such a sample has no visual elements, so its
+  whole-image element is masked out too (a sample with no real region is treated as text-only).
+
+The whole image is one extra visual element (released code `ADD_IMAGE_AS_A_BOX`, box [0, 0, 1, 1]); with
+precomputed features its appearance is the mean of the sample's real, unmasked region features (released code),
+in end-to-end mode it is RoIAlign over the whole image.
+
+Masked RoI classification (§3.3 Task #2): a masked RoI's [IMG] token becomes the object-[MASK] embedding and its
+appearance a learned vector (zero-initialised, released code `object_mask_visual_embedding`). In end-to-end mode
+the pixels inside every masked RoI are also set to zero before the CNN ("to avoid any visual clue leakage from
+the visual feature embedding of other elements"): the whole-image element and overlapping RoIs then cannot see
+the masked object either.
+
+End-to-end mode (`end_to_end=True`): a CNN backbone + RoIAlign + FC head inside the model turns pixels
+(`VLInputs.pixels`) and the boxes into appearance features, trained with the rest (paper: Fast R-CNN on
+ResNet-101; here a small CNN, `VisualBackbone`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import roi_align
+
+from vlberts.data.batch import VLInputs
+from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, activation, init_bert_weights, mask_bias
+from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
+
+# Released code `coordinate_embeddings`: normalised coordinates are scaled by 100 and divided by
+# wavelengths 1000 ** (k / K), k = 0..K-1 (the Relation Networks recipe the paper cites).
+GEOMETRY_SCALE = 100.0
+GEOMETRY_WAVE = 1000.0
+
+
+@dataclass(frozen=True)
+class VLBertConfig:
+    """Architecture only; training switches live in the run config.
+
+    The paper's visual network is a Fast R-CNN on ResNet-101 (§4.1), fine-tuned with the model. We do not ship
+    it: `vlbert_base` reads precomputed 2048-d region features, and `end_to_end=True` builds the small CNN of
+    `VisualBackbone` (`cnn_channels`, `roi_size`), whose weights the user trains or loads.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 3  # A, B for the sentences, C for the image (§3.2)
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    visual_dim: int = 2048  # appearance feature width (precomputed, or the CNN head's output)
+    geometry_dim: int = 2048  # sin/cos geometry embedding width (§3.2 "2048-d in paper"); a multiple of 8
+    # Which 4 numbers of the box are embedded. The paper's text says (x1/W, y1/H, x2/W, y2/H); the released
+    # code embeds (xc/W, yc/H, w/W, h/H). We follow the code, which produced the paper's numbers.
+    geometry_box: Literal["cxcywh", "xyxy"] = "cxcywh"
+    visual_dropout: float = 0.1  # before the visual feature FC (released code: Dropout(0.1) -> Linear -> ReLU)
+    visual_scale_text_init: float = 0.0  # initial weight of the text elements' visual LayerNorm
+    visual_scale_object_init: float = 1.0  # initial weight of the visual elements' visual LayerNorm
+    num_region_classes: int = 1601  # masked RoI classification: detector classes incl. background
+    # Sentence-image relationship head. Off: the paper (§4.3, Table 4) found the task harmful and the
+    # released pre-training configs set WITH_REL_LOSS false.
+    with_match_head: bool = False
+    end_to_end: bool = False  # CNN + RoIAlign inside the model, reading VLInputs.pixels
+    cnn_channels: tuple[int, ...] = (32, 64)  # end-to-end only: conv widths; the first two convs have stride 2
+    roi_size: int = 7  # end-to-end only: RoIAlign output grid
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.geometry_dim <= 0 or self.geometry_dim % 8:
+            raise ValueError(f"geometry_dim must be a positive multiple of 8 (sin and cos of 4 numbers), got {self.geometry_dim}")
+        if self.geometry_box not in ("cxcywh", "xyxy"):
+            raise ValueError(f"geometry_box must be 'cxcywh' or 'xyxy', got {self.geometry_box!r}")
+        if self.type_vocab_size < 3:
+            raise ValueError(f"type_vocab_size must be >= 3 (segments A, B, C), got {self.type_vocab_size}")
+        if self.end_to_end and not self.cnn_channels:
+            raise ValueError("end_to_end needs at least one CNN layer in cnn_channels")
+
+    @property
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            self.hidden_size,
+            self.num_heads,
+            self.intermediate_size,
+            self.hidden_act,
+            self.hidden_dropout,
+            self.attention_dropout,
+            self.layer_norm_eps,
+        )
+
+    def describe(self) -> str:
+        vis = (f"end-to-end CNN {'-'.join(map(str, self.cnn_channels))} + RoIAlign {self.roi_size}x{self.roi_size}"
+               if self.end_to_end else f"visual_dim {self.visual_dim}")
+        return (f"{self.num_layers} layers x {self.num_heads} heads, width {self.hidden_size}, {vis}, "
+                f"{self.geometry_dim}-d sin/cos geometry")
+
+
+def geometry_embedding(boxes: Tensor, dim: int = 2048, box: str = "cxcywh") -> Tensor:
+    """boxes (..., 4) normalised xyxy -> (..., dim) sin/cos embedding (paper §3.2, Relation Networks).
+
+    The 4 numbers p (centre and size, or the corners) are scaled by 100; with K = dim / 8 wavelengths
+    w_k = 1000 ** (k / K), the embedding is, per number, [sin(p / w_0..K-1), cos(p / w_0..K-1)], and the
+    four numbers' blocks follow one another (released code's layout: (4, 2K) flattened).
+    """
+    x1, y1, x2, y2 = boxes.unbind(-1)
+    if box == "cxcywh":
+        p = torch.stack([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], dim=-1)
+    elif box == "xyxy":
+        p = boxes
+    else:
+        raise ValueError(f"unknown geometry box format {box!r}; valid: cxcywh, xyxy")
+    K = dim // 8
+    wave = GEOMETRY_WAVE ** (torch.arange(K, device=boxes.device, dtype=boxes.dtype) / K)  # (K,)
+    angle = (p * GEOMETRY_SCALE)[..., None] / wave  # (..., 4, K)
+    return torch.cat([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (..., 4 * 2K)
+
+
+def zero_pixels_in_boxes(pixels: Tensor, boxes: Tensor, masked: Tensor) -> Tensor:
+    """Pixel masking for masked RoI classification in end-to-end mode (paper §3.3, Task #2).
+
+    pixels (B, C, H, W); boxes (B, R, 4) normalised xyxy; masked (B, R) bool. Returns a copy of `pixels`
+    with every pixel that a masked box touches set to zero: pixel column j (covering [j, j + 1) in pixel
+    units) is inside when j + 1 > x1 * W and j < x2 * W, i.e. j in [floor(x1 W), ceil(x2 W)), and rows the
+    same. "Touches" rather than "centre inside" so that no sliver of the object survives the mask.
+    """
+    B, _, H, W = pixels.shape
+    cols = torch.arange(W, device=pixels.device, dtype=boxes.dtype)  # (W,)
+    rows = torch.arange(H, device=pixels.device, dtype=boxes.dtype)  # (H,)
+    x1, y1, x2, y2 = (boxes * boxes.new_tensor([W, H, W, H])).unbind(-1)  # (B, R) each, in pixels
+    in_x = (cols + 1 > x1[..., None]) & (cols < x2[..., None])  # (B, R, W)
+    in_y = (rows + 1 > y1[..., None]) & (rows < y2[..., None])  # (B, R, H)
+    inside = in_y[..., :, None] & in_x[..., None, :] & masked.bool()[..., None, None]  # (B, R, H, W)
+    return pixels.masked_fill(inside.any(1)[:, None], 0.0)  # (B, C, H, W)
+
+
+class VisualBackbone(nn.Module):
+    """End-to-end visual network: a small CNN over the pixels, RoIAlign per box, an FC head to `visual_dim`
+    (the Fast R-CNN detection branch's role in the paper, at toy size).
+
+    Pixels are read as given (normalised by the data pipeline), so zeroed pixels are zeros at the CNN input.
+    """
+
+    def __init__(self, cfg: VLBertConfig):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = 3
+        for i, c in enumerate(cfg.cnn_channels):
+            layers += [nn.Conv2d(c_in, c, 3, stride=2 if i < 2 else 1, padding=1), nn.ReLU()]
+            c_in = c
+        self.backbone = nn.Sequential(*layers)
+        self.stride = 2 ** min(2, len(cfg.cnn_channels))
+        self.roi_size = cfg.roi_size
+        self.fc = nn.Linear(c_in * cfg.roi_size**2, cfg.visual_dim)
+
+    def forward(self, pixels: Tensor, boxes: Tensor) -> Tensor:
+        """pixels (B, 3, H, W); boxes (B, K, 4) normalised xyxy -> appearance features (B, K, visual_dim)."""
+        B, _, H, W = pixels.shape
+        K = boxes.shape[1]
+        fmap = self.backbone(pixels)  # (B, C, H/s, W/s)
+        xyxy = boxes * boxes.new_tensor([W, H, W, H])  # (B, K, 4) in pixels
+        batch = torch.arange(B, device=boxes.device, dtype=boxes.dtype).repeat_interleave(K)  # (B*K,)
+        rois = torch.cat([batch[:, None], xyxy.reshape(B * K, 4)], dim=1)  # (B*K, 5)
+        pooled = roi_align(fmap, rois, self.roi_size, spatial_scale=1.0 / self.stride, sampling_ratio=2, aligned=True)
+        return F.relu(self.fc(pooled.flatten(1))).view(B, K, -1)  # (B, K, visual_dim)
+
+
+class VLBertEmbeddings(nn.Module):
+    """Token + visual feature + segment + position embeddings of `[CLS] text [SEP] [IMG]_whole regions [END]`."""
+
+    def __init__(self, cfg: VLBertConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, D, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, D)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, D)
+        self.img_embedding = nn.Embedding(1, D)  # the [IMG] token of every visual element
+        self.object_mask_word_embedding = nn.Embedding(1, D)  # token of a masked RoI
+        self.end_embedding = nn.Embedding(1, D)  # [END]
+        self.text_only_visual_embedding = nn.Embedding(1, D)  # §3.3: shared visual term of text-only samples
+        # Appearance of a masked RoI (precomputed features); zero-initialised as in the released code.
+        self.object_mask_visual_embedding = nn.Parameter(torch.zeros(cfg.visual_dim))
+        self.visual_dropout = nn.Dropout(cfg.visual_dropout)
+        self.visual_fc = nn.Linear(cfg.visual_dim + cfg.geometry_dim, D)  # FC(concat(appearance, geometry))
+        self.visual_ln_text = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.visual_ln_object = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def visual_feature(self, appearance: Tensor, boxes: Tensor) -> Tensor:
+        """appearance (B, K, F), boxes (B, K, 4) normalised xyxy -> visual feature embedding (B, K, D)."""
+        geo = geometry_embedding(boxes, self.cfg.geometry_dim, self.cfg.geometry_box).to(appearance.dtype)
+        return F.relu(self.visual_fc(self.visual_dropout(torch.cat([appearance, geo], dim=-1))))
+
+    def forward(
+        self, x: VLInputs, feats: Tensor, roi_masked: Tensor, image_feat: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """feats (B, R, F) region appearance; roi_masked (B, R) bool; image_feat (B, F) whole-image appearance,
+        or None to average the real unmasked regions'. Returns embeddings (B, S, D) and the key mask (B, S),
+        S = T + 1 + R + 1."""
+        B, T = x.input_ids.shape
+        R = feats.shape[1]
+        dev = x.input_ids.device
+        rmask = x.region_mask.bool()  # (B, R)
+        has_image = rmask.any(1)  # (B,) a sample without a real region is a text-only sample
+        if image_feat is None:
+            keep = (rmask & ~roi_masked).to(feats.dtype)[..., None]  # (B, R, 1)
+            image_feat = (feats * keep).sum(1) / keep.sum(1).clamp(min=1)  # (B, F)
+        appearance = torch.where(roi_masked[..., None], self.object_mask_visual_embedding.to(feats.dtype), feats)
+        appearance = torch.cat([image_feat[:, None], appearance], dim=1)  # (B, 1 + R, F)
+        whole = x.region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(B, 1, 4)
+        boxes = torch.cat([whole, x.region_boxes], dim=1)  # (B, 1 + R, 4)
+        vis = self.visual_feature(appearance, boxes)  # (B, 1 + R, D)
+
+        # Text elements: the whole image's visual feature, or the learned one for text-only samples.
+        text_vis = torch.where(has_image[:, None], vis[:, 0], self.text_only_visual_embedding.weight)  # (B, D)
+        text = self.word_embeddings(x.input_ids) + self.visual_ln_text(text_vis)[:, None]  # (B, T, D)
+
+        img_tok = self.img_embedding.weight.expand(B, 1 + R, -1)  # (B, 1 + R, D)
+        masked_tok = torch.cat([roi_masked.new_zeros(B, 1), roi_masked], dim=1)[..., None]  # whole image never masked
+        tok = torch.where(masked_tok, self.object_mask_word_embedding.weight, img_tok)
+        objects = tok + self.visual_ln_object(vis)  # (B, 1 + R, D)
+        end = self.end_embedding.weight.expand(B, 1, -1)  # (B, 1, D)
+        h = torch.cat([text, objects, end], dim=1)  # (B, S, D)
+
+        # Segments: text as given (A/B), every visual element and [END] C (= 2).
+        seg = torch.cat([x.token_type_ids, x.token_type_ids.new_full((B, R + 2), 2)], dim=1)  # (B, S)
+        # Positions: text 0..T-1; every visual element the sample's text length n (§3.2: all the same); [END] n + 1.
+        n = x.attention_mask.long().sum(1, keepdim=True)  # (B, 1)
+        pos = torch.cat([torch.arange(T, device=dev).expand(B, T), n.expand(B, R + 1), n + 1], dim=1)  # (B, S)
+        h = h + self.token_type_embeddings(seg) + self.position_embeddings(pos)
+        mask = torch.cat([x.attention_mask.bool(), has_image[:, None], rmask, rmask.new_ones(B, 1)], dim=1)  # (B, S)
+        return self.dropout(self.LayerNorm(h)), mask
+
+
+class VLBertModel(nn.Module):
+    """The VL-BERT encoder: (optional CNN), embeddings, BERT layers, pooler."""
+
+    def __init__(self, cfg: VLBertConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisualBackbone(cfg) if cfg.end_to_end else None
+        self.embeddings = VLBertEmbeddings(cfg)
+        self.encoder = Encoder(cfg.block, cfg.num_layers)
+        self.pooler = Pooler(cfg.hidden_size)
+
+    def forward(self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None) -> VLOutput:
+        """roi_masked (B, R) bool: RoIs masked for masked RoI classification (None = none).
+
+        `vision` holds the caller's R regions, `image` the whole-image element. With `need_attn`,
+        `attentions.joint` holds one (B, H, S, S) map per layer over S = T + 1 + R + 1 elements: text at
+        0..T-1, the whole image at T, regions at T+1..T+R, [END] at T+R+1. `text_to_region()` reads the
+        region columns T+1..T+R only, so its column r is the caller's region r (not the whole image, not [END]).
+        """
+        B, T = x.input_ids.shape
+        R = x.region_boxes.shape[1]
+        masked = torch.zeros(B, R, dtype=torch.bool, device=x.region_boxes.device)
+        if roi_masked is not None:
+            masked = roi_masked.bool() & x.region_mask.bool()
+        image_feat = None
+        if self.visual is not None:
+            if x.pixels is None:
+                raise ValueError("an end-to-end VL-BERT reads VLInputs.pixels, which is None")
+            pixels = zero_pixels_in_boxes(x.pixels, x.region_boxes, masked) if masked.any() else x.pixels
+            whole = x.region_boxes.new_tensor([0.0, 0.0, 1.0, 1.0]).expand(B, 1, 4)
+            app = self.visual(pixels, torch.cat([whole, x.region_boxes], dim=1))  # (B, 1 + R, F)
+            image_feat, feats = app[:, 0], app[:, 1:]
+        else:
+            feats = x.region_feats
+        h, mask = self.embeddings(x, feats, masked, image_feat)  # (B, S, D), (B, S)
+        h, maps = self.encoder(h, mask_bias(mask, h.dtype), need_weights=need_attn)
+        attn = None
+        if need_attn:
+            attn = AttentionMaps(
+                joint=maps,
+                text_index=torch.arange(T, device=h.device),
+                region_index=torch.arange(T + 1, T + 1 + R, device=h.device),
+                source="joint",
+            )
+        return VLOutput(text=h[:, :T], vision=h[:, T + 1 : T + 1 + R], pooled=self.pooler(h[:, 0]),
+                        attentions=attn, image=h[:, T])
+
+
+class RoIClassificationHead(nn.Module):
+    """Masked RoI classification (§3.3 Task #2): dense -> activation -> linear over the detector's classes
+    (released code: dense, GeLU, Linear(768 -> 1601))."""
+
+    def __init__(self, hidden_size: int, num_classes: int, act: str):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.act = activation(act)
+        self.decoder = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.act(self.dense(x)))
+
+
+class VLBertForPreTraining(nn.Module):
+    """VL-BERT with its pre-training heads: MLM with visual clues (tied to the word embeddings), masked RoI
+    classification with linguistic clues, and, only if `with_match_head`, sentence-image relationship."""
+
+    def __init__(self, cfg: VLBertConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = VLBertModel(cfg)
+        self.cls = nn.Module()
+        self.cls.predictions = MLMHead(cfg.hidden_size, cfg.vocab_size, cfg.hidden_act, cfg.layer_norm_eps)
+        self.cls.seq_relationship = nn.Linear(cfg.hidden_size, 2) if cfg.with_match_head else None
+        self.region_head = RoIClassificationHead(cfg.hidden_size, cfg.num_region_classes, cfg.hidden_act)
+        init_bert_weights(self, cfg.initializer_range)
+        emb = self.bert.embeddings
+        with torch.no_grad():
+            emb.visual_ln_text.weight.fill_(cfg.visual_scale_text_init)
+            emb.visual_ln_object.weight.fill_(cfg.visual_scale_object_init)
+        if self.bert.visual is not None:
+            # Convs keep PyTorch's default (Kaiming-uniform) init: N(0, 0.02) would starve a ReLU CNN.
+            for m in self.bert.visual.backbone:
+                if isinstance(m, nn.Conv2d):
+                    m.reset_parameters()
+            nn.init.kaiming_uniform_(self.bert.visual.fc.weight, a=math.sqrt(5))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def encode(self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None) -> VLOutput:
+        """The encoder alone (no heads): what the analyses read."""
+        return self.bert(x, need_attn, roi_masked)
+
+    def forward(
+        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None,
+        roi_masked: Tensor | None = None,
+    ) -> VLBertPretrainOutput:
+        """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) in row-major order;
+        otherwise (B, T, V). `roi_masked` (B, R) bool marks the RoIs masked for Task #2; `region_logits`
+        (B, R, C) cover every region (the loss reads the masked ones)."""
+        out = self.bert(x, need_attn, roi_masked)
+        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        head = self.cls.seq_relationship
+        return VLBertPretrainOutput(
+            mlm_logits=self.cls.predictions(text),
+            match_logits=head(out.pooled) if head is not None else None,
+            encoded=out,
+            region_logits=self.region_head(out.vision),
+        )
