@@ -154,4 +154,5 @@ def grounding_inputs(
                 region_boxes=reg.pixel_boxes.astype(np.float64),
                 region_conf=conf,
                 entities=cap.entities,
+                maps=maps.describe(),
             )

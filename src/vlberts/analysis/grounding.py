@@ -167,6 +167,7 @@ class GroundingInput:
         `attn` summed over the valid regions, which is exactly that share for both kinds of map.
     region_valid: (R,) bool, False for padded regions; None means all valid. Invalid regions are never
         predicted, never the baseline, and never count toward the upper bound.
+    maps: which of the model's attention maps `attn` comes from, in words (for the report).
 
     Arrays may be any float dtype (float32 as produced by the model is fine; bf16 must be cast first).
     Text padding needs nothing: padded token positions are simply never named by an entity.
@@ -178,6 +179,7 @@ class GroundingInput:
     entities: list[GroundingEntity] = field(default_factory=list)
     region_mass: np.ndarray | None = None  # (L, H, T)
     region_valid: np.ndarray | None = None  # (R,) bool
+    maps: str = ""  # which attention maps `attn` was read from, in words (`AttentionMaps.describe()`)
 
     def __post_init__(self) -> None:
         attn = np.asarray(self.attn)

@@ -95,13 +95,16 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     acc = GroundingAccumulator(options)
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding", total=len(captions), info="")
+        maps = ""
         for _, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size, device=device):
             acc.add(inp)
+            maps = inp.maps
             bar.advance(task)
     if acc.n_entities == 0:
         raise VlbertsError(f"no grounded entity in split {cfg.split!r} (skipped: {skipped.to_dict()})", path=cfg.entities)
     result = acc.result()
-    maps = _maps_used(model)
+    L, H = result.accuracy.shape
+    maps = f"{maps}; {L} layers x {H} heads"
 
     paths = {"json": out / "grounding.json", "figure": out / "entity_grounding.png", "markdown": out / "grounding.md"}
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths)
@@ -111,16 +114,6 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n")
     return report
-
-
-def _maps_used(model: Any) -> str:
-    """Which attention maps the analysis read, in words (single-stream: the joint map's text x region block)."""
-    L = model.cfg.num_layers
-    text = f"joint self-attention of all {L} layers x {model.cfg.num_heads} heads, text rows x region columns"
-    k = getattr(model.cfg, "fusion_layer", 0)
-    if k:  # VisualBERT without early fusion: the first k layers never see the regions
-        text += f"; layers 1-{k} run on the text alone (zero attention to regions, never a hit)"
-    return text
 
 
 def _skips(skipped: dict[str, int]) -> str:
