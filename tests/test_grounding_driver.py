@@ -177,12 +177,18 @@ def test_cli_analyze_grounding_and_missing_image(tiny_world, tiny_pretrained, tm
     assert not (tmp_path / "h").exists()
 
 
-def test_grounding_inputs_without_early_fusion_give_zero_attention_before_the_fusion_layer(tmp_path):
+def one_captioned_image(tmp_path):
+    """A tokenizer, one caption with two entities, and its image's three regions (16-d features)."""
     tok = tokenizer(tmp_path)
     caps = entity_captions([image(["[/EN#11/people a man] on [/EN#12/other the red skateboard] ."])], tok)
     rng = np.random.default_rng(0)
     boxes = np.array([[10, 10, 40, 40], [50, 20, 90, 70], [0, 0, 99, 79]], np.float32)
     rec = RegionRecord("7", 100, 80, boxes, rng.random((3, 16), dtype=np.float32), obj_id=[0, 1, 2], obj_conf=[0.5, 0.1, 0.9])
+    return tok, caps, rec
+
+
+def test_grounding_inputs_without_early_fusion_give_zero_attention_before_the_fusion_layer(tmp_path):
+    tok, caps, rec = one_captioned_image(tmp_path)
     torch.manual_seed(0)
     model = build_pretraining_model(visualbert_tiny(vocab_size=tok.vocab_size, num_layers=3, fusion_layer=2))
     (cap, g), = grounding_inputs(model, caps, FakeStore([rec]))
@@ -198,11 +204,7 @@ def test_grounding_inputs_without_early_fusion_give_zero_attention_before_the_fu
 def test_grounding_inputs_read_a_two_stream_models_cross_attention(tmp_path):
     from vlberts.models.builders import lxmert_tiny
 
-    tok = tokenizer(tmp_path)
-    caps = entity_captions([image(["[/EN#11/people a man] on [/EN#12/other the red skateboard] ."])], tok)
-    rng = np.random.default_rng(0)
-    boxes = np.array([[10, 10, 40, 40], [50, 20, 90, 70], [0, 0, 99, 79]], np.float32)
-    rec = RegionRecord("7", 100, 80, boxes, rng.random((3, 16), dtype=np.float32), obj_id=[0, 1, 2], obj_conf=[0.5, 0.1, 0.9])
+    tok, caps, rec = one_captioned_image(tmp_path)
     torch.manual_seed(0)
     model = build_pretraining_model(lxmert_tiny(vocab_size=tok.vocab_size, cross_layers=2))
     (cap, g), = grounding_inputs(model, caps, FakeStore([rec]))
