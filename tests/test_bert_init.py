@@ -267,3 +267,143 @@ def test_pretrain_recipe_bert_init(tiny_world, tmp_path):
         pretrain(PretrainConfig(out=str(tmp_path / "r4"), bert_init=str(tmp_path / "novocab"), tokenizer=str(other), **base))
     with pytest.raises(VlbertsError, match="--init and --bert_init"):
         pretrain(PretrainConfig(out=str(tmp_path / "r5"), bert_init=str(bert), init=str(final), **base))
+
+
+# --- ViLBERT, VL-BERT, W-VisualBERT ---------------------------------------------------------------------
+
+
+def _init_and_check(model, path, ref_sd):
+    """Load BERT into `model`; every copied tensor equals BERT's, every other one is as initialised, and the
+    report's initialised + random lists cover the model (tied decoder aside). Returns the report."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = init_text_from_bert(model, path)
+    sd = model.state_dict()
+    for ours, theirs in report.mapping.items():
+        if ours not in report.partial:
+            assert torch.equal(sd[ours], ref_sd[theirs]), ours
+    for k in report.random:
+        assert torch.equal(sd[k], before[k]), k
+    assert sorted(report.initialised + report.random) == sorted(k for k in sd if k != "cls.predictions.decoder.weight")
+    assert set(report.initialised) == set(report.mapping)
+    # The MLM decoder is tied to the word embeddings, so it follows them.
+    assert torch.equal(sd["cls.predictions.decoder.weight"], ref_sd["bert.embeddings.word_embeddings.weight"])
+    assert sorted(report.unused) == sorted(k for k in ref_sd if k not in set(report.mapping.values())
+                                           and not k.startswith("cls.predictions.decoder."))  # tied aliases
+    return report
+
+
+def _text_side(ref_sd, num_layers: int, pooler: bool, prefix: str = "bert.") -> set[str]:
+    """Our keys that BERT's tensors go to, for a one-stream or text-stream model with BERT's names."""
+    keys = {f"{prefix}embeddings.{p}" for p in ("word_embeddings.weight", "position_embeddings.weight",
+                                                "token_type_embeddings.weight", "LayerNorm.weight", "LayerNorm.bias")}
+    layer = [k[len("bert.encoder.layer.0."):] for k in ref_sd if k.startswith("bert.encoder.layer.0.")]
+    assert len(layer) == 16
+    keys |= {f"{prefix}encoder.layer.{i}.{p}" for i in range(num_layers) for p in layer}
+    if pooler:
+        keys |= {f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}
+    keys |= {"cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
+             "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias",
+             "cls.predictions.bias"}
+    return keys
+
+
+def test_vilbert_text_stream_is_bert_and_its_poolers_visual_stream_and_co_attention_stay_random(tmp_path):
+    from vlberts.models.builders import vilbert_single_stream, vilbert_tiny
+
+    hf = save_bert(tmp_path)
+    ref_sd = hf.state_dict()
+    # Two streams: 3 text layers (BERT has 2, so text layer 2 stays random), co-attention before text layer 2.
+    torch.manual_seed(0)
+    model = build_pretraining_model(vilbert_tiny(num_heads=2, intermediate_size=37, t_biattention_id=(2,),
+                                                 v_biattention_id=(0,))).eval()
+    rep = _init_and_check(model, tmp_path, ref_sd)
+    assert set(rep.mapping) == _text_side(ref_sd, 2, pooler=False)
+    assert all(ours == theirs for ours, theirs in rep.mapping.items())  # BERT's names
+    random_prefixes = ("bert.v_embeddings.", "bert.v_encoder.", "bert.c_layers.", "bert.t_pooler.", "bert.v_pooler.",
+                       "bert.encoder.layer.2.", "cls.bi_seq_relationship.", "cls.region_predictions.")
+    assert all(k.startswith(random_prefixes) for k in rep.random)
+    for p in random_prefixes:
+        assert any(k.startswith(p) for k in rep.random), p
+    assert "bert.pooler.dense.weight" in rep.unused  # BERT's tanh pooler is not ViLBERT's ReLU pooler
+    assert "bert.t_pooler" in rep.summary().splitlines()[1]
+
+    # The text layers before the first co-attention layer compute BERT: layer 1's output is BERT's last state.
+    x = text_inputs(R=3, D=16)
+    outs = []
+    keep = lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o)  # noqa: E731
+    hook = model.bert.encoder.layer[1].register_forward_hook(keep)
+    with torch.no_grad():
+        model(x)
+        ref = hf.bert(x.input_ids, x.attention_mask.long(), x.token_type_ids).last_hidden_state
+    hook.remove()
+    torch.testing.assert_close(outs[0][x.attention_mask], ref[x.attention_mask], atol=TOL, rtol=0)
+
+    # Single stream: the same text mapping; the image embedding and both poolers stay random.
+    torch.manual_seed(0)
+    single = build_pretraining_model(vilbert_single_stream(
+        vocab_size=100, hidden_size=32, num_heads=2, intermediate_size=37, num_layers=2, max_position_embeddings=64,
+        visual_dim=16, bi_hidden_size=16, bi_num_heads=2, num_region_classes=11))
+    rep = _init_and_check(single, tmp_path, ref_sd)
+    assert set(rep.mapping) == _text_side(ref_sd, 2, pooler=False)
+    assert all(k.startswith(("bert.v_embeddings.", "bert.t_pooler.", "bert.v_pooler.", "cls.bi_seq_relationship.",
+                             "cls.region_predictions.")) for k in rep.random)
+    assert "bert.t_pooler.dense.weight" in rep.random
+
+
+def test_vlbert_takes_bert_segments_into_rows_0_1_and_keeps_the_image_segment(tmp_path):
+    from vlberts.models.builders import vlbert_tiny
+
+    hf = save_bert(tmp_path)
+    ref_sd = hf.state_dict()
+    torch.manual_seed(0)
+    model = build_pretraining_model(vlbert_tiny(num_heads=2, intermediate_size=37))
+    seg_before = model.state_dict()["bert.embeddings.token_type_embeddings.weight"].clone()  # (3, D)
+    rep = _init_and_check(model, tmp_path, ref_sd)
+    assert set(rep.mapping) == _text_side(ref_sd, 2, pooler=True)
+    seg = model.state_dict()["bert.embeddings.token_type_embeddings.weight"]
+    assert seg.shape == (3, 32)
+    assert torch.equal(seg[:2], ref_sd["bert.embeddings.token_type_embeddings.weight"])  # segments A, B
+    assert torch.equal(seg[2], seg_before[2])  # segment C (the image) as initialised
+    assert rep.partial == {"bert.embeddings.token_type_embeddings.weight": "rows 0-1 from BERT, row 2 as initialised"}
+    assert "copied in part: bert.embeddings.token_type_embeddings.weight rows 0-1" in rep.summary().splitlines()[3]
+    assert "bert.embeddings.token_type_embeddings.weight" in rep.initialised
+    assert rep.to_dict()["partial"] == rep.partial
+    random_prefixes = ("bert.embeddings.visual_", "bert.embeddings.img_embedding.", "bert.embeddings.end_embedding.",
+                       "bert.embeddings.object_mask_", "bert.embeddings.text_only_visual_embedding.", "region_head.")
+    assert all(k.startswith(random_prefixes) for k in rep.random), rep.random
+
+    # A BERT with 3 segment rows: still only the two text rows are copied, and the report says so.
+    save_bert(tmp_path / "three", type_vocab_size=3)
+    torch.manual_seed(0)
+    model = build_pretraining_model(vlbert_tiny(num_heads=2, intermediate_size=37))
+    seg_before = model.state_dict()["bert.embeddings.token_type_embeddings.weight"].clone()
+    rep = init_text_from_bert(model, tmp_path / "three")
+    seg = model.state_dict()["bert.embeddings.token_type_embeddings.weight"]
+    assert torch.equal(seg[2], seg_before[2])
+    assert rep.partial["bert.embeddings.token_type_embeddings.weight"] == (
+        "rows 0-1 from BERT, row 2 as initialised, BERT's row 2 unused")
+    # A different width is still an error, naming the table.
+    save_bert(tmp_path / "wide", hidden_size=64, num_attention_heads=2)
+    with pytest.raises(VlbertsError, match="word_embeddings.weight"):
+        init_text_from_bert(build_pretraining_model(vlbert_tiny(num_heads=2, intermediate_size=37)), tmp_path / "wide")
+
+
+def test_wvisualbert_takes_bert_and_keeps_visual_tag_and_box_modules_random(tmp_path):
+    from vlberts.models.wvisualbert import wvisualbert_tiny
+
+    hf = save_bert(tmp_path)
+    ref_sd = hf.state_dict()
+    torch.manual_seed(0)
+    model = build_pretraining_model(wvisualbert_tiny(num_heads=2, intermediate_size=37))
+    rep = _init_and_check(model, tmp_path, ref_sd)
+    assert set(rep.mapping) == _text_side(ref_sd, 2, pooler=True)
+    assert all(ours == theirs for ours, theirs in rep.mapping.items())
+    random_prefixes = ("bert.embeddings.visn_", "bert.embeddings.spatial.", "bert.embeddings.tag_layer_norm.",
+                       "obj_predict_head.")
+    assert all(k.startswith(random_prefixes) for k in rep.random), rep.random
+    for p in random_prefixes:
+        assert any(k.startswith(p) for k in rep.random), p
+    assert rep.partial == {}
+    assert sorted(rep.unused) == ["cls.seq_relationship.bias", "cls.seq_relationship.weight"]
+    with pytest.raises(VlbertsError, match="LXMERT"):
+        init_text_from_bert(model, tmp_path, language_from=1)

@@ -10,9 +10,10 @@ model.safetensors or pytorch_model.bin; `BertForMaskedLM` and Google-converted c
   MLM head     `cls.predictions.transform` + `cls.predictions.bias`; the decoder weight is tied to the
                word embeddings, so it follows them
 
-Everything else (region embeddings, cross-modality and object-relationship layers, the sentence-image /
-matching head, the LXMERT object and QA heads) keeps its fresh initialisation, and the returned report
-says which of our tensors took BERT's values and which stayed random.
+Everything else (region embeddings, cross-modality, co-attention and object-relationship layers, the
+sentence-image / matching head, the LXMERT object and QA heads, the visual / region-class heads) keeps its
+fresh initialisation, and the returned report says which of our tensors took BERT's values and which
+stayed random.
 
 Which layers:
 - VisualBERT is one stream over text and regions, so every layer is a text layer: our layer i <- BERT
@@ -29,14 +30,26 @@ Which layers:
   copies BERT layers j, j+1, ... into the language side (self-attention + feed-forward) of the
   cross-modality layers 0, 1, ... (as many as BERT has); the cross-attention and the vision side have no
   BERT counterpart and stay random either way.
+- ViLBERT's text stream is BERT (§3.1: "initialize the linguistic stream of our ViLBERT model with a
+  BERT_BASE model"): its embeddings, text layer i <- BERT layer i and the MLM head keep BERT's names. Not
+  the pooler: ViLBERT's `t_pooler` is Linear + ReLU into the co-attention width, a different function
+  (and usually shape) from BERT's tanh pooler, so it stays random with the visual stream, the
+  co-attention layers and `v_pooler`. The single-stream baseline (`single_stream=True`) takes the same
+  text mapping; its regions enter through the (random) ViLBERT image embedding.
+- VL-BERT (§4.1: "initialized from BERT_BASE") and W-VisualBERT (§3.2, from BERT) are one stream with
+  BERT's names: embeddings, layer i <- BERT layer i, pooler, MLM head. VL-BERT's segment table has a third
+  row (segment C, the image, id 2) that BERT lacks: BERT's rows go into rows 0 and 1 (segments A, B) and
+  row 2 keeps its fresh initialisation; the report lists this under `partial`. With a BERT segment table
+  of more rows than VL-BERT's text segments (never the case for Google's BERT), only the first two are
+  copied. Region, geometry, tag, box, [IMG]/[END] and masked-object tensors stay random.
 
 Not copied, by choice: BERT's next-sentence head. Both original code bases load it by name into their
 matching head, but LXMERT's matching labels are the reverse of BERT's (index 1 = "matches"), so the copy
 would start that head predicting the opposite; we start it random in every architecture.
 
-Width, vocabulary, position-table or segment-table mismatches are one-line `VlbertsError`s naming the
-first mismatching keys; so are settings that change the function without changing any shape (number of
-heads, activation, LayerNorm epsilon).
+Width, vocabulary, position-table or segment-table mismatches (VL-BERT's extra segment row aside) are
+one-line `VlbertsError`s naming the first mismatching keys; so are settings that change the function
+without changing any shape (number of heads, activation, LayerNorm epsilon).
 """
 
 from __future__ import annotations
@@ -52,8 +65,11 @@ from torch import Tensor, nn
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json
 from vlberts.models.lxmert import LxmertConfig
+from vlberts.models.vilbert import ViLBertConfig
 from vlberts.models.visualbert import VisualBertConfig
+from vlberts.models.vlbert import VLBertConfig
 from vlberts.models.weights import read_state_dict, rename_keys, tied_aliases
+from vlberts.models.wvisualbert import WVisualBertConfig
 
 # Checkpoint key normalisation: every key becomes a `BertForPreTraining` name.
 BERT_RULES = [
@@ -101,6 +117,8 @@ LXMERT_CROSS_LANG = {
     "intermediate.": "lang_ffn.intermediate.",
     "output.": "lang_ffn.output.",
 }
+# VL-BERT's segment ids: 0/1 for the sentences (A, B), 2 for the image (C); only the text rows come from BERT.
+VLBERT_TEXT_SEGMENTS = 2
 # BERT keys a checkpoint must hold for any text side to be initialised (the layers are checked per map).
 REQUIRED = tuple(f"bert.embeddings.{p}" for p in EMBEDDINGS)
 
@@ -109,19 +127,25 @@ def _layer(ours: str, bert: str) -> dict[str, str]:
     return {f"{ours}.{p}": f"{bert}.{p}" for p in LAYER}
 
 
-def _shared(prefix: str) -> dict[str, str]:
+def _shared(prefix: str, pooler: bool = True) -> dict[str, str]:
     """Embeddings, pooler and MLM head: the same names in every architecture, under the encoder's prefix."""
     out = {f"{prefix}embeddings.{p}": f"bert.embeddings.{p}" for p in EMBEDDINGS}
-    out.update({f"{prefix}{p}": f"bert.{p}" for p in POOLER})
+    if pooler:
+        out.update({f"{prefix}{p}": f"bert.{p}" for p in POOLER})
     out.update({p: p for p in MLM_HEAD})
+    return out
+
+
+def _bert_layers_in_order(out: dict[str, str], num_layers: int, bert_layers: int) -> dict[str, str]:
+    """Our layer i <- BERT layer i, as far as both go (our extra layers stay random)."""
+    for i in range(min(num_layers, bert_layers)):
+        out.update(_layer(f"bert.encoder.layer.{i}", f"bert.encoder.layer.{i}"))
     return out
 
 
 def visualbert_key_map(cfg: VisualBertConfig, bert_layers: int) -> dict[str, str]:
     """Our key -> BERT key for VisualBERT (pre-training or VQA model; both name the encoder `bert`)."""
-    out = _shared("bert.")
-    for i in range(min(cfg.num_layers, bert_layers)):
-        out.update(_layer(f"bert.encoder.layer.{i}", f"bert.encoder.layer.{i}"))
+    out = _bert_layers_in_order(_shared("bert."), cfg.num_layers, bert_layers)
     if cfg.special_visual_initialize:
         # The original code copies the text tables into the visual ones after loading BERT.
         out["bert.embeddings.visual_token_type_embeddings.weight"] = "bert.embeddings.token_type_embeddings.weight"
@@ -153,6 +177,30 @@ def lxmert_key_map(
     return out
 
 
+def vilbert_key_map(cfg: ViLBertConfig, bert_layers: int) -> dict[str, str]:
+    """Our key -> BERT key for ViLBERT (two-stream or single-stream): text embeddings, text layers, MLM
+    head. No pooler: `t_pooler` is ViLBERT's own (ReLU into the co-attention width)."""
+    return _bert_layers_in_order(_shared("bert.", pooler=False), cfg.num_layers, bert_layers)
+
+
+def vlbert_key_map(cfg: VLBertConfig, bert_layers: int) -> dict[str, str]:
+    """Our key -> BERT key for VL-BERT: embeddings (the segment table only in part, see `PARTIAL_ROWS`),
+    layers, pooler, MLM head."""
+    return _bert_layers_in_order(_shared("bert."), cfg.num_layers, bert_layers)
+
+
+def wvisualbert_key_map(cfg: WVisualBertConfig, bert_layers: int) -> dict[str, str]:
+    """Our key -> BERT key for W-VisualBERT (and its S / H / NT variants): embeddings, layers, pooler, MLM head."""
+    return _bert_layers_in_order(_shared("bert."), cfg.num_layers, bert_layers)
+
+
+# Tables copied only in part: our key -> how many of its leading rows may come from BERT (the rest keep
+# their initialisation). Everything else must match BERT's shape exactly.
+PARTIAL_ROWS: dict[type, dict[str, int]] = {
+    VLBertConfig: {"bert.embeddings.token_type_embeddings.weight": VLBERT_TEXT_SEGMENTS},
+}
+
+
 @dataclass
 class BertInitReport:
     """What `init_text_from_bert` did. Key lists hold our state-dict names (tied aliases left out: the
@@ -163,20 +211,26 @@ class BertInitReport:
     initialised: list[str]
     random: list[str]
     unused: list[str] = field(default_factory=list)  # checkpoint keys nothing was copied from
+    # our key -> which rows took BERT's values, for tables copied in part (VL-BERT's segment table);
+    # such a key is also listed in `initialised`
+    partial: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """Three lines: what took BERT's values, what stayed random, what of the checkpoint went unused."""
+        """Three lines: what took BERT's values, what stayed random, what of the checkpoint went unused; a
+        fourth names the tables copied in part, if any."""
         everything = self.initialised + self.random
+        extra = [f"copied in part: {'; '.join(f'{k} {v}' for k, v in self.partial.items())}"] if self.partial else []
         return "\n".join([
             f"from BERT {self.source} ({len(self.initialised)} tensors): "
             f"{', '.join(_units(self.initialised, everything))}",
             f"left random ({len(self.random)} tensors): {', '.join(_units(self.random, everything)) or 'none'}",
             f"unused checkpoint tensors ({len(self.unused)}): {', '.join(_units(self.unused, self.unused)) or 'none'}",
+            *extra,
         ])
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "initialised": self.initialised, "random": self.random,
-                "unused": self.unused, "mapping": self.mapping}
+                "unused": self.unused, "partial": self.partial, "mapping": self.mapping}
 
 
 def read_bert_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -221,24 +275,27 @@ def init_text_from_bert(
 ) -> BertInitReport:
     """Copy a Hugging Face BERT checkpoint into the text side of `model` (in place) and report what was copied.
 
-    model: a VisualBERT or LXMERT model of this package (pre-training or task model; `model.cfg` says which).
+    model: a VisualBERT, LXMERT, ViLBERT, VL-BERT or W-VisualBERT model of this package (pre-training or
+        task model; `model.cfg` says which).
     language_from, cross_from: LXMERT only; which BERT layers feed the language and cross-modality
         layers (see the module docstring). Defaults: BERT layers 0..N_L-1 into the language layers, no
         cross-modality layer from BERT.
     """
     path = Path(path)
     cfg = getattr(model, "cfg", None)
-    if not isinstance(cfg, (VisualBertConfig, LxmertConfig)):
+    if type(cfg) not in KEY_MAPS:
         raise VlbertsError(f"no BERT key map for {type(model).__name__} (config {type(cfg).__name__})")
-    if isinstance(cfg, VisualBertConfig) and (language_from or cross_from is not None):
-        raise VlbertsError("language_from / cross_from choose LXMERT layers; VisualBERT takes BERT's layers in order")
+    if not isinstance(cfg, LxmertConfig) and (language_from or cross_from is not None):
+        raise VlbertsError(f"language_from / cross_from choose LXMERT layers; {type(cfg).__name__} takes BERT's "
+                           "layers in order")
     bert_cfg, sd = read_bert_checkpoint(path)
     _check_config(bert_cfg, cfg, path)
     n = _bert_layers(sd)
-    if isinstance(cfg, VisualBertConfig):
-        mapping = visualbert_key_map(cfg, n)
-    else:
+    if isinstance(cfg, LxmertConfig):
         mapping = lxmert_key_map(cfg, n, language_from, cross_from)
+    else:
+        mapping = KEY_MAPS[type(cfg)](cfg, n)
+    rows = PARTIAL_ROWS.get(type(cfg), {})
 
     own = model.state_dict()
     mapping = {ours: b for ours, b in mapping.items() if ours in own}  # e.g. a VQA model has no MLM head
@@ -249,8 +306,21 @@ def init_text_from_bert(
         more = " ..." if len(needed) > 3 else ""
         raise VlbertsError(f"BERT checkpoint lacks {', '.join(needed[:3])}{more}", path=path)
     mapping = {ours: b for ours, b in mapping.items() if b in sd}
-    bad = [f"{ours} (file key {b}) {tuple(sd[b].shape)} vs {tuple(own[ours].shape)}"
-           for ours, b in mapping.items() if sd[b].shape != own[ours].shape]
+    partial: dict[str, str] = {}
+    bad = []
+    for ours, b in mapping.items():
+        theirs, mine = sd[b].shape, own[ours].shape
+        if ours in rows and theirs[1:] == mine[1:]:
+            k = min(theirs[0], mine[0], rows[ours])  # rows 0..k-1 from BERT
+            note = [f"{_rows(0, k - 1)} from BERT"]
+            if k < mine[0]:
+                note.append(f"{_rows(k, mine[0] - 1)} as initialised")
+            if k < theirs[0]:
+                note.append(f"BERT's {_rows(k, theirs[0] - 1)} unused")
+            if len(note) > 1:
+                partial[ours] = ", ".join(note)
+        elif theirs != mine:
+            bad.append(f"{ours} (file key {b}) {tuple(theirs)} vs {tuple(mine)}")
     if bad:
         raise VlbertsError(
             "BERT checkpoint does not fit the model (vocabulary or width differ): " + ", ".join(bad[:3]), path=path
@@ -258,7 +328,11 @@ def init_text_from_bert(
 
     with torch.no_grad():
         for ours, b in mapping.items():
-            own[ours].copy_(sd[b])  # state_dict tensors share storage with the parameters
+            if ours in rows:
+                k = min(sd[b].shape[0], own[ours].shape[0], rows[ours])
+                own[ours][:k].copy_(sd[b][:k])  # the other rows keep their initialisation
+            else:
+                own[ours].copy_(sd[b])  # state_dict tensors share storage with the parameters
     tied = tied_aliases(model)
     keys = [k for k in own if k not in tied]
     used = set(mapping.values())
@@ -268,7 +342,18 @@ def init_text_from_bert(
         initialised=[k for k in keys if k in mapping],
         random=[k for k in keys if k not in mapping],
         unused=[k for k in sd if k not in used],
+        partial=partial,
     )
+
+
+# Config type -> key map (LXMERT's takes extra arguments and is called on its own).
+KEY_MAPS = {
+    VisualBertConfig: visualbert_key_map,
+    LxmertConfig: lxmert_key_map,
+    ViLBertConfig: vilbert_key_map,
+    VLBertConfig: vlbert_key_map,
+    WVisualBertConfig: wvisualbert_key_map,
+}
 
 
 def _units(keys: list[str], everything: list[str]) -> list[str]:
@@ -302,6 +387,10 @@ def _units(keys: list[str], everything: list[str]) -> list[str]:
             order.append(key)
         groups[key].append(int(m.group(2)))
     return [o if isinstance(o, str) else f"{o[0]}{_ranges(groups[o])}{o[1]}" for o in order]
+
+
+def _rows(a: int, b: int) -> str:
+    return f"row {a}" if a == b else f"rows {a}-{b}"
 
 
 def _ranges(idx: list[int]) -> str:
