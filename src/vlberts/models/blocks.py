@@ -43,6 +43,14 @@ class BlockConfig:
     attention_dropout: float = 0.1
     layer_norm_eps: float = 1e-12
 
+    @classmethod
+    def of(cls, cfg: object) -> "BlockConfig":
+        """The text-stream block of any architecture config that carries BERT's field names."""
+        return cls(*(getattr(cfg, f) for f in (
+            "hidden_size", "num_heads", "intermediate_size", "hidden_act", "hidden_dropout",
+            "attention_dropout", "layer_norm_eps",
+        )))
+
 
 def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """(B, S) bool key mask -> (B, 1, 1, S) additive bias: 0 where attended, dtype-min where masked."""

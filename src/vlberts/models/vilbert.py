@@ -175,10 +175,7 @@ class ViLBertConfig:
     @property
     def block(self) -> BlockConfig:
         """The text stream's layers (BERT's)."""
-        return BlockConfig(
-            self.hidden_size, self.num_heads, self.intermediate_size, self.hidden_act,
-            self.hidden_dropout, self.attention_dropout, self.layer_norm_eps,
-        )
+        return BlockConfig.of(self)
 
     @property
     def v_block(self) -> BlockConfig:

@@ -71,15 +71,7 @@ class VisualBertConfig:
 
     @property
     def block(self) -> BlockConfig:
-        return BlockConfig(
-            self.hidden_size,
-            self.num_heads,
-            self.intermediate_size,
-            self.hidden_act,
-            self.hidden_dropout,
-            self.attention_dropout,
-            self.layer_norm_eps,
-        )
+        return BlockConfig.of(self)
 
     @property
     def projection_in(self) -> int:

@@ -110,15 +110,7 @@ class VLBertConfig:
 
     @property
     def block(self) -> BlockConfig:
-        return BlockConfig(
-            self.hidden_size,
-            self.num_heads,
-            self.intermediate_size,
-            self.hidden_act,
-            self.hidden_dropout,
-            self.attention_dropout,
-            self.layer_norm_eps,
-        )
+        return BlockConfig.of(self)
 
     def describe(self) -> str:
         vis = (f"end-to-end CNN {'-'.join(map(str, self.cnn_channels))} + RoIAlign {self.roi_size}x{self.roi_size}"

@@ -103,10 +103,7 @@ class WVisualBertConfig:
 
     @property
     def block(self) -> BlockConfig:
-        return BlockConfig(
-            self.hidden_size, self.num_heads, self.intermediate_size, self.hidden_act,
-            self.hidden_dropout, self.attention_dropout, self.layer_norm_eps,
-        )
+        return BlockConfig.of(self)
 
     def describe(self) -> str:
         name = f"{self.variant}-VisualBERT" + ("" if self.use_tags else "_NT")
