@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
 KEYS = {
@@ -52,3 +54,17 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
     assert proc.returncode == 2
     assert "was not made by `vlberts demo`" in proc.stderr and "Traceback" not in proc.stderr
     assert (out / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize("arch", ["vilbert", "vlbert", "lxmert", "wvisualbert"])
+def test_demo_runs_every_architecture_with_the_same_summary(tmp_path, arch):
+    out = tmp_path / arch
+    toy = [a for a in TOY if not a.startswith("--model=")]
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *toy, f"--arch={arch}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert KEYS <= set(summary)
+    assert summary["arch"] == arch and summary["model"] == f"{arch}-small"
+    maps = json.loads((out / "grounding" / "grounding.json").read_text())["attention_maps"]
+    assert ("text-to-vision" in maps) == (arch in ("vilbert", "lxmert")), maps  # two-stream: cross-attention

@@ -125,11 +125,26 @@ def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):
     assert show.returncode == 0 and "--grad_accum=1" in show.stdout and "--mlm_prob=0.15" in show.stdout
 
 
-def test_focus_words_must_be_single_tokens(tmp_path):
-    from vlberts.recipes.pretrain import focus_ids
+def test_word_probs_must_be_single_tokens_with_a_probability(tmp_path):
+    from vlberts.recipes.pretrain import token_probs
     from vlberts.text.tokenizer import TextTokenizer
 
     tok = TextTokenizer.train(["a red circle", "two blue squares"], vocab_size=100)
-    assert len(focus_ids(tok, ("red", "squares"))) == 2
+    assert token_probs(tok, ("red=0.3", "squares=0.7")) == {tok.encode("red")[0]: 0.3, tok.encode("squares")[0]: 0.7}
     with pytest.raises(VlbertsError, match="'zebra' is not a single token"):
-        focus_ids(tok, ("zebra",))
+        token_probs(tok, ("zebra=0.5",))
+    for bad in ("red", "red=", "red=1.5", "=0.3", "red=x"):
+        with pytest.raises(VlbertsError, match="expected word=probability"):
+            token_probs(tok, (bad,))
+
+
+def test_length_grouped_run_resumes_exactly(tiny_world, tmp_path):
+    ref = tmp_path / "ref"
+    pretrain(cfg_for(tiny_world, ref, length_group=4))
+    run = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, run, length_group=4, stop_after=5)) is None
+    pretrain(cfg_for(tiny_world, run, length_group=4))
+    a, b = MetricsLog.read(ref / "metrics.jsonl"), MetricsLog.read(run / "metrics.jsonl")
+    assert [r["mlm_loss"] for r in a] == [r["mlm_loss"] for r in b]
+    plain = MetricsLog.read(Path(pretrain(cfg_for(tiny_world, tmp_path / "plain"))).parent / "metrics.jsonl")
+    assert [r["mlm_loss"] for r in plain] != [r["mlm_loss"] for r in a]  # grouping changed the batches

@@ -92,15 +92,15 @@ def test_training_is_deterministic_and_spells_unseen_words():
         TextTokenizer.train(CORPUS, vocab_size=10)
 
 
-def test_focus_words_get_their_own_selection_probability():
+def test_chosen_tokens_get_their_own_selection_probability():
     ids = np.array([2] + [10, 11, 12, 13] * 500 + [3])
     out, labels = mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, special_ids={2, 3, 4},
-                              prob=0.1, focus_ids={11, 13}, focus_prob=0.9)
+                              prob=0.1, token_probs={11: 0.9, 13: 0.3, 3: 1.0})
     sel = labels != IGNORE_INDEX
     rate = {t: sel[ids == t].mean() for t in (10, 11, 12, 13)}
     assert 0.06 < rate[10] < 0.14 and 0.06 < rate[12] < 0.14
-    assert 0.85 < rate[11] < 0.95 and 0.85 < rate[13] < 0.95
-    assert not sel[0] and not sel[-1]
+    assert 0.85 < rate[11] < 0.95 and 0.25 < rate[13] < 0.35
+    assert not sel[0] and not sel[-1]  # special tokens never, whatever their probability
     with pytest.raises(ValueError, match="whole-word"):
-        mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, focus_ids={11}, focus_prob=0.5,
+        mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, token_probs={11: 0.5},
                     word_ids=list(range(len(ids))))

@@ -192,7 +192,8 @@ CONFIG_OPTION = typer.Option(None, "--config", help="YAML file with settings; --
 
 @app.command("pretrain", context_settings=OVERRIDES)
 def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
-    """Pre-train VisualBERT: MLM with the image + sentence-image prediction.
+    """Pre-train any architecture (--model) with its paper's objectives, e.g. VisualBERT: MLM with the
+    image + sentence-image prediction; --objectives=mlm=1,match=0.5 picks and weighs them.
 
     Reads COCO-format captions and a region store (VisualBERT App. A.3). Started again on the same
     --out, it resumes from RUN/checkpoints exactly.
@@ -213,6 +214,8 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     """Fine-tune on VQA v2 files, then predict and score with the official metric.
 
     The answer vocabulary comes from the training answers; targets are soft scores; the loss is BCE.
+    Any pre-trained architecture: --init's config.json picks its paper's answer head (VisualBERT and
+    VL-BERT the [MASK] slot, ViLBERT h_IMG * h_CLS, LXMERT and W-VisualBERT the pooled output).
 
     Example: vlberts finetune vqa --init=runs/pt/model --features=F.h5 --train_questions=Q.json
     --train_annotations=A.json --eval_questions=QT.json --eval_annotations=AT.json --out=runs/vqa
@@ -236,10 +239,12 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
 @analyze_app.command("grounding", context_settings=OVERRIDES)
 def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
-    """Entity grounding by attention heads ("What Does BERT with Vision Look At?" §3.1, Fig. 3).
+    """Entity and syntactic grounding by attention heads ("What Does BERT with Vision Look At?" §3.1,
+    Fig. 3, Table 2, Fig. 4).
 
     Per-head accuracy at IoU >= 0.5 against Flickr30K Entities boxes, the most-confident-region
-    baseline, active heads, the best-heads table and the figure.
+    baseline, active heads, the best-heads table and the figure; with dependency parses
+    (--parses=auto finds the world's, or --parses=FILE.conllu) also Table 2 and Figure 4.
 
     Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --split=test --out=runs/grounding
@@ -254,6 +259,14 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
     typer.echo(f"{r.n_entities} entities in {r.n_captions} captions; best head {r.best_head.label} "
                f"{100 * r.best_head.accuracy:.2f}%, baseline {100 * r.baseline_accuracy:.2f}%, "
                f"upper bound {100 * r.upper_bound:.2f}%, best layer {r.best_layer + 1} of {r.num_layers}")
+    if rep.syntactic is None:
+        typer.echo(rep.syntactic_note)
+    else:
+        s = rep.syntactic
+        typer.echo(f"syntactic grounding: {s.n_instances} arc instances in {s.n_captions} captions; "
+                   + "; ".join(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
+                               f"{100 * row.baseline:.2f}%)" for row in s.table2(3))
+                   + (f"; skipped captions: {s.skipped}" if s.skipped else ""))
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 

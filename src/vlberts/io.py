@@ -105,21 +105,30 @@ def read_json(path: str | Path) -> Any:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
 
-def read_jsonl(path: str | Path) -> list[Any]:
-    """Read a JSON-lines file; the error for a bad line names the line number as the record."""
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed record) for each non-blank line of a JSON-lines file; a malformed or truncated
+    line, or bytes that are not UTF-8, is an error naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}") from None
-    return rows
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}") from None
+                yield lineno, rec
+    except UnicodeDecodeError as e:
+        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, record=f"line {lineno + 1}") from None
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """Read a JSON-lines file; the error for a bad line names the line number as the record."""
+    return [rec for _, rec in iter_jsonl(path)]
 
 
 def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: object) -> None:

@@ -142,15 +142,25 @@ class GroundingEntity:
 
     def positions(self, token: TokenChoice) -> list[int]:
         """The positions whose attention rows are averaged to represent the entity."""
-        if token == "last":
-            return [self.word_tokens[-1][-1]]
-        if token == "first":
-            return [self.word_tokens[0][0]]
-        if token == "head_mean":
-            return list(self.word_tokens[-1])
-        if token == "mean":
-            return [p for w in self.word_tokens for p in w]
-        raise ValueError(f"unknown token choice {token!r}")
+        return token_positions(self.word_tokens, token)
+
+
+def token_positions(word_tokens: Sequence[Sequence[int]], token: TokenChoice) -> list[int]:
+    """The text positions whose attention rows stand for a run of words (`GroundingOptions.token`).
+
+    `word_tokens` groups positions by word, in order. For an entity it is the phrase's words; the
+    syntactic analysis (§3.1, "Syntactic Grounding") passes a single word, for which "last" and "first"
+    are that word's last and first subword and "head_mean" and "mean" both average its subwords.
+    """
+    if token == "last":
+        return [int(word_tokens[-1][-1])]
+    if token == "first":
+        return [int(word_tokens[0][0])]
+    if token == "head_mean":
+        return [int(p) for p in word_tokens[-1]]
+    if token == "mean":
+        return [int(p) for w in word_tokens for p in w]
+    raise ValueError(f"unknown token choice {token!r}")
 
 
 @dataclass
@@ -253,23 +263,27 @@ def correct_regions(region_boxes: np.ndarray, gold_boxes: np.ndarray, options: G
     return iou >= options.iou_threshold
 
 
-def _token_weights(entities: Sequence[GroundingEntity], T: int, token: TokenChoice) -> np.ndarray:
-    """(E, T) row weights: entity e's representation is sum_t w[e, t] * row t (a one-hot or a mean)."""
-    w = np.zeros((len(entities), T), dtype=np.float64)
-    for e, ent in enumerate(entities):
-        pos = ent.positions(token)
-        w[e, pos] = 1.0 / len(pos)  # positions are distinct (checked), so plain assignment
+def token_weights(positions: Sequence[Sequence[int]], T: int) -> np.ndarray:
+    """(Q, T) row weights: query q's attention row is sum_t w[q, t] * row t (a one-hot or a mean).
+
+    `positions[q]` lists distinct text positions (`token_positions`); entities and single words alike.
+    """
+    w = np.zeros((len(positions), T), dtype=np.float64)
+    for q, pos in enumerate(positions):
+        w[q, list(pos)] = 1.0 / len(pos)  # positions are distinct, so plain assignment
     return w
 
 
-def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOptions()) -> CaptionScores:
-    """Score every (layer, head, entity) of one caption at once; no Python loop over heads."""
-    L, H, T, R = inp.shape
-    E = len(inp.entities)
+def region_predictions(inp: GroundingInput, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The region each head's attention favours from each query row, and the share that went to regions.
+
+    w: (Q, T) row weights (`token_weights`). Returns pred (L, H, Q) int, -1 where the head gives no
+    attention to any valid region; blind (L, H, Q) bool, those -1 cases; mass (L, H, Q) float64.
+    Shared by entity grounding (queries = entities) and syntactic grounding (queries = words).
+    """
     valid = inp.region_valid  # (R,)
-    w = _token_weights(inp.entities, T, options.token)  # (E, T)
     # One-hot rows reproduce the token's row exactly; mean rows average them (§3.1 reads one token).
-    ent_attn = np.matmul(w.astype(inp.attn.dtype), inp.attn)  # (E, T) @ (L, H, T, R) -> (L, H, E, R)
+    q_attn = np.matmul(w.astype(inp.attn.dtype), inp.attn)  # (Q, T) @ (L, H, T, R) -> (L, H, Q, R)
     # §3.1: "the image region that receives the most attention weight compared to other image
     # regions ... without considering other words": argmax over the region columns only.
     # Ties go to the lowest region index (np.argmax).
@@ -277,21 +291,38 @@ def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOpti
     # the layers before the fusion layer of VisualBERT without early fusion do not see the regions, and
     # their text-to-region maps are zeros (AttentionMaps.text_to_region), which np.argmax would otherwise
     # read as a choice of region 0.
-    blind = ~(np.where(valid, ent_attn, 0.0) > 0).any(axis=-1)  # (L, H, E)
+    blind = ~(np.where(valid, q_attn, 0.0) > 0).any(axis=-1)  # (L, H, Q)
     if not valid.all():
-        ent_attn = np.where(valid, ent_attn, -np.inf)
-    pred = np.where(blind, -1, ent_attn.argmax(axis=-1))  # (L, H, E)
-    mass = np.matmul(inp.region_mass, w.T)  # (L, H, T) @ (T, E) -> (L, H, E)
+        q_attn = np.where(valid, q_attn, -np.inf)
+    pred = np.where(blind, -1, q_attn.argmax(axis=-1))  # (L, H, Q)
+    mass = np.matmul(inp.region_mass, w.T)  # (L, H, T) @ (T, Q) -> (L, H, Q)
+    return pred, blind, mass
 
-    correct = np.zeros((E, R), dtype=bool)
+
+def entity_correct_regions(inp: GroundingInput, options: GroundingOptions) -> np.ndarray:
+    """(E, R) bool: which valid regions agree with each entity's gold boxes (`correct_regions`)."""
+    correct = np.zeros((len(inp.entities), inp.shape[3]), dtype=bool)
     for e, ent in enumerate(inp.entities):  # E is a handful per caption; the heads are vectorised
         correct[e] = correct_regions(inp.region_boxes, ent.gold_boxes, options)
-    correct &= valid  # a padded region is never a correct answer
+    return correct & inp.region_valid  # a padded region is never a correct answer
+
+
+def most_confident_region(inp: GroundingInput) -> int:
+    """The baseline's choice (§3.1): "always chooses the region with the highest detection confidence",
+    among the valid regions; ties go to the lowest index."""
+    return int(np.where(inp.region_valid, inp.region_conf, -np.inf).argmax())
+
+
+def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOptions()) -> CaptionScores:
+    """Score every (layer, head, entity) of one caption at once; no Python loop over heads."""
+    T = inp.shape[2]
+    E = len(inp.entities)
+    w = token_weights([ent.positions(options.token) for ent in inp.entities], T)  # (E, T)
+    pred, blind, mass = region_predictions(inp, w)  # (L, H, E) each
+    correct = entity_correct_regions(inp, options)  # (E, R)
     hit = correct[np.arange(E), pred] & ~blind  # (E, R)[(E,), (L, H, E)] -> (L, H, E)
 
-    # Baseline (§3.1): "always chooses the region with the highest detection confidence".
-    conf = np.where(valid, inp.region_conf, -np.inf)
-    base = int(conf.argmax())
+    base = most_confident_region(inp)
     baseline_pred = np.full(E, base, dtype=np.int64)
     return CaptionScores(
         pred=pred,
@@ -459,13 +490,26 @@ class GroundingAccumulator:
         L, H, _, _ = inp.shape
         self._ensure_shape(L, H)
         scores = score_caption(inp, self.options)
-        self.n_captions += 1
-        self.n_entities += len(inp.entities)
-        self.hits += scores.hit.sum(axis=-1)  # (L, H, E) -> (L, H)
-        self.mass_sum += scores.mass.sum(axis=-1)  # (L, H, E) -> (L, H)
-        self.baseline_hits += int(scores.baseline_hit.sum())
-        self.reachable += int(scores.reachable.sum())
+        self.add_scores(scores.hit, scores.mass, scores.baseline_hit, scores.reachable)
         return scores
+
+    def add_scores(
+        self, hit: np.ndarray, mass: np.ndarray, baseline_hit: np.ndarray, reachable: np.ndarray, *, captions: int = 1
+    ) -> None:
+        """Add N already scored queries from `captions` captions: hit (L, H, N) bool, mass (L, H, N),
+        baseline_hit (N,) bool, reachable (N,) bool. `add` uses it for entities; the syntactic analysis
+        for the (arc, direction) instances of one relation, each counted like an entity."""
+        L, H, N = hit.shape
+        if mass.shape != (L, H, N) or baseline_hit.shape != (N,) or reachable.shape != (N,):
+            raise ValueError(f"inconsistent shapes: hit {hit.shape}, mass {mass.shape}, "
+                             f"baseline_hit {baseline_hit.shape}, reachable {reachable.shape}")
+        self._ensure_shape(L, H)
+        self.n_captions += captions
+        self.n_entities += N
+        self.hits += hit.sum(axis=-1)  # (L, H, N) -> (L, H)
+        self.mass_sum += mass.sum(axis=-1)  # (L, H, N) -> (L, H)
+        self.baseline_hits += int(baseline_hit.sum())
+        self.reachable += int(reachable.sum())
 
     def merge(self, other: GroundingAccumulator) -> GroundingAccumulator:
         """Add `other`'s totals into this one (same options required); returns self."""

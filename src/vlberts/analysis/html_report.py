@@ -49,9 +49,12 @@ def _loss_figure(records: list[dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(6.4, 3.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    steps = [r["step"] for r in records]
-    for key, label in (("mlm_loss", "MLM"), ("match_loss", "sentence-image")):
-        ax.plot(steps, [r[key] for r in records], label=label)
+    # Every objective the architecture trained (objectives/recipe.py logs each as `<name>_loss`); W-VisualBERT's
+    # alternating text-only and image-only updates log each loss on its own updates only.
+    keys = sorted({k for r in records for k in r if k.endswith("_loss")})
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot([s for s, _ in points], [v for _, v in points], label=key.removesuffix("_loss").replace("_", " "))
     ax.set_xlabel("update")
     ax.set_ylabel("loss")
     ax.set_title("Pre-training losses")

@@ -1,5 +1,6 @@
-"""Tables and text summaries of a `GroundingResult`: Markdown for READMEs and logs, HTML fragments for
-the report pages. Numbers are printed in percent with two decimals, as the paper does ("50.77").
+"""Tables and text summaries of a `GroundingResult` and of a `SyntacticResult` (the paper's Table 2):
+Markdown for READMEs and logs, HTML fragments for the report pages. Numbers are printed in percent
+with two decimals, as the paper does ("50.77").
 
 HTML goes through jinja2 with autoescaping, so any caller-supplied text (captions, model names) is
 escaped; Markdown free text has its table-breaking characters escaped.
@@ -11,6 +12,7 @@ import jinja2
 import numpy as np
 
 from vlberts.analysis.grounding import GroundingResult, HeadScore
+from vlberts.analysis.syntactic import SyntacticResult
 
 
 def best_heads(result: GroundingResult, k: int = 10, *, active_only: bool = False) -> list[HeadScore]:
@@ -127,3 +129,48 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
             f"| {int(result.active[layer].sum())}/{result.num_heads} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = False) -> str:
+    """The paper's Table 2 as Markdown: relation, number of instances, baseline (%), best head's
+    accuracy (%), best head (<layer>-<head>). A head marked "(inactive)" is the best of a relation for
+    which no head is active (Table 2 lists active heads only; see `Table2Row`)."""
+    lines = [
+        "| type | instances | baseline (%) | accuracy (%) | head |",
+        "|:---|---:|---:|---:|:---|",
+    ]
+    for row in result.table2(k, directions=directions):
+        head = row.head.label + ("" if row.head.active else " (inactive)")
+        lines.append(f"| {_md_text(row.relation)} | {row.count} | {_pct(row.baseline)} | {_pct(row.head.accuracy)} | {head} |")
+    return "\n".join(lines) + "\n"
+
+
+def syntactic_summary_markdown(result: SyntacticResult, k: int = 10, *, title: str = "Syntactic grounding") -> str:
+    """A Markdown section: counts, skipped captions, Table 2 pooled over directions and per direction."""
+    skipped = ", ".join(
+        f"{_md_text(reason)} {n} (e.g. {', '.join(_md_text(c) for c in result.skipped_examples.get(reason, []))})"
+        for reason, n in result.skipped.items()
+    ) or "none"
+    lines = [
+        f"## {_md_text(title)}",
+        "",
+        f"- captions with a matching parse: {result.n_captions}; captions skipped: {skipped}",
+        f"- arcs: {result.n_arcs} (root excluded); without a word in a grounded entity: "
+        f"{result.n_arcs_without_entity}; scored (arc, direction) instances: {result.n_instances}"
+        + (f"; query word cut off: {result.n_truncated_queries}" if result.n_truncated_queries else ""),
+        "- an arc head -r-> dep is read both ways: from the dependent to the region of the head's entity "
+        "(dep->head) and from the head to the region of the dependent's entity (head->dep)",
+        "",
+    ]
+    if not result.relations:
+        lines.append("No arc instance could be scored.")
+        return "\n".join(lines) + "\n"
+    lines += [
+        f"### Table 2: the {k} most common relations (both directions)",
+        "",
+        table2_markdown(result, k),
+        "### Per direction",
+        "",
+        table2_markdown(result, k, directions=True),
+    ]
+    return "\n".join(lines)

@@ -53,13 +53,51 @@ class VLInputs:
 
 
 @dataclass
+class TagInputs:
+    """Detector tags of a batch (W-VisualBERT §3.2), as subword tokens that each point at the region they
+    came from. L tag subwords."""
+
+    tag_ids: Tensor  # (B, L) long, WordPiece ids of the tag subwords
+    tag_region: Tensor  # (B, L) long, index into the batch's regions (0..R-1) of each subword's box
+    tag_mask: Tensor  # (B, L) bool, True for real tag subwords
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TagInputs:
+        return _to(self, device, non_blocking)
+
+
+@dataclass
+class RegionTargets:
+    """Masked-region modelling: which regions were masked and what the region losses compare against.
+    C detector classes (background included, as `cls_prob` is stored)."""
+
+    masked: Tensor  # (B, R) bool, regions selected for masking: the targets of the masked-region losses
+    corrupted: Tensor  # (B, R) bool, selected regions whose input was replaced (zeroed, or VL-BERT's mask vector)
+    feats: Tensor  # (B, R, D) float, the original (uncorrupted) features: RoI-feature regression target
+    cls_prob: Tensor | None = None  # (B, R, C) float, the detector's class distribution (0 on padding)
+    obj_id: Tensor | None = None  # (B, R) long, detected object label, -100 on padding
+    obj_conf: Tensor | None = None  # (B, R) float, its confidence (0 on padding)
+    attr_id: Tensor | None = None  # (B, R) long, detected attribute label, -100 on padding
+    attr_conf: Tensor | None = None  # (B, R) float
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RegionTargets:
+        return _to(self, device, non_blocking)
+
+
+@dataclass
 class PretrainBatch:
-    """Caption pre-training (VisualBERT §A.3): MLM with the image + sentence-image prediction."""
+    """Caption pre-training: MLM with the image + image-text matching (VisualBERT §A.3), and for the other
+    architectures the region-side targets (`regions`) and detector tags (`tags`) their objectives read."""
 
     inputs: VLInputs
     mlm_labels: Tensor  # (B, T) long, -100 where not masked
     match_labels: Tensor  # (B,) long, BERT NSP convention: 0 = caption_b matches the image, 1 = random
     image_ids: Tensor  # (B,) long
+    # (B,) bool, the text matches the image (any convention's labels derive from it: objectives.matching);
+    # None only in batches built before this field existed.
+    matched: Tensor | None = None
+    regions: RegionTargets | None = None  # masked-region targets; None = regions never masked (VisualBERT)
+    tags: TagInputs | None = None  # W-VisualBERT detector tags (inputs, after masking)
+    tag_labels: Tensor | None = None  # (B, L) long, original tag subword where masked, -100 elsewhere
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PretrainBatch:
         return _to(self, device, non_blocking)
@@ -72,7 +110,10 @@ class VQABatch:
     inputs: VLInputs
     targets: Tensor  # (B, A) float soft scores in [0, 1]
     question_ids: Tensor  # (B,) long
-    answer_pos: Tensor  # (B,) long, position of the [MASK] answer slot (VisualBERT App. A)
+    # (B,) long, position of the [MASK] answer slot (VisualBERT App. A, VL-BERT §4.2.2); 0 ([CLS]) in the
+    # `question` layout, whose models read pooled outputs and ignore it
+    answer_pos: Tensor
+    tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2), for models that read them
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VQABatch:
         return _to(self, device, non_blocking)

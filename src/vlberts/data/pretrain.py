@@ -5,17 +5,32 @@ plus the image's regions. Caption a describes the image; with p = 0.5 caption b 
 the same image, otherwise a caption of a different image. Labels follow BERT's NSP convention:
 0 = b matches the image, 1 = b is random. Both captions are masked for MLM; regions never are.
 Task-specific pre-training (`pairs=False`) shows one caption and trains MLM only.
+
+The other architectures (objectives/recipe.py says which does what) read one caption that, with
+`mismatch_prob`, is replaced by a caption of another image (ViLBERT §3.1 alignment, LXMERT §3.1.3
+matching), and a `RegionSetup`: regions masked by the paper's rule, the detector's targets (cls_prob,
+obj/attr ids and confidences, the original features), and W-VisualBERT's detector tags. Region masking
+draws from the same (seed, epoch, index) stream as the text masking, after it, so a resumed run is exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
-from vlberts.data.batch import PretrainBatch, VLInputs
+from vlberts.data.batch import PretrainBatch, RegionTargets, VLInputs
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences
+from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
+from vlberts.models.wvisualbert import collate_tags, tag_tokens
+from vlberts.objectives.matching import drop_unmatched
+from vlberts.objectives.regions import RegionMaskRule, mask_regions, mask_tags_jointly
+from vlberts.objectives.text import Source
 from vlberts.text.masking import IGNORE_INDEX, mask_tokens
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -33,6 +48,45 @@ def truncate_front(a: list[int], b: list[int], budget: int) -> tuple[list[int], 
     return a, b
 
 
+# Detector outputs carried as region targets (RegionRecord fields), with their padding value.
+LABEL_FIELDS: dict[str, Any] = {
+    "cls_prob": 0.0, "obj_id": IGNORE_INDEX, "obj_conf": 0.0, "attr_id": IGNORE_INDEX, "attr_conf": 0.0,
+}
+
+
+@dataclass(frozen=True)
+class RegionSetup:
+    """The region side of an architecture's pre-training examples (built from `objectives.recipe.ArchRecipe`).
+
+    rule: the paper's region masking rule, or None (regions never masked: VisualBERT).
+    zero_in_data: corrupt the masked features in the batch; False leaves them and the model replaces the
+        `corrupted` ones itself (VL-BERT's learned mask vector).
+    replace_from_other_image: the rule's random replacements are features of another image (LXMERT's
+        `random_feat`); otherwise another region of the same image.
+    labels: which `LABEL_FIELDS` the examples carry as targets.
+    tag_subwords: W-VisualBERT tags, class c -> subword ids of its name (None: no tags); attr_subwords
+        likewise for attributes, each box's tag being its attribute with `tag_attr_prob` (reference §3.6).
+    """
+
+    rule: RegionMaskRule | None = None
+    zero_in_data: bool = True
+    replace_from_other_image: bool = False
+    labels: tuple[str, ...] = ()
+    tag_subwords: tuple[tuple[int, ...], ...] | None = None
+    attr_subwords: tuple[tuple[int, ...], ...] | None = None
+    tag_attr_prob: float = 0.15
+
+
+class _Fetched:
+    """A region source holding one record already read, so that features and labels come from one read."""
+
+    def __init__(self, rec: Any, path: Any = None):
+        self.rec, self.path = rec, path
+
+    def get(self, image_id: str) -> Any:
+        return self.rec
+
+
 class CaptionPretrainData:
     """Pre-training examples keyed by (epoch, index); everything random derives from (seed, epoch, index)."""
 
@@ -48,8 +102,9 @@ class CaptionPretrainData:
         mlm_prob: float = 0.15,
         seed: int = 0,
         feature_dim: int | None = None,
-        focus_ids: frozenset[int] = frozenset(),
-        focus_prob: float | None = None,
+        token_probs: Mapping[int, float] | None = None,
+        mismatch_prob: float = 0.0,
+        region_setup: RegionSetup = RegionSetup(),
     ):
         if not captions:
             raise ValueError("no captions to pre-train on")
@@ -62,28 +117,46 @@ class CaptionPretrainData:
         self.mlm_prob = mlm_prob
         self.seed = seed
         self.feature_dim = feature_dim
-        self.focus_ids = focus_ids
-        self.focus_prob = focus_prob
+        self.token_probs = dict(token_probs or {})
         # Tokenise once; examples only index into these.
         self.ids = [e.ids for e in tokenizer.tok.encode_batch([c.text for c in captions], add_special_tokens=False)]
         self.by_image: dict[str, list[int]] = {}
         for i, c in enumerate(captions):
             self.by_image.setdefault(c.image_id, []).append(i)
-        if pairs and len(self.by_image) < 2:
+        self.images = list(self.by_image)
+        self.image_index = {im: k for k, im in enumerate(self.images)}
+        self.mismatch_prob = mismatch_prob
+        self.setup = region_setup
+        if (pairs or mismatch_prob > 0) and len(self.by_image) < 2:
             raise ValueError("sentence-image prediction needs captions of at least two images")
 
     def __len__(self) -> int:
         return len(self.captions)
+
+    def lengths(self) -> np.ndarray:
+        """(N,) each example's expected sequence length (tokens + regions), for length-grouped batches.
+        The second caption is drawn per epoch, so a pair counts its first caption twice."""
+        text = np.array([len(ids) for ids in self.ids]) * (2 if self.pairs else 1) + (3 if self.pairs else 2)
+        regions = region_counts(self.regions, [c.image_id for c in self.captions], self.max_regions)
+        return np.minimum(text, self.max_text_len) + regions
 
     def _second_caption(self, index: int, rng: np.random.Generator) -> tuple[int, int]:
         image = self.captions[index].image_id
         same = [j for j in self.by_image[image] if j != index]
         if same and rng.random() < 0.5:
             return int(same[rng.integers(len(same))]), MATCH
-        while True:  # a caption of another image
+        return self._caption_of_another_image(image, rng), MISMATCH
+
+    def _caption_of_another_image(self, image: str, rng: np.random.Generator) -> int:
+        while True:
             j = int(rng.integers(len(self.captions)))
             if self.captions[j].image_id != image:
-                return j, MISMATCH
+                return j
+
+    def _another_image(self, image: str, rng: np.random.Generator) -> str:
+        """A uniformly drawn image other than `image` (one draw)."""
+        k = int(rng.integers(max(len(self.images) - 1, 1)))
+        return self.images[k + 1 if k >= self.image_index[image] else k]
 
     def __getitem__(self, key: tuple[int, int]) -> dict:
         epoch, index = key
@@ -96,26 +169,75 @@ class CaptionPretrainData:
             ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
             segments = [0] * (len(a) + 2) + [1] * (len(b) + 1)
         else:
-            label = MATCH
-            a, _ = truncate_front(self.ids[index], [], self.max_text_len - 2)
+            label, text = MATCH, index
+            if self.mismatch_prob > 0 and rng.random() < self.mismatch_prob:
+                label, text = MISMATCH, self._caption_of_another_image(cap.image_id, rng)
+            a, _ = truncate_front(self.ids[text], [], self.max_text_len - 2)
             ids = [tok.cls_id, *a, tok.sep_id]
             segments = [0] * len(ids)
         masked, labels = mask_tokens(
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
-            focus_ids=self.focus_ids, focus_prob=self.focus_prob,
+            token_probs=self.token_probs,
         )
-        regions = load_regions(self.regions, cap.image_id, self.max_regions, self.feature_dim)
-        return {
+        rec = self.regions.get(cap.image_id)
+        regions = load_regions(_Fetched(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
+                               self.feature_dim)
+        example = {
             "ids": masked,
             "segments": np.asarray(segments),
             "labels": labels,
             "match": label,
-            "regions": regions,
             "image_id": int(cap.image_id) if cap.image_id.isdigit() else index,
         }
+        example.update(self._region_side(rec, regions, cap.image_id, rng))
+        return example
+
+    def _region_side(self, rec: Any, regions: Regions, image: str, rng: np.random.Generator) -> dict:
+        """Regions (masked by the setup's rule), their targets and tags; draws continue `rng`."""
+        setup, n = self.setup, len(regions.feats)
+        out: dict[str, Any] = {"regions": regions}
+        if setup.rule is None:
+            return out
+        pool = None
+        if setup.replace_from_other_image and setup.rule.random > 0 and len(self.images) > 1:
+            other = self._another_image(image, rng)
+            pool = load_regions(self.regions, other, self.max_regions, self.feature_dim).feats  # (R', D)
+            if not len(pool):
+                pool = None
+        m = mask_regions(regions.feats, rng, setup.rule, pool=pool)
+        if setup.zero_in_data:
+            out["regions"] = dataclasses.replace(regions, feats=m.feats)
+        out.update(masked=m.mask, corrupted=m.corrupted, orig_feats=regions.feats)
+        for name in setup.labels:
+            out[name] = np.asarray(getattr(rec, name)[:n])
+        if setup.tag_subwords is not None:
+            attr = setup.attr_subwords
+            use_attr = rng.random(n) < setup.tag_attr_prob if attr is not None else None
+            tag_ids, tag_region = tag_tokens(
+                rec.obj_id[:n], setup.tag_subwords, attr_ids=None if attr is None else rec.attr_id[:n],
+                attr_subwords=attr, use_attr=use_attr,
+            )
+            tag_in, tag_labels, _ = mask_tags_jointly(
+                np.asarray(tag_ids, dtype=np.int64), np.asarray(tag_region, dtype=np.int64), m.mask, rng,
+                mask_id=self.tok.mask_id, vocab_size=self.tok.vocab_size,
+            )
+            out.update(tag_ids=tag_in, tag_region=np.asarray(tag_region, dtype=np.int64), tag_labels=tag_labels)
+        return out
 
 
-def collate_pretrain(examples: list[dict], pad_id: int = 0) -> PretrainBatch:
+def _pad_stack(arrays: list[np.ndarray], value: Any) -> torch.Tensor:
+    """Right-pad arrays of shape (n_i, ...) along the first axis to (B, max n_i, ...) with `value`."""
+    first = np.asarray(arrays[0])
+    n = max(len(a) for a in arrays)
+    out = np.full((len(arrays), n, *first.shape[1:]), value, dtype=first.dtype)
+    for i, a in enumerate(arrays):
+        out[i, : len(a)] = a
+    return torch.from_numpy(out)
+
+
+def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targets: bool = False) -> PretrainBatch:
+    """Pad examples into a `PretrainBatch`. With `drop_unmatched_targets`, mismatched pairs keep no MLM or
+    masked-region targets (ViLBERT's `--objective 1`; `objectives.matching.drop_unmatched`)."""
     ids = pad_sequences([e["ids"] for e in examples], pad_id)  # (B, T)
     regions: list[Regions] = [e["regions"] for e in examples]
     feats, boxes, rmask = pad_regions(regions)
@@ -127,9 +249,46 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0) -> PretrainBatch:
         region_boxes=boxes,
         region_mask=rmask,
     )
+    mlm_labels = pad_sequences([e["labels"] for e in examples], IGNORE_INDEX)  # (B, T)
+    matched = torch.tensor([e["match"] == MATCH for e in examples], dtype=torch.bool)  # (B,)
+    targets = None
+    if "masked" in examples[0]:
+        masked = _pad_stack([e["masked"] for e in examples], False)  # (B, R)
+        if drop_unmatched_targets:
+            mlm_labels, masked = drop_unmatched(mlm_labels, masked, matched)
+        labels = {k: _pad_stack([e[k] for e in examples], v) for k, v in LABEL_FIELDS.items() if k in examples[0]}
+        targets = RegionTargets(
+            masked=masked, corrupted=_pad_stack([e["corrupted"] for e in examples], False),
+            feats=_pad_stack([e["orig_feats"] for e in examples], 0.0), **labels,
+        )
+    tags, tag_labels = None, None
+    if "tag_ids" in examples[0]:
+        tags = collate_tags([(e["tag_ids"], e["tag_region"]) for e in examples], pad_id)
+        tag_labels = _pad_stack([e["tag_labels"] for e in examples], IGNORE_INDEX)  # (B, L)
     return PretrainBatch(
         inputs=inputs,
-        mlm_labels=pad_sequences([e["labels"] for e in examples], IGNORE_INDEX),
+        mlm_labels=mlm_labels,
         match_labels=torch.tensor([e["match"] for e in examples], dtype=torch.long),
         image_ids=torch.tensor([e["image_id"] for e in examples], dtype=torch.long),
+        matched=matched,
+        regions=targets,
+        tags=tags,
+        tag_labels=tag_labels,
     )
+
+
+def unpaired_view(batch: PretrainBatch, source: Source) -> PretrainBatch:
+    """The text-only (R = 0) or image-only (T = 0, regions and tags) half of a batch: W-VisualBERT §3
+    trains on batches of one modality at a time, so the model never sees a caption with its image."""
+    x = batch.inputs
+    if source == "text":
+        r = batch.regions
+        regions = None if r is None else RegionTargets(
+            **{f.name: None if getattr(r, f.name) is None else getattr(r, f.name)[:, :0] for f in dataclasses.fields(r)}
+        )
+        inputs = dataclasses.replace(x, region_feats=x.region_feats[:, :0], region_boxes=x.region_boxes[:, :0],
+                                     region_mask=x.region_mask[:, :0])
+        return dataclasses.replace(batch, inputs=inputs, regions=regions, tags=None, tag_labels=None)
+    inputs = dataclasses.replace(x, input_ids=x.input_ids[:, :0], token_type_ids=x.token_type_ids[:, :0],
+                                 attention_mask=x.attention_mask[:, :0])
+    return dataclasses.replace(batch, inputs=inputs, mlm_labels=batch.mlm_labels[:, :0])

@@ -53,6 +53,14 @@ def load_regions(source: RegionSource, image_id: str | int, max_regions: int, fe
     return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=conf)
 
 
+def region_counts(source: RegionSource, image_ids: list[str], max_regions: int) -> np.ndarray:
+    """(N,) regions each image contributes (at most `max_regions`), read without loading features where
+    the source can (a `RegionStore`'s `num_boxes`); used to group batches by length."""
+    count = getattr(source, "num_boxes", None) or (lambda i: len(source.get(i).boxes))
+    per_image = {i: min(count(i), max_regions) for i in set(image_ids)}
+    return np.array([per_image[i] for i in image_ids], dtype=np.int64)
+
+
 def pad_regions(items: list[Regions]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack a batch of region sets, zero-padded to the largest: feats (B, R, D), boxes (B, R, 4), mask (B, R)."""
     B = len(items)

@@ -1,23 +1,66 @@
-"""VQA examples as model inputs: `[CLS] question [MASK] [SEP]` + regions (VisualBERT App. B.1).
+"""VQA examples as model inputs: the question laid out for the model's answer head, + regions.
 
-The answer is read off the [MASK] slot appended after the question, as in the original VisualBERT
-VQA data loader (its `no_next_sentence` setting).
+Layouts (`TEXT_FORMATS`; each VQA model names its own in `text_format`):
+  mask            `[CLS] question [MASK] [SEP]`, one segment: VisualBERT App. B.1, the answer read off the
+                  [MASK] slot appended after the question (the original loader's `no_next_sentence`).
+  answer_segment  `[CLS] question [SEP] [MASK] [SEP]`, the answer section (segment B) a single [MASK]:
+                  VL-BERT §4.2.2, Fig. 2b (released `prepare_text_from_qa`).
+  question        `[CLS] question [SEP]`: ViLBERT, LXMERT and W-VisualBERT, whose heads read pooled
+                  outputs; `answer_pos` is then 0 ([CLS]) and unused.
+W-VisualBERT's detector tags (§3.2) come along when `tag_subwords` is given.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences
+from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.vqa import VQAExample
+from vlberts.errors import VlbertsError
+from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.vqa import AnswerVocab, SoftTarget, dense_targets, soft_target
 from vlberts.text.tokenizer import TextTokenizer
 
 
+# A layout: question subwords, tokenizer -> (ids, segments, answer position).
+Layout = Callable[[list[int], TextTokenizer], tuple[list[int], list[int], int]]
+
+
+def _mask_slot(q: list[int], tok: TextTokenizer) -> tuple[list[int], list[int], int]:
+    return [tok.cls_id, *q, tok.mask_id, tok.sep_id], [0] * (len(q) + 3), len(q) + 1
+
+
+def _answer_segment(q: list[int], tok: TextTokenizer) -> tuple[list[int], list[int], int]:
+    return [tok.cls_id, *q, tok.sep_id, tok.mask_id, tok.sep_id], [0] * (len(q) + 2) + [1, 1], len(q) + 2
+
+
+def _question(q: list[int], tok: TextTokenizer) -> tuple[list[int], list[int], int]:
+    return [tok.cls_id, *q, tok.sep_id], [0] * (len(q) + 2), 0
+
+
+# name -> (special tokens the layout adds, layout)
+TEXT_FORMATS: dict[str, tuple[int, Layout]] = {
+    "mask": (3, _mask_slot),
+    "answer_segment": (4, _answer_segment),
+    "question": (2, _question),
+}
+
+
+def detector_tag_subwords(classes: Sequence[str], tok: TextTokenizer) -> tuple[tuple[int, ...], ...]:
+    """W-VisualBERT tags (§3.2): class c -> the subwords of its name, the vocabulary line's first synonym
+    (as the released code and `vlberts pretrain` build them)."""
+    return tuple(tuple(tok.encode(c.split(",")[0])) for c in classes)
+
+
 class VQAData:
-    """Indexable VQA examples; targets are soft scores over `vocab` (empty for unannotated questions)."""
+    """Indexable VQA examples; targets are soft scores over `vocab` (empty for unannotated questions).
+
+    text_format: a `TEXT_FORMATS` name; tag_subwords: with it, each example also carries its regions'
+    detector tags (`detector_tag_subwords`), read from the source's `obj_id`."""
 
     def __init__(
         self,
@@ -29,16 +72,27 @@ class VQAData:
         max_text_len: int = 32,
         max_regions: int = 36,
         feature_dim: int | None = None,
+        text_format: str = "mask",
+        tag_subwords: Sequence[Sequence[int]] | None = None,
     ):
+        if text_format not in TEXT_FORMATS:
+            raise ValueError(f"unknown text_format {text_format!r}; valid: {', '.join(TEXT_FORMATS)}")
         self.examples = examples
         self.regions = regions
         self.tok = tokenizer
         self.vocab = vocab
         self.max_regions = max_regions
         self.feature_dim = feature_dim
-        budget = max_text_len - 3  # [CLS], [MASK], [SEP]
+        self.tag_subwords = tag_subwords
+        specials, layout = TEXT_FORMATS[text_format]
+        budget = max_text_len - specials
         encs = tokenizer.tok.encode_batch([e.question for e in examples], add_special_tokens=False)
-        self.ids = [[tokenizer.cls_id, *e.ids[-budget:], tokenizer.mask_id, tokenizer.sep_id] for e in encs]
+        self.ids, self.segments, self.answer_pos = [], [], []
+        for e in encs:
+            ids, segments, pos = layout(e.ids[-budget:], tokenizer)
+            self.ids.append(ids)
+            self.segments.append(segments)
+            self.answer_pos.append(pos)
         self.targets: list[SoftTarget | None] = [
             soft_target(e.answers, vocab) if e.annotated else None for e in examples
         ]
@@ -46,26 +100,43 @@ class VQAData:
     def __len__(self) -> int:
         return len(self.examples)
 
+    def lengths(self) -> np.ndarray:
+        """(N,) each example's sequence length (tokens + regions), for length-grouped batches."""
+        regions = region_counts(self.regions, [e.image_id for e in self.examples], self.max_regions)
+        return np.array([len(ids) for ids in self.ids]) + regions
+
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key
         ex = self.examples[index]
-        return {
+        item = {
             "ids": self.ids[index],
+            "segments": self.segments[index],
+            "answer_pos": self.answer_pos[index],
             "target": self.targets[index],
             "question_id": ex.question_id,
             "regions": load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim),
         }
+        if self.tag_subwords is not None:
+            item["tags"] = self._tags(ex.image_id, len(item["regions"].feats))
+        return item
+
+    def _tags(self, image_id: str | int, n: int) -> tuple[list[int], list[int]]:
+        """The detector tags of the image's first n regions: (subword ids, region of each subword)."""
+        obj_id = self.regions.get(str(image_id)).obj_id
+        if obj_id is None:
+            raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
+                               path=getattr(self.regions, "path", None), record=f"image {image_id}")
+        return tag_tokens(obj_id[:n], self.tag_subwords)
 
 
 def collate_vqa(examples: list[dict], num_answers: int, pad_id: int = 0) -> VQABatch:
     ids = pad_sequences([e["ids"] for e in examples], pad_id)  # (B, T)
     feats, boxes, rmask = pad_regions([e["regions"] for e in examples])
-    lengths = torch.tensor([len(e["ids"]) for e in examples])
     empty = SoftTarget((), ())
     return VQABatch(
         inputs=VLInputs(
             input_ids=ids,
-            token_type_ids=torch.zeros_like(ids),
+            token_type_ids=pad_sequences([e["segments"] for e in examples], 0),  # (B, T)
             attention_mask=pad_sequences([np.ones(len(e["ids"]), dtype=np.int64) for e in examples], 0).bool(),
             region_feats=feats,
             region_boxes=boxes,
@@ -73,5 +144,6 @@ def collate_vqa(examples: list[dict], num_answers: int, pad_id: int = 0) -> VQAB
         ),
         targets=dense_targets([e["target"] or empty for e in examples], num_answers),
         question_ids=torch.tensor([e["question_id"] for e in examples], dtype=torch.long),
-        answer_pos=lengths - 2,  # the [MASK] before the final [SEP]
+        answer_pos=torch.tensor([e["answer_pos"] for e in examples], dtype=torch.long),
+        tags=collate_tags([e["tags"] for e in examples], pad_id) if "tags" in examples[0] else None,
     )

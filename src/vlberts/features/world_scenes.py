@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from vlberts.errors import VlbertsError
+from vlberts.io import iter_jsonl
 
 _IMAGE_KEYS = ("image_id", "file_name", "width", "height", "split", "objects")
 _OBJECT_KEYS = ("shape", "colour", "size", "box")
@@ -171,26 +172,19 @@ def read_world_scenes(root: str | Path, check_images: bool = True) -> WorldScene
     world = WorldScenes(root=root, vocab=vocab, images=())
     images: list[WorldImage] = []
     first_line: dict[int, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}") from None
-            where = f"line {lineno}" + (f" (image {rec['image_id']})" if isinstance(rec, dict) and "image_id" in rec else "")
-            try:
-                im = _parse_image(rec, vocab, lookup)
-            except ValueError as e:
-                raise VlbertsError(str(e), path=path, record=where) from None
-            if im.image_id in first_line:
-                first = first_line[im.image_id]
-                raise VlbertsError(f"duplicate image id {im.image_id} (first on line {first})", path=path, record=where)
-            first_line[im.image_id] = lineno
-            if check_images and not world.image_path(im).is_file():
-                raise VlbertsError("image file not found", path=world.image_path(im), record=f"image {im.image_id}")
-            images.append(im)
+    for lineno, rec in iter_jsonl(path):
+        where = f"line {lineno}" + (f" (image {rec['image_id']})" if isinstance(rec, dict) and "image_id" in rec else "")
+        try:
+            im = _parse_image(rec, vocab, lookup)
+        except ValueError as e:
+            raise VlbertsError(str(e), path=path, record=where) from None
+        if im.image_id in first_line:
+            first = first_line[im.image_id]
+            raise VlbertsError(f"duplicate image id {im.image_id} (first on line {first})", path=path, record=where)
+        first_line[im.image_id] = lineno
+        if check_images and not world.image_path(im).is_file():
+            raise VlbertsError("image file not found", path=world.image_path(im), record=f"image {im.image_id}")
+        images.append(im)
     if not images:
         raise VlbertsError("no images in scenes.jsonl", path=path)
     return WorldScenes(root=root, vocab=vocab, images=tuple(images))

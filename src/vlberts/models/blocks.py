@@ -226,6 +226,22 @@ class MLMHead(nn.Module):
         return self.decoder(self.transform(x)) + self.bias
 
 
+class AnswerMLP(nn.Module):
+    """The answer classifier LXMERT introduced and ViLBERT's multi-task release adopted (`SimpleClassifier`):
+    Linear(D_in, 2 D_in), GeLU, LayerNorm, Linear(2 D_in, A), under the released name `logit_fc`."""
+
+    def __init__(self, in_size: int, num_answers: int, eps: float = 1e-12):
+        super().__init__()
+        self.logit_fc = nn.Sequential(
+            nn.Linear(in_size, 2 * in_size), nn.GELU(), nn.LayerNorm(2 * in_size, eps=eps),
+            nn.Linear(2 * in_size, num_answers),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, D_in) -> answer logits (B, A)."""
+        return self.logit_fc(x)
+
+
 def init_bert_weights(module: nn.Module, std: float = 0.02) -> None:
     """BERT initialisation: N(0, std) for linear/embedding weights, zero biases, unit LayerNorm."""
     for m in module.modules():

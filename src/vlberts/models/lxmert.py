@@ -34,12 +34,14 @@ sentence matches the image"), which is the reverse of BERT's next-sentence conve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import (
+    AnswerMLP,
     AttentionBlock,
     BlockConfig,
     Encoder,
@@ -276,19 +278,12 @@ class LxmertObjectHeads(nn.Module):
         return {k: dec(h) for k, dec in self.decoder_dict.items()}
 
 
-class LxmertAnswerHead(nn.Module):
-    """§3.1.3 image QA head on the cross-modality output: Linear(D, 2D), GeLU, LayerNorm, Linear(2D, A)."""
+class LxmertAnswerHead(AnswerMLP):
+    """§3.1.3 image QA head on the cross-modality output: Linear(D, 2D), GeLU, LayerNorm, Linear(2D, A)
+    (`AnswerMLP`; forward: pooled (B, D) -> answer logits (B, A))."""
 
     def __init__(self, cfg: LxmertConfig, num_answers: int):
-        super().__init__()
-        D = cfg.hidden_size
-        self.logit_fc = nn.Sequential(
-            nn.Linear(D, 2 * D), nn.GELU(), nn.LayerNorm(2 * D, eps=cfg.layer_norm_eps), nn.Linear(2 * D, num_answers)
-        )
-
-    def forward(self, pooled: Tensor) -> Tensor:
-        """pooled (B, D) -> answer logits (B, A)."""
-        return self.logit_fc(pooled)
+        super().__init__(cfg.hidden_size, num_answers, cfg.layer_norm_eps)
 
 
 class LxmertForPreTraining(nn.Module):
@@ -334,3 +329,31 @@ class LxmertForPreTraining(nn.Module):
             feat_pred=obj.get("feat"),
             qa_logits=self.answer_head(out.pooled) if self.answer_head is not None else None,
         )
+
+
+class LxmertForVQA(nn.Module):
+    """LXMERT fine-tuned on VQA (§4, released `src/tasks/vqa_model.py`): the question alone, `[CLS] question
+    [SEP]`, and the cross-modality output (the pooled language [CLS], §2.3) through the answer head of
+    §3.1.3 (`LxmertAnswerHead`: Linear(D, 2D), GeLU, LayerNorm, Linear(2D, A)). The head starts new: the
+    release can copy the pre-training QA head's rows for answers both tables share (`--loadLXMERTQA`), but
+    our pre-training heads carry no answer names to match. Class attributes: see `VisualBertForVQA`."""
+
+    text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
+    encoder_name: ClassVar[str] = "lxmert"
+    head: ClassVar[str] = "pooled"
+    reads_tags: ClassVar[bool] = False
+
+    def __init__(self, cfg: LxmertConfig, num_answers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.lxmert = LxmertModel(cfg)
+        self.classifier = LxmertAnswerHead(cfg, num_answers)
+        init_bert_weights(self, cfg.initializer_range)
+
+    def forward(self, x: VLInputs) -> Tensor:
+        """Answer logits (B, A) from the cross-modality output."""
+        return self.classifier(self.lxmert(x).pooled)  # pooled (B, D)
+
+    def answer_logits(self, batch: VQABatch) -> Tensor:
+        """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""
+        return self(batch.inputs)

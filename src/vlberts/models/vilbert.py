@@ -83,13 +83,15 @@ regions after it (`region_index` excludes [IMG]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import (
     AddNorm,
+    AnswerMLP,
     BlockConfig,
     Encoder,
     FeedForward,
@@ -469,3 +471,35 @@ class ViLBertForPreTraining(nn.Module):
             encoded=out,
             region_logits=self.cls.region_predictions(out.vision),
         )
+
+
+class ViLBertForVQA(nn.Module):
+    """ViLBERT fine-tuned on VQA (§3.2 "a two layer MLP on top of the element-wise product of the image and
+    text representations h_IMG and h_CLS"): the question alone, `[CLS] question [SEP]`; the encoder's pooled
+    output is pool(h_CLS) * pool(h_IMG) (B, Db) (the released poolers, §2.2), dropout on the product as the
+    release does, then the release's two-layer `SimpleClassifier` (vilbert-multi-task): Linear(Db, 2Db),
+    GeLU, LayerNorm, Linear(2Db, A) (`AnswerMLP`). Without [IMG] (`add_image_token=False`) the vision
+    pooler reads the caller's first region, as the released code does. Class attributes: see
+    `VisualBertForVQA`."""
+
+    text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
+    encoder_name: ClassVar[str] = "bert"
+    head: ClassVar[str] = "img_cls_product"
+    reads_tags: ClassVar[bool] = False
+
+    def __init__(self, cfg: ViLBertConfig, num_answers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = ViLBertModel(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.classifier = AnswerMLP(cfg.bi_hidden_size, num_answers, cfg.layer_norm_eps)
+        init_bert_weights(self, cfg.initializer_range)
+
+    def forward(self, x: VLInputs) -> Tensor:
+        """Answer logits (B, A) from pool(h_CLS) * pool(h_IMG)."""
+        product = self.bert(x).pooled  # (B, Db)
+        return self.classifier(self.dropout(product))
+
+    def answer_logits(self, batch: VQABatch) -> Tensor:
+        """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""
+        return self(batch.inputs)

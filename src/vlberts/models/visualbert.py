@@ -15,12 +15,12 @@ before it run on the text alone, and the regions join at layer `fusion_layer`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, init_bert_weights, mask_bias
 from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
 from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
@@ -211,7 +211,17 @@ class VisualBertForPreTraining(nn.Module):
 class VisualBertForVQA(nn.Module):
     """VisualBERT's VQA model (App. B.1): the question is followed by a [MASK] token, and an answer
     classifier (dropout + linear, as in the original `training_head_type == "vqa"`) reads the [MASK]
-    token's final hidden state."""
+    token's final hidden state.
+
+    The class attributes tell the fine-tuning recipe how to feed it (shared by every `*ForVQA` model):
+    `text_format` the question layout (`data.vqa_dataset.TEXT_FORMATS`), `encoder_name` the submodule
+    whose weights come from the pre-training checkpoint, `head` a name of the answer head for config.json,
+    `reads_tags` whether batches must carry detector tags."""
+
+    text_format: ClassVar[str] = "mask"  # [CLS] question [MASK] [SEP]
+    encoder_name: ClassVar[str] = "bert"
+    head: ClassVar[str] = "mask"
+    reads_tags: ClassVar[bool] = False
 
     def __init__(self, cfg: VisualBertConfig, num_answers: int):
         super().__init__()
@@ -226,3 +236,7 @@ class VisualBertForVQA(nn.Module):
         out = self.bert(x)
         slot = out.text[torch.arange(out.text.shape[0], device=out.text.device), answer_pos]  # (B, D)
         return self.classifier(self.dropout(slot))
+
+    def answer_logits(self, batch: VQABatch) -> Tensor:
+        """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""
+        return self(batch.inputs, batch.answer_pos)

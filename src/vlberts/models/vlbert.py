@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import roi_align
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, activation, init_bert_weights, mask_bias
 from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
 
@@ -367,3 +367,41 @@ class VLBertForPreTraining(nn.Module):
             encoded=out,
             region_logits=self.region_head(out.vision),
         )
+
+
+# Released VQA config (`CLASSIFIER_TYPE: 2fc`, `CLASSIFIER_HIDDEN_SIZE: 2048`): the answer MLP's width.
+VQA_CLASSIFIER_HIDDEN = 2048
+
+
+class VLBertForVQA(nn.Module):
+    """VL-BERT fine-tuned on VQA (§4.2.2, Fig. 2b): the input is <Question, Answer, Image> with the answer
+    section a single [MASK], `[CLS] question [SEP] [MASK] [SEP]` (the answer section is segment B, as the
+    released `prepare_text_from_qa` lays it out), and "the answer prediction is made from a multi-class
+    classifier based upon the output feature of the [MASK] element": the released `2fc` classifier,
+    dropout, Linear(D, 2048), ReLU, dropout, Linear(2048, A). Class attributes: see `VisualBertForVQA`."""
+
+    text_format: ClassVar[str] = "answer_segment"  # [CLS] question [SEP] [MASK] [SEP]
+    encoder_name: ClassVar[str] = "bert"
+    head: ClassVar[str] = "answer_slot"
+    reads_tags: ClassVar[bool] = False
+
+    def __init__(self, cfg: VLBertConfig, num_answers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = VLBertModel(cfg)
+        H = VQA_CLASSIFIER_HIDDEN
+        self.classifier = nn.Sequential(
+            nn.Dropout(cfg.hidden_dropout), nn.Linear(cfg.hidden_size, H), nn.ReLU(),
+            nn.Dropout(cfg.hidden_dropout), nn.Linear(H, num_answers),
+        )
+        init_bert_weights(self, cfg.initializer_range)
+
+    def forward(self, x: VLInputs, answer_pos: Tensor) -> Tensor:
+        """answer_pos (B,) index of the [MASK] answer slot in the text; returns answer logits (B, A)."""
+        text = self.bert(x).text  # (B, T, D)
+        slot = text[torch.arange(text.shape[0], device=text.device), answer_pos]  # (B, D)
+        return self.classifier(slot)
+
+    def answer_logits(self, batch: VQABatch) -> Tensor:
+        """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""
+        return self(batch.inputs, batch.answer_pos)

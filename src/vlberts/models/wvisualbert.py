@@ -46,12 +46,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs, _to
+from vlberts.data.batch import TagInputs, VLInputs, VQABatch  # TagInputs re-exported: the models' tag input type
 from vlberts.models.blocks import (
+    AnswerMLP,
     BlockConfig,
     Encoder,
     MLMHead,
@@ -116,18 +118,6 @@ class WVisualBertConfig:
 
 # ---------------------------------------------------------------------------------------------------
 # Tag inputs
-
-
-@dataclass
-class TagInputs:
-    """Detector tags of a batch, as subword tokens that each point at the region they came from."""
-
-    tag_ids: Tensor  # (B, L) long, WordPiece ids of the tag subwords
-    tag_region: Tensor  # (B, L) long, index into the batch's regions (0..R-1) of each subword's box
-    tag_mask: Tensor  # (B, L) bool, True for real tag subwords
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> TagInputs:
-        return _to(self, device, non_blocking)
 
 
 def tag_tokens(
@@ -404,3 +394,45 @@ def wvisualbert_h(**kw) -> WVisualBertConfig:
     data plus extra unpaired images (image-only batches skip the match loss). Identical to
     `wvisualbert_s` as an architecture; the data mix is a run-config setting."""
     return dataclasses.replace(WVisualBertConfig(variant="H", match_head=True), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fine-tuning
+
+
+class WVisualBertForVQA(nn.Module):
+    """W-VisualBERT (and its variants) fine-tuned on VQA the way LXMERT is, not VisualBERT's [MASK] slot:
+    the released code (uclanlp/visualbert, `unsupervised_visualbert`) is built on LXMERT's and keeps its
+    VQA model, and §4.1 says the fine-tuning follows "the recommended setting in previous works". So the
+    question alone, `[CLS] question [SEP]`, BERT's pooler on [CLS], and LXMERT's answer head Linear(D, 2D),
+    GeLU, LayerNorm, Linear(2D, A) (`AnswerMLP`), trained with BCE on soft scores (§4.1 VQA).
+
+    Detector tags are part of the input at fine-tuning too (§4.4: tags are used "during both pre-training
+    and fine-tuning"), built as in pre-training from the detected objects' class names, but never masked
+    and never drawn from attributes (fine-tuning and prediction stay deterministic). The _NT variants
+    (`use_tags=False`) read no tags. Class attributes: see `VisualBertForVQA`."""
+
+    text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
+    encoder_name: ClassVar[str] = "bert"
+    head: ClassVar[str] = "pooled"
+
+    def __init__(self, cfg: WVisualBertConfig, num_answers: int):
+        super().__init__()
+        self.cfg = cfg
+        self.bert = WVisualBertModel(cfg)
+        self.classifier = AnswerMLP(cfg.hidden_size, num_answers, cfg.layer_norm_eps)
+        init_bert_weights(self, cfg.initializer_range)
+
+    @property
+    def reads_tags(self) -> bool:
+        return self.cfg.use_tags
+
+    def forward(self, x: VLInputs, tags: TagInputs | None = None) -> Tensor:
+        """Answer logits (B, A) from the pooled [CLS] of [question ; regions ; tags]."""
+        if self.reads_tags and tags is None:
+            raise ValueError("this W-VisualBERT reads detector tags (use_tags), but none were given")
+        return self.classifier(self.bert(x, tags).pooled)  # pooled (B, D)
+
+    def answer_logits(self, batch: VQABatch) -> Tensor:
+        """Answer logits (B, A) of a `VQABatch` laid out as `text_format`, with its tags."""
+        return self(batch.inputs, batch.tags)

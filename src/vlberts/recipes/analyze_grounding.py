@@ -1,15 +1,29 @@
-"""Recipe: entity grounding by attention heads ("What Does BERT with Vision Look At?", §3.1, Figure 3).
+"""Recipe: entity and syntactic grounding by attention heads ("What Does BERT with Vision Look At?",
+§3.1, Figure 3, Table 2, Figure 4).
 
     read the split's Flickr30K Entities captions and boxes; tokenise; keep the grounded phrases
+    read the split's dependency parses, if any (CoNLL-U, keyed by sent_id "<image id>_<caption index>")
     run the pre-trained model on `[CLS] caption [SEP]` + the image's regions, with attention maps
     per caption: text-to-region attention of every head -> GroundingAccumulator
-    write the numbers, Figure 3 and the best-heads table
+                 and, with a parse whose words match the caption's, -> SyntacticAccumulator
+    write the numbers, Figures 3 and 4 and the tables
 
-    OUT/grounding.json        every head's accuracy and region mass, baseline, upper bound, options, skips
-    OUT/entity_grounding.png  Figure 3: accuracy per head by layer, baseline line, active heads large
-    OUT/grounding.md          the best heads and per-layer numbers as Markdown
+    OUT/grounding.json             every head's accuracy and region mass, baseline, upper bound, options,
+                                   skips; "syntactic_grounding": per relation the same, Table 2, counts
+    OUT/entity_grounding.png       Figure 3: accuracy per head by layer, baseline line, active heads large
+    OUT/syntactic_grounding.png    Figure 4: the same per relation (pobj, nsubj, amod), when parses ran
+    OUT/grounding.md               the best heads, per-layer numbers and Table 2 as Markdown
 
-The choices the paper leaves open are options with documented defaults (`GroundingOptions`).
+Parses (`--parses`): "auto" (default) reads `<entities>/../parses/<split>.conllu`, where the embedded
+world writes its gold parses, when that file exists; a path reads that CoNLL-U file (e.g. a parser's
+output for real Flickr30K captions, one sentence per caption, `# sent_id = <image id>_<caption index>`
+with the caption index the 0-based line of Sentences/<image id>.txt); "none" skips syntactic grounding.
+Without parses only entity grounding runs and the report says so. A caption without a parse, or whose
+parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
+its caption id; entity grounding still uses it.
+
+The choices the paper leaves open are options with documented defaults (`GroundingOptions`; the
+syntactic ones in `vlberts.analysis.syntactic`).
 """
 
 from __future__ import annotations
@@ -19,11 +33,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlberts.analysis.entities import SkipCounts, entity_captions, grounding_inputs
-from vlberts.analysis.figures import save_head_accuracy_figure
-from vlberts.analysis.grounding import GroundingAccumulator, GroundingOptions, GroundingResult
-from vlberts.analysis.report import summary_markdown
+from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions, grounding_inputs
+from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
+from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
+from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
+from vlberts.analysis.syntactic import (
+    FIGURE4_RELATIONS,
+    ParseMismatch,
+    SyntacticAccumulator,
+    SyntacticInput,
+    SyntacticResult,
+    arcs_from_parse,
+)
 from vlberts.config import apply_overrides, from_dict
+from vlberts.data.conllu import ConlluSentence, read_conllu
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -50,7 +73,10 @@ class GroundingConfig:
     batch_size: int = opt(64, "captions per forward pass")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("fp32", "fp32 or bf16 (attention maps are analysed in float32 either way)")
-    top_k: int = opt(10, "rows of the best-heads table")
+    top_k: int = opt(10, "rows of the best-heads table and of Table 2")
+    parses: str = opt("auto", "CoNLL-U parses for syntactic grounding: auto (<entities>/../parses/<split>.conllu "
+                      "if present, as the world writes them), a file (sent_id = <image id>_<caption index>), or none")
+    relations: str = opt(",".join(FIGURE4_RELATIONS), "relations drawn in the syntactic grounding figure (Figure 4)")
 
 
 CONFIG_CLASS = GroundingConfig
@@ -63,6 +89,24 @@ class GroundingReport:
     maps: str  # which attention maps were read
     seconds: float
     paths: dict[str, Path]
+    syntactic: SyntacticResult | None = None  # None when no parses were available
+    syntactic_note: str = ""  # where the parses came from, or why syntactic grounding did not run
+
+
+def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
+    """The CoNLL-U file to read (or None) and a sentence for the report saying which and why."""
+    if cfg.parses == "none":
+        return None, "syntactic grounding not run (--parses=none); only entity grounding ran"
+    if cfg.parses == "auto":
+        path = Path(cfg.entities).parent / "parses" / f"{cfg.split}.conllu"
+        if not path.is_file():
+            return None, (f"syntactic grounding not run: no parses ({path} does not exist; pass "
+                          "--parses=FILE.conllu); only entity grounding ran")
+        return path, f"parses: {path} (found next to the entities, as the embedded world writes them)"
+    path = Path(cfg.parses)
+    if not path.is_file():
+        raise VlbertsError("parses file not found (--parses)", path=path)
+    return path, f"parses: {path}"
 
 
 def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
@@ -90,14 +134,24 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     if missing:
         raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features, record=missing[0])
 
+    parses_path, syntactic_note = resolve_parses(cfg)
+    parses: dict[str, ConlluSentence] | None = read_conllu(parses_path) if parses_path else None
+    relations = [r.strip() for r in cfg.relations.split(",") if r.strip()]
+    if parses is not None and not relations:
+        raise VlbertsError("--relations names no relation to draw")
+
     skipped = SkipCounts()
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     acc = GroundingAccumulator(options)
+    syn = SyntacticAccumulator(options) if parses is not None else None
     with progress() as bar, autocast(device, cfg.precision):
-        task = bar.add_task("entity grounding", total=len(captions), info="")
+        task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
+                            total=len(captions), info="")
         maps = ""
-        for _, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size, device=device):
+        for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size, device=device):
             acc.add(inp)
+            if syn is not None:
+                _add_syntactic(syn, parses, cap, inp)
             maps = inp.maps
             bar.advance(task)
     if acc.n_entities == 0:
@@ -106,14 +160,41 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     L, H = result.accuracy.shape
     maps = f"{maps}; {L} layers x {H} heads"
 
+    syntactic = syn.result() if syn is not None else None
+
     paths = {"json": out / "grounding.json", "figure": out / "entity_grounding.png", "markdown": out / "grounding.md"}
-    report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths)
+    if syntactic is not None and syntactic.relations:
+        paths["syntactic_figure"] = out / "syntactic_grounding.png"
+    report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
+                             syntactic, syntactic_note)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
+    if "syntactic_figure" in paths:
+        save_syntactic_grounding_figure(syntactic, paths["syntactic_figure"], relations=relations)
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
-        f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n")
+        f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
+        if syntactic is None:
+            f.write(f"Syntactic grounding: {syntactic_note}.\n")
+        else:
+            f.write(syntactic_summary_markdown(syntactic, cfg.top_k, title=f"Syntactic grounding ({cfg.split} split)"))
+            f.write(f"\nSyntactic grounding {syntactic_note}.\n")
     return report
+
+
+def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence], cap: EntityCaption,
+                   inp: GroundingInput) -> None:
+    """Score one caption's arcs, or count why it cannot be (no parse; a parse of other words)."""
+    sentence = parses.get(cap.caption_id)
+    if sentence is None:
+        syn.skip("no parse", cap.caption_id)
+        return
+    try:
+        arcs = arcs_from_parse(sentence, cap.words)
+    except ParseMismatch:
+        syn.skip("parse words differ", cap.caption_id)
+        return
+    syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
 
 
 def _skips(skipped: dict[str, int]) -> str:
@@ -129,6 +210,8 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "attention_maps": report.maps,
         "skipped_phrases": report.skipped,
         "seconds": report.seconds,
+        "syntactic_grounding": None if report.syntactic is None else report.syntactic.to_dict(),
+        "syntactic_grounding_note": report.syntactic_note,
     }
 
 

@@ -2,7 +2,7 @@
 
     1. world      build a seeded world, exported in the real formats          OUT/world/
     2. features   train the world detector, extract region features           OUT/features.h5
-    3. pretrain   VisualBERT: MLM with the image + sentence-image prediction  OUT/pretrain/
+    3. pretrain   ARCH (VisualBERT by default) with its paper's objectives     OUT/pretrain/
     4. probe      masked colour/shape words, with the regions and zeroed      (numbers in summary.json)
     5. VQA        fine-tune on the train questions, score the test questions  OUT/vqa/
     6. grounding  entity grounding by attention heads on the test captions    OUT/grounding/
@@ -11,6 +11,8 @@
 Every step calls the same recipe the CLI exposes for real data (`vlberts world build`, `extract`,
 `pretrain`, `finetune vqa`, `analyze grounding`), with the settings below. `quick` runs a smaller
 world and shorter schedules for smoke tests; its numbers are not expected to show the phenomena.
+`arch` picks the architecture (`ARCH-small`); every architecture writes the same summary keys, and
+two-stream models are analysed through their text-to-vision attention maps.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from vlberts.recipes.common import opt, set_threads
 from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
-from vlberts.training.checkpoint import load_pretraining_model
+from vlberts.models.builders import ARCHS, arch_of
+from vlberts.training.checkpoint import load_pretraining_model, read_model_config
 from vlberts.world.build import WorldConfig, build_world
 from vlberts.world.vocab import COLOUR_NAMES, SHAPE_PLURALS, SHAPES
 
@@ -46,11 +49,14 @@ class DemoConfig:
     seed: int = opt(0, "seed of the world, the detector, pre-training and fine-tuning")
     images: int = opt(3000, "world images (quick: 400)")
     referring: str = opt("explicit", "how the world's captions refer to objects: explicit or minimal")
-    model: str = opt("visualbert-small", "named model configuration")
-    pretrain_steps: int = opt(1400, "pre-training updates (quick: 60)")
+    arch: str = opt("visualbert", "architecture: visualbert, vilbert, vlbert, lxmert or wvisualbert, pre-trained with its paper's objectives")
+    model: str = opt("", "named model configuration (`vlberts models`), in place of ARCH-small; its architecture wins over --arch")
+    pretrain_steps: int = opt(1900, "pre-training updates (quick: 60)")
     pretrain_batch: int = opt(32, "pre-training batch size")
     pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
-    focus_prob: float = opt(0.5, "masking probability of the world's colour and shape words (0.15: plain VisualBERT)")
+    shape_mask_prob: float = opt(0.7, "MLM selection probability of the world's shape words (0.15: plain VisualBERT)")
+    colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
+    length_group: int = opt(16, "pre-training and VQA batches group examples of similar length in windows of this many batches (0: off)")
     vqa_epochs: float = opt(1.0, "VQA fine-tuning epochs")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
@@ -82,9 +88,19 @@ def _prepare_out(out: Path) -> None:
     (out / MARKER).write_text("made by vlberts demo; `vlberts demo` replaces this directory\n")
 
 
+def model_name(cfg: DemoConfig) -> str:
+    """The model the demo trains: `model` if given, else the architecture's laptop-scale configuration."""
+    if cfg.model:
+        return cfg.model
+    if cfg.arch not in ARCHS:
+        raise VlbertsError(f"unknown architecture {cfg.arch!r}; valid: {', '.join(ARCHS)}")
+    return f"{cfg.arch}-small"
+
+
 def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
     set_threads()
+    model = model_name(cfg)
     out = Path(cfg.out)
     _prepare_out(out)
     t0 = time.perf_counter()
@@ -108,20 +124,20 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     step("features", t)
     log(ex.summary())
 
-    # 3. Task-agnostic pre-training (VisualBERT App. A.3): MLM with the image + sentence-image prediction.
-    # The world's colour and shape words are masked with `focus_prob` instead of 15% (README, "The
-    # demo's masking"): at 15%, 1,400 updates are far too few for the image to start to matter.
+    # 3. Task-agnostic pre-training with the architecture's paper objectives (objectives/recipe.py; for
+    # VisualBERT, App. A.3: MLM with the image + sentence-image prediction). The world's shape and colour words are masked with their own probabilities instead of 15% (README,
+    # "The demo's world and masking"): at 15%, the demo's updates are far too few for the image to matter.
     t = time.perf_counter()
     pre_cfg = PretrainConfig(
         captions=str(world / "annotations" / "captions_train.json"), features=str(features), out=str(out / "pretrain"),
-        model=cfg.model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
-        mlm_focus_words=visual_words(), mlm_focus_prob=cfg.focus_prob,
+        model=model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
+        mlm_word_probs=word_probs(cfg.shape_mask_prob, cfg.colour_mask_prob), length_group=cfg.length_group,
         seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
         device=cfg.device, preload_features=True,
     )
     model_dir = pretrain(pre_cfg)
     step("pretrain", t)
-    log(f"pre-trained {cfg.model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s -> {model_dir}")
+    log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
     t = time.perf_counter()
@@ -140,7 +156,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
         eval_questions=str(vqa / "v2_OpenEnded_world_test_questions.json"),
         eval_annotations=str(vqa / "v2_world_test_annotations.json"),
         epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
-        min_answer_count=9, ckpt_every=10**9, preload_features=True,
+        min_answer_count=9, ckpt_every=10**9, preload_features=True, length_group=cfg.length_group,
     )
     finetune_vqa(vqa_cfg)
     vqa_metrics = read_json(out / "vqa" / "metrics.json")
@@ -174,12 +190,14 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
         "num_layers": r.num_layers,
         "num_heads": r.num_heads,
         "grounding_entities": r.n_entities,
-        "model": cfg.model,
+        "model": model,
+        "arch": arch_of(read_model_config(model_dir)[0]),
         "quick": cfg.quick,
         "seed": cfg.seed,
         "images": cfg.images,
         "referring": cfg.referring,
-        "focus_prob": cfg.focus_prob,
+        "shape_mask_prob": cfg.shape_mask_prob,
+        "colour_mask_prob": cfg.colour_mask_prob,
         "pretrain_steps": cfg.pretrain_steps,
         "timings": timings,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -193,9 +211,10 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     return summary
 
 
-def visual_words() -> tuple[str, ...]:
-    """The world's colour and shape words (singular and plural): the words the image decides."""
-    return (*COLOUR_NAMES, *SHAPES, *(SHAPE_PLURALS[s] for s in SHAPES))
+def word_probs(shape: float, colour: float) -> tuple[str, ...]:
+    """`PretrainConfig.mlm_word_probs` entries for the world's shape words (singular and plural) and colours."""
+    shapes = (*SHAPES, *(SHAPE_PLURALS[s] for s in SHAPES))
+    return (*(f"{w}={shape}" for w in shapes), *(f"{w}={colour}" for w in COLOUR_NAMES))
 
 
 def visual_word_probe(model_dir: Path, world: Path, features: Path, split: str = "test", device: str = "auto") -> dict[str, Any]:

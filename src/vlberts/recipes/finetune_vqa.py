@@ -1,4 +1,12 @@
-"""Recipe: fine-tune VisualBERT on VQA (VisualBERT App. B.1; SPEC §4) and predict.
+"""Recipe: fine-tune any architecture on VQA in its paper's form (SPEC §4) and predict.
+
+The answer head follows the pre-trained model's architecture (`VQA_MODELS`):
+  visualbert   classifier on the [MASK] slot after the question (VisualBERT App. B.1)
+  vlbert       2-layer MLP on the [MASK] answer slot, `[CLS] q [SEP] [MASK] [SEP]` (VL-BERT §4.2.2)
+  vilbert      2-layer MLP on pool(h_IMG) * pool(h_CLS) (ViLBERT §3.2 VQA)
+  lxmert       Linear(D,2D)-GeLU-LayerNorm-Linear(2D,A) on the pooled cross-modality output (LXMERT §3.1.3)
+  wvisualbert  LXMERT's head on the pooled [CLS], detector tags in the input (its released code, §4.4)
+and the question is laid out for that head (`data.vqa_dataset.TEXT_FORMATS`).
 
 Training reads VQA v2 questions + annotations and a region store; the answer vocabulary is built from
 the training answers (answers given by at least `min_answer_count` questions); targets are the VQA soft
@@ -15,7 +23,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -24,12 +34,17 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.regions import RegionSource
 from vlberts.data.sampling import Position
 from vlberts.data.vqa import VQAExample, read_vqa
-from vlberts.data.vqa_dataset import VQAData, collate_vqa
+from vlberts.data.vqa_dataset import VQAData, collate_vqa, detector_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
+from vlberts.models.builders import arch_of
+from vlberts.models.lxmert import LxmertForVQA
+from vlberts.models.vilbert import ViLBertForVQA
 from vlberts.models.visualbert import VisualBertForVQA
+from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import load_into
+from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.tasks.vqa import (
     AnswerVocab,
@@ -48,6 +63,17 @@ from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
 LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
+
+VQAModel = VisualBertForVQA | ViLBertForVQA | VLBertForVQA | LxmertForVQA | WVisualBertForVQA
+
+# architecture -> its VQA model (the answer head of its paper; module docstring)
+VQA_MODELS: dict[str, Callable[[Any, int], VQAModel]] = {
+    "visualbert": VisualBertForVQA,
+    "vilbert": ViLBertForVQA,
+    "vlbert": VLBertForVQA,
+    "lxmert": LxmertForVQA,
+    "wvisualbert": WVisualBertForVQA,
+}
 
 
 @dataclass(frozen=True)
@@ -69,13 +95,14 @@ class FinetuneVQAConfig:
     warmup: float = opt(0.1, "fraction of updates spent warming up")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
-    max_text_len: int = opt(32, "question tokens incl. [CLS] [MASK] [SEP]")
+    max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
     seed: int = opt(0, "seed of head initialisation and data order")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(500, "updates between checkpoints")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     eval_batch_size: int = opt(256, "examples per prediction batch")
@@ -85,43 +112,68 @@ class FinetuneVQAConfig:
 CONFIG_CLASS = FinetuneVQAConfig
 
 
-def build_vqa_model(init: str | Path, num_answers: int) -> tuple[VisualBertForVQA, object]:
-    """A VQA model whose encoder comes from a pre-trained model directory; the classifier is new."""
+def vqa_model(model_cfg: Any, num_answers: int) -> VQAModel:
+    """The VQA model of the config's architecture, freshly initialised."""
+    return VQA_MODELS[arch_of(model_cfg)](model_cfg, num_answers)
+
+
+def build_vqa_model(init: str | Path, num_answers: int) -> tuple[VQAModel, Any]:
+    """A VQA model whose encoder comes from a pre-trained model directory; the classifier is new.
+
+    Every encoder weight must be in the checkpoint (and nothing else under the encoder's name); the
+    pre-training heads are left behind."""
     model_cfg, _ = read_model_config(init)
-    model = VisualBertForVQA(model_cfg, num_answers)
+    model = vqa_model(model_cfg, num_answers)
     sd = load_file(str(Path(init) / "model.safetensors"))
+    prefix = model.encoder_name + "."
     load_into(
-        model, {k: v for k, v in sd.items() if k.startswith("bert.")}, source=init,
+        model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=init,
         allow_missing=lambda k: k.startswith("classifier."),
     )
     return model, model_cfg
 
 
-def load_vqa_model(directory: str | Path) -> tuple[VisualBertForVQA, AnswerVocab, TextTokenizer]:
-    """Load a fine-tuned VQA model directory written by this recipe."""
+def load_vqa_model(directory: str | Path) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:
+    """Load a fine-tuned VQA model directory written by this recipe (any architecture)."""
     model_cfg, meta = read_model_config(directory)
     if meta.get("task") != "vqa":
         raise VlbertsError("not a fine-tuned VQA model (config.json has no task 'vqa')", path=Path(directory) / "config.json")
     vocab = AnswerVocab(tuple(meta["answers"]))
-    model = VisualBertForVQA(model_cfg, len(vocab))
+    model = vqa_model(model_cfg, len(vocab))
     load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
     return model, vocab, TextTokenizer.load(directory)
 
 
+def vqa_data(
+    model: VQAModel, examples: list[VQAExample], regions: RegionSource, tok: TextTokenizer, vocab: AnswerVocab,
+    *, max_text_len: int, max_regions: int,
+) -> VQAData:
+    """The examples laid out for `model`'s head, with detector tags from the store if the model reads them."""
+    tags = None
+    if model.reads_tags:
+        classes = getattr(getattr(regions, "metadata", None), "classes", None)
+        if not classes:
+            raise VlbertsError("this W-VisualBERT reads detector tags, which need the store's class names "
+                               "(metadata classes) and obj_id", path=getattr(regions, "path", None))
+        tags = detector_tag_subwords(classes, tok)
+    return VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
+                   feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags)
+
+
 @torch.no_grad()
 def predict_vqa(
-    model: VisualBertForVQA, vocab: AnswerVocab, tok: TextTokenizer, examples: list[VQAExample], regions: RegionSource,
+    model: VQAModel, vocab: AnswerVocab, tok: TextTokenizer, examples: list[VQAExample], regions: RegionSource,
     *, max_regions: int = 36, max_text_len: int = 32, batch_size: int = 256, device: str = "auto", precision: str = "auto",
 ) -> dict[int, str]:
     """question_id -> predicted answer (argmax over the answer classes)."""
     dev = resolve_device(device)
     model.to(dev).eval()
-    data = VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions, feature_dim=model.cfg.visual_dim)
+    data = vqa_data(model, examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions)
     preds: dict[int, str] = {}
     for start in range(0, len(data), batch_size):
         batch = collate_vqa([data[i] for i in range(start, min(start + batch_size, len(data)))], len(vocab), tok.pad_id).to(dev)
         with autocast(dev, precision):
-            logits = model(batch.inputs, batch.answer_pos)
+            logits = model.answer_logits(batch)
         for qid, a in zip(batch.question_ids.tolist(), logits.argmax(-1).tolist()):
             preds[qid] = vocab.answers[a]
     return preds
@@ -162,7 +214,7 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     model.to(device)
-    data = VQAData(train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions, feature_dim=model_cfg.visual_dim)
+    data = vqa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions)
 
     steps = max(1, round(cfg.epochs * len(data) / (cfg.batch_size * cfg.grad_accum)))
     head = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
@@ -179,8 +231,9 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
     stream = batches(
         data, lambda ex: collate_vqa(ex, len(vocab), tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
         start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group,
     )
-    extra = {"task": "vqa", "answers": list(vocab.answers), "head": "mask"}
+    extra = {"task": "vqa", "answers": list(vocab.answers), "head": model.head}
 
     model.train()
     step, done_here = state.step, 0
@@ -193,7 +246,7 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
                 batch, pos = next(stream)
                 batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
-                    logits = model(batch.inputs, batch.answer_pos)
+                    logits = model.answer_logits(batch)
                 loss = loss_fn(logits.float(), batch.targets) / cfg.grad_accum
                 loss.backward()
                 total += loss.item()

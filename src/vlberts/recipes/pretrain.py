@@ -1,9 +1,12 @@
-"""Recipe: pre-train VisualBERT on image captions (VisualBERT App. A.3; SPEC §3, §6).
+"""Recipe: pre-train any architecture on image captions with its paper's objectives (SPEC §3, §6).
 
-Reads a COCO-format captions file and a region-feature store, and runs
+Reads a COCO-format captions file and a region-feature store. VisualBERT (App. A.3) runs
   task-agnostic pre-training  (pairs=true):  MLM with the image + sentence-image prediction, or
-  task-specific pre-training  (pairs=false): MLM with the image on single captions,
-with AdamW, linear warm-up/decay, gradient accumulation and clipping. Every `ckpt_every` updates it
+  task-specific pre-training  (pairs=false): MLM with the image on single captions;
+ViLBERT, VL-BERT, LXMERT and W-VisualBERT run their papers' objectives (`objectives/recipe.py` lists them:
+masked-region modelling with the detector's targets, image-text matching on mismatched captions, tag MLM,
+W-VisualBERT's unpaired text-only / image-only batches). `--objectives=mlm=1,match=0.5` picks and weighs
+them; every loss is logged as `<name>_loss`. Training uses AdamW, linear warm-up/decay, gradient accumulation and clipping. Every `ckpt_every` updates it
 writes an atomic checkpoint (model, optimizer, scheduler, RNG, data position); started again on the
 same run directory it resumes from the newest one and reproduces the uninterrupted run exactly.
 
@@ -19,21 +22,38 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.coco import read_caption_refs
-from vlberts.data.pretrain import CaptionPretrainData, collate_pretrain
+from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.sampling import Position
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.models.bert_init import init_text_from_bert
-from vlberts.models.builders import build_pretraining_model, model_config
-from vlberts.objectives.mlm import masked_positions, match_loss, mlm_loss
+from vlberts.models.builders import arch_of, build_pretraining_model, model_config
+from vlberts.objectives.recipe import (
+    OBJECTIVES,
+    RECIPES,
+    ArchRecipe,
+    applies,
+    parse_objectives,
+    pretrain_losses,
+    run_model,
+    total_loss,
+)
+from vlberts.objectives.text import unpaired_schedule
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import TrainState, load_pretraining_model, save_checkpoint, save_model_dir
+from vlberts.training.checkpoint import (
+    TrainState,
+    load_pretraining_model,
+    read_model_config,
+    save_checkpoint,
+    save_model_dir,
+)
 from vlberts.training.loop import batches, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -55,7 +75,12 @@ class PretrainConfig:
         "pytorch_model.bin); the vocabulary is then the checkpoint's vocab.txt (its own, or --tokenizer=DIR "
         "holding the same one); writes RUN/bert_init.json listing what was copied and what stayed random",
     )
-    pairs: bool = opt(True, "two captions + sentence-image prediction; false: one caption, MLM only")
+    pairs: bool = opt(True, "VisualBERT: two captions + sentence-image prediction; false: one caption, MLM only")
+    objectives: str = opt(
+        "",
+        "objectives and weights, e.g. mlm=1,match=1,region_kl=1; empty: the architecture's paper recipe "
+        f"(objectives: {', '.join(OBJECTIVES)})",
+    )
     steps: int = opt(1000, "optimizer updates")
     batch_size: int = opt(64, "examples per micro-batch")
     grad_accum: int = opt(1, "micro-batches per update")
@@ -66,14 +91,18 @@ class PretrainConfig:
     max_text_len: int = opt(48, "tokens per example, [CLS]/[SEP] included")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     mlm_prob: float = opt(0.15, "MLM selection probability")
-    mlm_focus_words: tuple[str, ...] = opt((), "words selected with mlm_focus_prob instead of mlm_prob (comma list; default none)")
-    mlm_focus_prob: float = opt(0.15, "selection probability of the mlm_focus_words (see the README: the demo's masking)")
-    match_weight: float = opt(1.0, "weight of the sentence-image loss")
+    mlm_word_probs: tuple[str, ...] = opt(
+        (), "word=prob entries: these words (each one subword) are selected for MLM with their own probability "
+        "instead of mlm_prob (comma list, e.g. red=0.3,circle=0.7; default none; see the README: the demo's masking)"
+    )
+    match_weight: float = opt(1.0, "weight of the matching loss in the paper recipe (when --objectives is empty)")
+    mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
     seed: int = opt(0, "seed of initialisation, data order, masking and negatives")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(200, "updates between checkpoints")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
@@ -82,7 +111,7 @@ class PretrainConfig:
 CONFIG_CLASS = PretrainConfig
 
 
-def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenizer:
+def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str], words: list[str] = ()) -> TextTokenizer:
     saved = out / "tokenizer"
     if (saved / "vocab.txt").is_file():  # resuming: the vocabulary must not change
         return TextTokenizer.load(saved)
@@ -93,8 +122,9 @@ def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str]) -> TextTokenize
     elif cfg.tokenizer:
         tok = TextTokenizer.load(cfg.tokenizer)
     else:
-        # The focus words join the corpus so that a trained vocabulary holds each as one token.
-        tok = TextTokenizer.train([*texts, *cfg.mlm_focus_words], vocab_size=cfg.vocab_size)
+        # The words with their own masking probability join the corpus so that a trained vocabulary
+        # holds each as one token.
+        tok = TextTokenizer.train([*texts, *parse_word_probs(cfg.mlm_word_probs), *words], vocab_size=cfg.vocab_size)
     tok.save(saved)
     return tok
 
@@ -125,15 +155,91 @@ def bert_tokenizer(cfg: PretrainConfig) -> TextTokenizer:
     return tok
 
 
-def focus_ids(tok: TextTokenizer, words: tuple[str, ...]) -> frozenset[int]:
-    """Subword ids of the focus words; a word that is not one subword of the vocabulary is an error."""
-    ids = set()
-    for w in words:
+def parse_word_probs(entries: tuple[str, ...]) -> dict[str, float]:
+    """`("red=0.3", "circle=0.7")` -> {"red": 0.3, "circle": 0.7}; malformed entries are errors."""
+    out = {}
+    for e in entries:
+        word, sep, value = e.partition("=")
+        try:
+            prob = float(value)
+        except ValueError:
+            prob = -1.0
+        if not sep or not word or not 0.0 <= prob <= 1.0:
+            raise VlbertsError(f"mlm_word_probs: expected word=probability with a probability in [0, 1], got {e!r}")
+        out[word] = prob
+    return out
+
+
+def token_probs(tok: TextTokenizer, entries: tuple[str, ...]) -> dict[int, float]:
+    """Subword id -> selection probability of the `mlm_word_probs` entries; a word that is not one
+    subword of the vocabulary is an error (its pieces would be masked independently)."""
+    ids = {}
+    for w, prob in parse_word_probs(entries).items():
         sub = tok.encode(w)
         if len(sub) != 1 or sub[0] == tok.unk_id:
-            raise VlbertsError(f"mlm_focus_words: {w!r} is not a single token of the vocabulary ({len(sub)} subwords)")
-        ids.add(sub[0])
-    return frozenset(ids)
+            raise VlbertsError(f"mlm_word_probs: {w!r} is not a single token of the vocabulary ({len(sub)} subwords)")
+        ids[sub[0]] = prob
+    return ids
+
+
+def store_sizes(store: RegionStore) -> dict[str, int]:
+    """Head sizes the store fixes: cls_prob columns, object and attribute vocabularies (those it has)."""
+    meta, sizes = store.metadata, {}
+    if "cls_prob" in store.fields:
+        sizes["cls_prob"] = int(store.info()["num_classes_cls_prob"])
+    if meta.classes:
+        sizes["classes"] = len(meta.classes)
+    if meta.attributes:
+        sizes["attributes"] = len(meta.attributes)
+    return sizes
+
+
+def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg) -> dict[str, float]:
+    """The objectives of this run: --objectives, or the paper's (VisualBERT's match only with pairs)."""
+    if cfg.objectives.strip():
+        return parse_objectives(cfg.objectives, recipe, model_cfg)
+    weights = recipe.defaults(model_cfg)
+    if "match" in weights:
+        weights["match"] = cfg.match_weight
+    if recipe.caption_pairs and not cfg.pairs:
+        weights.pop("match", None)  # VisualBERT task-specific pre-training: MLM only
+    if recipe.unpaired(model_cfg):
+        weights.pop("match", None)
+    return weights
+
+
+# The store fields each objective reads (besides the features, which every store has).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "region_kl": ("cls_prob",), "roi_cls": ("cls_prob",), "obj": ("obj_id", "obj_conf"),
+    "attr": ("attr_id", "attr_conf"), "tag_mlm": ("obj_id",),
+}
+
+
+def region_setup(
+    recipe: ArchRecipe, weights: dict[str, float], store: RegionStore, tok: TextTokenizer, with_tags: bool
+) -> RegionSetup:
+    """What the examples carry on the region side for these objectives (and, `with_tags`, the detector
+    tags the model reads); a store without a field an objective needs is a one-line error."""
+    needs = {f for name in weights for f in NEEDS.get(name, ())} | ({"obj_id"} if with_tags else set())
+    missing = sorted(needs - set(store.fields))
+    if missing:
+        raise VlbertsError(f"objectives {', '.join(weights)} need the store's {', '.join(missing)}, which it lacks",
+                           path=store.path)
+    if recipe.region_rule is None or not (with_tags or any(OBJECTIVES[n][1] == "image" for n in weights)):
+        return RegionSetup()
+    tags = attrs = None
+    if with_tags:
+        if not store.metadata.classes:
+            raise VlbertsError("detector tags need the store's class names (metadata classes)", path=store.path)
+        # A tag is its class name's subwords (the released code takes the vocabulary line's first synonym).
+        tags = tuple(tuple(tok.encode(c.split(",")[0])) for c in store.metadata.classes)
+        if store.metadata.attributes and "attr_id" in store.fields:
+            attrs = tuple(tuple(tok.encode(a.split(",")[0])) for a in store.metadata.attributes)
+    return RegionSetup(
+        rule=recipe.region_rule, zero_in_data=recipe.zero_in_data,
+        replace_from_other_image=recipe.replace_from_other_image,
+        labels=tuple(k for k in LABEL_FIELDS if k in needs), tag_subwords=tags, attr_subwords=attrs,
+    )
 
 
 def pretrain(cfg: PretrainConfig) -> Path | None:
@@ -154,12 +260,18 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if missing:
         raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} captions affected)", path=cfg.features, record=missing[0])
 
-    tok = _tokenizer(cfg, out, [c.text for c in captions])
+    arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
+    recipe = RECIPES[arch]
+    # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
+    tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
+    tok = _tokenizer(cfg, out, [c.text for c in captions], tag_words)
     seed_everything(cfg.seed)
     if cfg.init:
         model, model_cfg, _ = load_pretraining_model(cfg.init)
     else:
-        model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, visual_dim=store.feature_dim)
+        sizes = store_sizes(store)
+        heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
+        model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
         model = build_pretraining_model(model_cfg)
         if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
             report = init_text_from_bert(model, cfg.bert_init)
@@ -172,11 +284,20 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if model_cfg.vocab_size != tok.vocab_size:
         raise VlbertsError(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}")
     model.to(device)
+    weights = run_weights(cfg, recipe, model_cfg)
+    unpaired = recipe.unpaired(model_cfg)
+    if unpaired and "match" in weights:
+        raise VlbertsError(f"{model_cfg.__class__.__name__} variant {model_cfg.variant} trains on unpaired batches: "
+                           "it has no matching objective")
+    pairs = recipe.caption_pairs and cfg.pairs
+    tags_in = "tags" in recipe.model_inputs and getattr(model_cfg, "use_tags", False)
 
     data = CaptionPretrainData(
-        captions, store, tok, pairs=cfg.pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
+        captions, store, tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
         mlm_prob=cfg.mlm_prob, seed=cfg.seed, feature_dim=model_cfg.visual_dim,
-        focus_ids=focus_ids(tok, cfg.mlm_focus_words), focus_prob=cfg.mlm_focus_prob,
+        token_probs=token_probs(tok, cfg.mlm_word_probs),
+        mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
+        region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in),
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
@@ -184,39 +305,46 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler)
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None)
     stream = batches(
-        data, lambda ex: collate_pretrain(ex, tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
+        data, partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights),
+        batch_size=cfg.batch_size, seed=cfg.seed,
         start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group,
     )
 
+    # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
+    logged = [*(k for k in recipe.objectives if k in recipe.available(model_cfg)), *weights]
+    logged = list(dict.fromkeys(logged))
     model.train()
     step, done_here = state.step, 0
     t0 = time.perf_counter()
     with progress() as bar:
         task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
-            totals = {"mlm": 0.0, "match": 0.0}
+            # W-VisualBERT §3: each update draws a text-only or an image-only batch (stateless in `step`).
+            source = unpaired_schedule(step, cfg.seed) if unpaired else None
+            totals = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
             for _ in range(cfg.grad_accum):
                 batch, pos = next(stream)
                 batch = batch.to(device, non_blocking=True)
-                where = masked_positions(batch.mlm_labels)
+                if source is not None:
+                    batch = unpaired_view(batch, source)
                 with autocast(device, cfg.precision):
-                    outp = model(batch.inputs, mlm_positions=where)
-                l_mlm = mlm_loss(outp.mlm_logits, batch.mlm_labels[where])
-                l_match = match_loss(outp.match_logits, batch.match_labels) if cfg.pairs else l_mlm * 0.0
-                loss = (l_mlm + cfg.match_weight * l_match) / cfg.grad_accum
-                loss.backward()
-                totals["mlm"] += l_mlm.item() / cfg.grad_accum
-                totals["match"] += l_match.item() / cfg.grad_accum
+                    outp = run_model(recipe, model, batch)
+                losses = pretrain_losses(recipe, outp, batch, weights, source)
+                (total_loss(losses, weights) / cfg.grad_accum).backward()
+                for k, v in losses.items():
+                    totals[k] += v.item() / cfg.grad_accum
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
-            bar.update(task, completed=step, info=f"mlm {totals['mlm']:.3f} match {totals['match']:.3f}")
+            bar.update(task, completed=step, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
             if step % cfg.log_every == 0 or step == cfg.steps:
-                log.write({
-                    "step": step, "loss": totals["mlm"] + cfg.match_weight * totals["match"], "mlm_loss": totals["mlm"],
-                    "match_loss": totals["match"], "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "seconds": round(time.perf_counter() - t0, 3),
-                })
+                record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
+                record.update({f"{k}_loss": v for k, v in totals.items()})
+                if source is not None:
+                    record["source"] = source
+                log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                           "seconds": round(time.perf_counter() - t0, 3)})
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 save_checkpoint(
                     out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,

@@ -29,6 +29,7 @@ from torch import Tensor
 from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, read_vqa
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys, write_json
+from vlberts.tasks.predictions import require_complete, write_json_predictions
 
 # --------------------------------------------------------------------------- official normalisation
 
@@ -284,14 +285,7 @@ def read_predictions(path: str | Path, question_ids: Sequence[int]) -> dict[int,
             raise VlbertsError(f"answer must be a string, got {answer!r}", path=path, record=where)
         first_at[qid] = i
         preds[qid] = answer
-    missing = [q for q in question_ids if q not in preds]
-    if missing:
-        more = f" ({len(missing) - 1} more question(s) also missing)" if len(missing) > 1 else ""
-        raise VlbertsError(
-            f"no prediction for this question{more}; the official script needs one per question",
-            path=path,
-            record=f"question_id {missing[0]}",
-        )
+    require_complete(preds, question_ids, path=path, label="question_id")
     return preds
 
 
@@ -300,16 +294,8 @@ def write_predictions(path: str | Path, predictions: Iterable[tuple[int, str]]) 
 
     Returns the number written. A duplicate question id is an error: the server would score it once.
     """
-    rows = []
-    seen: set[int] = set()
-    for qid, answer in predictions:
-        qid = int(qid)
-        if qid in seen:
-            raise VlbertsError("duplicate prediction", path=path, record=f"question_id {qid}")
-        seen.add(qid)
-        rows.append({"question_id": qid, "answer": str(answer)})
-    write_json(path, rows, indent=None)
-    return len(rows)
+    rows = ((int(qid), str(answer)) for qid, answer in predictions)
+    return write_json_predictions(path, rows, id_field="question_id", value_field="answer", label="question_id")
 
 
 def evaluate_predictions(

@@ -3,12 +3,15 @@
 Each subword is selected independently with probability 0.15 (VisualBERT's `random_word`); a selected
 subword becomes [MASK] 80% of the time, a random vocabulary token 10% and stays unchanged 10%. With
 `word_ids`, whole words are selected and every subword of a word shares the decision (VL-BERT).
-Special tokens are never selected. `focus_ids`/`focus_prob` select chosen subwords (e.g. colour words)
-with their own probability instead of `prob` (see `PretrainConfig.mlm_focus_words` for why). Randomness comes from an explicit numpy Generator, so a data
-pipeline can derive it from (seed, epoch, index) and resume exactly.
+Special tokens are never selected. `token_probs` gives chosen subwords (e.g. the world's colour and
+shape words) their own selection probability instead of `prob` (`PretrainConfig.mlm_word_probs`, and
+the README's "The demo's world and masking" for why). Randomness comes from an explicit numpy
+Generator, so a data pipeline can derive it from (seed, epoch, index) and resume exactly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -24,8 +27,7 @@ def mask_tokens(
     special_ids: frozenset[int] | set[int] = frozenset(),
     prob: float = 0.15,
     word_ids: list[int | None] | None = None,
-    focus_ids: frozenset[int] | set[int] = frozenset(),
-    focus_prob: float | None = None,
+    token_probs: Mapping[int, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Corrupt `ids` for MLM.
 
@@ -36,17 +38,15 @@ def mask_tokens(
     n = len(ids)
     eligible = np.array([i not in special_ids for i in ids.tolist()], dtype=bool)
     if word_ids is None:
-        p = np.full(n, prob)
-        if focus_ids and focus_prob is not None:
-            p[np.array([i in focus_ids for i in ids.tolist()], dtype=bool)] = focus_prob
+        p = np.array([token_probs.get(i, prob) for i in ids.tolist()]) if token_probs else np.full(n, prob)
         selected = (rng.random(n) < p) & eligible
         # One draw per token decides between [MASK] (< 0.8), random (< 0.9) and keep.
         action = rng.random(n)
         random_tok = rng.integers(0, vocab_size, size=n)
     else:
         # Whole-word masking: decide per word, apply the same action to all its subwords.
-        if focus_ids:
-            raise ValueError("focus_ids is not supported with whole-word masking")
+        if token_probs:
+            raise ValueError("token_probs is not supported with whole-word masking")
         words = [w for w in word_ids]
         uniq = sorted({w for w in words if w is not None})
         w_sel = dict(zip(uniq, rng.random(len(uniq)) < prob))

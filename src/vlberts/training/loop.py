@@ -26,13 +26,16 @@ def batches(
     start: Position,
     num_workers: int = 0,
     pin_memory: bool = False,
+    lengths: Any = None,
+    group: int = 1,
 ) -> Iterator[tuple[Any, Position]]:
-    """Endless (batch, position after it) pairs in the resumable order of `EpochBatchSampler`.
+    """Endless (batch, position after it) pairs in the resumable order of `EpochBatchSampler`
+    (grouped by `lengths` in windows of `group` batches when given).
 
     The loader and the position tracker walk two copies of the same deterministic sampler, so the
     positions stay in step with the batches whatever the number of workers.
     """
-    sampler = EpochBatchSampler(len(data), batch_size, seed, start)
+    sampler = EpochBatchSampler(len(data), batch_size, seed, start, lengths=lengths, group=group)
     positions = sampler.iter_with_positions()
     # The loader's own generator: creating its iterator draws a base seed, which must not come from the
     # global RNG (a resumed run creates its iterator at another point of that stream than the original).

@@ -1,0 +1,121 @@
+"""Reading GQA balanced question files.
+
+Format (formats-and-metrics.md §2.3; Hudson & Manning 2019, the released ``questions1.2`` files):
+``{split}_balanced_questions.json`` is one JSON object mapping a question id (a string of digits,
+e.g. ``"201307251"``) to a record::
+
+    {"imageId": "2354786", "question": "Is the sky dark?", "answer": "yes",
+     "fullAnswer": "Yes, the sky is dark.", "isBalanced": true,
+     "types": {"structural": "verify", "semantic": "attr", "detailed": "verifyAttr"},
+     "groups": {"global": null, "local": "06-sky_dark"},
+     "entailed": ["..."], "equivalent": ["..."], "semantic": [...], "semanticStr": "...",
+     "annotations": {...}}
+
+Only ``imageId`` and ``question`` are required: the test and challenge files ship without answers
+(and without most other fields). Image ids are strings (Visual Genome ids for train/val, ``n...``
+ids of COCO test images for testdev), the key of region stores.
+
+This module only reads and checks; accuracy and prediction files live in `vlberts.tasks.gqa`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, require_keys
+
+_REQUIRED = ("imageId", "question")
+
+
+@dataclass(frozen=True)
+class GQAExample:
+    """One GQA question. `answer` and the optional fields are None where the file has none (test)."""
+
+    question_id: str
+    image_id: str
+    question: str
+    answer: str | None = None  # short answer, e.g. "yes", "left", "dark brown"
+    full_answer: str | None = None  # "fullAnswer": the answer as a sentence
+    is_balanced: bool | None = None  # member of the balanced subset
+    structural_type: str | None = None  # types.structural: verify/query/choose/logical/compare
+    semantic_type: str | None = None  # types.semantic: rel/attr/obj/cat/global
+    detailed_type: str | None = None  # types.detailed, e.g. "verifyAttr"
+    entailed: tuple[str, ...] = ()  # question ids entailed by this one (GQA consistency)
+    equivalent: tuple[str, ...] = ()
+
+    @property
+    def annotated(self) -> bool:
+        return self.answer is not None
+
+
+def _opt_str(rec: dict, key: str, *, path: Path, record: str) -> str | None:
+    value = rec.get(key)
+    if value is not None and not isinstance(value, str):
+        raise VlbertsError(f"field {key} must be a string, got {type(value).__name__}", path=path, record=record)
+    return value
+
+
+def _str_list(rec: dict, key: str, *, path: Path, record: str) -> tuple[str, ...]:
+    value = rec.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise VlbertsError(f"field {key} must be a list of question ids (strings)", path=path, record=record)
+    return tuple(value)
+
+
+def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExample:
+    """Check one question record and turn it into a `GQAExample`."""
+    require_keys(rec, _REQUIRED, path=path, record=record)
+    image_id = rec["imageId"]
+    if isinstance(image_id, int) and not isinstance(image_id, bool):
+        image_id = str(image_id)  # tolerate numeric ids; the released files use strings
+    if not isinstance(image_id, str) or not image_id:
+        raise VlbertsError(f"imageId must be a non-empty string, got {image_id!r}", path=path, record=record)
+    question = rec["question"]
+    if not isinstance(question, str):
+        raise VlbertsError(f"field question must be a string, got {type(question).__name__}", path=path, record=record)
+    is_balanced = rec.get("isBalanced")
+    if is_balanced is not None and not isinstance(is_balanced, bool):
+        raise VlbertsError(f"isBalanced must be true or false, got {is_balanced!r}", path=path, record=record)
+    types = rec.get("types") or {}
+    if not isinstance(types, dict):
+        raise VlbertsError("field types must be an object", path=path, record=record)
+    return GQAExample(
+        question_id=qid,
+        image_id=image_id,
+        question=question,
+        answer=_opt_str(rec, "answer", path=path, record=record),
+        full_answer=_opt_str(rec, "fullAnswer", path=path, record=record),
+        is_balanced=is_balanced,
+        structural_type=_opt_str(types, "structural", path=path, record=record),
+        semantic_type=_opt_str(types, "semantic", path=path, record=record),
+        detailed_type=_opt_str(types, "detailed", path=path, record=record),
+        entailed=_str_list(rec, "entailed", path=path, record=record),
+        equivalent=_str_list(rec, "equivalent", path=path, record=record),
+    )
+
+
+def read_gqa(path: str | Path, *, require_answers: bool = False) -> list[GQAExample]:
+    """Read a GQA ``*_questions.json`` file; examples in file order.
+
+    With `require_answers`, a question without an answer is an error (use it for train/val/testdev,
+    whose answers a metric needs). Errors name the file and the question id as ``question <id>``.
+    """
+    path = Path(path)
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise VlbertsError(
+            "expected a JSON object mapping question ids to question records (the GQA questions format)", path=path
+        )
+    examples = []
+    for qid, rec in data.items():
+        where = f"question {qid}"
+        ex = parse_gqa_record(qid, rec, path=path, record=where)
+        if require_answers and ex.answer is None:
+            raise VlbertsError("missing field answer", path=path, record=where)
+        examples.append(ex)
+    return examples

@@ -1,0 +1,145 @@
+"""Reading NLVR2 statements (JSON lines).
+
+Format (formats-and-metrics.md §2.4; Suhr et al. 2019, lil-lab/nlvr ``nlvr2/data/{train,dev,test1}.json``):
+one JSON object per line::
+
+    {"identifier": "dev-850-0-0", "sentence": "The left image contains twice the number of dogs ...",
+     "label": "True", "left_url": "...", "right_url": "...", "writer": "103",
+     "validation": {...}, "extra_validations": {...}, "synset": "...", "query": "...", "directory": 31}
+
+* ``identifier`` is ``split-setid-pairid-sentid``; the two images of the pair are
+  ``split-setid-pairid-img0`` (left) and ``...-img1`` (right), the ids LXMERT's feature files use and
+  the stems of the released image files (``dev-850-0-img0.png``; the extension may lie).
+* ``label`` is the *string* ``"True"`` or ``"False"`` (not a JSON boolean). It is optional here: a
+  hidden test file has none. Anything else (``true``, ``1``, ``"yes"``) is an error.
+* ``directory`` (train only) is the sub-folder ``train/<directory>/`` holding the images.
+
+The sentence key for consistency (the same sentence written for several image pairs of one set)
+is the identifier with the pair id removed, ``split-setid--sentid`` (nlvr2 ``eval/metrics.py``).
+Accuracy and consistency live in `vlberts.tasks.nlvr2`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+from vlberts.io import iter_jsonl, require_keys
+
+LABEL_STRINGS = {"True": True, "False": False}
+
+
+@dataclass(frozen=True)
+class NLVR2Identifier:
+    """The parts of ``split-setid-pairid-sentid``."""
+
+    split: str  # "train", "dev", "test1", ...
+    set_id: str
+    pair_id: str
+    sentence_id: str
+
+    @property
+    def left_image_id(self) -> str:
+        return f"{self.split}-{self.set_id}-{self.pair_id}-img0"
+
+    @property
+    def right_image_id(self) -> str:
+        return f"{self.split}-{self.set_id}-{self.pair_id}-img1"
+
+    @property
+    def sentence_key(self) -> str:
+        """The identifier with the pair id blanked, ``split-setid--sentid``: one key per written sentence."""
+        return f"{self.split}-{self.set_id}--{self.sentence_id}"
+
+
+def parse_identifier(identifier: str) -> NLVR2Identifier:
+    """Split ``split-setid-pairid-sentid``; ValueError unless it has four parts, the last three integers."""
+    parts = identifier.split("-")
+    if len(parts) != 4 or not parts[0] or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"identifier {identifier!r} is not split-setid-pairid-sentid")
+    return NLVR2Identifier(*parts)
+
+
+@dataclass(frozen=True)
+class NLVR2Example:
+    """One NLVR2 statement about an image pair; `label` is None for an unlabelled (hidden test) file."""
+
+    identifier: str
+    sentence: str
+    label: bool | None
+    left_image_id: str
+    right_image_id: str
+    sentence_key: str  # identifier with the pair id blanked (consistency groups)
+    left_url: str | None = None
+    right_url: str | None = None
+    directory: str | None = None  # train images live in train/<directory>/
+
+    @property
+    def image_ids(self) -> tuple[str, str]:
+        return (self.left_image_id, self.right_image_id)
+
+
+def parse_label(value: Any) -> bool:
+    """``"True"`` -> True, ``"False"`` -> False; ValueError for anything else (including JSON booleans)."""
+    if isinstance(value, str) and value in LABEL_STRINGS:
+        return LABEL_STRINGS[value]
+    raise ValueError(f'label must be the string "True" or "False", got {value!r}')
+
+
+def parse_nlvr2_record(rec: Any, *, path: Path, record: str) -> NLVR2Example:
+    """Check one JSON record and turn it into an `NLVR2Example`."""
+    require_keys(rec, ("identifier", "sentence"), path=path, record=record)
+    identifier, sentence = rec["identifier"], rec["sentence"]
+    if not isinstance(identifier, str):
+        raise VlbertsError(f"identifier must be a string, got {identifier!r}", path=path, record=record)
+    if not isinstance(sentence, str):
+        raise VlbertsError(f"sentence must be a string, got {type(sentence).__name__}", path=path, record=record)
+    try:
+        ident = parse_identifier(identifier)
+        label = parse_label(rec["label"]) if rec.get("label") is not None else None
+    except ValueError as e:
+        raise VlbertsError(str(e), path=path, record=f"{record} ({identifier})") from None
+    urls = []
+    for key in ("left_url", "right_url"):
+        url = rec.get(key)
+        if url is not None and not isinstance(url, str):
+            raise VlbertsError(f"{key} must be a string", path=path, record=record)
+        urls.append(url)
+    directory = rec.get("directory")
+    if directory is not None and (isinstance(directory, bool) or not isinstance(directory, (str, int))):
+        raise VlbertsError(f"directory must be a string or an integer, got {directory!r}", path=path, record=record)
+    return NLVR2Example(
+        identifier=identifier,
+        sentence=sentence,
+        label=label,
+        left_image_id=ident.left_image_id,
+        right_image_id=ident.right_image_id,
+        sentence_key=ident.sentence_key,
+        left_url=urls[0],
+        right_url=urls[1],
+        directory=None if directory is None else str(directory),
+    )
+
+
+def read_nlvr2(path: str | Path, *, require_labels: bool = False) -> list[NLVR2Example]:
+    """Read an NLVR2 JSON-lines file; examples in file order, blank lines skipped.
+
+    Errors name the file and ``line N``: a malformed or truncated line, a bad identifier or label,
+    a duplicate identifier, or (with `require_labels`) a missing label.
+    """
+    examples: list[NLVR2Example] = []
+    first_line: dict[str, int] = {}
+    for lineno, rec in iter_jsonl(path):
+        where = f"line {lineno}"
+        ex = parse_nlvr2_record(rec, path=path, record=where)
+        if ex.identifier in first_line:
+            raise VlbertsError(
+                f"duplicate identifier {ex.identifier} (first at line {first_line[ex.identifier]})", path=path, record=where
+            )
+        if require_labels and ex.label is None:
+            raise VlbertsError("missing field label", path=path, record=where)
+        first_line[ex.identifier] = lineno
+        examples.append(ex)
+    return examples

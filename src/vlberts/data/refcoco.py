@@ -1,0 +1,321 @@
+"""Reading RefCOCO+ referring expressions: the refs file, COCO instances, split selection, detections.
+
+Format (formats-and-metrics.md §2.6; Yu et al. 2016; the refer API ``refer.py`` used by ViLBERT and VL-BERT):
+
+* ``refcoco+/refs(unc).p``: a Python-2 pickle of a list of refs::
+
+      {"ref_id": 0, "ann_id": 1719310, "image_id": 581857, "category_id": 1, "split": "train",
+       "file_name": "COCO_train2014_000000581857_16.jpg", "sent_ids": [0, 1, 2],
+       "sentences": [{"raw": "The lady with the blue shirt", "sent": "the lady with the blue shirt",
+                      "sent_id": 0, "tokens": ["the", "lady", "with", "the", "blue", "shirt"]}, ...]}
+
+  It is read ONLY through `vlberts.safe_pickle` (builtin containers and scalars, nothing else), never
+  with ``pickle.load``. The same list stored as JSON (``refs.json``, `write_refs_json`) is read too.
+* ``refcoco+/instances.json``: COCO style, ``images`` ({id, file_name, width, height}), ``annotations``
+  ({id, image_id, category_id, bbox [x, y, w, h] in pixels, ...}), ``categories`` ({id, name, ...}).
+  COCO category ids are 1-based and have gaps (1..90 for 80 classes); `RefCocoData.category_index`
+  gives the contiguous 0-based class index a classifier uses.
+* Splits of RefCOCO+ (UNC): ``train``, ``val``, ``testA`` (people), ``testB`` (other objects).
+  `select_refs` follows ``refer.py getRefIds``: ``testA``/``testB``/``testC`` keep refs whose split
+  *contains* the letter (so a ``testAB`` ref is in both), ``test`` keeps every split containing "test",
+  ``train``/``val``/``testAB``... match exactly.
+* Detections for the detected-region track (MAttNet ``res101_coco_minus_refer_notime_dets.json``): a
+  list of ``{"image_id", "box": [x, y, w, h], "category_id", "score", ...}`` (`read_detections`).
+
+The gold box of an expression is its ref's annotation box (``refer.getRefBox``). Boxes are returned as
+given (xywh) and as float xyxy pixel edges (x, y, x + w, y + h), the library's convention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, require_keys, write_json
+from vlberts.safe_pickle import safe_load
+
+Box = tuple[float, float, float, float]
+
+_REF_KEYS = ("ref_id", "ann_id", "image_id", "category_id", "split", "sentences")
+_SENT_KEYS = ("sent_id", "sent")
+
+
+def xywh_to_xyxy(box: Box) -> Box:
+    """COCO ``[x, y, w, h]`` -> ``(x1, y1, x2, y2)`` = ``(x, y, x + w, y + h)``."""
+    x, y, w, h = box
+    return (x, y, x + w, y + h)
+
+
+@dataclass(frozen=True)
+class RefSentence:
+    sent_id: int
+    sent: str  # lower-cased, cleaned text (what ViLBERT tokenizes)
+    raw: str  # as written by the annotator
+    tokens: tuple[str, ...]  # the released tokenisation (what VL-BERT reads)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One referred object (a COCO annotation) with its expressions."""
+
+    ref_id: int
+    ann_id: int
+    image_id: int
+    category_id: int  # COCO id, 1-based
+    split: str
+    file_name: str
+    sentences: tuple[RefSentence, ...]
+
+
+@dataclass(frozen=True)
+class CocoImage:
+    id: int
+    file_name: str
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class CocoAnnotation:
+    id: int
+    image_id: int
+    category_id: int  # COCO id, 1-based
+    bbox: Box  # x, y, w, h in pixels
+
+    @property
+    def box_xyxy(self) -> Box:
+        return xywh_to_xyxy(self.bbox)
+
+
+@dataclass(frozen=True)
+class RefExpression:
+    """One evaluation instance: an expression, its image and its gold box."""
+
+    ref_id: int
+    sent_id: int
+    image_id: int
+    ann_id: int
+    category_id: int
+    split: str
+    sent: str
+    tokens: tuple[str, ...]
+    gold_bbox: Box  # x, y, w, h
+
+    @property
+    def gold_box_xyxy(self) -> Box:
+        return xywh_to_xyxy(self.gold_bbox)
+
+
+@dataclass(frozen=True)
+class RefCocoData:
+    """Refs joined with their COCO instances; every ref's annotation, image and category exist."""
+
+    refs: tuple[Ref, ...]
+    images: dict[int, CocoImage]
+    annotations: dict[int, CocoAnnotation]
+    categories: dict[int, str]  # COCO category id -> name
+    category_index: dict[int, int] = field(init=False, repr=False)  # COCO id -> 0-based contiguous index
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "category_index", {c: i for i, c in enumerate(sorted(self.categories))})
+
+    def image_annotations(self, image_id: int) -> list[CocoAnnotation]:
+        """Annotations of one image in id order: the candidate regions of the ground-truth-region track."""
+        return sorted((a for a in self.annotations.values() if a.image_id == image_id), key=lambda a: a.id)
+
+    def expressions(self, split: str) -> list[RefExpression]:
+        """Every expression of the refs in `split` (see `select_refs`), in refs order then sentence order."""
+        out = []
+        for ref in select_refs(self.refs, split):
+            ann = self.annotations[ref.ann_id]
+            for s in ref.sentences:
+                out.append(RefExpression(ref.ref_id, s.sent_id, ref.image_id, ref.ann_id, ref.category_id,
+                                         ref.split, s.sent, s.tokens, ann.bbox))
+        return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _int(value: Any, what: str, *, path: Path, record: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise VlbertsError(f"{what} must be an integer, got {value!r}", path=path, record=record)
+    return value
+
+
+def _str(value: Any, what: str, *, path: Path, record: str) -> str:
+    if not isinstance(value, str):
+        raise VlbertsError(f"{what} must be a string, got {value!r}", path=path, record=record)
+    return value
+
+
+def _bbox(value: Any, *, path: Path, record: str) -> Box:
+    if (not isinstance(value, (list, tuple)) or len(value) != 4
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+        raise VlbertsError(f"bbox must be [x, y, w, h] (4 finite numbers), got {value!r}", path=path, record=record)
+    if value[2] < 0 or value[3] < 0:
+        raise VlbertsError(f"bbox has a negative width or height: {value!r}", path=path, record=record)
+    return (float(value[0]), float(value[1]), float(value[2]), float(value[3]))
+
+
+# --------------------------------------------------------------------------- refs
+
+
+def _parse_ref(rec: Any, *, path: Path, record: str) -> Ref:
+    require_keys(rec, _REF_KEYS, path=path, record=record)
+    ref_id = _int(rec["ref_id"], "ref_id", path=path, record=record)
+    record = f"{record} (ref_id {ref_id})"
+    category_id = _int(rec["category_id"], "category_id", path=path, record=record)
+    if category_id < 1:
+        raise VlbertsError(f"category_id {category_id}: COCO category ids are 1-based", path=path, record=record)
+    sentences = rec["sentences"]
+    if not isinstance(sentences, list) or not sentences:
+        raise VlbertsError("sentences must be a non-empty list", path=path, record=record)
+    sents = []
+    for j, s in enumerate(sentences):
+        where = f"{record} sentences[{j}]"
+        require_keys(s, _SENT_KEYS, path=path, record=where)
+        sent = _str(s["sent"], "sent", path=path, record=where)
+        tokens = s.get("tokens", sent.split())
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise VlbertsError("tokens must be a list of strings", path=path, record=where)
+        sents.append(RefSentence(_int(s["sent_id"], "sent_id", path=path, record=where), sent,
+                                 _str(s.get("raw", sent), "raw", path=path, record=where), tuple(tokens)))
+    return Ref(
+        ref_id=ref_id,
+        ann_id=_int(rec["ann_id"], "ann_id", path=path, record=record),
+        image_id=_int(rec["image_id"], "image_id", path=path, record=record),
+        category_id=category_id,
+        split=_str(rec["split"], "split", path=path, record=record),
+        file_name=_str(rec.get("file_name", ""), "file_name", path=path, record=record),
+        sentences=tuple(sents),
+    )
+
+
+def read_refs(path: str | Path) -> list[Ref]:
+    """Read ``refs(unc).p`` (through the restricted unpickler) or its JSON form (``*.json``).
+
+    Errors name the file and ``refs[i] (ref_id N)``; a pickle naming any non-builtin global (code to
+    run, a class to build) is refused before anything is constructed from it.
+    """
+    path = Path(path)
+    data = read_json(path) if path.suffix.lower() == ".json" else safe_load(path)
+    if not isinstance(data, list):
+        raise VlbertsError(f"expected a list of refs, got {type(data).__name__}", path=path)
+    refs = []
+    seen: dict[int, int] = {}
+    for i, rec in enumerate(data):
+        ref = _parse_ref(rec, path=path, record=f"refs[{i}]")
+        if ref.ref_id in seen:
+            raise VlbertsError(f"duplicate ref_id {ref.ref_id} (first at refs[{seen[ref.ref_id]}])",
+                               path=path, record=f"refs[{i}]")
+        seen[ref.ref_id] = i
+        refs.append(ref)
+    return refs
+
+
+def write_refs_json(path: str | Path, refs: list[Ref]) -> None:
+    """Write refs as the JSON form of ``refs(unc).p`` (same keys), atomically."""
+    rows = [
+        {
+            "ref_id": r.ref_id, "ann_id": r.ann_id, "image_id": r.image_id, "category_id": r.category_id,
+            "split": r.split, "file_name": r.file_name, "sent_ids": [s.sent_id for s in r.sentences],
+            "sentences": [{"raw": s.raw, "sent": s.sent, "sent_id": s.sent_id, "tokens": list(s.tokens)}
+                          for s in r.sentences],
+        }
+        for r in refs
+    ]  # fmt: skip
+    write_json(path, rows, indent=None)
+
+
+def select_refs(refs: tuple[Ref, ...] | list[Ref], split: str) -> list[Ref]:
+    """The refs of one split, by ``refer.py getRefIds``'s rules (module docstring)."""
+    if split in ("testA", "testB", "testC"):
+        return [r for r in refs if split[-1] in r.split]
+    if split == "test":
+        return [r for r in refs if "test" in r.split]
+    if split in ("train", "val", "testAB", "testBC", "testAC"):
+        return [r for r in refs if r.split == split]
+    raise VlbertsError(f"unknown split {split!r} (train, val, test, testA, testB, testC, testAB, testBC, testAC)")
+
+
+# --------------------------------------------------------------------------- instances
+
+
+def read_instances(path: str | Path) -> tuple[dict[int, CocoImage], dict[int, CocoAnnotation], dict[int, str]]:
+    """Read a COCO ``instances.json``: images, annotations and categories by id."""
+    path = Path(path)
+    data = read_json(path)
+    require_keys(data, ("images", "annotations", "categories"), path=path, record="instances")
+    images: dict[int, CocoImage] = {}
+    for i, rec in enumerate(data["images"]):
+        where = f"images[{i}]"
+        require_keys(rec, ("id", "width", "height"), path=path, record=where)
+        img = CocoImage(_int(rec["id"], "id", path=path, record=where),
+                        _str(rec.get("file_name", ""), "file_name", path=path, record=where),
+                        _int(rec["width"], "width", path=path, record=where),
+                        _int(rec["height"], "height", path=path, record=where))
+        images[img.id] = img
+    categories: dict[int, str] = {}
+    for i, rec in enumerate(data["categories"]):
+        where = f"categories[{i}]"
+        require_keys(rec, ("id", "name"), path=path, record=where)
+        cid = _int(rec["id"], "id", path=path, record=where)
+        if cid < 1:
+            raise VlbertsError(f"category id {cid}: COCO category ids are 1-based", path=path, record=where)
+        categories[cid] = _str(rec["name"], "name", path=path, record=where)
+    annotations: dict[int, CocoAnnotation] = {}
+    for i, rec in enumerate(data["annotations"]):
+        where = f"annotations[{i}]"
+        require_keys(rec, ("id", "image_id", "category_id", "bbox"), path=path, record=where)
+        ann = CocoAnnotation(_int(rec["id"], "id", path=path, record=where),
+                             _int(rec["image_id"], "image_id", path=path, record=where),
+                             _int(rec["category_id"], "category_id", path=path, record=where),
+                             _bbox(rec["bbox"], path=path, record=where))
+        if ann.image_id not in images:
+            raise VlbertsError(f"image_id {ann.image_id} is not in images", path=path, record=where)
+        if ann.category_id not in categories:
+            raise VlbertsError(f"category_id {ann.category_id} is not in categories", path=path, record=where)
+        annotations[ann.id] = ann
+    return images, annotations, categories
+
+
+def read_refcoco(refs_path: str | Path, instances_path: str | Path) -> RefCocoData:
+    """Read refs and instances and check that they agree (annotation, image and category of every ref)."""
+    refs_path = Path(refs_path)
+    refs = read_refs(refs_path)
+    images, annotations, categories = read_instances(instances_path)
+    for i, ref in enumerate(refs):
+        where = f"refs[{i}] (ref_id {ref.ref_id})"
+        ann = annotations.get(ref.ann_id)
+        if ann is None:
+            raise VlbertsError(f"ann_id {ref.ann_id} is not in {Path(instances_path).name}",
+                               path=refs_path, record=where)
+        if ann.image_id != ref.image_id:
+            raise VlbertsError(f"image_id {ref.image_id} differs from its annotation's image_id {ann.image_id}",
+                               path=refs_path, record=where)
+        if ann.category_id != ref.category_id:
+            raise VlbertsError(f"category_id {ref.category_id} differs from its annotation's {ann.category_id}",
+                               path=refs_path, record=where)
+    return RefCocoData(tuple(refs), images, annotations, categories)
+
+
+def read_detections(path: str | Path) -> dict[int, list[Box]]:
+    """Read MAttNet-style detections (a JSON list of ``{image_id, box: [x, y, w, h], ...}``).
+
+    Returns image id -> boxes (xywh, file order): the candidates of the detected-region track.
+    """
+    path = Path(path)
+    data = read_json(path)
+    if not isinstance(data, list):
+        raise VlbertsError("expected a JSON list of {image_id, box} detections", path=path)
+    out: dict[int, list[Box]] = {}
+    for i, rec in enumerate(data):
+        where = f"detections[{i}]"
+        require_keys(rec, ("image_id", "box"), path=path, record=where)
+        out.setdefault(_int(rec["image_id"], "image_id", path=path, record=where), []).append(
+            _bbox(rec["box"], path=path, record=where))
+    return out

@@ -1,0 +1,223 @@
+"""Each architecture's pre-training recipe, in one place: which objectives its paper trains, with which
+matching-label convention and region masking rule, and the one function that computes their losses.
+
+    arch         paper objectives (default weights)                       text / regions
+    visualbert   mlm, match (sentence-image, two captions)  App. A.3      two captions; regions never masked
+    vilbert      mlm, region_kl, match (alignment)           §3.1         one caption, p=0.5 another image's;
+                                                                           15% regions, 90% zeroed; masked
+                                                                           losses only on aligned pairs
+    vlbert       mlm, roi_cls                                 §3.2-3.3    one caption; 15% RoIs, 90% replaced
+                                                                           by the model's mask vector; no matching
+    lxmert       mlm, feat, obj, attr, match                  §3.1        one caption, p=0.5 another image's;
+                                                                           15% regions, 80% zero / 10% other image
+    wvisualbert  mlm, tag_mlm, feat, obj, attr (+ match in S/H) §3        tags from the detector's obj_id;
+                                                                           W: alternating text-only / image-only
+                                                                           batches (unpaired)
+
+Objectives are composable: `parse_objectives("mlm=1,match=0.5", recipe, model_cfg)` gives the weights of a
+run; a name the architecture has no head for is a one-line error. LXMERT's image QA (§3.1.3) has its loss
+(`matching.qa_loss`) and head, but pre-training data with questions (a joint answer table) is not wired
+into this recipe, so it is not offered here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import Tensor
+
+from vlberts.data.batch import PretrainBatch
+from vlberts.errors import VlbertsError
+from vlberts.objectives.matching import Convention, matching_loss
+from vlberts.objectives.mlm import masked_positions, mlm_loss
+from vlberts.objectives.regions import (
+    LXMERT_REGION_MASK,
+    VILBERT_REGION_MASK,
+    VLBERT_REGION_MASK,
+    WVISUALBERT_REGION_MASK,
+    RegionMaskRule,
+    detected_label_loss,
+    feat_regression_loss,
+    masked_roi_loss,
+    region_kl_loss,
+)
+from vlberts.objectives.text import Source, tag_mlm_loss
+
+Modality = Literal["text", "image", "pair"]
+
+# Every objective this recipe can train: what it is, and which input it needs. In unpaired training
+# (W-VisualBERT) a text-only batch trains the "text" objectives and an image-only batch the "image" ones.
+OBJECTIVES: dict[str, tuple[str, Modality]] = {
+    "mlm": ("masked language modelling with the image", "text"),
+    "match": ("image-text matching (VisualBERT sentence-image, ViLBERT alignment, LXMERT cross-modality)", "pair"),
+    "region_kl": ("ViLBERT masked multimodal modelling: KL to the detector's class distribution", "image"),
+    "roi_cls": ("VL-BERT masked RoI classification, target = the detector's class", "image"),
+    "feat": ("LXMERT RoI-feature regression (SmoothL1, masked regions)", "image"),
+    "obj": ("LXMERT detected-object classification (confidence-weighted, all regions)", "image"),
+    "attr": ("LXMERT detected-attribute classification (confidence-weighted, all regions)", "image"),
+    "tag_mlm": ("W-VisualBERT detector-tag MLM with the shared softmax, tags masked jointly with regions", "image"),
+}
+
+# Store quantities a head's size is taken from (see `ArchRecipe.head_sizes`).
+StoreSize = Literal["cls_prob", "classes", "attributes"]
+
+
+@dataclass(frozen=True)
+class ArchRecipe:
+    """One architecture's pre-training recipe (module docstring). Data settings are read by
+    `data.pretrain.CaptionPretrainData`; the loss settings by `pretrain_losses`."""
+
+    arch: str
+    paper: str  # where the recipe comes from
+    objectives: Mapping[str, float]  # the paper's objectives and weights: the default of --objectives
+    # Objectives whose head exists only when a config field is truthy (field name per objective).
+    head_switch: Mapping[str, str] = field(default_factory=dict)
+    match_convention: Convention | None = None  # label convention of the (B, 2) matching head
+    caption_pairs: bool = False  # VisualBERT's `[CLS] a [SEP] b [SEP]` input; else one caption
+    region_rule: RegionMaskRule | None = None  # None: regions are never masked
+    zero_in_data: bool = True  # corrupt masked features in the batch; False: the model does (VL-BERT)
+    replace_from_other_image: bool = False  # the rule's random replacements come from another image
+    drop_unmatched: bool = False  # masked-modelling targets only on matched pairs (ViLBERT --objective 1)
+    roi_target: Literal["soft", "hard"] = "hard"  # VL-BERT masked RoI classification target
+    model_inputs: tuple[str, ...] = ()  # extra forward arguments: "roi_masked" (VL-BERT), "tags" (W-VisualBERT)
+    head_sizes: Mapping[str, StoreSize] = field(default_factory=dict)  # config field -> store quantity
+    # The config value (field, value) that selects unpaired text-only / image-only batches (W-VisualBERT).
+    unpaired_when: tuple[str, Any] | None = None
+
+    def available(self, model_cfg: Any) -> tuple[str, ...]:
+        """The objectives this model has heads for, in recipe order."""
+        names = [*self.objectives, *self.head_switch]
+        return tuple(dict.fromkeys(n for n in names if getattr(model_cfg, self.head_switch.get(n, ""), True)))
+
+    def unpaired(self, model_cfg: Any) -> bool:
+        return self.unpaired_when is not None and getattr(model_cfg, self.unpaired_when[0]) == self.unpaired_when[1]
+
+    def defaults(self, model_cfg: Any) -> dict[str, float]:
+        """The paper's objectives that this model has heads for."""
+        have = self.available(model_cfg)
+        return {k: w for k, w in self.objectives.items() if k in have}
+
+
+_LXMERT_SIZES: Mapping[str, StoreSize] = {"num_object_labels": "classes", "num_attr_labels": "attributes"}
+_LXMERT_HEADS = {"obj": "num_object_labels", "attr": "num_attr_labels", "feat": "feat_regression"}
+
+RECIPES: dict[str, ArchRecipe] = {
+    "visualbert": ArchRecipe(
+        arch="visualbert", paper="VisualBERT App. A.3", objectives={"mlm": 1.0, "match": 1.0},
+        match_convention="visualbert", caption_pairs=True,
+    ),
+    "vilbert": ArchRecipe(
+        arch="vilbert", paper="ViLBERT §3.1", objectives={"mlm": 1.0, "region_kl": 1.0, "match": 1.0},
+        match_convention="vilbert", region_rule=VILBERT_REGION_MASK, drop_unmatched=True,
+        head_sizes={"num_region_classes": "cls_prob"},
+    ),
+    "vlbert": ArchRecipe(
+        arch="vlbert", paper="VL-BERT §3.2-3.3", objectives={"mlm": 1.0, "roi_cls": 1.0},
+        head_switch={"match": "with_match_head"}, match_convention="visualbert", region_rule=VLBERT_REGION_MASK,
+        zero_in_data=False, model_inputs=("roi_masked",), head_sizes={"num_region_classes": "cls_prob"},
+    ),
+    "lxmert": ArchRecipe(
+        arch="lxmert", paper="LXMERT §3.1", objectives={"mlm": 1.0, "feat": 1.0, "obj": 1.0, "attr": 1.0, "match": 1.0},
+        head_switch=_LXMERT_HEADS, match_convention="lxmert", region_rule=LXMERT_REGION_MASK,
+        replace_from_other_image=True, head_sizes=_LXMERT_SIZES,
+    ),
+    "wvisualbert": ArchRecipe(
+        arch="wvisualbert", paper="W-VisualBERT §3",
+        objectives={"mlm": 1.0, "tag_mlm": 1.0, "feat": 1.0, "obj": 1.0, "attr": 1.0, "match": 1.0},
+        head_switch={**_LXMERT_HEADS, "tag_mlm": "use_tags", "match": "match_head"}, match_convention="lxmert",
+        region_rule=WVISUALBERT_REGION_MASK, replace_from_other_image=True, model_inputs=("tags",),
+        head_sizes=_LXMERT_SIZES, unpaired_when=("variant", "W"),
+    ),
+}
+
+
+def parse_objectives(spec: str, recipe: ArchRecipe, model_cfg: Any) -> dict[str, float]:
+    """Weights of a run from `name=weight,...` (empty: the paper's recipe). An unknown name, or one the
+    model has no head for, is a one-line error naming the valid ones."""
+    if not spec.strip():
+        return recipe.defaults(model_cfg)
+    have = recipe.available(model_cfg)
+    weights: dict[str, float] = {}
+    for item in spec.split(","):
+        name, eq, value = item.strip().partition("=")
+        if name not in OBJECTIVES:
+            raise VlbertsError(f"unknown objective {name!r}; valid: {', '.join(OBJECTIVES)}")
+        if name not in have:
+            raise VlbertsError(f"{recipe.arch} model has no head for objective {name!r}; its objectives: {', '.join(have)}")
+        try:
+            weights[name] = float(value) if eq else 1.0
+        except ValueError:
+            raise VlbertsError(f"objective {name}: weight {value!r} is not a number") from None
+    return weights
+
+
+def applies(name: str, source: Source | None) -> bool:
+    """Whether objective `name` is computed on a batch from `source` (None: paired, every objective)."""
+    modality = OBJECTIVES[name][1]
+    return source is None or modality == source
+
+
+def run_model(recipe: ArchRecipe, model: Any, batch: PretrainBatch) -> Any:
+    """The pre-training forward pass, with the MLM head only at the masked tokens and the extra inputs
+    the architecture reads (VL-BERT's masked RoIs, W-VisualBERT's tags)."""
+    extra = {}
+    if "roi_masked" in recipe.model_inputs and batch.regions is not None:
+        extra["roi_masked"] = batch.regions.corrupted
+    if "tags" in recipe.model_inputs and batch.tags is not None:
+        extra["tags"] = batch.tags
+    return model(batch.inputs, mlm_positions=masked_positions(batch.mlm_labels), **extra)
+
+
+def _mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return mlm_loss(out.mlm_logits, batch.mlm_labels[masked_positions(batch.mlm_labels)])
+
+
+def _match(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return matching_loss(out.match_logits, batch.matched, recipe.match_convention)
+
+
+def _region_kl(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return region_kl_loss(out.region_logits, batch.regions.cls_prob, batch.regions.masked)
+
+
+def _roi_cls(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return masked_roi_loss(out.region_logits, batch.regions.cls_prob, batch.regions.masked, target=recipe.roi_target)
+
+
+def _feat(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return feat_regression_loss(out.feat_pred, batch.regions.feats, batch.regions.masked)
+
+
+def _obj(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    r = batch.regions
+    return detected_label_loss(out.obj_logits, r.obj_id, r.obj_conf, r.masked)
+
+
+def _attr(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    r = batch.regions
+    return detected_label_loss(out.attr_logits, r.attr_id, r.attr_conf, r.masked)
+
+
+def _tag_mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return tag_mlm_loss(out.tag_logits, batch.tag_labels)
+
+
+LOSSES = {
+    "mlm": _mlm, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
+    "attr": _attr, "tag_mlm": _tag_mlm,
+}
+
+
+def pretrain_losses(
+    recipe: ArchRecipe, output: Any, batch: PretrainBatch, weights: Mapping[str, float], source: Source | None = None
+) -> dict[str, Tensor]:
+    """The unweighted loss of every objective in `weights` that applies to this batch (`applies`), by name.
+    Combine them with `total_loss`."""
+    return {name: LOSSES[name](recipe, output, batch) for name in weights if applies(name, source)}
+
+
+def total_loss(losses: Mapping[str, Tensor], weights: Mapping[str, float]) -> Tensor:
+    """sum_k weights[k] * losses[k] (every paper adds its losses with weight 1 by default)."""
+    return sum(weights[k] * v for k, v in losses.items())

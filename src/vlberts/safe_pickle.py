@@ -1,0 +1,90 @@
+"""Reading pickles that hold plain data only, without ever running code from the file.
+
+Some released annotation files exist only as pickles, notably RefCOCO+'s ``refs(unc).p`` (a list of
+dicts of strings and numbers, written by Python 2's cPickle; formats-and-metrics.md §2.6). A pickle
+can name any importable callable and have the loader call it, so ``pickle.load`` on a downloaded file
+runs whatever the file says. `safe_load` uses an unpickler whose `find_class` admits only the builtin
+container and scalar types and refuses everything else -- including builtins such as ``eval``,
+``getattr`` or ``__import__`` -- with a one-line `VlbertsError` naming the file and the global.
+
+Containers and scalars (dict, list, tuple, str, bytes, int, float, bool, None) are built by opcodes and
+never reach `find_class`; sets, frozensets, bytearrays and complex numbers do (through
+``builtins.set`` etc., or ``__builtin__.set`` in a Python 2 pickle), so those names are allowed. One
+more: Python 3 writes ``bytes`` at protocols 0-2 as ``_codecs.encode(text, "latin1")``; that name is
+answered with a function that does exactly that conversion and refuses any other codec.
+Persistent ids (PERSID) are refused too: there is nothing they could legitimately refer to.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+
+# Global names a plain-data pickle may use, by the name the pickle gives (Python 3 and Python 2 spellings).
+_BUILTIN_MODULES = frozenset({"builtins", "__builtin__"})
+_ALLOWED_NAMES: dict[str, str] = {
+    "dict": "dict", "list": "list", "tuple": "tuple", "set": "set", "frozenset": "frozenset",
+    "str": "str", "bytes": "bytes", "bytearray": "bytearray",
+    "int": "int", "float": "float", "complex": "complex", "bool": "bool",
+    "unicode": "str", "long": "int",  # Python 2 names, as in a cPickle written by Python 2
+}  # fmt: skip
+
+
+def _latin1_bytes(text: str, encoding: str) -> bytes:
+    """Stand-in for ``_codecs.encode`` limited to the one call pickle makes for bytes."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(
+            f"forbidden call _codecs.encode(..., {encoding!r}): only the latin1 form of bytes is allowed"
+        )
+    return text.encode("latin1")
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """An unpickler that can build builtin containers and scalars and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _BUILTIN_MODULES and name in _ALLOWED_NAMES:
+            return getattr(builtins, _ALLOWED_NAMES[name])
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
+        raise pickle.UnpicklingError(
+            f"forbidden global {module}.{name}: only builtin containers and scalars are allowed"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("forbidden persistent id: only builtin containers and scalars are allowed")
+
+
+def safe_loads(data: bytes, *, source: str | Path = "<bytes>", encoding: str = "utf-8") -> Any:
+    """Unpickle `data`, allowing only builtin containers and scalars.
+
+    `encoding` decodes Python 2 ``str`` objects (byte strings); the released refs files store UTF-8
+    text in them. Any failure -- a forbidden global, a truncated stream, undecodable text -- raises a
+    one-line `VlbertsError` naming `source`.
+    """
+    try:
+        return _PlainDataUnpickler(io.BytesIO(data), encoding=encoding).load()
+    except pickle.UnpicklingError as e:
+        if "truncated" in str(e):  # the C unpickler's word for running out of data mid-opcode
+            raise VlbertsError("truncated pickle (ends before its STOP opcode)", path=source) from None
+        raise VlbertsError(f"refused or malformed pickle: {e}", path=source) from None
+    except EOFError:
+        raise VlbertsError("truncated pickle (ends before its STOP opcode)", path=source) from None
+    except UnicodeDecodeError as e:
+        raise VlbertsError(f"pickle holds a byte string that is not {encoding} ({e.reason})", path=source) from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:
+        # What the pickle machinery raises on corrupt opcodes/arguments (e.g. "unsupported pickle protocol").
+        raise VlbertsError(f"malformed pickle: {type(e).__name__}: {e}", path=source) from None
+
+
+def safe_load(path: str | Path, *, encoding: str = "utf-8") -> Any:
+    """Read a pickle file holding plain data only (see `safe_loads`); a missing file is a `VlbertsError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    return safe_loads(path.read_bytes(), source=path, encoding=encoding)

@@ -1,0 +1,142 @@
+"""GQA: exact-match accuracy, its answer normalisation, prediction files, majority baseline.
+
+Metric (formats-and-metrics.md §2.3, §5; Hudson & Manning 2019 §4.4): accuracy = fraction of questions
+whose predicted answer equals the gold ``answer``. The official ``eval.py`` compares the raw strings
+(``correct = predicted == gold``) and LXMERT's local evaluator looks the raw prediction up in the label
+dict, so neither normalises anything. The released gold answers are already lower-case, trimmed,
+single-spaced words ("yes", "dark brown", "t-shirt"), so we normalise both sides with exactly those
+three operations (`normalize_gqa_answer`): a prediction can only gain from it by differing from a gold
+answer in case or spacing, never in content. ``normalize=False`` reproduces ``eval.py`` byte for byte.
+
+Official results file (the GQA evaluation server and ``eval.py``):
+``[{"questionId": "201307251", "prediction": "yes"}, ...]``.
+
+Reported numbers are percentages (100 * mean), unrounded, as `vlberts.tasks.vqa` does before rounding.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlberts.data.gqa import GQAExample
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, require_keys
+from vlberts.tasks.predictions import require_complete, write_json_predictions
+
+
+def normalize_gqa_answer(answer: str) -> str:
+    """Lower-case, trim and collapse runs of whitespace to one space: ``" Dark  Brown\\n"`` -> ``"dark brown"``.
+
+    Deliberately nothing else: GQA answers contain hyphens and apostrophes ("t-shirt", "man's"), and
+    articles or number words are part of some answers, so VQA's punctuation/article rules would merge
+    distinct GQA answers.
+    """
+    return " ".join(answer.lower().split())
+
+
+def answers_match(prediction: str, gold: str, *, normalize: bool = True) -> bool:
+    """Exact match, after `normalize_gqa_answer` on both sides unless `normalize` is False (official)."""
+    if normalize:
+        return normalize_gqa_answer(prediction) == normalize_gqa_answer(gold)
+    return prediction == gold
+
+
+@dataclass(frozen=True)
+class GQAScores:
+    """GQA accuracy in percent, overall and per structural type (verify/query/choose/logical/compare).
+
+    `per_structural_type` holds only the types present, keys sorted; questions without a type count
+    under ``"unknown"``.
+    """
+
+    accuracy: float
+    per_structural_type: dict[str, float]
+    num_questions: int
+    num_correct: int
+
+    def to_dict(self) -> dict:
+        return {
+            "accuracy": self.accuracy,
+            "per_structural_type": dict(self.per_structural_type),
+            "num_questions": self.num_questions,
+            "num_correct": self.num_correct,
+        }
+
+    def summary(self) -> str:
+        return f"GQA accuracy {self.accuracy:.2f}% on {self.num_questions} questions"
+
+
+def score_predictions(
+    predictions: Mapping[str, str], examples: Sequence[GQAExample], *, normalize: bool = True
+) -> GQAScores:
+    """Exact-match accuracy of `predictions` (question id -> answer) over annotated `examples`.
+
+    Every example needs a gold answer and a prediction (check a predictions *file* with
+    `read_predictions` first for user-facing errors).
+    """
+    if not examples:
+        raise ValueError("no questions to score")
+    correct = 0
+    by_type: dict[str, list[int]] = {}
+    for ex in examples:
+        if ex.answer is None:
+            raise ValueError(f"question {ex.question_id} has no gold answer")
+        hit = int(answers_match(predictions[ex.question_id], ex.answer, normalize=normalize))
+        correct += hit
+        by_type.setdefault(ex.structural_type or "unknown", []).append(hit)
+    return GQAScores(
+        accuracy=100.0 * correct / len(examples),
+        per_structural_type={k: 100.0 * sum(v) / len(v) for k, v in sorted(by_type.items())},
+        num_questions=len(examples),
+        num_correct=correct,
+    )
+
+
+def read_predictions(path: str | Path, question_ids: Sequence[str]) -> dict[str, str]:
+    """Read an official results file ``[{"questionId": str, "prediction": str}, ...]``.
+
+    Every question in `question_ids` needs exactly one prediction; unknown or duplicate ids, and
+    non-string fields, are one-line `VlbertsError`s naming the file and the question. (``eval.py``
+    silently keeps the last duplicate and crashes with a KeyError on a missing one.)
+    """
+    path = Path(path)
+    data = read_json(path)
+    if not isinstance(data, list):
+        raise VlbertsError("expected a JSON list of {questionId, prediction} objects (the GQA results format)",
+                           path=path)
+    known = set(question_ids)
+    preds: dict[str, str] = {}
+    for i, rec in enumerate(data):
+        require_keys(rec, ("questionId", "prediction"), path=path, record=f"predictions[{i}]")
+        qid = rec["questionId"]
+        if isinstance(qid, int) and not isinstance(qid, bool):
+            qid = str(qid)
+        if not isinstance(qid, str):
+            raise VlbertsError(f"questionId must be a string, got {qid!r}", path=path, record=f"predictions[{i}]")
+        where = f"question {qid}"
+        if qid not in known:
+            raise VlbertsError("not a question of the evaluated set", path=path, record=where)
+        if qid in preds:
+            raise VlbertsError("duplicate prediction", path=path, record=where)
+        if not isinstance(rec["prediction"], str):
+            raise VlbertsError(f"prediction must be a string, got {rec['prediction']!r}", path=path, record=where)
+        preds[qid] = rec["prediction"]
+    require_complete(preds, question_ids, path=path, label="question")
+    return preds
+
+
+def write_predictions(path: str | Path, predictions: Iterable[tuple[str, str]]) -> int:
+    """Write ``[{"questionId", "prediction"}]`` atomically; returns the number written."""
+    rows = ((str(qid), str(answer)) for qid, answer in predictions)
+    return write_json_predictions(path, rows, id_field="questionId", value_field="prediction", label="question")
+
+
+def majority_answer(train_examples: Iterable[GQAExample]) -> str:
+    """Most frequent normalised training answer (ties: alphabetically first); the trivial baseline."""
+    counts = Counter(normalize_gqa_answer(ex.answer) for ex in train_examples if ex.answer is not None)
+    if not counts:
+        raise ValueError("no annotated training questions")
+    return min(counts, key=lambda a: (-counts[a], a))

@@ -1,0 +1,52 @@
+"""What every task's prediction file shares: one prediction per example, no duplicates, none missing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from vlberts.errors import VlbertsError
+from vlberts.io import write_json
+
+
+def require_complete(preds: Mapping[Any, Any], expected: Iterable[Hashable], *, path: str | Path, label: str) -> None:
+    """Every expected id has a prediction; the error names the first missing one as `label id`."""
+    missing = [k for k in expected if k not in preds]
+    if missing:
+        more = f" ({len(missing) - 1} more also missing)" if len(missing) > 1 else ""
+        raise VlbertsError(f"no prediction for this example{more}", path=path, record=f"{label} {missing[0]}")
+
+
+def unique_rows(predictions: Iterable[tuple[Any, Any]], *, path: str | Path, label: str) -> list[tuple[Any, Any]]:
+    """The (id, prediction) pairs as a list; a repeated id is an error (a scorer would count it once)."""
+    rows, seen = [], set()
+    for key, value in predictions:
+        if key in seen:
+            raise VlbertsError("duplicate prediction", path=path, record=f"{label} {key}")
+        seen.add(key)
+        rows.append((key, value))
+    return rows
+
+
+def write_json_predictions(
+    path: str | Path, predictions: Iterable[tuple[Any, Any]], *, id_field: str, value_field: str, label: str
+) -> int:
+    """Write `[{id_field: id, value_field: prediction}]` atomically; returns the number written."""
+    rows = unique_rows(predictions, path=path, label=label)
+    write_json(path, [{id_field: k, value_field: v} for k, v in rows], indent=None)
+    return len(rows)
+
+
+def choose(scores: Sequence[float]) -> int:
+    """Index of the highest score; ties go to the lowest index (``numpy.argmax``). NaN is an error."""
+    if len(scores) == 0:  # also accepts numpy arrays
+        raise ValueError("no scores to choose from")
+    best = 0
+    for i, s in enumerate(scores):
+        if math.isnan(s):
+            raise ValueError(f"score {i} is NaN")
+        if s > scores[best]:
+            best = i
+    return best
