@@ -7,6 +7,7 @@ line (`error: <file>: record <r>: <what>`) and turns into exit code 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -206,7 +207,8 @@ def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> 
 
     cfg = _run_config(recipe, ctx, config)
     final = recipe.pretrain(cfg)
-    typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})" if final is None else f"wrote {final}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
+        typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})" if final is None else f"wrote {final}")
 
 
 @finetune_app.command("vqa", context_settings=OVERRIDES)
@@ -294,11 +296,42 @@ def demo_cmd(
     typer.echo(recipe.format_summary(s, out))
 
 
+@app.command("compare", context_settings=OVERRIDES)
+def compare_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("runs/compare"), help="Output directory (replaced if it holds an earlier demo or compare)."),
+    quick: bool = typer.Option(False, "--quick", help="The demo's smaller world and schedules."),
+    archs: Optional[str] = typer.Option(None, help="Comma-separated architectures (default: all five)."),
+) -> None:
+    """A controlled comparison: the architectures on one world, one feature store and one schedule.
+
+    Builds the world and region features once, then runs the demo's pre-training -> visual-word probe
+    -> VQA -> entity grounding for each architecture (its ARCH-small, its paper's objectives) with the
+    same settings, in OUT/ARCH/; writes OUT/comparison.json and OUT/comparison.md and prints the table.
+
+    Example: vlberts compare --archs=visualbert,lxmert --out=runs/compare --quick
+
+    Further settings (the demo's) as --key=value; run `vlberts show-config compare` for them.
+    """
+    from vlberts.config import parse_overrides
+    from vlberts.recipes import compare as recipe
+    from vlberts.recipes.demo import resolve
+
+    extra = list(ctx.args)
+    given = [f"--archs={archs}"] if archs is not None else []
+    cfg = recipe.config_from_args([f"--out={out}", f"--quick={quick}", *given, *extra])
+    cfg = resolve(cfg, explicit=set(parse_overrides(extra)))
+    result = recipe.run_compare(cfg, log=lambda m: typer.echo(m, err=True))
+    typer.echo(recipe.markdown_table(result))
+    typer.echo(f"wrote {out / 'comparison.md'} and {out / 'comparison.json'}; per architecture: {out}/ARCH/report.html")
+
+
 SHOW = {
     "pretrain": "vlberts.recipes.pretrain",
     "finetune-vqa": "vlberts.recipes.finetune_vqa",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
     "demo": "vlberts.recipes.demo",
+    "compare": "vlberts.recipes.compare",
     "extract": "vlberts.recipes.extract",
 }
 

@@ -103,3 +103,10 @@ class EpochBatchSampler:
 def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The random stream of one example in one epoch."""
     return np.random.default_rng([seed, epoch, index])
+
+
+def update_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The torch seed of one update on one rank (dropout and other in-model randomness). Drawn from
+    (seed, step, rank) rather than carried over from the previous update, so a resumed run, on any
+    number of processes, draws exactly what the uninterrupted one drew."""
+    return int(np.random.SeedSequence([seed, step, rank, 0x7C1]).generate_state(1)[0])

@@ -45,9 +45,11 @@ def seed_everything(seed: int) -> None:
 
 
 def set_threads() -> None:
-    """Use every core we were given (CI: 2) unless the user pinned a number."""
+    """Use every core we were given (CI: 2), shared among the processes torchrun started on this machine,
+    unless the user pinned a number (OMP_NUM_THREADS; torchrun sets 1 unless told otherwise)."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def save_run_config(out: Path, cfg: Any, name: str = "run_config.yaml") -> None:

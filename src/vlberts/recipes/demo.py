@@ -12,13 +12,16 @@ Every step calls the same recipe the CLI exposes for real data (`vlberts world b
 `pretrain`, `finetune vqa`, `analyze grounding`), with the settings below. `quick` runs a smaller
 world and shorter schedules for smoke tests; its numbers are not expected to show the phenomena.
 `arch` picks the architecture (`ARCH-small`); every architecture writes the same summary keys, and
-two-stream models are analysed through their text-to-vision attention maps.
+two-stream models are analysed through their text-to-vision attention maps. Steps 1-2 (`build_inputs`)
+and 3-7 (`run_model`) are separate functions so that `vlberts compare` (recipes/compare.py) builds the
+world and features once and runs steps 3-7 for each architecture on them.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -78,14 +81,14 @@ def resolve(cfg: DemoConfig, explicit: set[str] = frozenset()) -> DemoConfig:
     return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
 
 
-def _prepare_out(out: Path) -> None:
-    """Start from an empty directory; only a directory an earlier demo made is ever removed."""
+def _prepare_out(out: Path, command: str = "demo") -> None:
+    """Start from an empty directory; only a directory an earlier demo (or compare) made is ever removed."""
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).is_file():
-            raise VlbertsError("exists, is not empty and was not made by `vlberts demo`; choose another --out", path=out)
+            raise VlbertsError(f"exists, is not empty and was not made by `vlberts {command}`; choose another --out", path=out)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("made by vlberts demo; `vlberts demo` replaces this directory\n")
+    (out / MARKER).write_text(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
 
 
 def model_name(cfg: DemoConfig) -> str:
@@ -97,32 +100,63 @@ def model_name(cfg: DemoConfig) -> str:
     return f"{cfg.arch}-small"
 
 
-def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
+def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
     set_threads()
-    model = model_name(cfg)
+    model_name(cfg)  # an unknown architecture fails before any work
     out = Path(cfg.out)
     _prepare_out(out)
     t0 = time.perf_counter()
-    timings: dict[str, float] = {}
+    timings = build_inputs(cfg, out, log)
+    return run_model(cfg, out, out / "world", out / "features.h5", log, timings=timings, t0=t0)
 
-    def step(name: str, t: float) -> None:
-        timings[name] = round(time.perf_counter() - t, 1)
+
+def _record(timings: dict[str, float], name: str, t: float) -> None:
+    """Store the seconds since `t` as step `name`."""
+    timings[name] = round(time.perf_counter() - t, 1)
+
+
+def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, float]:
+    """Steps 1-2, shared by every model: the world in OUT/world and its region features in OUT/features.h5.
+
+    Returns the seconds each step took ({"world": s, "features": s}).
+    """
+    timings: dict[str, float] = {}
 
     # 1. The world (SPEC §7), exported in the real formats.
     t = time.perf_counter()
     world = out / "world"
     info = build_world(world, n_images=cfg.images, seed=cfg.seed, config=WorldConfig(referring=cfg.referring))
-    step("world", t)
+    _record(timings, "world", t)
     log(info.summary())
 
     # 2. Region features from the world detector (SPEC §2).
     t = time.perf_counter()
-    features = out / "features.h5"
-    ex = extract(ExtractConfig(world=str(world), out=str(features), seed=cfg.seed, epochs=cfg.detector_epochs,
+    ex = extract(ExtractConfig(world=str(world), out=str(out / "features.h5"), seed=cfg.seed, epochs=cfg.detector_epochs,
                                max_steps=cfg.detector_steps))
-    step("features", t)
+    _record(timings, "features", t)
     log(ex.summary())
+    return timings
+
+
+def run_model(
+    cfg: DemoConfig,
+    out: Path,
+    world: Path,
+    features: Path,
+    log: Callable[[str], None] = print,
+    *,
+    timings: dict[str, float] | None = None,
+    t0: float | None = None,
+) -> dict[str, Any]:
+    """Steps 3-7 for cfg's model on an existing world and feature store, writing into OUT (which must exist).
+
+    `timings` (steps already run) is extended with this part's steps, and the summary's `seconds` count
+    from `t0` (default: now). Returns the summary, also written to OUT/summary.json beside OUT/report.html.
+    """
+    model = model_name(cfg)
+    t0 = time.perf_counter() if t0 is None else t0
+    timings = {} if timings is None else timings
 
     # 3. Task-agnostic pre-training with the architecture's paper objectives (objectives/recipe.py; for
     # VisualBERT, App. A.3: MLM with the image + sentence-image prediction). The world's shape and colour words are masked with their own probabilities instead of 15% (README,
@@ -136,13 +170,13 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
         device=cfg.device, preload_features=True,
     )
     model_dir = pretrain(pre_cfg)
-    step("pretrain", t)
+    _record(timings, "pretrain", t)
     log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
     t = time.perf_counter()
     probe = visual_word_probe(model_dir, world, features, device=cfg.device)
-    step("probe", t)
+    _record(timings, "probe", t)
     log(f"masked colour/shape words: {probe['with_regions']['accuracy']:.1f}% with the image, "
         f"{probe['regions_zeroed']['accuracy']:.1f}% with region features zeroed ({probe['with_regions']['n']} words)")
 
@@ -160,7 +194,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
     )
     finetune_vqa(vqa_cfg)
     vqa_metrics = read_json(out / "vqa" / "metrics.json")
-    step("vqa", t)
+    _record(timings, "vqa", t)
     log(f"VQA test accuracy {vqa_metrics['accuracy']:.2f}% (majority-answer baseline {vqa_metrics['majority_baseline']:.2f}%)")
 
     # 6. Entity grounding by the pre-trained model's heads ("What Does BERT with Vision Look At?" §3.1).
@@ -169,11 +203,12 @@ def run_demo(cfg: DemoConfig, log=print) -> dict[str, Any]:
         model=str(model_dir), entities=str(world / "flickr30k_entities"), features=str(features), split="test",
         out=str(out / "grounding"), device=cfg.device,
     ))
-    step("grounding", t)
+    _record(timings, "grounding", t)
     r = g.result
     log(f"entity grounding: best head {r.best_head.label} at {100 * r.best_head.accuracy:.2f}% "
         f"(most-confident-region baseline {100 * r.baseline_accuracy:.2f}%)")
 
+    # 7. The report.
     summary = {
         "mlm_visual_word_acc": round(probe["with_regions"]["accuracy"], 2),
         "mlm_visual_word_acc_regions_zeroed": round(probe["regions_zeroed"]["accuracy"], 2),

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
-from vlberts.data.sampling import Position
+from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
@@ -54,6 +56,7 @@ from vlberts.training.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
+from vlberts.training.distributed import barrier, init_distributed, local_device, mean_over_ranks, wrap
 from vlberts.training.loop import batches, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -247,6 +250,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     set_threads()
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
+    dist = init_distributed(device.type)  # torchrun: one process per rank (training/distributed.py)
+    device = local_device(device, dist)
     if not cfg.captions or not cfg.features:
         raise VlbertsError("pretrain needs --captions=FILE and --features=STORE")
     if cfg.init and cfg.bert_init:
@@ -264,7 +269,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     recipe = RECIPES[arch]
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
     tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
-    tok = _tokenizer(cfg, out, [c.text for c in captions], tag_words)
+    if dist.main:  # rank 0 trains (or loads) and saves the vocabulary; the others load the saved one
+        tok = _tokenizer(cfg, out, [c.text for c in captions], tag_words)
+    barrier(dist)
+    if not dist.main:
+        tok = TextTokenizer.load(out / "tokenizer")
     seed_everything(cfg.seed)
     if cfg.init:
         model, model_cfg, _ = load_pretraining_model(cfg.init)
@@ -275,8 +284,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         model = build_pretraining_model(model_cfg)
         if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
             report = init_text_from_bert(model, cfg.bert_init)
-            write_json(out / "bert_init.json", report.to_dict())
-            print(report.summary(), file=sys.stderr)
+            if dist.main:
+                write_json(out / "bert_init.json", report.to_dict())
+                print(report.summary(), file=sys.stderr)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
@@ -302,13 +312,19 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
 
-    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler)
-    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None)
+    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    trained = model  # what checkpoints hold; `model` becomes its DDP wrapper when distributed
+    # A head can sit out an update on a rank (W-VisualBERT's text-only steps, ViLBERT's masked losses on a
+    # rank whose pairs are all mismatched, a head whose objective this run leaves out): DDP must then look
+    # for unused parameters (a graph walk per update), or it would wait for gradients that never come.
+    may_skip = unpaired or recipe.drop_unmatched or set(weights) != set(recipe.available(model_cfg))
+    model = wrap(model, dist, device, find_unused=may_skip)
     stream = batches(
         data, partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights),
         batch_size=cfg.batch_size, seed=cfg.seed,
         start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group,
+        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
     )
 
     # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
@@ -317,11 +333,12 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     model.train()
     step, done_here = state.step, 0
     t0 = time.perf_counter()
-    with progress() as bar:
+    with progress(disable=None if dist.main else True) as bar:
         task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
             # W-VisualBERT §3: each update draws a text-only or an image-only batch (stateless in `step`).
             source = unpaired_schedule(step, cfg.seed) if unpaired else None
+            torch.manual_seed(update_seed(cfg.seed, step, dist.rank))
             totals = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
             for _ in range(cfg.grad_accum):
                 batch, pos = next(stream)
@@ -339,23 +356,27 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             done_here += 1
             bar.update(task, completed=step, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
             if step % cfg.log_every == 0 or step == cfg.steps:
+                totals = mean_over_ranks(totals, dist)
+            if log is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
                 record.update({f"{k}_loss": v for k, v in totals.items()})
                 if source is not None:
                     record["source"] = source
                 log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                            "seconds": round(time.perf_counter() - t0, 3)})
-            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            if (step % cfg.ckpt_every == 0 or step == cfg.steps) and dist.main:
                 save_checkpoint(
-                    out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                    out, model=trained, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=step, data=pos.to_dict(), extra={}),
                 )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
                 return None
 
     final = out / "model"
-    save_model_dir(final, model, model_cfg, extra={"trained_by": "pretrain", "steps": step})
-    tok.save(final)
+    if dist.main:
+        save_model_dir(final, trained, model_cfg, extra={"trained_by": "pretrain", "steps": step})
+        tok.save(final)
+    barrier(dist)
     return final
 
 

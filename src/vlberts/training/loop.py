@@ -15,6 +15,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
+from vlberts.training.distributed import DistInfo, RankBatches
 
 
 def batches(
@@ -28,9 +29,11 @@ def batches(
     pin_memory: bool = False,
     lengths: Any = None,
     group: int = 1,
+    dist: DistInfo = DistInfo(),
 ) -> Iterator[tuple[Any, Position]]:
     """Endless (batch, position after it) pairs in the resumable order of `EpochBatchSampler`
-    (grouped by `lengths` in windows of `group` batches when given).
+    (grouped by `lengths` in windows of `group` batches when given). Distributed, each rank gets its
+    slice of every global batch (`training.distributed.rank_slice`); positions stay global.
 
     The loader and the position tracker walk two copies of the same deterministic sampler, so the
     positions stay in step with the batches whatever the number of workers.
@@ -40,7 +43,7 @@ def batches(
     # The loader's own generator: creating its iterator draws a base seed, which must not come from the
     # global RNG (a resumed run creates its iterator at another point of that stream than the original).
     loader = DataLoader(
-        data, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+        data, batch_sampler=RankBatches(sampler, dist), collate_fn=collate, num_workers=num_workers,
         pin_memory=pin_memory, persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
     )
@@ -58,7 +61,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     return float(norm)
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",)) -> None:
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",), write: bool = True) -> None:
     """A resumed run must use the settings it started with (except how long this invocation runs)."""
     path = out / "run_config.json"
     if path.is_file():
@@ -71,14 +74,19 @@ def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",
                 "use a new --out or the original settings",
                 path=path,
             )
-    write_json(path, to_dict(cfg))
+    if write:
+        write_json(path, to_dict(cfg))
 
 
-def start_or_resume(out: Path, cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[TrainState, bool]:
-    """Restore the newest checkpoint of `out` if there is one; record the run config either way."""
+def start_or_resume(
+    out: Path, cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, write: bool = True
+) -> tuple[TrainState, bool]:
+    """Restore the newest checkpoint of `out` if there is one; record the run config either way (only
+    with `write`: distributed, rank 0 writes and every rank restores)."""
     latest = latest_checkpoint(out)
     if latest is None:
-        write_json(out / "run_config.json", to_dict(cfg))
+        if write:
+            write_json(out / "run_config.json", to_dict(cfg))
         return TrainState(step=0, data=Position().to_dict(), extra={}), False
-    check_same_run(out, cfg)
+    check_same_run(out, cfg, write=write)
     return restore_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler), True

@@ -1,0 +1,63 @@
+"""`vlberts compare` at toy scale: the world and features are built once and shared, every architecture
+runs the demo's per-model steps in its own directory, and the comparison files hold one row per
+architecture; a bad architecture name is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+ROW_KEYS = {
+    "arch", "model", "params", "pretrain_seconds", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed",
+    "vqa_accuracy", "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
+    "grounding_baseline_acc", "num_layers",
+}
+
+# The demo test's toy settings (tests/test_demo.py): the point is that every step runs, not the numbers.
+TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=0.2", "--detector_epochs=1"]
+
+
+def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
+    out = tmp_path / "cmp"
+    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--out", str(out), *TOY],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+    # One world and one feature store, at OUT/; the architectures' directories hold none.
+    assert (out / "features.h5").is_file() and (out / "world" / "annotations").is_dir()
+    assert proc.stderr.count("Built the embedded world") == 1 and proc.stderr.count("trained the world detector") == 1
+    for arch in ("visualbert", "lxmert"):
+        assert not (out / arch / "world").exists() and not list((out / arch).rglob("*.h5")), arch
+        for sub in ("pretrain/model/model.safetensors", "vqa/metrics.json", "summary.json", "report.html"):
+            assert (out / arch / sub).exists(), f"{arch}/{sub}"
+
+    result = json.loads((out / "comparison.json").read_text())
+    assert list(result["archs"]) == ["visualbert", "lxmert"]
+    for arch, row in result["archs"].items():
+        assert ROW_KEYS <= set(row), (arch, ROW_KEYS - set(row))
+        assert row["arch"] == arch and row["model"] == f"{arch}-small" and row["params"] > 0
+    # Identical settings: both pre-trained for the same updates on the same world.
+    summaries = [json.loads((out / a / "summary.json").read_text()) for a in ("visualbert", "lxmert")]
+    for key in ("seed", "images", "pretrain_steps", "shape_mask_prob", "colour_mask_prob"):
+        assert summaries[0][key] == summaries[1][key], key
+    assert summaries[0]["images"] == 48 and result["settings"]["pretrain_steps"] == 4
+    assert result["archs"]["visualbert"]["params"] != result["archs"]["lxmert"]["params"]
+
+    md = (out / "comparison.md").read_text().strip().splitlines()
+    assert md[0].startswith("| arch | params |") and len(md) == 2 + 2
+    assert [line.split("|")[1].strip() for line in md[2:]] == ["visualbert", "lxmert"]
+    assert "| visualbert |" in proc.stdout and "| lxmert |" in proc.stdout  # the table is printed
+
+
+def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
+    out = tmp_path / "cmp"
+    proc = subprocess.run([str(VLBERTS), "compare", "--archs=visualbert,vilbrt", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown architecture 'vilbrt'" in lines[0] and "lxmert" in lines[0]
+    assert not out.exists()  # nothing was built

@@ -1,0 +1,127 @@
+"""Data-parallel training with 2 CPU processes (gloo): a DDP update equals the single-process update,
+a run launched by torchrun trains, logs once and resumes exactly, also on another number of processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from vlberts.data.batch import VLInputs
+from vlberts.models.builders import build_pretraining_model, model_config
+from vlberts.training.distributed import DistInfo, init_distributed, rank_slice, shutdown, unwrap, wrap
+from vlberts.training.metrics import MetricsLog
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def _global_batch(B: int = 6, T: int = 7, R: int = 5) -> tuple[VLInputs, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    inputs = VLInputs(
+        input_ids=torch.randint(5, 100, (B, T), generator=g), token_type_ids=torch.zeros(B, T, dtype=torch.long),
+        attention_mask=torch.ones(B, T, dtype=torch.bool), region_feats=torch.randn(B, R, 16, generator=g),
+        region_boxes=torch.rand(B, R, 4, generator=g).sort(-1).values,  # x1 < y1 < x2 < y2: valid boxes
+        region_mask=torch.ones(B, R, dtype=torch.bool),
+    )
+    labels = torch.randint(5, 100, (B, T), generator=g)
+    return inputs, labels
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_pretraining_model(model_config("visualbert-tiny", hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _loss(model, inputs: VLInputs, labels: torch.Tensor) -> torch.Tensor:
+    # Every token labelled and one match label per example: each rank's means have the same
+    # denominators, so the mean of the ranks' means (what DDP's gradient averaging gives) is the global
+    # mean. Both heads are used, as in pre-training (DDP reduces only gradients that arrive).
+    out = model(inputs)
+    mlm = torch.nn.functional.cross_entropy(out.mlm_logits.flatten(0, 1), labels.flatten())
+    return mlm + torch.nn.functional.cross_entropy(out.match_logits, labels[:, 0] % 2)
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    info = init_distributed("cpu")
+    assert info == DistInfo(rank, world, rank)
+    model = wrap(_model(), info, torch.device("cpu"))
+    inputs, labels = _global_batch()
+    keys = rank_slice(list(range(labels.shape[0])), info)
+    part = VLInputs(**{k: (v[keys] if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
+    _loss(model, part, labels[keys]).backward()
+    if info.main:
+        torch.save({n: p.grad for n, p in unwrap(model).named_parameters() if p.grad is not None}, out)
+    shutdown(info)
+
+
+def test_ddp_gradient_equals_the_single_process_gradient(tmp_path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    ddp = torch.load(out, weights_only=True)
+
+    model = _model()
+    _loss(model, *_global_batch()).backward()
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert ddp.keys() == ref.keys() and len(ref) > 10
+    for n in ref:
+        torch.testing.assert_close(ddp[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_rank_slices_cover_every_key_once_and_short_batches_reach_every_rank():
+    keys = list(range(7))
+    parts = [rank_slice(keys, DistInfo(r, 3)) for r in range(3)]
+    assert sorted(k for p in parts for k in p) == keys
+    assert [rank_slice([4], DistInfo(r, 2)) for r in range(2)] == [[4], [4]]
+    assert rank_slice(keys, DistInfo()) == keys
+
+
+def _pretrain_args(world, out: Path, *extra: str) -> list[str]:
+    return [
+        "pretrain", f"--captions={world.captions_train}", f"--features={world.store}", f"--out={out}",
+        "--model=visualbert-tiny", "--vocab_size=200", "--steps=8", "--batch_size=4", "--lr=1e-3", "--warmup=0.25",
+        "--log_every=1", "--ckpt_every=3", "--seed=1", "--max_text_len=40", *extra,
+    ]
+
+
+def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={port}", str(VLBERTS), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_torchrun_pretrain_logs_once_and_resumes_exactly(tiny_world, tmp_path):
+    ref = tmp_path / "ref"
+    proc = _torchrun(_pretrain_args(tiny_world, ref))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref_log = MetricsLog.read(ref / "metrics.jsonl")
+    assert [r["step"] for r in ref_log] == list(range(1, 9))  # rank 0 alone writes the log
+    assert (ref / "model" / "model.safetensors").is_file()
+
+    # Interrupted after 5 updates (last checkpoint: step 3), resumed by 2 processes again.
+    run = tmp_path / "run"
+    assert _torchrun(_pretrain_args(tiny_world, run, "--stop_after=5")).returncode == 0
+    proc = _torchrun(_pretrain_args(tiny_world, run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = MetricsLog.read(run / "metrics.jsonl")
+    assert [r["mlm_loss"] for r in log] == [r["mlm_loss"] for r in ref_log]
+
+    # The same checkpoint resumed by one process: positions are global, so it trains on.
+    one = tmp_path / "one"
+    assert _torchrun(_pretrain_args(tiny_world, one, "--stop_after=3")).returncode == 0
+    proc = subprocess.run([str(VLBERTS), *_pretrain_args(tiny_world, one)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in MetricsLog.read(one / "metrics.jsonl")] == list(range(1, 9))
