@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,11 @@ import time
 from pathlib import Path
 
 from vlberts.recipes.extract import ExtractConfig, extract
+from vlberts.training.distributed import free_port
 from vlberts.world.build import build_world
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:

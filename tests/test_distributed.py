@@ -1,10 +1,9 @@
-"""Data-parallel training with 2 CPU processes (gloo): a DDP update equals the single-process update,
+"""Data-parallel training with 2 CPU processes (gloo): an averaged-gradient update equals the single-process one,
 a run launched by torchrun trains, logs once and resumes exactly, also on another number of processes."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,15 @@ import torch.multiprocessing as mp
 
 from vlberts.data.batch import VLInputs
 from vlberts.models.builders import build_pretraining_model, model_config
-from vlberts.training.distributed import DistInfo, init_distributed, rank_slice, shutdown, unwrap, wrap
+from vlberts.training.distributed import (
+    DistInfo,
+    broadcast_parameters,
+    free_port,
+    init_distributed,
+    rank_slice,
+    shutdown,
+    sync_gradients,
+)
 from vlberts.training.metrics import MetricsLog
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -40,12 +47,11 @@ def _model():
 
 
 def _loss(model, inputs: VLInputs, labels: torch.Tensor) -> torch.Tensor:
-    # Every token labelled and one match label per example: each rank's means have the same
-    # denominators, so the mean of the ranks' means (what DDP's gradient averaging gives) is the global
-    # mean. Both heads are used, as in pre-training (DDP reduces only gradients that arrive).
+    # Every token labelled: each rank's mean has the same denominator, so the mean of the ranks' means
+    # (what gradient averaging gives) is the global mean. The match head and pooler sit out: their
+    # gradients must come back as zeros on every rank, not stall the all-reduce.
     out = model(inputs)
-    mlm = torch.nn.functional.cross_entropy(out.mlm_logits.flatten(0, 1), labels.flatten())
-    return mlm + torch.nn.functional.cross_entropy(out.match_logits, labels[:, 0] % 2)
+    return torch.nn.functional.cross_entropy(out.mlm_logits.flatten(0, 1), labels.flatten())
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
@@ -54,24 +60,29 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     info = init_distributed("cpu")
     assert info == DistInfo(rank, world, rank)
-    model = wrap(_model(), info, torch.device("cpu"))
+    torch.manual_seed(rank)  # ranks start apart; broadcast_parameters must make them agree
+    model = build_pretraining_model(model_config("visualbert-tiny", hidden_dropout=0.0, attention_dropout=0.0))
+    if info.main:
+        model.load_state_dict(_model().state_dict())
+    broadcast_parameters(model, info)
     inputs, labels = _global_batch()
     keys = rank_slice(list(range(labels.shape[0])), info)
     part = VLInputs(**{k: (v[keys] if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
     _loss(model, part, labels[keys]).backward()
+    sync_gradients(model, info)
     if info.main:
-        torch.save({n: p.grad for n, p in unwrap(model).named_parameters() if p.grad is not None}, out)
+        torch.save({n: p.grad for n, p in model.named_parameters()}, out)
     shutdown(info)
 
 
-def test_ddp_gradient_equals_the_single_process_gradient(tmp_path):
+def test_averaged_gradient_equals_the_single_process_gradient(tmp_path):
     out = tmp_path / "grads.pt"
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     ddp = torch.load(out, weights_only=True)
 
     model = _model()
     _loss(model, *_global_batch()).backward()
-    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
     assert ddp.keys() == ref.keys() and len(ref) > 10
     for n in ref:
         torch.testing.assert_close(ddp[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
@@ -95,10 +106,7 @@ def _pretrain_args(world, out: Path, *extra: str) -> list[str]:
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={port}", str(VLBERTS), *args]
+    cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={free_port()}", str(VLBERTS), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -125,3 +133,14 @@ def test_torchrun_pretrain_logs_once_and_resumes_exactly(tiny_world, tmp_path):
     proc = subprocess.run([str(VLBERTS), *_pretrain_args(tiny_world, one)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in MetricsLog.read(one / "metrics.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_a_failed_launch_is_a_one_line_error_naming_its_log(tmp_path):
+    from vlberts.errors import VlbertsError
+    from vlberts.training.distributed import launch
+
+    log = tmp_path / "run.log"
+    with pytest.raises(VlbertsError, match=r"2-process run failed: .*missing.json: file not found \(full log\)"):
+        launch(["pretrain", f"--captions={tmp_path / 'missing.json'}", f"--features={tmp_path / 'f.h5'}"], 2, log)
+    assert log.is_file()

@@ -32,13 +32,14 @@ from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
+from vlberts.models.builders import ARCHS, arch_of
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
-from vlberts.recipes.common import opt, set_threads
+from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
 from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
-from vlberts.models.builders import ARCHS, arch_of
 from vlberts.training.checkpoint import load_pretraining_model, read_model_config
+from vlberts.training.distributed import launch
 from vlberts.world.build import WorldConfig, build_world
 from vlberts.world.vocab import COLOUR_NAMES, SHAPE_PLURALS, SHAPES
 
@@ -54,11 +55,12 @@ class DemoConfig:
     referring: str = opt("explicit", "how the world's captions refer to objects: explicit or minimal")
     arch: str = opt("visualbert", "architecture: visualbert, vilbert, vlbert, lxmert or wvisualbert, pre-trained with its paper's objectives")
     model: str = opt("", "named model configuration (`vlberts models`), in place of ARCH-small; its architecture wins over --arch")
-    pretrain_steps: int = opt(1900, "pre-training updates (quick: 60)")
+    pretrain_steps: int = opt(2300, "pre-training updates (quick: 60)")
     pretrain_batch: int = opt(32, "pre-training batch size")
     pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
     shape_mask_prob: float = opt(0.7, "MLM selection probability of the world's shape words (0.15: plain VisualBERT)")
     colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
+    pretrain_procs: int = opt(2, "pre-training processes on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
     length_group: int = opt(16, "pre-training and VQA batches group examples of similar length in windows of this many batches (0: off)")
     vqa_epochs: float = opt(1.0, "VQA fine-tuning epochs")
     vqa_batch: int = opt(64, "VQA batch size")
@@ -139,6 +141,18 @@ def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print)
     return timings
 
 
+def run_pretrain(pre_cfg: PretrainConfig, procs: int, out: Path) -> Path:
+    """Pre-train in this process, or, with `procs` > 1 on CPU, as that many torchrun processes (DDP,
+    `training/distributed.py`): small models use 2 single-threaded processes better than one process
+    with 2 threads (benchmarks/ddp_cpu.py: 1.26x the updates per second on 2 cores)."""
+    if procs <= 1 or resolve_device(pre_cfg.device).type != "cpu":
+        return pretrain(pre_cfg)
+    config = out / "pretrain_config.yaml"
+    save_run_config(out, pre_cfg, name=config.name)
+    launch(["pretrain", f"--config={config}"], procs, out / "pretrain.log")
+    return Path(pre_cfg.out) / "model"
+
+
 def run_model(
     cfg: DemoConfig,
     out: Path,
@@ -169,9 +183,10 @@ def run_model(
         seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
         device=cfg.device, preload_features=True,
     )
-    model_dir = pretrain(pre_cfg)
+    model_dir = run_pretrain(pre_cfg, cfg.pretrain_procs, out)
     _record(timings, "pretrain", t)
-    log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s -> {model_dir}")
+    how = f"{cfg.pretrain_procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
+    log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
     t = time.perf_counter()

@@ -56,7 +56,14 @@ from vlberts.training.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from vlberts.training.distributed import barrier, init_distributed, local_device, mean_over_ranks, wrap
+from vlberts.training.distributed import (
+    barrier,
+    broadcast_parameters,
+    init_distributed,
+    local_device,
+    mean_over_ranks,
+    sync_gradients,
+)
 from vlberts.training.loop import batches, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -314,12 +321,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
 
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
-    trained = model  # what checkpoints hold; `model` becomes its DDP wrapper when distributed
-    # A head can sit out an update on a rank (W-VisualBERT's text-only steps, ViLBERT's masked losses on a
-    # rank whose pairs are all mismatched, a head whose objective this run leaves out): DDP must then look
-    # for unused parameters (a graph walk per update), or it would wait for gradients that never come.
-    may_skip = unpaired or recipe.drop_unmatched or set(weights) != set(recipe.available(model_cfg))
-    model = wrap(model, dist, device, find_unused=may_skip)
+    broadcast_parameters(model, dist)
     stream = batches(
         data, partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights),
         batch_size=cfg.batch_size, seed=cfg.seed,
@@ -351,6 +353,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 (total_loss(losses, weights) / cfg.grad_accum).backward()
                 for k, v in losses.items():
                     totals[k] += v.item() / cfg.grad_accum
+            sync_gradients(model, dist)
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
@@ -366,7 +369,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                            "seconds": round(time.perf_counter() - t0, 3)})
             if (step % cfg.ckpt_every == 0 or step == cfg.steps) and dist.main:
                 save_checkpoint(
-                    out, model=trained, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                    out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=step, data=pos.to_dict(), extra={}),
                 )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
@@ -374,7 +377,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
 
     final = out / "model"
     if dist.main:
-        save_model_dir(final, trained, model_cfg, extra={"trained_by": "pretrain", "steps": step})
+        save_model_dir(final, model, model_cfg, extra={"trained_by": "pretrain", "steps": step})
         tok.save(final)
     barrier(dist)
     return final

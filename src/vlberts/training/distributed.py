@@ -1,26 +1,32 @@
 """Data-parallel training across processes and machines on PyTorch's own engine (SPEC §6, §8).
 
-Launch any training recipe with torchrun; nothing in the recipe changes:
+Launch a training recipe with torchrun; nothing in the recipe changes:
 
-    torchrun --nproc_per_node=2 -m vlberts.cli pretrain ...            # one machine, 2 processes
+    torchrun --nproc_per_node=2 .venv/bin/vlberts pretrain ...          # one machine, 2 processes
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 \\
-             --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 -m vlberts.cli pretrain ...
+             --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 .venv/bin/vlberts pretrain ...
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed` joins the process group (gloo on CPU,
-NCCL on GPU). The batch order stays the single-process one: every rank walks the same global batches
-(`data.sampling`) and keeps its slice `keys[rank::world]`, so positions, checkpoints and resuming are
-the same as without distribution, and a run may resume on another number of processes. DDP averages
-the ranks' gradients, so an update is the gradient of the mean of the ranks' batch losses (as in every
-DDP recipe; with equal per-rank loss denominators this is exactly the single-process gradient, which
-tests/test_distributed.py checks). Only rank 0 writes logs, checkpoints and the final model; logged
-losses are averaged over the ranks.
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed` joins the process group (gloo on
+CPU, NCCL on GPU); every rank starts from rank 0's weights and averages its gradients with the
+others' in one all-reduce per update (`sync_gradients`: the arithmetic of DistributedDataParallel;
+why not its wrapper is said there). The batch order stays the single-process one: every rank walks
+the same global batches (`data.sampling`) and keeps its slice `keys[rank::world]`, so positions,
+checkpoints and resuming are the same as without distribution, and a run may resume on another
+number of processes. Averaging the ranks' gradients makes an update the gradient of the mean of the
+ranks' batch losses (as in every DDP recipe; with equal per-rank loss denominators this is exactly
+the single-process gradient, which tests/test_distributed.py checks). Only rank 0 writes logs,
+checkpoints and the final model; logged losses are averaged over the ranks.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,17 +71,36 @@ def local_device(device: torch.device, info: DistInfo) -> torch.device:
     return device
 
 
-def wrap(model: nn.Module, info: DistInfo, device: torch.device, find_unused: bool = False) -> nn.Module:
-    """DistributedDataParallel around `model` when distributed, else `model` itself."""
+def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
+    """Start every rank from rank 0's weights (they already agree when seeded alike; this makes it so)."""
+    if info.enabled:
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def sync_gradients(model: nn.Module, info: DistInfo) -> None:
+    """Average the gradients over the ranks, after backward and before the optimizer step.
+
+    One all-reduce of all gradients flattened together. A parameter that got no gradient on a rank
+    (a head that sat out the update: VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked
+    losses on a rank whose pairs were all mismatched) counts as zero there, so every rank always joins
+    the same collective. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
+    cannot see through our typed (dataclass) model outputs, and an unused head would stall it.
+    """
     if not info.enabled:
-        return model
-    ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (what checkpoints hold)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= info.world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
 
 
 def rank_slice(keys: list, info: DistInfo) -> list:
@@ -108,6 +133,35 @@ def mean_over_ranks(values: Mapping[str, float], info: DistInfo) -> dict[str, fl
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t)
     return {k: float(v) / info.world for k, v in zip(keys, t.tolist())}
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def free_port() -> int:
+    """A TCP port free right now on this machine, for torchrun's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], procs: int, log_file: Path) -> None:
+    """Run `vlberts ARGS` as `procs` processes on this machine through torchrun (each with cores/procs
+    threads), its output going to `log_file`; a failure is an error quoting the log's last line."""
+    from vlberts.errors import VlbertsError
+
+    exe = Path(sys.executable)
+    cmd = [str(exe.with_name("torchrun")), f"--nproc_per_node={procs}", f"--master_port={free_port()}",
+           str(exe.with_name("vlberts")), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cpu_cores() // procs))}
+    with open(log_file, "w", encoding="utf-8") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        lines = [ln for ln in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+        ours = [ln for ln in lines if ln.startswith("error: ")]  # a rank's own one-line error, if it gave one
+        why = ours[0].removeprefix("error: ") if ours else (lines[-1] if lines else "no output")
+        raise VlbertsError(f"{procs}-process run failed: {why} (full log)", path=log_file)
 
 
 def barrier(info: DistInfo) -> None:
