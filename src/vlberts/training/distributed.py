@@ -151,9 +151,10 @@ def launch(args: list[str], procs: int, log_file: Path) -> None:
     threads), its output going to `log_file`; a failure is an error quoting the log's last line."""
     from vlberts.errors import VlbertsError
 
-    exe = Path(sys.executable)
-    cmd = [str(exe.with_name("torchrun")), f"--nproc_per_node={procs}", f"--master_port={free_port()}",
-           str(exe.with_name("vlberts")), *args]
+    # `python -m torch.distributed.run ... -m vlberts.cli`: torchrun's and our entry points by module, so
+    # no console script has to be on PATH or beside the interpreter.
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={free_port()}",
+           "-m", "vlberts.cli", *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cpu_cores() // procs))}
     with open(log_file, "w", encoding="utf-8") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
