@@ -189,3 +189,14 @@ def test_cli_pretrain_lxmert(tiny_world, tmp_path):
     )
     assert bad.returncode == 2 and "no head for objective 'region_kl'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_end_to_end_vlbert_is_a_one_line_error(tiny_world, tmp_path):
+    vlberts = Path(sys.executable).with_name("vlberts")
+    proc = subprocess.run(
+        [str(vlberts), "pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+         f"--out={tmp_path / 'e2e'}", "--model=vlbert-e2e-tiny", "--steps=2", "--batch_size=2"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "end-to-end VL-BERT reads image pixels" in proc.stderr and "Traceback" not in proc.stderr

@@ -294,6 +294,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             if dist.main:
                 write_json(out / "bert_init.json", report.to_dict())
                 print(report.summary(), file=sys.stderr)
+    if getattr(model_cfg, "end_to_end", False):
+        raise VlbertsError(f"{cfg.model or cfg.init}: end-to-end VL-BERT reads image pixels, and pre-training batches "
+                           "carry region features only; pre-train a region-feature configuration (e.g. vlbert-small)")
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
