@@ -26,7 +26,7 @@ from vlberts.errors import VlbertsError
 from vlberts.io import write_json
 from vlberts.models.builders import ARCHS
 from vlberts.recipes.common import opt, set_threads
-from vlberts.recipes.demo import DemoConfig, _prepare_out, build_inputs, run_model
+from vlberts.recipes.demo import DemoConfig, prepare_out, build_inputs, run_model
 from vlberts.training.checkpoint import load_pretraining_model
 
 
@@ -83,7 +83,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     set_threads()
     archs = arch_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
-    _prepare_out(out, command="compare")
+    prepare_out(out, command="compare")
     t0 = time.perf_counter()
     inputs = build_inputs(cfg, out, log)
     rows: dict[str, dict[str, Any]] = {}

@@ -83,7 +83,7 @@ def resolve(cfg: DemoConfig, explicit: set[str] = frozenset()) -> DemoConfig:
     return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
 
 
-def _prepare_out(out: Path, command: str = "demo") -> None:
+def prepare_out(out: Path, command: str = "demo") -> None:
     """Start from an empty directory; only a directory an earlier demo (or compare) made is ever removed."""
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).is_file():
@@ -107,7 +107,7 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
     set_threads()
     model_name(cfg)  # an unknown architecture fails before any work
     out = Path(cfg.out)
-    _prepare_out(out)
+    prepare_out(out)
     t0 = time.perf_counter()
     timings = build_inputs(cfg, out, log)
     return run_model(cfg, out, out / "world", out / "features.h5", log, timings=timings, t0=t0)
