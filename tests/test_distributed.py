@@ -1,5 +1,6 @@
 """Data-parallel training with 2 CPU processes (gloo): an averaged-gradient update equals the single-process one,
-a run launched by torchrun trains, logs once and resumes exactly, also on another number of processes."""
+a pre-training run launched by torchrun trains, logs once and resumes exactly, also on another number of
+processes; a VQA fine-tuning run does too, and its ranks share the predictions without counting any twice."""
 
 from __future__ import annotations
 
@@ -144,3 +145,46 @@ def test_a_failed_launch_is_a_one_line_error_naming_its_log(tmp_path):
     with pytest.raises(VlbertsError, match=r"2-process run failed: .*missing.json: file not found \(full log\)"):
         launch(["pretrain", f"--captions={tmp_path / 'missing.json'}", f"--features={tmp_path / 'f.h5'}"], 2, log)
     assert log.is_file()
+
+
+def _finetune_args(world, init: Path, out: Path, *extra: str) -> list[str]:
+    tq, ta = world.vqa("train")
+    eq, ea = world.vqa("test")
+    return [
+        "finetune", "vqa", f"--init={init}", f"--out={out}", f"--features={world.store}", f"--train_questions={tq}",
+        f"--train_annotations={ta}", f"--eval_questions={eq}", f"--eval_annotations={ea}", "--min_answer_count=2",
+        "--epochs=1", "--batch_size=16", "--lr=1e-3", "--log_every=1", "--ckpt_every=2", "--eval_batch_size=7", *extra,
+    ]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_torchrun_finetune_vqa_predicts_each_question_once_and_resumes_exactly(tiny_world, tiny_pretrained, tmp_path):
+    import json
+
+    from vlberts.recipes.finetune_vqa import load_vqa_model, predict_vqa
+    from vlberts.data.vqa import read_vqa
+    from vlberts.features.store import RegionStore
+
+    ref = tmp_path / "ref"
+    proc = _torchrun(_finetune_args(tiny_world, tiny_pretrained, ref))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("VQA accuracy") == 1  # rank 0 alone reports
+    log = MetricsLog.read(ref / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(1, len(log) + 1)) and len(log) >= 3
+
+    # The ranks predicted disjoint halves of the test questions; merged, each appears once, and they are
+    # exactly what the saved model predicts for every question in one process.
+    eq, ea = tiny_world.vqa("test")
+    examples = read_vqa(eq, ea)
+    preds = {p["question_id"]: p["answer"] for p in json.loads((ref / "predictions.json").read_text())}
+    assert len(preds) == len(examples) == json.loads((ref / "metrics.json").read_text())["num_questions"]
+    model, vocab, tok = load_vqa_model(ref / "model")
+    assert predict_vqa(model, vocab, tok, examples, RegionStore(tiny_world.store), device="cpu") == preds
+
+    # Interrupted after 3 updates (last checkpoint: step 2) and resumed: the same losses, the same answers.
+    run = tmp_path / "run"
+    assert _torchrun(_finetune_args(tiny_world, tiny_pretrained, run, "--stop_after=3")).returncode == 0
+    proc = _torchrun(_finetune_args(tiny_world, tiny_pretrained, run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
+    assert (run / "predictions.json").read_text() == (ref / "predictions.json").read_text()

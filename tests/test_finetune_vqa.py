@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vlberts.errors import VlbertsError
-from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa, load_vqa_model
+from vlberts.recipes.finetune_vqa import VQA_MODELS, FinetuneVQAConfig, finetune_vqa, load_vqa_model
 from vlberts.training.metrics import MetricsLog
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
@@ -62,6 +62,17 @@ def test_finetune_resume_equals_uninterrupted(tiny_world, tiny_pretrained, tmp_p
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert json.loads((tmp_path / "ref" / "metrics.json").read_text())["accuracy"] == \
         json.loads((tmp_path / "run" / "metrics.json").read_text())["accuracy"]
+
+
+def test_the_default_loss_is_the_papers(tiny_world, tiny_pretrained, tmp_path):
+    """VisualBERT fine-tunes with its KL divergence (the original code), not the others' BCE x answers."""
+    losses = {}
+    for loss in ("auto", "kl", "bce"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / loss, loss=loss, stop_after=1))
+        losses[loss] = MetricsLog.read(tmp_path / loss / "metrics.jsonl")[0]["loss"]
+    assert losses["auto"] == losses["kl"] != losses["bce"]
+    assert {arch: model.loss for arch, model in VQA_MODELS.items()} == {
+        "visualbert": "kl", "vilbert": "bce", "vlbert": "bce", "lxmert": "bce", "wvisualbert": "bce"}
 
 
 def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path):

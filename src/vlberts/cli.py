@@ -229,6 +229,8 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
     cfg = _run_config(recipe, ctx, config)
     final = recipe.finetune_vqa(cfg)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return
     if final is None:
         typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})")
         return

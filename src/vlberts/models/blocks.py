@@ -52,6 +52,36 @@ class BlockConfig:
         )))
 
 
+@dataclass(frozen=True)
+class BertTextConfig:
+    """BERT's text-side hyper-parameters, with BERT-base defaults; every architecture config extends it.
+
+    The depth and the padding id are left to the subclasses: LXMERT splits its depth over three encoders
+    (`num_layers` is a derived property there) and has no `pad_token_id` field.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+
+    @property
+    def block(self) -> BlockConfig:
+        """The text stream's layers (BERT's)."""
+        return BlockConfig.of(self)
+
+
 def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """(B, S) bool key mask -> (B, 1, 1, S) additive bias: 0 where attended, dtype-min where masked."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)

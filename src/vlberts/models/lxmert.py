@@ -43,6 +43,7 @@ from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import (
     AnswerMLP,
     AttentionBlock,
+    BertTextConfig,
     BlockConfig,
     Encoder,
     FeedForward,
@@ -57,23 +58,15 @@ from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
 
 
 @dataclass(frozen=True)
-class LxmertConfig:
-    """Architecture only; training switches live in the run config. Defaults are the paper's (§3.3)."""
+class LxmertConfig(BertTextConfig):
+    """Architecture only; training switches live in the run config. Defaults are the paper's (§3.3).
 
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_heads: int = 12
-    intermediate_size: int = 3072
+    The depth is split over three encoders (`num_layers` is their sum), and there is no `pad_token_id`.
+    """
+
     language_layers: int = 9  # N_L
     relation_layers: int = 5  # N_R, the object-relationship encoder
     cross_layers: int = 5  # N_X
-    hidden_act: str = "gelu"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
     visual_dim: int = 2048  # width of the detector's RoI features f_j
     visual_pos_dim: int = 4  # p_j = (x1, y1, x2, y2) / (W, H, W, H); the only box encoding LXMERT uses
     # Pre-training heads (§3.1); 0 (or False) leaves a head out, as Hugging Face's task_* switches do.
@@ -82,9 +75,8 @@ class LxmertConfig:
     feat_regression: bool = True  # RoI-feature regression (predicts the visual_dim-d feature)
     num_qa_labels: int = 9500  # image QA over the joint answer table
 
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.visual_pos_dim != SPATIAL_DIMS["4d"]:
             raise ValueError(f"visual_pos_dim must be 4 (normalised x1, y1, x2, y2), got {self.visual_pos_dim}")
         counts = ("language_layers", "relation_layers", "cross_layers",
@@ -94,10 +86,6 @@ class LxmertConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.cross_layers < 1:
             raise ValueError("LXMERT needs at least one cross-modality layer (cross_layers >= 1)")
-
-    @property
-    def block(self) -> BlockConfig:
-        return BlockConfig.of(self)
 
     @property
     def num_layers(self) -> int:
@@ -341,6 +329,7 @@ class LxmertForVQA(nn.Module):
     text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
     encoder_name: ClassVar[str] = "lxmert"
     head: ClassVar[str] = "pooled"
+    loss: ClassVar[str] = "bce"  # LXMERT `src/tasks/vqa.py`: BCE x answers
     reads_tags: ClassVar[bool] = False
 
     def __init__(self, cfg: LxmertConfig, num_answers: int):

@@ -92,6 +92,7 @@ from vlberts.data.batch import VLInputs, VQABatch
 from vlberts.models.blocks import (
     AddNorm,
     AnswerMLP,
+    BertTextConfig,
     BlockConfig,
     Encoder,
     FeedForward,
@@ -109,24 +110,13 @@ IMAGE_LOCATION = (0.0, 0.0, 1.0, 1.0, 1.0)
 
 
 @dataclass(frozen=True)
-class ViLBertConfig:
+class ViLBertConfig(BertTextConfig):
     """Architecture only; training switches live in the run config. Defaults are the released
     `bert_base_6layer_6conect.json` (§3.1: BERT-base text stream; visual stream width 1024, 8 heads)."""
 
-    # Text stream: BERT.
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_heads: int = 12
-    intermediate_size: int = 3072
+    # Text stream: BERT (its other fields are `BertTextConfig`'s).
     num_layers: int = 12
-    hidden_act: str = "gelu"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
-    initializer_range: float = 0.02
     # Visual stream.
     visual_dim: int = 2048  # width of the detector's region features (the release's v_feature_size)
     v_hidden_size: int = 1024
@@ -147,9 +137,9 @@ class ViLBertConfig:
     add_image_token: bool = True  # prepend [IMG] (mean feature, whole-image location); see module docstring
     single_stream: bool = False  # the paper's single-stream baseline (§4); see module docstring
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        super().__post_init__()
         for width, heads, what in (
-            (self.hidden_size, self.num_heads, "hidden_size / num_heads"),
             (self.v_hidden_size, self.v_num_heads, "v_hidden_size / v_num_heads"),
             (self.bi_hidden_size, self.bi_num_heads, "bi_hidden_size / bi_num_heads"),
         ):
@@ -173,11 +163,6 @@ class ViLBertConfig:
             if self.v_hidden_size != self.hidden_size:
                 raise ValueError("single_stream runs the regions through the text layers: v_hidden_size must "
                                  f"equal hidden_size ({self.hidden_size}), got {self.v_hidden_size}")
-
-    @property
-    def block(self) -> BlockConfig:
-        """The text stream's layers (BERT's)."""
-        return BlockConfig.of(self)
 
     @property
     def v_block(self) -> BlockConfig:
@@ -485,6 +470,7 @@ class ViLBertForVQA(nn.Module):
     text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
     encoder_name: ClassVar[str] = "bert"
     head: ClassVar[str] = "img_cls_product"
+    loss: ClassVar[str] = "bce"  # ViLBERT `task_utils.py`: BCE x answers
     reads_tags: ClassVar[bool] = False
 
     def __init__(self, cfg: ViLBertConfig, num_answers: int):

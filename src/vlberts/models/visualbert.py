@@ -21,28 +21,17 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, init_bert_weights, mask_bias
+from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, init_bert_weights, mask_bias
 from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
 from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
 
 
 @dataclass(frozen=True)
-class VisualBertConfig:
+class VisualBertConfig(BertTextConfig):
     """Architecture only; training switches live in the run config."""
 
-    vocab_size: int = 30522
-    hidden_size: int = 768
     num_layers: int = 12
-    num_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
-    initializer_range: float = 0.02
     visual_dim: int = 2048  # width of the detector's region features
     # VisualBERT's only use of box geometry: the Flickr30K setting concatenates 6-d
     # (x1/W, y1/H, x2/W, y2/H, w/W, h/H) to the feature, so the projection reads visual_dim + 6.
@@ -58,9 +47,8 @@ class VisualBertConfig:
     # original code's `bypass_transformer`, whose `additional_layer` is our layer k.
     fusion_layer: int = 0
 
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.visual_spatial not in ("none", "6d"):
             raise ValueError(f"visual_spatial must be 'none' or '6d', got {self.visual_spatial!r}")
         if not 0 <= self.fusion_layer < self.num_layers:
@@ -68,10 +56,6 @@ class VisualBertConfig:
             raise ValueError(
                 f"fusion_layer must be in [0, num_layers - 1] = [0, {self.num_layers - 1}], got {self.fusion_layer}"
             )
-
-    @property
-    def block(self) -> BlockConfig:
-        return BlockConfig.of(self)
 
     @property
     def projection_in(self) -> int:
@@ -216,11 +200,13 @@ class VisualBertForVQA(nn.Module):
     The class attributes tell the fine-tuning recipe how to feed it (shared by every `*ForVQA` model):
     `text_format` the question layout (`data.vqa_dataset.TEXT_FORMATS`), `encoder_name` the submodule
     whose weights come from the pre-training checkpoint, `head` a name of the answer head for config.json,
-    `reads_tags` whether batches must carry detector tags."""
+    `loss` the paper's VQA loss (`recipes.finetune_vqa.LOSSES`), `reads_tags` whether batches must carry
+    detector tags."""
 
     text_format: ClassVar[str] = "mask"  # [CLS] question [MASK] [SEP]
     encoder_name: ClassVar[str] = "bert"
     head: ClassVar[str] = "mask"
+    loss: ClassVar[str] = "kl"  # VisualBERT: KL-divergence to the soft scores (App. A, original code)
     reads_tags: ClassVar[bool] = False
 
     def __init__(self, cfg: VisualBertConfig, num_answers: int):

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torchvision.ops import roi_align
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.models.blocks import BlockConfig, Encoder, MLMHead, Pooler, activation, init_bert_weights, mask_bias
+from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, activation, init_bert_weights, mask_bias
 from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
 
 # Released code `coordinate_embeddings`: normalised coordinates are scaled by 100 and divided by
@@ -59,7 +59,7 @@ GEOMETRY_WAVE = 1000.0
 
 
 @dataclass(frozen=True)
-class VLBertConfig:
+class VLBertConfig(BertTextConfig):
     """Architecture only; training switches live in the run config.
 
     The paper's visual network is a Fast R-CNN on ResNet-101 (§4.1), fine-tuned with the model. We do not ship
@@ -67,19 +67,9 @@ class VLBertConfig:
     `VisualBackbone` (`cnn_channels`, `roi_size`), whose weights the user trains or loads.
     """
 
-    vocab_size: int = 30522
-    hidden_size: int = 768
+    type_vocab_size: int = 3  # A, B for the sentences, C for the image (§3.2); BERT's is 2
     num_layers: int = 12
-    num_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 3  # A, B for the sentences, C for the image (§3.2)
-    layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
-    initializer_range: float = 0.02
     visual_dim: int = 2048  # appearance feature width (precomputed, or the CNN head's output)
     geometry_dim: int = 2048  # sin/cos geometry embedding width (§3.2 "2048-d in paper"); a multiple of 8
     # Which 4 numbers of the box are embedded. The paper's text says (x1/W, y1/H, x2/W, y2/H); the released
@@ -96,9 +86,8 @@ class VLBertConfig:
     cnn_channels: tuple[int, ...] = (32, 64)  # end-to-end only: conv widths; the first two convs have stride 2
     roi_size: int = 7  # end-to-end only: RoIAlign output grid
 
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.geometry_dim <= 0 or self.geometry_dim % 8:
             raise ValueError(f"geometry_dim must be a positive multiple of 8 (sin and cos of 4 numbers), got {self.geometry_dim}")
         if self.geometry_box not in ("cxcywh", "xyxy"):
@@ -107,10 +96,6 @@ class VLBertConfig:
             raise ValueError(f"type_vocab_size must be >= 3 (segments A, B, C), got {self.type_vocab_size}")
         if self.end_to_end and not self.cnn_channels:
             raise ValueError("end_to_end needs at least one CNN layer in cnn_channels")
-
-    @property
-    def block(self) -> BlockConfig:
-        return BlockConfig.of(self)
 
     def describe(self) -> str:
         vis = (f"end-to-end CNN {'-'.join(map(str, self.cnn_channels))} + RoIAlign {self.roi_size}x{self.roi_size}"
@@ -383,6 +368,7 @@ class VLBertForVQA(nn.Module):
     text_format: ClassVar[str] = "answer_segment"  # [CLS] question [SEP] [MASK] [SEP]
     encoder_name: ClassVar[str] = "bert"
     head: ClassVar[str] = "answer_slot"
+    loss: ClassVar[str] = "bce"  # VL-BERT: BCE x answers
     reads_tags: ClassVar[bool] = False
 
     def __init__(self, cfg: VLBertConfig, num_answers: int):

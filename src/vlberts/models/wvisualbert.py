@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from vlberts.data.batch import TagInputs, VLInputs, VQABatch  # TagInputs re-exported: the models' tag input type
 from vlberts.models.blocks import (
     AnswerMLP,
-    BlockConfig,
+    BertTextConfig,
     Encoder,
     MLMHead,
     Pooler,
@@ -66,22 +66,11 @@ from vlberts.models.outputs import AttentionMaps, VLOutput
 
 
 @dataclass(frozen=True)
-class WVisualBertConfig:
+class WVisualBertConfig(BertTextConfig):
     """Architecture only; training switches (masking ratios, data mixing) live in the run config."""
 
-    vocab_size: int = 30522
-    hidden_size: int = 768
     num_layers: int = 12
-    num_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
-    initializer_range: float = 0.02
     visual_dim: int = 2048  # width of the detector's region features
     visual_pos_dim: int = 4  # (x1, y1, x2, y2) / (W, H, W, H), as LXMERT
     # Detector tags as extra visual tokens (§3.2). False is the paper's NT ablation (§4.4): the model
@@ -95,17 +84,12 @@ class WVisualBertConfig:
     feat_regression: bool = True
     variant: str = "W"  # the paper's name of the variant, for describe() only: W, S, H
 
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.visual_pos_dim != 4:
             raise ValueError(f"visual_pos_dim must be 4 (W-VisualBERT's 4-d boxes), got {self.visual_pos_dim}")
         if self.variant not in ("W", "S", "H"):
             raise ValueError(f"variant must be 'W', 'S' or 'H', got {self.variant!r}")
-
-    @property
-    def block(self) -> BlockConfig:
-        return BlockConfig.of(self)
 
     def describe(self) -> str:
         name = f"{self.variant}-VisualBERT" + ("" if self.use_tags else "_NT")
@@ -415,6 +399,7 @@ class WVisualBertForVQA(nn.Module):
     text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
     encoder_name: ClassVar[str] = "bert"
     head: ClassVar[str] = "pooled"
+    loss: ClassVar[str] = "bce"  # W-VisualBERT `configs/vqa.json`: BCE x answers
 
     def __init__(self, cfg: WVisualBertConfig, num_answers: int):
         super().__init__()

@@ -60,9 +60,9 @@ class DemoConfig:
     pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
     shape_mask_prob: float = opt(0.7, "MLM selection probability of the world's shape words (0.15: plain VisualBERT)")
     colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
-    pretrain_procs: int = opt(2, "pre-training processes on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
+    procs: int = opt(2, "processes of pre-training and VQA fine-tuning on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
     length_group: int = opt(16, "pre-training and VQA batches group examples of similar length in windows of this many batches (0: off)")
-    vqa_epochs: float = opt(1.0, "VQA fine-tuning epochs")
+    vqa_epochs: float = opt(1.25, "VQA fine-tuning epochs")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
     detector_epochs: int = opt(3, "world-detector training epochs")
@@ -141,16 +141,17 @@ def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print)
     return timings
 
 
-def run_pretrain(pre_cfg: PretrainConfig, procs: int, out: Path) -> Path:
-    """Pre-train in this process, or, with `procs` > 1 on CPU, as that many torchrun processes (DDP,
-    `training/distributed.py`): small models use 2 single-threaded processes better than one process
-    with 2 threads (benchmarks/ddp_cpu.py: 1.26x the updates per second on 2 cores)."""
-    if procs <= 1 or resolve_device(pre_cfg.device).type != "cpu":
-        return pretrain(pre_cfg)
-    config = out / "pretrain_config.yaml"
-    save_run_config(out, pre_cfg, name=config.name)
-    launch(["pretrain", f"--config={config}"], procs, out / "pretrain.log")
-    return Path(pre_cfg.out) / "model"
+def run_procs(run: Callable[[Any], Any], cfg: Any, command: list[str], procs: int, out: Path, name: str) -> None:
+    """Run the recipe `run(cfg)` in this process, or, with `procs` > 1 on CPU, as `vlberts COMMAND
+    --config=OUT/NAME_config.yaml` in that many torchrun processes (DDP, `training/distributed.py`;
+    log OUT/NAME.log): small models use 2 single-threaded processes better than one process with 2
+    threads (benchmarks/ddp_cpu.py: 1.26x the updates per second on 2 cores)."""
+    if procs <= 1 or resolve_device(cfg.device).type != "cpu":
+        run(cfg)
+        return
+    config = out / f"{name}_config.yaml"
+    save_run_config(out, cfg, name=config.name)
+    launch([*command, f"--config={config}"], procs, out / f"{name}.log")
 
 
 def run_model(
@@ -183,9 +184,10 @@ def run_model(
         seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
         device=cfg.device, preload_features=True,
     )
-    model_dir = run_pretrain(pre_cfg, cfg.pretrain_procs, out)
+    run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")
+    model_dir = Path(pre_cfg.out) / "model"
     _record(timings, "pretrain", t)
-    how = f"{cfg.pretrain_procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
+    how = f"{cfg.procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
     log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
@@ -207,7 +209,7 @@ def run_model(
         epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
         min_answer_count=9, ckpt_every=10**9, preload_features=True, length_group=cfg.length_group,
     )
-    finetune_vqa(vqa_cfg)
+    run_procs(finetune_vqa, vqa_cfg, ["finetune", "vqa"], cfg.procs, out, "vqa")
     vqa_metrics = read_json(out / "vqa" / "metrics.json")
     _record(timings, "vqa", t)
     log(f"VQA test accuracy {vqa_metrics['accuracy']:.2f}% (majority-answer baseline {vqa_metrics['majority_baseline']:.2f}%)")

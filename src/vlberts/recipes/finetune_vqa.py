@@ -10,9 +10,9 @@ and the question is laid out for that head (`data.vqa_dataset.TEXT_FORMATS`).
 
 Training reads VQA v2 questions + annotations and a region store; the answer vocabulary is built from
 the training answers (answers given by at least `min_answer_count` questions); targets are the VQA soft
-scores; the loss is BCE x number of answers (or VisualBERT's KL). After training, the model predicts
-the evaluation questions, writes them in the official results format, and scores them with the
-official VQA accuracy next to the majority-answer baseline.
+scores; the loss is the paper's (BCE x number of answers, or VisualBERT's KL divergence). After
+training, the model predicts the evaluation questions, writes them in the official results format, and
+scores them with the official VQA accuracy next to the majority-answer baseline.
 
     RUN/model/             the fine-tuned model (weights, config with the answer list, vocabulary)
     RUN/predictions.json   official-format predictions on the evaluation questions
@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.regions import RegionSource
-from vlberts.data.sampling import Position
+from vlberts.data.sampling import Position, update_seed
 from vlberts.data.vqa import VQAExample, read_vqa
 from vlberts.data.vqa_dataset import VQAData, collate_vqa, detector_tag_subwords
 from vlberts.errors import VlbertsError
@@ -58,6 +58,16 @@ from vlberts.tasks.vqa import (
 )
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
+from vlberts.training.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_parameters,
+    init_distributed,
+    local_device,
+    mean_over_ranks,
+    merge_over_ranks,
+    sync_gradients,
+)
 from vlberts.training.loop import batches, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -86,7 +96,7 @@ class FinetuneVQAConfig:
     features: str = opt("", "region-feature store holding every image")
     out: str = opt("runs/vqa", "run directory")
     min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 gives VQA v2's 3129)")
-    loss: str = opt("bce", "bce (BCE x answers, LXMERT/ViLBERT/VL-BERT) or kl (VisualBERT)")
+    loss: str = opt("auto", "auto (the architecture's paper: kl for VisualBERT, bce for the others), bce (BCE x answers) or kl")
     epochs: float = opt(10.0, "passes over the training questions")
     batch_size: int = opt(64, "examples per micro-batch")
     grad_accum: int = opt(1, "micro-batches per update")
@@ -163,12 +173,17 @@ def vqa_data(
 @torch.no_grad()
 def predict_vqa(
     model: VQAModel, vocab: AnswerVocab, tok: TextTokenizer, examples: list[VQAExample], regions: RegionSource,
-    *, max_regions: int = 36, max_text_len: int = 32, batch_size: int = 256, device: str = "auto", precision: str = "auto",
+    *, max_regions: int = 36, max_text_len: int = 32, batch_size: int = 256, device: str | torch.device = "auto",
+    precision: str = "auto", dist: DistInfo = DistInfo(),
 ) -> dict[int, str]:
-    """question_id -> predicted answer (argmax over the answer classes)."""
-    dev = resolve_device(device)
+    """question_id -> predicted answer (argmax over the answer classes), on every rank.
+
+    Distributed, each rank predicts every world-th question and the shares are merged: each question is
+    predicted exactly once (no padded duplicates to double-count)."""
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     model.to(dev).eval()
-    data = vqa_data(model, examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions)
+    mine = examples[dist.rank :: dist.world]
+    data = vqa_data(model, mine, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions)
     preds: dict[int, str] = {}
     for start in range(0, len(data), batch_size):
         batch = collate_vqa([data[i] for i in range(start, min(start + batch_size, len(data)))], len(vocab), tok.pad_id).to(dev)
@@ -176,18 +191,23 @@ def predict_vqa(
             logits = model.answer_logits(batch)
         for qid, a in zip(batch.question_ids.tolist(), logits.argmax(-1).tolist()):
             preds[qid] = vocab.answers[a]
-    return preds
+    return merge_over_ranks(preds, dist)
 
 
 def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
-    """Fine-tune, then predict and score the evaluation questions; returns the model directory."""
+    """Fine-tune, then predict and score the evaluation questions; returns the model directory.
+
+    Launched by torchrun it trains data-parallel like `pretrain` (each rank a slice of every global
+    batch, gradients averaged, rank 0 writes) and the ranks share the prediction of the evaluation set."""
     set_threads()
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
+    dist = init_distributed(device.type)
+    device = local_device(device, dist)
     for key in ("init", "train_questions", "train_annotations", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune vqa needs --{key}")
-    if cfg.loss not in LOSSES:
+    if cfg.loss != "auto" and cfg.loss not in LOSSES:
         raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
 
     train = read_vqa(cfg.train_questions, cfg.train_annotations)
@@ -224,23 +244,25 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
             group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
         optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
-    loss_fn = LOSSES[cfg.loss]
+    loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
 
-    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler)
-    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None)
+    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    broadcast_parameters(model, dist)
     stream = batches(
         data, lambda ex: collate_vqa(ex, len(vocab), tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
         start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group,
+        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
     )
     extra = {"task": "vqa", "answers": list(vocab.answers), "head": model.head}
 
     model.train()
     step, done_here = state.step, 0
     t0 = time.perf_counter()
-    with progress() as bar:
+    with progress(disable=None if dist.main else True) as bar:
         task = bar.add_task("fine-tune VQA", total=steps, completed=step, info="")
         while step < steps:
+            torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
             total = 0.0
             for _ in range(cfg.grad_accum):
                 batch, pos = next(stream)
@@ -250,37 +272,43 @@ def finetune_vqa(cfg: FinetuneVQAConfig) -> Path | None:
                 loss = loss_fn(logits.float(), batch.targets) / cfg.grad_accum
                 loss.backward()
                 total += loss.item()
+            sync_gradients(model, dist)
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
             bar.update(task, completed=step, info=f"loss {total:.3f}")
             if step % cfg.log_every == 0 or step == steps:
+                total = mean_over_ranks({"loss": total}, dist)["loss"]
+            if log is not None and (step % cfg.log_every == 0 or step == steps):
                 log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                            "seconds": round(time.perf_counter() - t0, 3)})
-            if step % cfg.ckpt_every == 0 or step == steps:
+            if (step % cfg.ckpt_every == 0 or step == steps) and dist.main:
                 save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
                                 state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra)
             if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
                 return None
 
     final = out / "model"
-    save_model_dir(final, model, model_cfg, extra=extra)
-    tok.save(final)
+    if dist.main:
+        save_model_dir(final, model, model_cfg, extra=extra)
+        tok.save(final)
 
     metrics = {"train_questions": len(train), "num_answers": len(vocab),
                "train_questions_without_target": stats.num_without_target, "steps": steps}
     if cfg.eval_questions:
-        examples = eval_examples
-        preds = predict_vqa(model, vocab, tok, examples, store, max_regions=cfg.max_regions, max_text_len=cfg.max_text_len,
-                            batch_size=cfg.eval_batch_size, device=cfg.device, precision=cfg.precision)
-        write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in examples))
+        preds = predict_vqa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions, max_text_len=cfg.max_text_len,
+                            batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)
+        if dist.main:
+            write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in eval_examples))
         if cfg.eval_annotations:
-            scores = score_predictions(preds, examples)
-            baseline = majority_baseline(train, examples)
+            scores = score_predictions(preds, eval_examples)
+            baseline = majority_baseline(train, eval_examples)
             metrics.update(scores.to_dict())
             metrics["majority_baseline"] = baseline.accuracy
             metrics["majority_baseline_per_answer_type"] = baseline.per_answer_type
-    write_json(out / "metrics.json", metrics)
+    if dist.main:
+        write_json(out / "metrics.json", metrics)
+    barrier(dist)
     return final
 
 

@@ -135,6 +135,16 @@ def mean_over_ranks(values: Mapping[str, float], info: DistInfo) -> dict[str, fl
     return {k: float(v) / info.world for k, v in zip(keys, t.tolist())}
 
 
+def merge_over_ranks(part: Mapping, info: DistInfo) -> dict:
+    """The union of every rank's dict (each rank computed a disjoint share, e.g. predictions for its
+    slice `examples[rank::world]`), on every rank; nothing is counted twice and nothing is padded."""
+    if not info.enabled:
+        return dict(part)
+    parts: list = [None] * info.world
+    dist.all_gather_object(parts, dict(part))
+    return {k: v for p in parts for k, v in p.items()}
+
+
 def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
