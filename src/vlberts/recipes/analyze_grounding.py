@@ -13,6 +13,9 @@
     OUT/entity_grounding.png       Figure 3: accuracy per head by layer, baseline line, active heads large
     OUT/syntactic_grounding.png    Figure 4: the same per relation (pobj, nsubj, amod), when parses ran
     OUT/grounding.md               the best heads, per-layer numbers and Table 2 as Markdown
+    OUT/explorer.html              the attention explorer (vlberts.analysis.explorer): the first
+                                   `explorer_examples` analysed captions, each word's attention per head
+                                   drawn over the image with the gold boxes; self-contained, no network
 
 Parses (`--parses`): "auto" (default) reads `<entities>/../parses/<split>.conllu`, where the embedded
 world writes its gold parses, when that file exists; a path reads that CoNLL-U file (e.g. a parser's
@@ -21,6 +24,10 @@ with the caption index the 0-based line of Sentences/<image id>.txt); "none" ski
 Without parses only entity grounding runs and the report says so. A caption without a parse, or whose
 parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
 its caption id; entity grounding still uses it.
+
+Images for the explorer (`--images`): "auto" (default) reads `<entities>/../images`, where the embedded
+world writes `{image id:012d}.png`, when that directory exists; a directory (files `<image id>.jpg`/`.png`
+or the world's names); "none". An image not found is drawn as a grey canvas marked "image not available".
 
 The choices the paper leaves open are options with documented defaults (`GroundingOptions`; the
 syntactic ones in `vlberts.analysis.syntactic`).
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions, grounding_inputs
+from vlberts.analysis.explorer import ExplorerExample, ExplorerInfo, explorer_example, write_explorer
 from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
 from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
@@ -77,6 +85,9 @@ class GroundingConfig:
     parses: str = opt("auto", "CoNLL-U parses for syntactic grounding: auto (<entities>/../parses/<split>.conllu "
                       "if present, as the world writes them), a file (sent_id = <image id>_<caption index>), or none")
     relations: str = opt(",".join(FIGURE4_RELATIONS), "relations drawn in the syntactic grounding figure (Figure 4)")
+    explorer_examples: int = opt(25, "captions in OUT/explorer.html, the attention explorer (the first N analysed; 0: no explorer)")
+    images: str = opt("auto", "images for the explorer: auto (<entities>/../images if present, as the world writes "
+                      "them), a directory, or none (boxes on a grey canvas)")
 
 
 CONFIG_CLASS = GroundingConfig
@@ -109,6 +120,32 @@ def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
     return path, f"parses: {path}"
 
 
+def resolve_images(cfg: GroundingConfig) -> Path | None:
+    """The directory holding the images for the explorer (`--images`), or None."""
+    if cfg.images == "none":
+        return None
+    if cfg.images == "auto":
+        path = Path(cfg.entities).parent / "images"
+        return path if path.is_dir() else None
+    path = Path(cfg.images)
+    if not path.is_dir():
+        raise VlbertsError("images directory not found (--images)", path=path)
+    return path
+
+
+def image_bytes(images: Path | None, image_id: str) -> bytes | None:
+    """The image file's bytes: the world's `{id:012d}.png`, else `<id>.jpg` / `<id>.png`; None if absent."""
+    if images is None:
+        return None
+    names = [f"{image_id}.jpg", f"{image_id}.png"]
+    if image_id.isdigit():
+        names.insert(0, f"{int(image_id):012d}.png")
+    for name in names:
+        if (images / name).is_file():
+            return (images / name).read_bytes()
+    return None
+
+
 def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     """Run the analysis (module docstring) and write its outputs."""
     set_threads()
@@ -139,11 +176,15 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     relations = [r.strip() for r in cfg.relations.split(",") if r.strip()]
     if parses is not None and not relations:
         raise VlbertsError("--relations names no relation to draw")
+    if cfg.explorer_examples < 0:
+        raise VlbertsError("--explorer_examples must be >= 0")
+    images = resolve_images(cfg) if cfg.explorer_examples else None
 
     skipped = SkipCounts()
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
+    shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")
@@ -152,12 +193,17 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
             acc.add(inp)
             if syn is not None:
                 _add_syntactic(syn, parses, cap, inp)
+            if len(shown) < cfg.explorer_examples:
+                rec = store.get(cap.image_id)
+                shown.append(explorer_example(cap, inp, options.token, (rec.image_w, rec.image_h),
+                                              image_bytes(images, cap.image_id)))
             maps = inp.maps
             bar.advance(task)
     if acc.n_entities == 0:
         raise VlbertsError(f"no grounded entity in split {cfg.split!r} (skipped: {skipped.to_dict()})", path=cfg.entities)
     result = acc.result()
     L, H = result.accuracy.shape
+    explorer_info = ExplorerInfo(L, H, maps, options.token, f"Attention explorer: {cfg.split} split")
     maps = f"{maps}; {L} layers x {H} heads"
 
     syntactic = syn.result() if syn is not None else None
@@ -165,12 +211,16 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     paths = {"json": out / "grounding.json", "figure": out / "entity_grounding.png", "markdown": out / "grounding.md"}
     if syntactic is not None and syntactic.relations:
         paths["syntactic_figure"] = out / "syntactic_grounding.png"
+    if shown:
+        paths["explorer"] = out / "explorer.html"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
         save_syntactic_grounding_figure(syntactic, paths["syntactic_figure"], relations=relations)
+    if "explorer" in paths:
+        write_explorer(paths["explorer"], shown, explorer_info, max_examples=cfg.explorer_examples)
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
