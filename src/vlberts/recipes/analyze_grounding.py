@@ -16,6 +16,10 @@
     OUT/explorer.html              the attention explorer (vlberts.analysis.explorer): the first
                                    `explorer_examples` analysed captions, each word's attention per head
                                    drawn over the image with the gold boxes; self-contained, no network
+    OUT/qualitative/<caption id>.png  Figures 1/5 (vlberts.analysis.qualitative): for `--qualitative` captions
+                                   (the first N with at least 2 grounded entities, or those named by
+                                   `--qualitative_captions`), the best head of 4 layers spread over the
+                                   network, each entity word's most-attended region drawn over the image
 
 Parses (`--parses`): "auto" (default) reads `<entities>/../parses/<split>.conllu`, where the embedded
 world writes its gold parses, when that file exists; a path reads that CoNLL-U file (e.g. a parser's
@@ -25,9 +29,10 @@ Without parses only entity grounding runs and the report says so. A caption with
 parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
 its caption id; entity grounding still uses it.
 
-Images for the explorer (`--images`): "auto" (default) reads `<entities>/../images`, where the embedded
-world writes `{image id:012d}.png`, when that directory exists; a directory (files `<image id>.jpg`/`.png`
-or the world's names); "none". An image not found is drawn as a grey canvas marked "image not available".
+Images for the explorer and the qualitative figures (`--images`): "auto" (default) reads
+`<entities>/../images`, where the embedded world writes `{image id:012d}.png`, when that directory exists;
+a directory (files `<image id>.jpg`/`.png` or the world's names); "none". An image not found is drawn as a
+grey canvas (in the explorer marked "image not available").
 
 The choices the paper leaves open are options with documented defaults (`GroundingOptions`; the
 syntactic ones in `vlberts.analysis.syntactic`).
@@ -44,6 +49,7 @@ from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions
 from vlberts.analysis.explorer import ExplorerExample, ExplorerInfo, explorer_example, write_explorer
 from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
+from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
 from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
@@ -86,8 +92,11 @@ class GroundingConfig:
                       "if present, as the world writes them), a file (sent_id = <image id>_<caption index>), or none")
     relations: str = opt(",".join(FIGURE4_RELATIONS), "relations drawn in the syntactic grounding figure (Figure 4)")
     explorer_examples: int = opt(25, "captions in OUT/explorer.html, the attention explorer (the first N analysed; 0: no explorer)")
-    images: str = opt("auto", "images for the explorer: auto (<entities>/../images if present, as the world writes "
-                      "them), a directory, or none (boxes on a grey canvas)")
+    qualitative: int = opt(3, "captions drawn as OUT/qualitative/<caption id>.png (Figures 1/5): the first N "
+                           "analysed with at least 2 grounded entities; 0: none")
+    qualitative_captions: str = opt("", "comma-separated caption ids (<image id>_<line>) to draw instead of the first N")
+    images: str = opt("auto", "images for the explorer and the qualitative figures: auto (<entities>/../images "
+                      "if present, as the world writes them), a directory, or none (boxes on a grey canvas)")
 
 
 CONFIG_CLASS = GroundingConfig
@@ -178,13 +187,18 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
         raise VlbertsError("--relations names no relation to draw")
     if cfg.explorer_examples < 0:
         raise VlbertsError("--explorer_examples must be >= 0")
-    images = resolve_images(cfg) if cfg.explorer_examples else None
+    if cfg.qualitative < 0:
+        raise VlbertsError("--qualitative must be >= 0")
+    qual_ids = [c.strip() for c in cfg.qualitative_captions.split(",") if c.strip()]
+    images = resolve_images(cfg) if cfg.explorer_examples or cfg.qualitative or qual_ids else None
 
     skipped = SkipCounts()
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
+    _check_qualitative_ids(qual_ids, captions, cfg.split)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
+    drawn: list[ExplorerExample] = []  # the qualitative figures' captions (records shared with the explorer)
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")
@@ -193,10 +207,19 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
             acc.add(inp)
             if syn is not None:
                 _add_syntactic(syn, parses, cap, inp)
-            if len(shown) < cfg.explorer_examples:
+            to_show = len(shown) < cfg.explorer_examples
+            if qual_ids:
+                to_draw = cap.caption_id in qual_ids
+            else:
+                to_draw = len(drawn) < cfg.qualitative and len(cap.entities) >= 2
+            if to_show or to_draw:
                 rec = store.get(cap.image_id)
-                shown.append(explorer_example(cap, inp, options.token, (rec.image_w, rec.image_h),
-                                              image_bytes(images, cap.image_id)))
+                example = explorer_example(cap, inp, options.token, (rec.image_w, rec.image_h),
+                                           image_bytes(images, cap.image_id))
+                if to_show:
+                    shown.append(example)
+                if to_draw:
+                    drawn.append(example)
             maps = inp.maps
             bar.advance(task)
     if acc.n_entities == 0:
@@ -213,6 +236,9 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
         paths["syntactic_figure"] = out / "syntactic_grounding.png"
     if shown:
         paths["explorer"] = out / "explorer.html"
+    drawn = pick_records(drawn, cfg.qualitative, qual_ids)
+    if drawn:
+        paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note)
     write_json(paths["json"], _to_json(cfg, report))
@@ -221,6 +247,9 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
         save_syntactic_grounding_figure(syntactic, paths["syntactic_figure"], relations=relations)
     if "explorer" in paths:
         write_explorer(paths["explorer"], shown, explorer_info, max_examples=cfg.explorer_examples)
+    heads = default_heads(result)
+    for example in drawn:
+        save_qualitative_figure(example, heads, paths["qualitative"] / f"{example.caption_id}.png", token=options.token)
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
@@ -230,6 +259,18 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
             f.write(syntactic_summary_markdown(syntactic, cfg.top_k, title=f"Syntactic grounding ({cfg.split} split)"))
             f.write(f"\nSyntactic grounding {syntactic_note}.\n")
     return report
+
+
+def _check_qualitative_ids(qual_ids: list[str], captions: list[EntityCaption], split: str) -> None:
+    """Before any forward pass: every caption named by --qualitative_captions is analysed (in the split,
+    with a grounded entity), so a typo fails now rather than after the run."""
+    grounded = {c.caption_id: bool(c.entities) for c in captions}
+    for cid in qual_ids:
+        if cid not in grounded:
+            raise VlbertsError(f"--qualitative_captions: caption {cid!r} is not in the analysed {split!r} images "
+                               "(caption ids are <image id>_<line>)")
+        if not grounded[cid]:
+            raise VlbertsError(f"--qualitative_captions: caption {cid!r} has no grounded entity to draw")
 
 
 def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence], cap: EntityCaption,
