@@ -24,6 +24,7 @@ from vlberts.training.distributed import (
     shutdown,
     sync_gradients,
 )
+from vlberts.training.loop import loss_shares
 from vlberts.training.metrics import MetricsLog
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -39,6 +40,8 @@ def _global_batch(B: int = 6, T: int = 7, R: int = 5) -> tuple[VLInputs, torch.T
         region_mask=torch.ones(B, R, dtype=torch.bool),
     )
     labels = torch.randint(5, 100, (B, T), generator=g)
+    labels[torch.rand(B, T, generator=g) < 0.6] = -100  # unlabelled: the ranks hold different numbers of targets
+    labels[0, :] = -100  # rank 0's first row none at all
     return inputs, labels
 
 
@@ -48,9 +51,9 @@ def _model():
 
 
 def _loss(model, inputs: VLInputs, labels: torch.Tensor) -> torch.Tensor:
-    # Every token labelled: each rank's mean has the same denominator, so the mean of the ranks' means
-    # (what gradient averaging gives) is the global mean. The match head and pooler sit out: their
-    # gradients must come back as zeros on every rank, not stall the all-reduce.
+    # Mean over the labelled tokens. The ranks hold different numbers of them, so only weighting each
+    # rank's mean by its share (`loss_shares`) makes the summed gradient the global one. The match head
+    # and pooler sit out: their gradients must come back as zeros on every rank, not stall the all-reduce.
     out = model(inputs)
     return torch.nn.functional.cross_entropy(out.mlm_logits.flatten(0, 1), labels.flatten())
 
@@ -69,14 +72,15 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     inputs, labels = _global_batch()
     keys = rank_slice(list(range(labels.shape[0])), info)
     part = VLInputs(**{k: (v[keys] if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
-    _loss(model, part, labels[keys]).backward()
+    (share,) = loss_shares([{"mlm": float((labels[keys] != -100).sum())}], info)
+    (_loss(model, part, labels[keys]) * share["mlm"]).backward()
     sync_gradients(model, info)
     if info.main:
         torch.save({n: p.grad for n, p in model.named_parameters()}, out)
     shutdown(info)
 
 
-def test_averaged_gradient_equals_the_single_process_gradient(tmp_path):
+def test_summed_gradient_of_shares_equals_the_single_process_gradient(tmp_path):
     out = tmp_path / "grads.pt"
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
     ddp = torch.load(out, weights_only=True)
@@ -188,3 +192,53 @@ def test_torchrun_finetune_vqa_predicts_each_question_once_and_resumes_exactly(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
     assert (run / "predictions.json").read_text() == (ref / "predictions.json").read_text()
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The processes torchrun (pid) started: its children, found through /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # field 4 of stat: the parent's pid
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.skipif(not TORCHRUN.exists() or not Path("/proc").is_dir(), reason="torchrun or /proc missing")
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_from_the_last_checkpoint(tiny_world, tmp_path):
+    """torchrun --max-restarts=1: a rank killed mid-run (SIGKILL, no clean-up) takes its group down; the
+    restarted group resumes from the newest complete checkpoint (never a half-written one) and ends with
+    the uninterrupted run's losses."""
+    import signal
+    import time
+
+    steps = ["--steps=60", "--ckpt_every=10"]
+    ref = tmp_path / "ref"
+    assert _torchrun(_pretrain_args(tiny_world, ref, *steps)).returncode == 0
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(TORCHRUN), "--nproc_per_node=2", "--max-restarts=1", f"--master_port={free_port()}", str(VLBERTS),
+           *_pretrain_args(tiny_world, run, *steps)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "step_00000010").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+            time.sleep(0.05)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[-1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "exitcode: -9" in out, out[-3000:]  # torchrun's agent saw the killed rank (and, rc 0, restarted)
+    log = MetricsLog.read(run / "metrics.jsonl")
+    ref_log = MetricsLog.read(ref / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 61))
+    assert [r["mlm_loss"] for r in log] == [r["mlm_loss"] for r in ref_log]

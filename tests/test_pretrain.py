@@ -77,6 +77,25 @@ def test_gradient_accumulation_runs_and_counts_updates(tiny_world, tmp_path):
     assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_accumulation_splits_make_the_same_update(tiny_world, tmp_path, monkeypatch):
+    """1 x 4 and 4 x 1 (batch x micro-batches): the same examples, so the same losses and gradients, although
+    the micro-batches hold different numbers of masked words (each weighs by its share of the update's)."""
+    from vlberts.models import builders
+
+    monkeypatch.setitem(builders.MODEL_CONFIGS, "visualbert-tiny-nodrop",
+                        lambda **kw: builders.visualbert_tiny(hidden_dropout=0.0, attention_dropout=0.0, **kw))
+    logs = {}
+    for name, bs, acc in (("4x1", 4, 1), ("1x4", 1, 4), ("2x2", 2, 2)):
+        out = tmp_path / name
+        pretrain(cfg_for(tiny_world, out, model="visualbert-tiny-nodrop", steps=3, batch_size=bs, grad_accum=acc,
+                         ckpt_every=100))
+        logs[name] = MetricsLog.read(out / "metrics.jsonl")
+    for name in ("1x4", "2x2"):
+        for a, b in zip(logs["4x1"], logs[name], strict=True):
+            for key in ("mlm_loss", "match_loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4), (name, a["step"], key)
+
+
 def test_task_specific_single_caption_mode(tiny_world, tmp_path):
     out = tmp_path / "mlm"
     pretrain(cfg_for(tiny_world, out, steps=2, pairs=False, ckpt_every=100))

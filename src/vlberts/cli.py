@@ -224,21 +224,45 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
     Run `vlberts show-config finetune-vqa` for every setting.
     """
-    from vlberts.io import read_json
     from vlberts.recipes import finetune_vqa as recipe
 
     cfg = _run_config(recipe, ctx, config)
-    final = recipe.finetune_vqa(cfg)
+    _report_finetune("VQA", cfg.out, recipe.finetune_vqa(cfg))
+
+
+@finetune_app.command("gqa", context_settings=OVERRIDES)
+def finetune_gqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune on GQA balanced questions files, then predict and score with exact-match accuracy.
+
+    The answer classes are the training answers; the target is the gold answer's class (LXMERT's
+    {answer: 1.0}); the answer head and loss are the architecture's, from --init's config.json, as for VQA.
+
+    Example: vlberts finetune gqa --init=runs/pt/model --features=F.h5
+    --train_questions=WORLD/gqa/train_balanced_questions.json
+    --eval_questions=WORLD/gqa/testdev_balanced_questions.json --out=runs/gqa
+
+    Run `vlberts show-config finetune-gqa` for every setting.
+    """
+    from vlberts.recipes import finetune_gqa as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune("GQA", cfg.out, recipe.finetune_gqa(cfg))
+
+
+def _report_finetune(task: str, out: str, final: Optional[Path]) -> None:
+    """The closing lines of a fine-tuning command: accuracy vs the majority baseline, what was written."""
+    from vlberts.io import read_json
+
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
     if final is None:
-        typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})")
+        typer.echo(f"stopped early at --stop_after; run again to resume ({out})")
         return
-    m = read_json(Path(cfg.out) / "metrics.json")
+    m = read_json(Path(out) / "metrics.json")
     if "accuracy" in m:
-        typer.echo(f"VQA accuracy {m['accuracy']:.2f}% on {m['num_questions']} questions "
+        typer.echo(f"{task} accuracy {m['accuracy']:.2f}% on {m['num_questions']} questions "
                    f"(majority-answer baseline {m['majority_baseline']:.2f}%)")
-    typer.echo(f"wrote {final} and {Path(cfg.out) / 'metrics.json'}")
+    typer.echo(f"wrote {final} and {Path(out) / 'metrics.json'}")
 
 
 @analyze_app.command("grounding", context_settings=OVERRIDES)
@@ -331,6 +355,7 @@ def compare_cmd(
 SHOW = {
     "pretrain": "vlberts.recipes.pretrain",
     "finetune-vqa": "vlberts.recipes.finetune_vqa",
+    "finetune-gqa": "vlberts.recipes.finetune_gqa",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
     "demo": "vlberts.recipes.demo",
     "compare": "vlberts.recipes.compare",
@@ -379,6 +404,25 @@ def evaluate_vqa(
     write_json(out / "metrics.json", metrics)
     types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
     typer.echo(f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})")
+    typer.echo(f"wrote {out / 'metrics.json'}")
+
+
+@evaluate_app.command("gqa")
+def evaluate_gqa(
+    predictions: Path = typer.Option(..., help="Official results file: a JSON list of {questionId, prediction}."),
+    questions: Path = typer.Option(..., help="GQA questions JSON with answers (<split>_balanced_questions.json)."),
+    out: Path = typer.Option(..., help="Directory to write metrics.json into."),
+    train_questions: Optional[Path] = typer.Option(
+        None, "--train_questions", "--train-questions", help="Training questions: adds the majority-answer baseline."),
+) -> None:
+    """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
+    from vlberts.io import write_json
+    from vlberts.tasks.gqa import evaluate_predictions
+
+    metrics = evaluate_predictions(predictions, questions, train_questions)
+    write_json(out / "metrics.json", metrics)
+    baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
+    typer.echo(f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}")
     typer.echo(f"wrote {out / 'metrics.json'}")
 
 

@@ -1,4 +1,5 @@
-"""VQA examples as model inputs: the question laid out for the model's answer head, + regions.
+"""Question-answering examples (VQA, GQA) as model inputs: the question laid out for the model's answer
+head, + regions, + the target scores over the answer classes.
 
 Layouts (`TEXT_FORMATS`; each VQA model names its own in `text_format`):
   mask            `[CLS] question [MASK] [SEP]`, one segment: VisualBERT App. B.1, the answer read off the
@@ -8,11 +9,16 @@ Layouts (`TEXT_FORMATS`; each VQA model names its own in `text_format`):
   question        `[CLS] question [SEP]`: ViLBERT, LXMERT and W-VisualBERT, whose heads read pooled
                   outputs; `answer_pos` is then 0 ([CLS]) and unused.
 W-VisualBERT's detector tags (§3.2) come along when `tag_subwords` is given.
+
+Examples are any task reader's type with `question_id`, `image_id`, `question` and `annotated`
+(`data.vqa.VQAExample`, `data.gqa.GQAExample`); a `Target` function turns an annotated one into
+scores over the classes (default: VQA soft scores).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +30,15 @@ from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.vqa import AnswerVocab, SoftTarget, dense_targets, soft_target
 from vlberts.text.tokenizer import TextTokenizer
+
+
+# A target: annotated example, answer classes -> its scores (None: no target, e.g. when only predicting).
+Target = Callable[[Any, AnswerVocab], SoftTarget | None]
+
+
+def vqa_soft_target(example: VQAExample, vocab: AnswerVocab) -> SoftTarget:
+    """VQA v2's target: soft scores of the ten GT answers (`tasks.vqa.soft_target`)."""
+    return soft_target(example.answers, vocab)
 
 
 # A layout: question subwords, tokenizer -> (ids, segments, answer position).
@@ -57,14 +72,16 @@ def detector_tag_subwords(classes: Sequence[str], tok: TextTokenizer) -> tuple[t
 
 
 class VQAData:
-    """Indexable VQA examples; targets are soft scores over `vocab` (empty for unannotated questions).
+    """Indexable QA examples; targets are `target(example, vocab)` (None for unannotated questions).
 
     text_format: a `TEXT_FORMATS` name; tag_subwords: with it, each example also carries its regions'
-    detector tags (`detector_tag_subwords`), read from the source's `obj_id`."""
+    detector tags (`detector_tag_subwords`), read from the source's `obj_id`. An item's `question_id` is
+    the example's id when it is an int (VQA) and its position otherwise (GQA's string ids), so that
+    batches hold it as a tensor; `predict_qa` maps predictions back by position."""
 
     def __init__(
         self,
-        examples: list[VQAExample],
+        examples: Sequence[Any],
         regions: RegionSource,
         tokenizer: TextTokenizer,
         vocab: AnswerVocab,
@@ -74,6 +91,7 @@ class VQAData:
         feature_dim: int | None = None,
         text_format: str = "mask",
         tag_subwords: Sequence[Sequence[int]] | None = None,
+        target: Target | None = None,
     ):
         if text_format not in TEXT_FORMATS:
             raise ValueError(f"unknown text_format {text_format!r}; valid: {', '.join(TEXT_FORMATS)}")
@@ -93,9 +111,8 @@ class VQAData:
             self.ids.append(ids)
             self.segments.append(segments)
             self.answer_pos.append(pos)
-        self.targets: list[SoftTarget | None] = [
-            soft_target(e.answers, vocab) if e.annotated else None for e in examples
-        ]
+        target = target or vqa_soft_target
+        self.targets: list[SoftTarget | None] = [target(e, vocab) if e.annotated else None for e in examples]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -113,7 +130,7 @@ class VQAData:
             "segments": self.segments[index],
             "answer_pos": self.answer_pos[index],
             "target": self.targets[index],
-            "question_id": ex.question_id,
+            "question_id": ex.question_id if isinstance(ex.question_id, int) else index,
             "regions": load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim),
         }
         if self.tag_subwords is not None:

@@ -22,7 +22,7 @@ into this recipe, so it is not offered here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -208,6 +208,28 @@ LOSSES = {
     "mlm": _mlm, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
     "attr": _attr, "tag_mlm": _tag_mlm,
 }
+
+
+# Each loss is a mean; its denominator in a batch (the number of terms it averages over) lets an update
+# split into micro-batches (gradient accumulation) and ranks weigh each part by its share of the update's
+# total, so that 1 x 4, 4 x 1 and 2 ranks x 2 make the same update (`training.loop.loss_shares`). The
+# LXMERT-style region losses average over every (example, region) slot as the originals do, so theirs is
+# B x R (padding included: exact across splits when the parts pad to the same number of regions).
+COUNTS = {
+    "mlm": lambda batch: masked_positions(batch.mlm_labels).sum(),
+    "match": lambda batch: batch.matched.numel(),
+    "region_kl": lambda batch: batch.regions.masked.sum(),
+    "roi_cls": lambda batch: batch.regions.masked.sum(),
+    "feat": lambda batch: batch.regions.masked.numel(),
+    "obj": lambda batch: batch.regions.masked.numel(),
+    "attr": lambda batch: batch.regions.masked.numel(),
+    "tag_mlm": lambda batch: masked_positions(batch.tag_labels).sum(),
+}
+
+
+def loss_counts(batch: PretrainBatch, names: Iterable[str]) -> dict[str, float]:
+    """The denominator of each named objective's loss in `batch` (`COUNTS`)."""
+    return {name: float(COUNTS[name](batch)) for name in names}
 
 
 def pretrain_losses(

@@ -41,6 +41,7 @@ from vlberts.objectives.recipe import (
     RECIPES,
     ArchRecipe,
     applies,
+    loss_counts,
     parse_objectives,
     pretrain_losses,
     run_model,
@@ -61,10 +62,10 @@ from vlberts.training.distributed import (
     broadcast_parameters,
     init_distributed,
     local_device,
-    mean_over_ranks,
+    sum_over_ranks,
     sync_gradients,
 )
-from vlberts.training.loop import batches, start_or_resume, update
+from vlberts.training.loop import batches, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -345,24 +346,30 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             source = unpaired_schedule(step, cfg.seed) if unpaired else None
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))
             totals = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
+            micro = []
             for _ in range(cfg.grad_accum):
                 batch, pos = next(stream)
                 batch = batch.to(device, non_blocking=True)
-                if source is not None:
-                    batch = unpaired_view(batch, source)
+                micro.append(unpaired_view(batch, source) if source is not None else batch)
+            active = [k for k in weights if applies(k, source)]
+            # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
+            # the update is the same however it is split (`loss_shares`).
+            shares = loss_shares([loss_counts(b, active) for b in micro], dist)
+            for batch, share in zip(micro, shares):
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
-                losses = pretrain_losses(recipe, outp, batch, weights, source)
-                (total_loss(losses, weights) / cfg.grad_accum).backward()
+                losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, weights, source).items()}
+                total_loss(losses, weights).backward()
                 for k, v in losses.items():
-                    totals[k] += v.item() / cfg.grad_accum
+                    totals[k] += v.item()
             sync_gradients(model, dist)
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
-            bar.update(task, completed=step, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                totals = mean_over_ranks(totals, dist)
+            bar.update(task, completed=step)
+            if step % cfg.log_every == 0 or step == cfg.steps:  # the update's losses: the ranks' shares summed
+                totals = sum_over_ranks(totals, dist)
+                bar.update(task, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
             if log is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
                 record.update({f"{k}_loss": v for k, v in totals.items()})

@@ -1,4 +1,5 @@
-"""GQA: exact-match accuracy, its answer normalisation, prediction files, majority baseline.
+"""GQA: exact-match accuracy, its answer normalisation, prediction files, majority baseline, and the
+answer classes and targets of fine-tuning.
 
 Metric (formats-and-metrics.md §2.3, §5; Hudson & Manning 2019 §4.4): accuracy = fraction of questions
 whose predicted answer equals the gold ``answer``. The official ``eval.py`` compares the raw strings
@@ -12,6 +13,10 @@ Official results file (the GQA evaluation server and ``eval.py``):
 ``[{"questionId": "201307251", "prediction": "yes"}, ...]``.
 
 Reported numbers are percentages (100 * mean), unrounded, as `vlberts.tasks.vqa` does before rounding.
+
+Fine-tuning (LXMERT ``src/tasks/gqa.py`` and ``data/gqa/process_raw_data_scripts/process_data.py``): a
+classifier over the training answers (LXMERT's 1,842 of trainval), label ``{answer: 1.0}``; the losses
+are VQA's (`vlberts.tasks.vqa`), applied to this one-hot target.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlberts.data.gqa import GQAExample
+from vlberts.data.gqa import GQAExample, read_gqa
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget
 from vlberts.tasks.predictions import require_complete, write_json_predictions
 
 
@@ -134,9 +140,67 @@ def write_predictions(path: str | Path, predictions: Iterable[tuple[str, str]]) 
     return write_json_predictions(path, rows, id_field="questionId", value_field="prediction", label="question")
 
 
+def _answer_counts(train_examples: Iterable[GQAExample]) -> Counter[str]:
+    return Counter(normalize_gqa_answer(ex.answer) for ex in train_examples if ex.answer is not None)
+
+
 def majority_answer(train_examples: Iterable[GQAExample]) -> str:
     """Most frequent normalised training answer (ties: alphabetically first); the trivial baseline."""
-    counts = Counter(normalize_gqa_answer(ex.answer) for ex in train_examples if ex.answer is not None)
+    counts = _answer_counts(train_examples)
     if not counts:
         raise ValueError("no annotated training questions")
     return min(counts, key=lambda a: (-counts[a], a))
+
+
+def majority_baseline(train_examples: Iterable[GQAExample], eval_examples: Sequence[GQAExample]) -> GQAScores:
+    """Exact-match accuracy of always predicting the most frequent training answer."""
+    answer = majority_answer(train_examples)
+    return score_predictions({ex.question_id: answer for ex in eval_examples}, eval_examples)
+
+
+def gqa_metrics(
+    predictions: Mapping[str, str], eval_examples: Sequence[GQAExample],
+    train_examples: Sequence[GQAExample] | None = None,
+) -> dict:
+    """metrics.json of GQA: `GQAScores.to_dict()`, plus the majority-answer baseline when training
+    examples are given (``majority_answer``, ``majority_baseline``, ``majority_baseline_per_structural_type``)."""
+    out = score_predictions(predictions, eval_examples).to_dict()
+    if train_examples:
+        baseline = majority_baseline(train_examples, eval_examples)
+        out.update(majority_answer=majority_answer(train_examples), majority_baseline=baseline.accuracy,
+                   majority_baseline_per_structural_type=baseline.per_structural_type)
+    return out
+
+
+def evaluate_predictions(
+    predictions_path: str | Path, questions_path: str | Path, train_questions_path: str | Path | None = None
+) -> dict:
+    """Score an official results file against a balanced questions file (`gqa_metrics`), with the
+    majority baseline of `train_questions_path` if given. Bad files are one-line `VlbertsError`s."""
+    examples = read_gqa(questions_path, require_answers=True)
+    if not examples:
+        raise VlbertsError("no questions to score", path=questions_path)
+    preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
+    train = read_gqa(train_questions_path, require_answers=True) if train_questions_path else None
+    return gqa_metrics(preds, examples, train)
+
+
+# --------------------------------------------------------------------------- fine-tuning
+
+
+def build_answer_vocab(train_examples: Iterable[GQAExample], min_count: int = 1) -> AnswerVocab:
+    """Answer classes: normalised training answers given by at least `min_count` questions, most frequent
+    first, ties alphabetical (index 0 is the majority answer). LXMERT keeps every trainval answer (1)."""
+    counts = _answer_counts(train_examples)
+    return AnswerVocab(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+
+
+def gqa_target(example: GQAExample, vocab: AnswerVocab) -> SoftTarget:
+    """LXMERT's GQA label ``{answer: 1.0}``: the gold answer's class scored 1.0; no class (the answer in
+    `dropped`) when the answer is not one of the classes -- the question can then only be answered wrong."""
+    if example.answer is None:
+        raise ValueError(f"question {example.question_id} has no gold answer")
+    answer = normalize_gqa_answer(example.answer)
+    if answer in vocab:
+        return SoftTarget((vocab.ans2idx[answer],), (1.0,))
+    return SoftTarget((), (), (answer,))

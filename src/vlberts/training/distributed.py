@@ -7,15 +7,16 @@ Launch a training recipe with torchrun; nothing in the recipe changes:
              --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 .venv/bin/vlberts pretrain ...
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed` joins the process group (gloo on
-CPU, NCCL on GPU); every rank starts from rank 0's weights and averages its gradients with the
-others' in one all-reduce per update (`sync_gradients`: the arithmetic of DistributedDataParallel;
-why not its wrapper is said there). The batch order stays the single-process one: every rank walks
-the same global batches (`data.sampling`) and keeps its slice `keys[rank::world]`, so positions,
-checkpoints and resuming are the same as without distribution, and a run may resume on another
-number of processes. Averaging the ranks' gradients makes an update the gradient of the mean of the
-ranks' batch losses (as in every DDP recipe; with equal per-rank loss denominators this is exactly
-the single-process gradient, which tests/test_distributed.py checks). Only rank 0 writes logs,
-checkpoints and the final model; logged losses are averaged over the ranks.
+CPU, NCCL on GPU); every rank starts from rank 0's weights and sums its gradients with the others' in
+one all-reduce per update (`sync_gradients`: the arithmetic of DistributedDataParallel, why not its
+wrapper is said there). The batch order stays the single-process one: every rank walks the same global
+batches (`data.sampling`) and keeps its slice `keys[rank::world]`, so positions, checkpoints and
+resuming are the same as without distribution, and a run may resume on another number of processes.
+Each rank weighs its loss by its share of the update's loss terms (`training.loop.loss_shares`: e.g.
+its masked words over all ranks' masked words), so the summed gradient is exactly the gradient one
+process computes on the whole global batch, even when the ranks hold different numbers of terms (where
+DDP's mean of the ranks' means is not); tests/test_distributed.py checks it. Only rank 0 writes logs,
+checkpoints and the final model; logged losses are the update's, summed over the ranks' shares.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
 
 
 def sync_gradients(model: nn.Module, info: DistInfo) -> None:
-    """Average the gradients over the ranks, after backward and before the optimizer step.
+    """Sum the gradients over the ranks, after backward and before the optimizer step. Each rank's loss
+    is already weighted by its share of the update (`training.loop.loss_shares`), so the sum is the
+    gradient of the update's loss, the same as one process would compute on the whole global batch.
 
     One all-reduce of all gradients flattened together. A parameter that got no gradient on a rank
     (a head that sat out the update: VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked
@@ -95,7 +98,6 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     dist.all_reduce(flat)
-    flat /= info.world
     offset = 0
     for p in params:
         n = p.numel()
@@ -125,14 +127,14 @@ class RankBatches:
             yield rank_slice(keys, self.info)
 
 
-def mean_over_ranks(values: Mapping[str, float], info: DistInfo) -> dict[str, float]:
-    """Average logged scalars over the ranks (every rank calls it, in the same order)."""
+def sum_over_ranks(values: Mapping[str, float], info: DistInfo) -> dict[str, float]:
+    """Sum scalars over the ranks, on every rank (every rank calls it, with the same keys)."""
     if not info.enabled or not values:
         return dict(values)
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t)
-    return {k: float(v) / info.world for k, v in zip(keys, t.tolist())}
+    return dict(zip(keys, t.tolist()))
 
 
 def merge_over_ranks(part: Mapping, info: DistInfo) -> dict:

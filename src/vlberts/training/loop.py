@@ -15,7 +15,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
-from vlberts.training.distributed import DistInfo, RankBatches
+from vlberts.training.distributed import DistInfo, RankBatches, sum_over_ranks
 
 
 def batches(
@@ -90,3 +90,17 @@ def start_or_resume(
         return TrainState(step=0, data=Position().to_dict(), extra={}), False
     check_same_run(out, cfg, write=write)
     return restore_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler), True
+
+
+def loss_shares(counts: list[dict[str, float]], dist: DistInfo = DistInfo()) -> list[dict[str, float]]:
+    """Per micro-batch of this rank, each loss's weight: its count over the update's total count (all
+    micro-batches of all ranks; one all-reduce).
+
+    `counts[i][name]` is the number of terms loss `name` averages over in micro-batch i (its
+    denominator, e.g. masked words). Weighting each micro-batch mean by its share and summing (over
+    micro-batches by backward, over ranks by `sync_gradients`) gives the mean over the whole update: the
+    same update for 1 x 4, 4 x 1 or 2 ranks x 2. A loss with no terms anywhere gets weight 0.
+    """
+    totals = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
+    totals = sum_over_ranks(totals, dist)
+    return [{name: (n / totals[name] if totals[name] > 0 else 0.0) for name, n in c.items()} for c in counts]

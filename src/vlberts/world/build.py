@@ -6,6 +6,7 @@
     OUT/dataset_world.json                             Karpathy split file
     OUT/vqa/v2_OpenEnded_world_{split}_questions.json  VQA v2 questions
     OUT/vqa/v2_world_{split}_annotations.json          VQA v2 annotations (10 answers each)
+    OUT/gqa/{train,val,testdev}_balanced_questions.json GQA balanced questions (world splits train/val/test)
     OUT/flickr30k_entities/Sentences/{image_id}.txt    Flickr30K Entities phrases + chains
     OUT/flickr30k_entities/Annotations/{image_id}.xml  Flickr30K Entities boxes (1-based pixels)
     OUT/flickr30k_entities/{train,val,test}.txt        image ids per split
@@ -13,7 +14,9 @@
     OUT/world.json                                     seed, counts, vocabularies, conventions
 
 Determinism: everything random about image k is drawn from `SeedSequence([seed, k])` (one child
-stream each for the scene, the pixels, the captions and the questions), and the split from
+stream each for the scene, the pixels, the captions, the VQA questions and the GQA questions; the GQA
+stream is the fifth child, added after the others, so worlds built before GQA existed keep every
+other file byte for byte), and the split from
 `SeedSequence([seed, 0])`, so the output is byte-identical for any number of worker processes.
 The directory is built under a temporary name and swapped in at the end (`vlberts.io.atomic_dir`).
 """
@@ -33,6 +36,7 @@ import numpy as np
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, write_json
 from vlberts.world import export
+from vlberts.world.gqa import GQA_SPLITS, GQAQuestion, generate_gqa_questions, gqa_record
 from vlberts.world.grammar import REFERRING_STYLES, Caption, generate_captions
 from vlberts.world.png import encode_png
 from vlberts.world.questions import QUESTION_ID_FACTOR, Question, generate_questions
@@ -53,6 +57,7 @@ class WorldConfig:
     max_objects: int = 6
     captions_per_image: int = 5
     questions_per_image: int = 6
+    gqa_questions_per_image: int = 6
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)  # train, val, test
     referring: str = "explicit"  # how captions refer to objects: explicit | minimal (grammar.REFERRING_STYLES)
 
@@ -66,8 +71,9 @@ class WorldConfig:
             raise VlbertsError(f"referring must be one of {', '.join(REFERRING_STYLES)}, got {self.referring!r}")
         if not 1 <= self.captions_per_image < export.CAPTION_ID_FACTOR:
             raise VlbertsError(f"captions per image must be 1..{export.CAPTION_ID_FACTOR - 1}")
-        if not 0 <= self.questions_per_image < QUESTION_ID_FACTOR:
-            raise VlbertsError(f"questions per image must be 0..{QUESTION_ID_FACTOR - 1}")
+        for n in (self.questions_per_image, self.gqa_questions_per_image):
+            if not 0 <= n < QUESTION_ID_FACTOR:
+                raise VlbertsError(f"questions per image must be 0..{QUESTION_ID_FACTOR - 1}")
         fr = self.split_fractions
         if len(fr) != 3 or any(f < 0 for f in fr) or abs(sum(fr) - 1) > 1e-6:
             raise VlbertsError(f"split fractions must be three non-negative numbers summing to 1, got {fr}")
@@ -81,17 +87,20 @@ class WorldImage:
     pixels: np.ndarray | None  # (H, W, 3) uint8, None when not rendered
     captions: tuple[Caption, ...]
     questions: tuple[Question, ...]
+    gqa_questions: tuple[GQAQuestion, ...] = ()
 
 
 def make_image(image_id: int, seed: int, cfg: WorldConfig = WorldConfig(), render: bool = True) -> WorldImage:
     """Image `image_id` of the world with this seed: the same every time, in any process."""
-    scene_ss, pixel_ss, caption_ss, question_ss = np.random.SeedSequence([seed, image_id]).spawn(4)
+    # spawn(5)'s first four children are spawn(4)'s: adding the GQA stream changed no other stream.
+    scene_ss, pixel_ss, caption_ss, question_ss, gqa_ss = np.random.SeedSequence([seed, image_id]).spawn(5)
     scene = sample_scene(np.random.default_rng(scene_ss), image_id, cfg.scene)
     pixels = render_scene(scene, np.random.default_rng(pixel_ss)) if render else None
     geom, refs = scene_geometry(scene), scene_referents(scene)  # shared by captions and questions
     captions = generate_captions(scene, np.random.default_rng(caption_ss), cfg.captions_per_image, geom, refs, cfg.referring)
     questions = generate_questions(scene, np.random.default_rng(question_ss), cfg.questions_per_image, geom, refs)
-    return WorldImage(scene, pixels, tuple(captions), tuple(questions))
+    gqa = generate_gqa_questions(scene, np.random.default_rng(gqa_ss), cfg.gqa_questions_per_image, geom, refs)
+    return WorldImage(scene, pixels, tuple(captions), tuple(questions), tuple(gqa))
 
 
 def split_sizes(n: int, fractions: tuple[float, float, float]) -> tuple[int, int, int]:
@@ -129,6 +138,7 @@ class WorldInfo:
     workers: int
     format_version: int = export.FORMAT_VERSION
     template_counts: dict[str, int] = field(default_factory=dict)
+    n_gqa_questions: int = 0
 
     def summary(self) -> str:
         rate = self.n_images / self.seconds if self.seconds > 0 else float("inf")
@@ -137,7 +147,8 @@ class WorldInfo:
             f"Built the embedded world in {self.out}: {self.n_images} images of {self.image_size}x{self.image_size} "
             f"pixels (seed {self.seed}; {parts}) with {self.n_objects} objects, {self.n_captions} captions holding "
             f"{self.n_entities} entity phrases and gold dependency parses, and {self.n_questions} VQA questions with "
-            f"10 answers each, in COCO, Karpathy, VQA v2, Flickr30K Entities and CoNLL-U formats; "
+            f"10 answers each, {self.n_gqa_questions} GQA questions, in COCO, Karpathy, VQA v2, GQA, Flickr30K "
+            f"Entities and CoNLL-U formats; "
             f"{self.seconds:.1f} s ({rate:.0f} images/s, {self.workers} worker{'s' if self.workers != 1 else ''})."
         )
 
@@ -156,6 +167,7 @@ class _ImageOut:
     karpathy: dict
     vqa_questions: list[dict]
     vqa_annotations: list[dict]
+    gqa_questions: list[tuple[str, dict]]
     conllu: str
     n_objects: int
     n_entities: int
@@ -188,6 +200,7 @@ def _build_image(item: tuple[int, str]) -> _ImageOut:
         karpathy=export.karpathy_image(scene, captions, split),
         vqa_questions=[export.vqa_question(q) for q in im.questions],
         vqa_annotations=[export.vqa_annotation(q) for q in im.questions],
+        gqa_questions=[gqa_record(q, scene) for q in im.gqa_questions],
         conllu="".join(export.conllu_block(image_id, k, c) for k, c in enumerate(captions)),
         n_objects=len(scene.objects),
         n_entities=sum(len(c.entities) for c in captions),
@@ -240,7 +253,7 @@ def build_world(
     items = [(i, splits[i]) for i in range(1, n_images + 1)]
 
     with atomic_dir(out, overwrite=overwrite) as root:
-        for sub in ("images", "annotations", "vqa", "parses", "flickr30k_entities/Sentences",
+        for sub in ("images", "annotations", "vqa", "gqa", "parses", "flickr30k_entities/Sentences",
                     "flickr30k_entities/Annotations"):
             (root / sub).mkdir(parents=True, exist_ok=True)
 
@@ -262,6 +275,7 @@ def build_world(
             n_questions=sum(len(r.vqa_questions) for r in results),
             seconds=0.0, workers=n_workers,
             template_counts=_count(t for r in results for t in r.templates),
+            n_gqa_questions=sum(len(r.gqa_questions) for r in results),
         )
         write_json(root / "world.json", _world_json(info, cfg))
     seconds = time.perf_counter() - t0
@@ -288,6 +302,8 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
                    export.vqa_questions_file(split, [q for r in part for q in r.vqa_questions]))
         _dump_json(root / "vqa" / f"v2_world_{split}_annotations.json",
                    export.vqa_annotations_file(split, [a for r in part for a in r.vqa_annotations]))
+        _dump_json(root / "gqa" / f"{GQA_SPLITS[split]}_balanced_questions.json",
+                   dict(rec for r in part for rec in r.gqa_questions))
         with atomic_open(root / "flickr30k_entities" / f"{split}.txt") as f:
             f.writelines(f"{r.image_id}\n" for r in part)
         with atomic_open(root / "parses" / f"{split}.conllu") as f:
@@ -305,9 +321,11 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
         "captions_per_image": cfg.captions_per_image,
         "referring": cfg.referring,
         "questions_per_image": cfg.questions_per_image,
+        "gqa_questions_per_image": cfg.gqa_questions_per_image,
         "splits": info.splits,
         "counts": {"images": info.n_images, "objects": info.n_objects, "captions": info.n_captions,
-                   "entities": info.n_entities, "questions": info.n_questions},
+                   "entities": info.n_entities, "questions": info.n_questions,
+                   "gqa_questions": info.n_gqa_questions},
         "caption_templates": info.template_counts,
         "vocab": {
             "shapes": list(SHAPES),
@@ -323,6 +341,7 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
             "karpathy": "dataset_world.json",
             "vqa_questions": "vqa/v2_OpenEnded_world_{split}_questions.json",
             "vqa_annotations": "vqa/v2_world_{split}_annotations.json",
+            "gqa_questions": "gqa/{train,val,testdev}_balanced_questions.json (world splits train, val, test)",
             "flickr30k_entities": "flickr30k_entities",
             "parses": "parses/{split}.conllu",
         },
@@ -333,7 +352,8 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
                             "Flickr30K Entities; vlberts.data.flickr_entities converts back to 0-based float xyxy",
             "object_id": "1-based draw order within an image; later objects occlude earlier ones",
             "caption_id": "image_id * 10 + caption index (COCO annotation id = Karpathy sentid)",
-            "question_id": "image_id * 1000 + question index",
+            "question_id": "image_id * 1000 + question index (VQA: int; GQA: the same number as a string)",
+            "gqa_object_id": "GQA annotations: image_id * 100 + object id, as a string",
             "chain_id": "image_id * 100 + local id: object id (1..9), 10 = background (scene), 11.. = plural sets; "
                         "0 = notvisual",
             "sent_id": "{image_id}_{caption index}",

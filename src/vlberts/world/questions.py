@@ -20,6 +20,7 @@ after normalisation (ties go to the true answer).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -240,20 +241,25 @@ class QuestionWriter:
         mc = draft.answer if draft.answer in top else top[0]
         return tuple(answers), mc
 
-    def write(self, n: int) -> list[Question]:
-        start = int(self.rng.integers(len(KINDS)))
-        out: list[Question] = []
+    def drafts(self, n: int, kinds: tuple[str, ...] = KINDS) -> Iterator[_Draft]:
+        """Up to `n` distinct drafts, the kinds balanced: slot k wants kinds[(start + k) % len], from a
+        random start. Lazy, so that a caller's own draws between drafts (annotators) stay in order."""
+        start = int(self.rng.integers(len(kinds)))
         seen: set[str] = set()
         for k in range(n):
             # Each slot wants one kind; when it is impossible or repeats a question, try the next kinds.
-            for attempt in range(4 * len(KINDS)):
-                kind = KINDS[(start + k + attempt) % len(KINDS)]
-                draft = getattr(self, kind)()
+            for attempt in range(4 * len(kinds)):
+                draft = getattr(self, kinds[(start + k + attempt) % len(kinds)])()
                 if draft is not None and draft.text not in seen:
                     break
             else:
                 continue
             seen.add(draft.text)
+            yield draft
+
+    def write(self, n: int) -> list[Question]:
+        out: list[Question] = []
+        for draft in self.drafts(n):
             answers, mc = self.annotate(draft)
             qid = self.scene.image_id * QUESTION_ID_FACTOR + len(out)
             out.append(Question(

@@ -1,0 +1,331 @@
+"""Fine-tuning any architecture as an answer classifier, shared by the question-answering tasks (SPEC §4).
+
+VQA v2 and GQA are fine-tuned the same way in every paper that reports them (LXMERT §4; VisualBERT,
+ViLBERT and VL-BERT for VQA; the VisualBERT-family follow-ups for GQA): a classifier over the answers
+seen in training, on the answer head of the pre-trained model's architecture (`VQA_MODELS`):
+  visualbert   classifier on the [MASK] slot after the question (VisualBERT App. B.1)
+  vlbert       2-layer MLP on the [MASK] answer slot, `[CLS] q [SEP] [MASK] [SEP]` (VL-BERT §4.2.2)
+  vilbert      2-layer MLP on pool(h_IMG) * pool(h_CLS) (ViLBERT §3.2 VQA)
+  lxmert       Linear(D,2D)-GeLU-LayerNorm-Linear(2D,A) on the pooled cross-modality output (LXMERT §3.1.3)
+  wvisualbert  LXMERT's head on the pooled [CLS], detector tags in the input (its released code, §4.4)
+with the question laid out for that head (`data.vqa_dataset.TEXT_FORMATS`) and the paper's loss (BCE x
+number of answers, or VisualBERT's KL divergence).
+
+What differs between the tasks is a `QATask`: how to read the training and evaluation examples, which
+answers become classes, the target of one example (VQA's soft scores; GQA's one-hot `{answer: 1.0}`,
+as LXMERT's GQA loader builds it), the official metric next to the majority-answer baseline, and the
+official predictions format. `finetune_qa(cfg, task)` is the one training loop: data-parallel under
+torchrun, checkpointed and exactly resumable, then predict + score. The task recipes
+(`finetune_vqa`, `finetune_gqa`) hold a run config and a task description each.
+
+    RUN/model/             the fine-tuned model (weights, config with the task and answer list, vocabulary)
+    RUN/predictions.json   official-format predictions on the evaluation questions
+    RUN/metrics.json       the task's metrics, the majority-answer baseline, counts
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from vlberts.data.regions import RegionSource
+from vlberts.data.sampling import Position, update_seed
+from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, detector_tag_subwords
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import write_json
+from vlberts.models.builders import arch_of
+from vlberts.models.lxmert import LxmertForVQA
+from vlberts.models.vilbert import ViLBertForVQA
+from vlberts.models.visualbert import VisualBertForVQA
+from vlberts.models.vlbert import VLBertForVQA
+from vlberts.models.weights import load_into
+from vlberts.models.wvisualbert import WVisualBertForVQA
+from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
+from vlberts.training.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_parameters,
+    init_distributed,
+    local_device,
+    sum_over_ranks,
+    merge_over_ranks,
+    sync_gradients,
+)
+from vlberts.training.loop import batches, loss_shares, start_or_resume, update
+from vlberts.training.metrics import MetricsLog
+from vlberts.training.optim import build_optimizer, linear_warmup_decay
+
+LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
+
+VQAModel = VisualBertForVQA | ViLBertForVQA | VLBertForVQA | LxmertForVQA | WVisualBertForVQA
+
+# architecture -> its answer-classifier model (the answer head of its paper; module docstring)
+VQA_MODELS: dict[str, Callable[[Any, int], VQAModel]] = {
+    "visualbert": VisualBertForVQA,
+    "vilbert": ViLBertForVQA,
+    "vlbert": VLBertForVQA,
+    "lxmert": LxmertForVQA,
+    "wvisualbert": WVisualBertForVQA,
+}
+
+
+@dataclass(frozen=True)
+class FinetuneQAConfig:
+    """The settings every answer-classifier task shares; each task recipe adds its files and defaults."""
+
+    init: str = opt("", "pre-trained vlberts model directory (e.g. a pretrain run's RUN/model)")
+    train_questions: str = opt("", "questions json of the training split")
+    eval_questions: str = opt("", "questions json to predict and score after training (optional)")
+    features: str = opt("", "region-feature store holding every image")
+    out: str = opt("runs/qa", "run directory")
+    min_answer_count: int = opt(1, "answers given by fewer training questions are not classes")
+    loss: str = opt("auto", "auto (the architecture's paper: kl for VisualBERT, bce for the others), bce (BCE x answers) or kl")
+    epochs: float = opt(10.0, "passes over the training questions")
+    batch_size: int = opt(64, "examples per micro-batch")
+    grad_accum: int = opt(1, "micro-batches per update")
+    lr: float = opt(5e-5, "peak learning rate")
+    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised answer classifier")
+    warmup: float = opt(0.1, "fraction of updates spent warming up")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
+    max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
+    max_regions: int = opt(36, "regions per image")
+    seed: int = opt(0, "seed of head initialisation and data order")
+    log_every: int = opt(10, "updates between metrics records")
+    ckpt_every: int = opt(500, "updates between checkpoints")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
+    num_workers: int = opt(0, "DataLoader worker processes")
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
+    eval_batch_size: int = opt(256, "examples per prediction batch")
+    stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+
+
+@dataclass(frozen=True)
+class QATask:
+    """What one question-answering task adds to the shared fine-tuning (module docstring).
+
+    Examples are the task reader's own type; the shared code reads only `question_id`, `image_id`,
+    `question` and `annotated` from them."""
+
+    name: str  # "vqa" | "gqa": the model directory's task, the progress label
+    required: tuple[str, ...]  # run-config fields that must be set
+    answers_field: str  # the run-config field naming the file with the training answers (for errors)
+    read: Callable[[Any], tuple[list, list]]  # run config -> (training examples, evaluation examples)
+    answer_vocab: Callable[[Sequence, int], AnswerVocab]  # training examples, min_answer_count -> classes
+    target: Target  # an annotated example, the classes -> its target scores
+    metrics: Callable[[Mapping, Sequence, Sequence], dict]  # predictions, eval, train -> metric + baseline
+    write_predictions: Callable[[Path, Iterable[tuple[Any, str]]], int]  # the official predictions file
+
+
+def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:
+    """The answer-classifier model of the config's architecture, freshly initialised."""
+    return VQA_MODELS[arch_of(model_cfg)](model_cfg, num_answers)
+
+
+def build_qa_model(init: str | Path, num_answers: int) -> tuple[VQAModel, Any]:
+    """An answer-classifier model whose encoder comes from a pre-trained model directory; the classifier is new.
+
+    Every encoder weight must be in the checkpoint (and nothing else under the encoder's name); the
+    pre-training heads are left behind."""
+    model_cfg, _ = read_model_config(init)
+    model = qa_model(model_cfg, num_answers)
+    sd = load_file(str(Path(init) / "model.safetensors"))
+    prefix = model.encoder_name + "."
+    load_into(
+        model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=init,
+        allow_missing=lambda k: k.startswith("classifier."),
+    )
+    return model, model_cfg
+
+
+def load_qa_model(directory: str | Path, task: str) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:
+    """Load a model directory fine-tuned on `task` ("vqa", "gqa") by `finetune_qa` (any architecture)."""
+    model_cfg, meta = read_model_config(directory)
+    if meta.get("task") != task:
+        raise VlbertsError(f"not a fine-tuned {task.upper()} model (config.json has no task {task!r})",
+                           path=Path(directory) / "config.json")
+    vocab = AnswerVocab(tuple(meta["answers"]))
+    model = qa_model(model_cfg, len(vocab))
+    load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
+    return model, vocab, TextTokenizer.load(directory)
+
+
+def qa_data(
+    model: VQAModel, examples: list, regions: RegionSource, tok: TextTokenizer, vocab: AnswerVocab,
+    *, max_text_len: int, max_regions: int, target: Target | None = None,
+) -> VQAData:
+    """The examples laid out for `model`'s head, with detector tags from the store if the model reads them;
+    targets by `target` (default: VQA soft scores)."""
+    tags = None
+    if model.reads_tags:
+        classes = getattr(getattr(regions, "metadata", None), "classes", None)
+        if not classes:
+            raise VlbertsError("this W-VisualBERT reads detector tags, which need the store's class names "
+                               "(metadata classes) and obj_id", path=getattr(regions, "path", None))
+        tags = detector_tag_subwords(classes, tok)
+    return VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
+                   feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags, target=target)
+
+
+@torch.no_grad()
+def predict_qa(
+    model: VQAModel, vocab: AnswerVocab, tok: TextTokenizer, examples: list, regions: RegionSource,
+    *, max_regions: int = 36, max_text_len: int = 32, batch_size: int = 256, device: str | torch.device = "auto",
+    precision: str = "auto", dist: DistInfo = DistInfo(),
+) -> dict:
+    """question_id -> predicted answer (argmax over the answer classes), on every rank.
+
+    Distributed, each rank predicts every world-th question and the shares are merged: each question is
+    predicted exactly once (no padded duplicates to double-count)."""
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    model.to(dev).eval()
+    mine = examples[dist.rank :: dist.world]
+    no_targets: Target = lambda ex, vocab: None  # noqa: E731 -- predicting needs none
+    data = qa_data(model, mine, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
+                   target=no_targets)
+    preds: dict = {}
+    for start in range(0, len(data), batch_size):
+        stop = min(start + batch_size, len(data))
+        batch = collate_vqa([data[i] for i in range(start, stop)], len(vocab), tok.pad_id).to(dev)
+        with autocast(dev, precision):
+            logits = model.answer_logits(batch)
+        for ex, a in zip(mine[start:stop], logits.argmax(-1).tolist()):  # rows are the examples in order
+            preds[ex.question_id] = vocab.answers[a]
+    return merge_over_ranks(preds, dist)
+
+
+def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
+    """Fine-tune on `task`, then predict and score the evaluation questions; returns the model directory.
+
+    Launched by torchrun it trains data-parallel like `pretrain` (each rank a slice of every global
+    batch, its loss weighted by its share of the update, gradients summed, rank 0 writes) and the ranks
+    share the prediction of the evaluation set."""
+    set_threads()
+    out = Path(cfg.out)
+    device = resolve_device(cfg.device)
+    dist = init_distributed(device.type)
+    device = local_device(device, dist)
+    for key in ("init", *task.required, "features"):
+        if not getattr(cfg, key):
+            raise VlbertsError(f"finetune {task.name} needs --{key}")
+    if cfg.loss != "auto" and cfg.loss not in LOSSES:
+        raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
+
+    train, eval_examples = task.read(cfg)
+    vocab = task.answer_vocab(train, cfg.min_answer_count)
+    if not len(vocab):
+        raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
+                           path=getattr(cfg, task.answers_field))
+    store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
+    tok = TextTokenizer.load(cfg.init)
+    seed_everything(cfg.seed)
+    for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)):
+        missing = [ex.image_id for ex in examples if ex.image_id not in store]
+        if missing:
+            raise VlbertsError(
+                f"image id {missing[0]} of {path} not in store ({len(missing)} questions affected)",
+                path=cfg.features, record=missing[0],
+            )
+    model, model_cfg = build_qa_model(cfg.init, len(vocab))
+    if model_cfg.visual_dim != store.feature_dim:
+        raise VlbertsError(
+            f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
+        )
+    model.to(device)
+    data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
+                   target=task.target)
+
+    steps = max(1, round(cfg.epochs * len(data) / (cfg.batch_size * cfg.grad_accum)))
+    head = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    if cfg.head_lr_mult != 1.0:  # a separate group for the new classifier
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
+        optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
+    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
+    loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
+
+    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    broadcast_parameters(model, dist)
+    stream = batches(
+        data, lambda ex: collate_vqa(ex, len(vocab), tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
+        start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
+    )
+    extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head}
+
+    model.train()
+    step, done_here = state.step, 0
+    t0 = time.perf_counter()
+    with progress(disable=None if dist.main else True) as bar:
+        bar_task = bar.add_task(f"fine-tune {task.name.upper()}", total=steps, completed=step, info="")
+        while step < steps:
+            torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
+            total = 0.0
+            micro = []
+            for _ in range(cfg.grad_accum):
+                batch, pos = next(stream)
+                micro.append(batch.to(device, non_blocking=True))
+            # The losses are means over questions: each micro-batch weighs by its share of the update's
+            # questions on every rank, so the update is the same however it is split (`loss_shares`).
+            shares = loss_shares([{"loss": float(len(b.targets))} for b in micro], dist)
+            for batch, share in zip(micro, shares):
+                with autocast(device, cfg.precision):
+                    logits = model.answer_logits(batch)
+                loss = loss_fn(logits.float(), batch.targets) * share["loss"]
+                loss.backward()
+                total += loss.item()
+            sync_gradients(model, dist)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip)
+            step += 1
+            done_here += 1
+            bar.update(bar_task, completed=step)
+            if step % cfg.log_every == 0 or step == steps:  # the update's loss: the ranks' shares summed
+                total = sum_over_ranks({"loss": total}, dist)["loss"]
+                bar.update(bar_task, info=f"loss {total:.3f}")
+            if log is not None and (step % cfg.log_every == 0 or step == steps):
+                log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                           "seconds": round(time.perf_counter() - t0, 3)})
+            if (step % cfg.ckpt_every == 0 or step == steps) and dist.main:
+                save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra)
+            if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
+                return None
+
+    final = out / "model"
+    if dist.main:
+        save_model_dir(final, model, model_cfg, extra=extra)
+        tok.save(final)
+
+    metrics = {"train_questions": len(train), "num_answers": len(vocab),
+               "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
+               "steps": steps}
+    if cfg.eval_questions:
+        preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
+                           max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,
+                           precision=cfg.precision, dist=dist)
+        if dist.main:
+            task.write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in eval_examples))
+        if eval_examples and all(ex.annotated for ex in eval_examples):
+            metrics.update(task.metrics(preds, eval_examples, train))
+            # Questions none of whose answers is a class: always wrong (no class can score them).
+            metrics["eval_questions_without_target"] = sum(1 for ex in eval_examples if not task.target(ex, vocab).labels)
+    if dist.main:
+        write_json(out / "metrics.json", metrics)
+    barrier(dist)
+    return final
