@@ -75,6 +75,34 @@ def test_the_default_loss_is_the_papers(tiny_world, tiny_pretrained, tmp_path):
         "visualbert": "kl", "vilbert": "bce", "vlbert": "bce", "lxmert": "bce", "wvisualbert": "bce"}
 
 
+def test_skip_bad_counts_what_it_drops(tiny_world, tiny_pretrained, tmp_path):
+    """Malformed records and questions about images missing from the store stop a run, naming the file and
+    the record; with --skip_bad they are dropped, counted by kind in metrics.json, and the run goes on."""
+    tq, ta = tiny_world.vqa("train")
+    q, a = json.loads(tq.read_text()), json.loads(ta.read_text())
+    n = len(q["questions"])
+    q["questions"][0]["question"] = 5  # a malformed question (its annotation is then an orphan)
+    a["annotations"][1]["answers"] = a["annotations"][1]["answers"][:9]  # 9 answers (its question loses it)
+    extra = dict(q["questions"][2], question_id=987654321, image_id=999999)  # an image not in the store
+    q["questions"].append(extra)
+    a["annotations"].append(dict(a["annotations"][2], question_id=987654321, image_id=999999))
+    bq, ba = tmp_path / "q.json", tmp_path / "a.json"
+    bq.write_text(json.dumps(q)), ba.write_text(json.dumps(a))
+
+    with pytest.raises(VlbertsError, match=r"q\.json: record questions\[0\]: field question must be a string, got int"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "strict", train_questions=str(bq),
+                             train_annotations=str(ba)))
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "skip", train_questions=str(bq),
+                         train_annotations=str(ba), skip_bad=True))
+    metrics = json.loads((tmp_path / "skip" / "metrics.json").read_text())
+    skipped = metrics["skipped_records"]
+    # Bad records: question 0, its orphaned annotation, annotation 1 (its question goes with it).
+    assert {k: v for k, v in skipped.items() if k != "first"} == {"total": 4, "malformed record": 3, "missing features": 1}
+    assert "q.json: record questions[0]" in skipped["first"]
+    assert metrics["train_questions"] == n - 2  # questions 0 and 1 lost; the missing image's dropped too
+    assert metrics["num_questions"] > 0
+
+
 def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path):
     with pytest.raises(VlbertsError, match="unknown loss 'mse'; valid: bce, kl"):
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "a", loss="mse"))

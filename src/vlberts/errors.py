@@ -7,6 +7,8 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
@@ -32,3 +34,34 @@ class VlbertsError(Exception):
             parts.append(f"record {self.record}")
         parts.append(self.message)
         return ": ".join(parts)
+
+
+@dataclass
+class BadRecords:
+    """What a reader does with a bad record: raise (the default), or, with `skip` (`--skip_bad`), drop the
+    record and count it by `kind`, keeping the first error's line for the warning and metrics.json."""
+
+    skip: bool = False
+    counts: Counter = field(default_factory=Counter)
+    first: str = ""
+
+    def handle(self, err: VlbertsError, kind: str = "malformed record") -> None:
+        """Raise `err`, or count it under `kind` when skipping."""
+        if not self.skip:
+            raise err
+        self.counts[kind] += 1
+        self.first = self.first or str(err)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, **dict(sorted(self.counts.items())), "first": self.first}
+
+    def warning(self) -> str:
+        """One line for stderr, or "" when nothing was skipped."""
+        if not self.total:
+            return ""
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
+        return f"warning: skipped {self.total} bad records ({kinds}); first: {self.first}"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import read_json, require_keys
 
 _REQUIRED = ("imageId", "question")
@@ -99,12 +99,14 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
     )
 
 
-def read_gqa(path: str | Path, *, require_answers: bool = False) -> list[GQAExample]:
+def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords | None = None) -> list[GQAExample]:
     """Read a GQA ``*_questions.json`` file; examples in file order.
 
     With `require_answers`, a question without an answer is an error (use it for train/val/testdev,
-    whose answers a metric needs). Errors name the file and the question id as ``question <id>``.
+    whose answers a metric needs). Errors name the file and the question id as ``question <id>``; with
+    `bad` skipping, a bad question is dropped and counted instead.
     """
+    bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
     if not isinstance(data, dict):
@@ -114,8 +116,12 @@ def read_gqa(path: str | Path, *, require_answers: bool = False) -> list[GQAExam
     examples = []
     for qid, rec in data.items():
         where = f"question {qid}"
-        ex = parse_gqa_record(qid, rec, path=path, record=where)
-        if require_answers and ex.answer is None:
-            raise VlbertsError("missing field answer", path=path, record=where)
+        try:
+            ex = parse_gqa_record(qid, rec, path=path, record=where)
+            if require_answers and ex.answer is None:
+                raise VlbertsError("missing field answer", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
         examples.append(ex)
     return examples

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import read_json, require_keys
 
 # Every VQA v1/v2 question was answered by 10 workers; the official accuracy (a 10-choose-9 average)
@@ -94,22 +94,27 @@ def _top_level_list(obj: Any, key: str, *, path: Path) -> list:
     return obj[key]
 
 
-def _read_questions(path: Path) -> tuple[list[VQAExample], dict[int, int]]:
-    """Questions in file order, and question_id -> index into that list."""
+def _read_questions(path: Path, bad: BadRecords) -> tuple[list[VQAExample], dict[int, int], dict[int, int]]:
+    """Questions in file order, question_id -> index into that list, and question_id -> record position."""
     records = _top_level_list(read_json(path), "questions", path=path)
     examples: list[VQAExample] = []
     index: dict[int, int] = {}
+    first_at: dict[int, int] = {}  # question_id -> its record's position in the file
     for i, rec in enumerate(records):
         where = f"questions[{i}]"
-        require_keys(rec, _QUESTION_KEYS, path=path, record=where)
-        qid = _check_question_id(rec, path=path, record=where)
-        image_id = _check_image_id(rec, path=path, record=where)
-        question = _check_str(rec, "question", path=path, record=where)
-        if qid in index:
-            raise VlbertsError(f"duplicate question_id {qid} (first at questions[{index[qid]}])", path=path, record=where)
-        index[qid] = i
+        try:
+            require_keys(rec, _QUESTION_KEYS, path=path, record=where)
+            qid = _check_question_id(rec, path=path, record=where)
+            image_id = _check_image_id(rec, path=path, record=where)
+            question = _check_str(rec, "question", path=path, record=where)
+            if qid in index:
+                raise VlbertsError(f"duplicate question_id {qid} (first at questions[{first_at[qid]}])", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
+        index[qid], first_at[qid] = len(examples), i
         examples.append(VQAExample(question_id=qid, image_id=image_id, question=question))
-    return examples, index
+    return examples, index, first_at
 
 
 def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
@@ -126,16 +131,20 @@ def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
     return out
 
 
-def read_vqa(questions_path: str | Path, annotations_path: str | Path | None = None) -> list[VQAExample]:
+def read_vqa(
+    questions_path: str | Path, annotations_path: str | Path | None = None, bad: BadRecords | None = None
+) -> list[VQAExample]:
     """Read a VQA v2 questions file and, optionally, its annotations file.
 
     Returns one `VQAExample` per question. Without annotations the order is the questions file's;
     with annotations it is the annotations file's, the order in which the official evaluator
     iterates (and sums) questions. Bad input raises `VlbertsError` naming the file and the record
-    (``questions[i]``, ``annotations[i]``, ``annotations[i].answers[j]``).
+    (``questions[i]``, ``annotations[i]``, ``annotations[i].answers[j]``); with `bad` skipping, a bad
+    record is dropped and counted instead (and so is a question left without its annotation).
     """
+    bad = bad if bad is not None else BadRecords()
     questions_path = Path(questions_path)
-    questions, q_index = _read_questions(questions_path)
+    questions, q_index, q_record = _read_questions(questions_path, bad)
     if annotations_path is None:
         return questions
 
@@ -145,44 +154,48 @@ def read_vqa(questions_path: str | Path, annotations_path: str | Path | None = N
     seen: dict[int, int] = {}
     for i, rec in enumerate(records):
         where = f"annotations[{i}]"
-        require_keys(rec, _ANNOTATION_KEYS, path=annotations_path, record=where)
-        qid = _check_question_id(rec, path=annotations_path, record=where)
-        if qid in seen:
-            raise VlbertsError(
-                f"duplicate annotation for question_id {qid} (first at annotations[{seen[qid]}])",
-                path=annotations_path,
-                record=where,
+        try:
+            require_keys(rec, _ANNOTATION_KEYS, path=annotations_path, record=where)
+            qid = _check_question_id(rec, path=annotations_path, record=where)
+            if qid in seen:
+                raise VlbertsError(
+                    f"duplicate annotation for question_id {qid} (first at annotations[{seen[qid]}])",
+                    path=annotations_path,
+                    record=where,
+                )
+            seen[qid] = i
+            if qid not in q_index:
+                raise VlbertsError(
+                    f"question_id {qid} has no question in {questions_path.name}", path=annotations_path, record=where
+                )
+            question = questions[q_index[qid]]
+            image_id = _check_image_id(rec, path=annotations_path, record=where)
+            if image_id != question.image_id:
+                raise VlbertsError(
+                    f"image_id {image_id!r} differs from the question's image_id {question.image_id!r} "
+                    f"in {questions_path.name}",
+                    path=annotations_path,
+                    record=where,
+                )
+            examples.append(
+                VQAExample(
+                    question_id=qid,
+                    image_id=image_id,
+                    question=question.question,
+                    answers=_read_answers(rec, path=annotations_path, record=where),
+                    multiple_choice_answer=_check_str(rec, "multiple_choice_answer", path=annotations_path, record=where),
+                    answer_type=_check_str(rec, "answer_type", path=annotations_path, record=where),
+                    question_type=_check_str(rec, "question_type", path=annotations_path, record=where),
+                )
             )
-        seen[qid] = i
-        if qid not in q_index:
-            raise VlbertsError(
-                f"question_id {qid} has no question in {questions_path.name}", path=annotations_path, record=where
-            )
-        question = questions[q_index[qid]]
-        image_id = _check_image_id(rec, path=annotations_path, record=where)
-        if image_id != question.image_id:
-            raise VlbertsError(
-                f"image_id {image_id!r} differs from the question's image_id {question.image_id!r} "
-                f"in {questions_path.name}",
-                path=annotations_path,
-                record=where,
-            )
-        examples.append(
-            VQAExample(
-                question_id=qid,
-                image_id=image_id,
-                question=question.question,
-                answers=_read_answers(rec, path=annotations_path, record=where),
-                multiple_choice_answer=_check_str(rec, "multiple_choice_answer", path=annotations_path, record=where),
-                answer_type=_check_str(rec, "answer_type", path=annotations_path, record=where),
-                question_type=_check_str(rec, "question_type", path=annotations_path, record=where),
-            )
-        )
-    for i, question in enumerate(questions):
+        except VlbertsError as err:
+            bad.handle(err)
+
+    for question in questions:
         if question.question_id not in seen:
-            raise VlbertsError(
+            bad.handle(VlbertsError(
                 f"question_id {question.question_id} has no annotation in {annotations_path.name}",
                 path=questions_path,
-                record=f"questions[{i}]",
-            )
+                record=f"questions[{q_record[question.question_id]}]",
+            ), "question without annotation")
     return examples

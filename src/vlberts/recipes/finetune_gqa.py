@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.config import apply_overrides, from_dict
+from vlberts.errors import BadRecords
 from vlberts.data.gqa import GQAExample, read_gqa
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import FinetuneQAConfig, QATask, VQAModel, finetune_qa, load_qa_model
@@ -43,9 +44,9 @@ class FinetuneGQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneGQAConfig
 
 
-def _read(cfg: FinetuneGQAConfig) -> tuple[list[GQAExample], list[GQAExample]]:
-    train = read_gqa(cfg.train_questions, require_answers=True)
-    return train, read_gqa(cfg.eval_questions) if cfg.eval_questions else []
+def _read(cfg: FinetuneGQAConfig, bad: BadRecords) -> tuple[list[GQAExample], list[GQAExample]]:
+    train = read_gqa(cfg.train_questions, require_answers=True, bad=bad)
+    return train, read_gqa(cfg.eval_questions, bad=bad) if cfg.eval_questions else []
 
 
 GQA = QATask(

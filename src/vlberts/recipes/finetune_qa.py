@@ -25,6 +25,7 @@ torchrun, checkpointed and exactly resumable, then predict + score. The task rec
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from safetensors.torch import load_file
 from vlberts.data.regions import RegionSource
 from vlberts.data.sampling import Position, update_seed
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, detector_tag_subwords
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of
@@ -110,6 +111,9 @@ class FinetuneQAConfig:
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     eval_batch_size: int = opt(256, "examples per prediction batch")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+    skip_bad: bool = opt(False, "drop malformed question/annotation records and questions whose image is not in "
+                                "the store, counting them (a warning and metrics.json's skipped_records), "
+                                "instead of stopping at the first")
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ class QATask:
     name: str  # "vqa" | "gqa": the model directory's task, the progress label
     required: tuple[str, ...]  # run-config fields that must be set
     answers_field: str  # the run-config field naming the file with the training answers (for errors)
-    read: Callable[[Any], tuple[list, list]]  # run config -> (training examples, evaluation examples)
+    read: Callable[[Any, BadRecords], tuple[list, list]]  # run config, bad-record policy -> (train, eval examples)
     answer_vocab: Callable[[Sequence, int], AnswerVocab]  # training examples, min_answer_count -> classes
     target: Target  # an annotated example, the classes -> its target scores
     metrics: Callable[[Mapping, Sequence, Sequence], dict]  # predictions, eval, train -> metric + baseline
@@ -206,6 +210,16 @@ def predict_qa(
     return merge_over_ranks(preds, dist)
 
 
+def _with_features(examples: list, path: str, store: RegionStore, features: str, bad: BadRecords) -> list:
+    """The examples whose image is in the store; a missing one is an error naming the store and the image,
+    or, when skipping bad records, dropped and counted ("missing features")."""
+    missing = [ex.image_id for ex in examples if ex.image_id not in store]
+    for image_id in missing:
+        bad.handle(VlbertsError(f"image id {image_id} of {path} not in store ({len(missing)} questions affected)",
+                                path=features, record=image_id), "missing features")
+    return [ex for ex in examples if ex.image_id in store] if missing else examples
+
+
 def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     """Fine-tune on `task`, then predict and score the evaluation questions; returns the model directory.
 
@@ -223,7 +237,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     if cfg.loss != "auto" and cfg.loss not in LOSSES:
         raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
 
-    train, eval_examples = task.read(cfg)
+    bad = BadRecords(skip=cfg.skip_bad)
+    train, eval_examples = task.read(cfg, bad)
     vocab = task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
@@ -233,13 +248,10 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         store.preload()
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
-    for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)):
-        missing = [ex.image_id for ex in examples if ex.image_id not in store]
-        if missing:
-            raise VlbertsError(
-                f"image id {missing[0]} of {path} not in store ({len(missing)} questions affected)",
-                path=cfg.features, record=missing[0],
-            )
+    train, eval_examples = (_with_features(examples, path, store, cfg.features, bad)
+                            for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)))
+    if bad.total and dist.main:
+        print(bad.warning(), file=sys.stderr)
     model, model_cfg = build_qa_model(cfg.init, len(vocab))
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
@@ -312,7 +324,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         save_model_dir(final, model, model_cfg, extra=extra)
         tok.save(final)
 
-    metrics = {"train_questions": len(train), "num_answers": len(vocab),
+    metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
                "steps": steps}
     if cfg.eval_questions:

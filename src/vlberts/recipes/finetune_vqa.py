@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
+from vlberts.errors import BadRecords
 from vlberts.data.vqa import VQAExample, read_vqa
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
@@ -51,9 +52,9 @@ class FinetuneVQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneVQAConfig
 
 
-def _read(cfg: FinetuneVQAConfig) -> tuple[list[VQAExample], list[VQAExample]]:
-    train = read_vqa(cfg.train_questions, cfg.train_annotations)
-    return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None) if cfg.eval_questions else []
+def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], list[VQAExample]]:
+    train = read_vqa(cfg.train_questions, cfg.train_annotations, bad)
+    return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
 
 
 def _metrics(preds: dict[int, str], eval_examples: list[VQAExample], train: list[VQAExample]) -> dict:
