@@ -1,6 +1,6 @@
 """`vlberts compare` at toy scale: the world and features are built once and shared, every architecture
-runs the demo's per-model steps in its own directory, and the comparison files hold one row per
-architecture; a bad architecture name is one line and exit code 2."""
+runs the demo's per-model steps (and GQA with --tasks=vqa,gqa) in its own directory, and the comparison
+files hold one row per architecture; a bad architecture or task name is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=
 
 def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     out = tmp_path / "cmp"
-    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--out", str(out), *TOY],
-                          capture_output=True, text=True)
+    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--tasks=vqa,gqa",
+                           "--out", str(out), *TOY], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
     # One world and one feature store, at OUT/; the architectures' directories hold none.
@@ -32,13 +32,16 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert proc.stderr.count("Built the embedded world") == 1 and proc.stderr.count("trained the world detector") == 1
     for arch in ("visualbert", "lxmert"):
         assert not (out / arch / "world").exists() and not list((out / arch).rglob("*.h5")), arch
-        for sub in ("pretrain/model/model.safetensors", "vqa/metrics.json", "summary.json", "report.html"):
+        for sub in ("pretrain/model/model.safetensors", "vqa/metrics.json", "gqa/metrics.json", "summary.json",
+                    "report.html"):
             assert (out / arch / sub).exists(), f"{arch}/{sub}"
 
     result = json.loads((out / "comparison.json").read_text())
     assert list(result["archs"]) == ["visualbert", "lxmert"]
     for arch, row in result["archs"].items():
-        assert ROW_KEYS <= set(row), (arch, ROW_KEYS - set(row))
+        assert ROW_KEYS | {"gqa_accuracy", "gqa_majority_baseline"} <= set(row), (arch, ROW_KEYS - set(row))
+        gqa = json.loads((out / arch / "gqa" / "metrics.json").read_text())
+        assert row["gqa_accuracy"] == gqa["accuracy"] and row["gqa_majority_baseline"] == gqa["majority_baseline"]
         assert row["arch"] == arch and row["model"] == f"{arch}-small" and row["params"] > 0
     # Identical settings: both pre-trained for the same updates on the same world.
     summaries = [json.loads((out / a / "summary.json").read_text()) for a in ("visualbert", "lxmert")]
@@ -48,7 +51,7 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert result["archs"]["visualbert"]["params"] != result["archs"]["lxmert"]["params"]
 
     md = (out / "comparison.md").read_text().strip().splitlines()
-    assert md[0].startswith("| arch | params |") and len(md) == 2 + 2
+    assert md[0].startswith("| arch | params |") and "GQA / majority" in md[0] and len(md) == 2 + 2
     assert [line.split("|")[1].strip() for line in md[2:]] == ["visualbert", "lxmert"]
     assert "| visualbert |" in proc.stdout and "| lxmert |" in proc.stdout  # the table is printed
 
@@ -61,3 +64,7 @@ def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown architecture 'vilbrt'" in lines[0] and "lxmert" in lines[0]
     assert not out.exists()  # nothing was built
+
+    proc = subprocess.run([str(VLBERTS), "compare", "--tasks=vqa,nlvr3", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown task 'nlvr3' in --tasks; valid: vqa, gqa" in proc.stderr
+    assert not out.exists()

@@ -333,9 +333,10 @@ def compare_cmd(
 
     Builds the world and region features once, then runs the demo's pre-training -> visual-word probe
     -> VQA -> entity grounding for each architecture (its ARCH-small, its paper's objectives) with the
-    same settings, in OUT/ARCH/; writes OUT/comparison.json and OUT/comparison.md and prints the table.
+    same settings, in OUT/ARCH/ (and GQA fine-tuning with --tasks=vqa,gqa); writes OUT/comparison.json
+    and OUT/comparison.md and prints the table.
 
-    Example: vlberts compare --archs=visualbert,lxmert --out=runs/compare --quick
+    Example: vlberts compare --archs=visualbert,lxmert --tasks=vqa,gqa --out=runs/compare --quick
 
     Further settings (the demo's) as --key=value; run `vlberts show-config compare` for them.
     """
