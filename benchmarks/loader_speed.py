@@ -1,0 +1,156 @@
+"""Data loading speed (issue 6, item 5): examples per second from the canonical region store and from tar
+shards, each through a DataLoader with 2 workers, against what a base model's training step consumes.
+
+    .venv/bin/python benchmarks/loader_speed.py [--images 2000] [--store features.h5 --captions caps.json]
+
+Without `--store`, writes a store of `--images` images x 36 regions of 2048-d float16 (random features,
+the store's own writer) and 5 random captions per image, then shards of it. Measures, after one warm-up
+batch (worker start-up excluded):
+
+  (a) `CaptionPretrainData` over the store through the pre-training recipe's loader
+      (`training.loop.batches`: 2 workers, batch 64, no `preload`): masked caption pairs + regions, collated;
+  (b) `ShardStream` over the shards, 2 workers, batch 64: each sample decoded, its regions prepared
+      (`sample_regions`), its first caption tokenised, and the batch padded (`pad_regions`);
+  (c) a training step of VisualBERT-base (visual_dim 2048, vocabulary 30522) on batches of 8 from (a),
+      2 threads: forward, the paper's losses, backward, AdamW; examples/s over 3 steps after one warm-up.
+
+The files were just written, so they are in the page cache: these are loader costs, not disk speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from vlberts.data.coco import CaptionRef, read_caption_refs
+from vlberts.data.pretrain import CaptionPretrainData, collate_pretrain
+from vlberts.data.regions import pad_regions, pad_sequences
+from vlberts.data.sampling import Position
+from vlberts.data.shards import ShardStream, sample_regions, shards_of_index, write_shards
+from vlberts.features.record import RegionRecord
+from vlberts.features.store import RegionStore, RegionStoreWriter
+from vlberts.models.builders import build_pretraining_model, model_config
+from vlberts.objectives.recipe import RECIPES, pretrain_losses, run_model, total_loss
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.loop import batches
+
+R, D, BATCH, WORKERS = 36, 2048, 64, 2
+WORDS = "a the man woman dog cat red blue small large sits runs on under next to near table street park ball".split()
+
+
+def random_store(path: Path, n: int, seed: int = 0) -> list[CaptionRef]:
+    """A store of n images x R regions of D-d float16, and 5 random captions per image."""
+    rng = np.random.default_rng(seed)
+    refs = []
+    with RegionStoreWriter(path, feature_dim=D, dtype="float16") as w:
+        for i in range(n):
+            xy = rng.uniform(0, 300, (R, 2)).astype(np.float32)
+            boxes = np.concatenate([xy, xy + rng.uniform(10, 200, (R, 2)).astype(np.float32)], 1)
+            feats = rng.standard_normal((R, D), dtype=np.float32).astype(np.float16)
+            w.add(RegionRecord(image_id=str(i), image_w=640, image_h=480, boxes=boxes, features=feats))
+            refs += [CaptionRef(str(i), " ".join(rng.choice(WORDS, rng.integers(8, 16)))) for _ in range(5)]
+    return refs
+
+
+def rate(loader, n_batches: int, size=len) -> float:
+    """Examples per second over `n_batches` batches after the first (which pays for worker start-up)."""
+    it = iter(loader)
+    next(it)
+    t, n = time.perf_counter(), 0
+    for batch in itertools.islice(it, n_batches):
+        n += size(batch)
+    return n / (time.perf_counter() - t)
+
+
+def store_rate(data: CaptionPretrainData, pad_id: int, n_batches: int) -> float:
+    stream = batches(data, lambda ex: collate_pretrain(ex, pad_id=pad_id), batch_size=BATCH, seed=0, start=Position(),
+                     num_workers=WORKERS)
+    return rate((b for b, _ in stream), n_batches, size=lambda b: b.inputs.input_ids.shape[0])
+
+
+class ShardCollate:
+    """Decoded samples -> padded regions and first-caption token ids (a picklable collate function)."""
+
+    def __init__(self, tok: TextTokenizer):
+        self.tok = tok
+
+    def __call__(self, samples: list[dict]) -> tuple[torch.Tensor, ...]:
+        regions = [sample_regions(s, R, D) for s in samples]
+        ids = pad_sequences([self.tok.encode(s["captions"][0]) for s in samples], self.tok.pad_id)
+        return (ids, *pad_regions(regions))
+
+
+def shard_rate(index: Path, tok: TextTokenizer, n_batches: int) -> float:
+    stream = ShardStream(shards_of_index(index), seed=0, buffer=256, resample=True)  # endless: no epoch edge
+    loader = DataLoader(stream, batch_size=BATCH, num_workers=WORKERS, collate_fn=ShardCollate(tok))
+    return rate(loader, n_batches, size=lambda b: b[0].shape[0])
+
+
+def train_rate(data: CaptionPretrainData, pad_id: int, steps: int = 3, batch: int = 8) -> float:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    recipe = RECIPES["visualbert"]
+    model = build_pretraining_model(model_config("visualbert-base", visual_dim=D, vocab_size=30522)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    examples = [collate_pretrain([data[(0, i * batch + j)] for j in range(batch)], pad_id=pad_id) for i in range(steps + 1)]
+
+    def step(b) -> None:
+        loss = total_loss(pretrain_losses(recipe, run_model(recipe, model, b), b, recipe.objectives), recipe.objectives)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(examples[0])  # warm-up
+    t = time.perf_counter()
+    for b in examples[1:]:
+        step(b)
+    return steps * batch / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--store", help="an existing region store (default: write a random one)")
+    ap.add_argument("--captions", help="its captions (required with --store)")
+    ap.add_argument("--batches", type=int, default=60, help="batches of 64 timed per loader")
+    ap.add_argument("--shard-size", type=int, default=250)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # loaders: the workers do the work; the main process only receives batches
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if args.store:
+            store_path, refs = Path(args.store), read_caption_refs(args.captions)
+        else:
+            store_path = root / "features.h5"
+            t = time.perf_counter()
+            refs = random_store(store_path, args.images)
+            print(f"wrote store: {args.images} images x {R} x {D} float16 in {time.perf_counter() - t:.1f}s")
+        t = time.perf_counter()
+        index = write_shards(store_path, refs, root / "shards", shard_size=args.shard_size)
+        n_shards = len(shards_of_index(index))
+        print(f"wrote {n_shards} shards in {time.perf_counter() - t:.1f}s")
+
+        tok = TextTokenizer.train([r.text for r in refs[:5000]], vocab_size=200)
+        store = RegionStore(store_path)
+        data = CaptionPretrainData(refs, store, tok, feature_dim=D)
+        a = store_rate(data, tok.pad_id, args.batches)
+        b = shard_rate(index, tok, args.batches)
+        c = train_rate(data, tok.pad_id)
+
+    print(f"\n{len(store)} images x {R} regions x {D}-d float16; loaders: {WORKERS} workers, batch {BATCH}")
+    print(f"{'':44s}{'examples/s':>12s}{'x training':>12s}")
+    print(f"{'(a) store -> CaptionPretrainData':44s}{a:12.0f}{a / c:11.0f}x")
+    print(f"{'(b) shards -> ShardStream':44s}{b:12.0f}{b / c:11.0f}x")
+    print(f"{'(c) VisualBERT-base training step, 2 threads':44s}{c:12.1f}{1:11.0f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""Streaming pre-training data from WebDataset-style tar shards (issue 6, item 4).
+
+A corpus the size of Conceptual Captions (3.3M images x 36 x 2048 float16 = 0.5 TB of features) never
+fits in memory, and random access into one HDF5 file over a network file system is slow. Shards turn
+it into sequential reads: each shard is a plain POSIX tar (the standard `tarfile` module; the layout is
+the one `webdataset` reads, so either reader works), and a sample is the run of consecutive members
+that share a key:
+
+    <key>.json           {"kind", "image_id", "image_w", "image_h", "captions": [...], "fields": [...]}
+                         text-only documents: {"kind": "text", "text": ...} and nothing else
+    <key>.<field>.npy    one per region field of the store, named as `RegionRecord`'s fields:
+                         boxes, features (float16 or float32 as stored), cls_prob, obj_id, obj_conf,
+                         attr_id, attr_conf
+
+Kinds: "image-text" (an image with its captions), "image" (no captions), "text" (a document).
+Shards are `<prefix>-000000.tar`, ..., each written under a temp name and renamed when complete, plus
+`<prefix>-index.json` listing every shard and its sample counts. Write them with `write_shards` or
+
+    python -m vlberts.data.shards --store features.h5 --captions captions_train.json --out shards/
+
+`ShardStream` reads a list of shards one after another (one sample in memory at a time, plus the
+shuffle buffer); each epoch's shard order is a permutation drawn from (seed, epoch), and (rank, worker)
+number g of G = world x workers reads shards g, g + G, ... of it, so every shard is read by exactly one
+reader per epoch. `resample=True` draws shards with replacement forever instead (each reader its own
+stream), as mixing needs. `mix_streams` interleaves streams by weight (image-text, text-only,
+image-only: W-VisualBERT §3 trains on unpaired data of each modality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from vlberts.data.coco import CaptionRef, read_caption_refs
+from vlberts.data.regions import Regions, load_regions
+from vlberts.data.sampling import epoch_order
+from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
+from vlberts.features.record import RegionRecord
+from vlberts.features.store import RegionStore
+from vlberts.io import atomic_path, read_json, write_json
+from vlberts.training.distributed import DistInfo
+
+SHARD_FORMAT = "vlberts-shards"
+SHARD_FORMAT_VERSION = 1
+KINDS = ("image-text", "image", "text")
+REGION_FIELDS = ("boxes", "features", "cls_prob", "obj_id", "obj_conf", "attr_id", "attr_conf")
+_SAFE_KEY = re.compile(r"[A-Za-z0-9_\-]+")  # WebDataset splits a member name at its first dot
+
+
+# --------------------------------------------------------------------------- writing
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same input gives the same bytes
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _image_sample(rec: RegionRecord, captions: list[str], dtype: str) -> dict[str, bytes]:
+    """The members (extension -> bytes) of one image: its json and one .npy per region field it holds."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in REGION_FIELDS:
+        a = getattr(rec, name)
+        if a is None:
+            continue
+        if name in ("features", "cls_prob"):
+            a = a.astype(dtype, copy=False)  # a store opened with upcast=True gave float32 copies of float16
+        arrays[name] = a
+    meta = {
+        "kind": "image-text" if captions else "image", "image_id": rec.image_id, "image_w": rec.image_w,
+        "image_h": rec.image_h, "captions": captions, "fields": list(arrays),
+    }
+    members = {"json": json.dumps(meta).encode()}
+    members.update({f"{name}.npy": _npy_bytes(a) for name, a in arrays.items()})
+    return members
+
+
+class _ShardWriter:
+    """Appends samples to `<prefix>-NNNNNN.tar`, starting a new shard every `shard_size` samples."""
+
+    def __init__(self, out_dir: Path, prefix: str, shard_size: int):
+        self.out_dir, self.prefix, self.shard_size = out_dir, prefix, shard_size
+        self.shards: list[dict[str, Any]] = []
+        self._tar: tarfile.TarFile | None = None
+        self._atomic: Any = None
+
+    def add(self, key: str, members: dict[str, bytes], kind: str) -> None:
+        if self._tar is None or self.shards[-1]["samples"] >= self.shard_size:
+            self._close_shard()
+            name = f"{self.prefix}-{len(self.shards):06d}.tar"
+            self._atomic = atomic_path(self.out_dir / name)
+            self._tar = tarfile.open(self._atomic.__enter__(), "w", format=tarfile.USTAR_FORMAT)
+            self.shards.append({"name": name, "samples": 0, "kinds": dict.fromkeys(KINDS, 0)})
+        for ext, data in members.items():
+            _add_member(self._tar, f"{key}.{ext}", data)
+        self.shards[-1]["samples"] += 1
+        self.shards[-1]["kinds"][kind] += 1
+
+    def _close_shard(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._atomic.__exit__(None, None, None)  # os.replace(tmp, shard)
+            self._tar = self._atomic = None
+
+    def close(self, error: BaseException | None = None) -> None:
+        if error is None:
+            self._close_shard()
+        elif self._tar is not None:  # the shard in progress is removed; finished ones stay
+            self._tar.close()
+            self._atomic.__exit__(type(error), error, None)
+            self._tar = self._atomic = None
+
+
+def _sample_key(image_id: str, index: int) -> str:
+    return image_id if _SAFE_KEY.fullmatch(image_id) else f"sample{index:09d}"
+
+
+def write_shards(
+    store: RegionStore | str | Path | None,
+    captions: Sequence[CaptionRef] | str | Path | None,
+    out_dir: str | Path,
+    *,
+    shard_size: int = 1000,
+    prefix: str = "shard",
+    image_only: bool = False,
+    documents: Iterable[str] = (),
+) -> Path:
+    """Pack a region store and its captions (and optionally text-only documents) into tar shards.
+
+    store: a `RegionStore` or its path (None: text-only shards). Features are written in the store's
+        dtype, so arrays read back are bit-identical to the store's.
+    captions: `CaptionRef`s or a caption file (`read_caption_refs`); None writes every image as an
+        image-only sample. A caption of an image the store lacks is an error.
+    image_only: also write the store's images that have no caption, as "image" samples (otherwise they
+        are left out: a Karpathy split's captions name only that split's images).
+    documents: text-only samples, written after the images.
+    Returns the index json `<out_dir>/<prefix>-index.json`.
+    """
+    if shard_size < 1:
+        raise VlbertsError(f"shard_size must be >= 1, got {shard_size}")
+    if not _SAFE_KEY.fullmatch(prefix):
+        raise VlbertsError(f"shard prefix {prefix!r} must be letters, digits, '_' or '-'")
+    out_dir = Path(out_dir)
+    if isinstance(store, (str, Path)):
+        store = RegionStore(store, upcast=False)
+    refs = read_caption_refs(captions) if isinstance(captions, (str, Path)) else captions
+    by_image: dict[str, list[str]] = {}
+    for ref in refs or ():
+        by_image.setdefault(ref.image_id, []).append(ref.text)
+    if by_image and store is None:
+        raise VlbertsError("captions given without a region store")
+    missing = [i for i in by_image if i not in store] if store is not None else []
+    if missing:
+        raise VlbertsError(f"{len(missing)} captioned image(s) are not in the store", path=store.path, record=missing[0])
+
+    writer = _ShardWriter(out_dir, prefix, shard_size)
+    index, skipped = 0, 0
+    try:
+        for rec in store.records() if store is not None else ():
+            caps = by_image.get(rec.image_id, [])
+            if refs is not None and not caps and not image_only:
+                skipped += 1
+                continue
+            sample = _image_sample(rec, caps, store.dtype)
+            writer.add(_sample_key(rec.image_id, index), sample, "image-text" if caps else "image")
+            index += 1
+        for k, text in enumerate(documents):
+            writer.add(f"doc{k:09d}", {"json": json.dumps({"kind": "text", "text": str(text)}).encode()}, "text")
+            index += 1
+    except BaseException as e:
+        writer.close(e)
+        raise
+    writer.close()
+    if not writer.shards:
+        raise VlbertsError("nothing to write (no captioned images, images or documents)", path=out_dir)
+    index_path = out_dir / f"{prefix}-index.json"
+    write_json(index_path, {
+        "format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION,
+        "samples": sum(s["samples"] for s in writer.shards),
+        "kinds": {k: sum(s["kinds"][k] for s in writer.shards) for k in KINDS},
+        "images_without_captions_skipped": skipped,
+        "store": None if store is None else {
+            "path": str(store.path), "feature_dim": store.feature_dim, "dtype": store.dtype, "fields": store.fields,
+            "metadata": store.metadata.to_dict(),
+        },
+        "shards": writer.shards,
+    })
+    return index_path
+
+
+def shards_of_index(index: str | Path) -> list[Path]:
+    """The shard files an index json lists (next to it); a missing shard is an error naming it."""
+    index = Path(index)
+    obj = read_json(index)
+    if not isinstance(obj, dict) or obj.get("format") != SHARD_FORMAT:
+        raise VlbertsError(f"not a {SHARD_FORMAT} index (no format={SHARD_FORMAT!r})", path=index)
+    paths = [index.parent / s["name"] for s in obj["shards"]]
+    for p in paths:
+        if not p.is_file():
+            raise VlbertsError("shard listed in the index is missing", path=p)
+    return paths
+
+
+# --------------------------------------------------------------------------- reading
+def _load_npy(data: bytearray) -> np.ndarray:
+    """A .npy member as an array viewing `data` (np.load would copy it; that copy was a fifth of the
+    decoding time of a 36 x 2048 float16 sample). Object arrays are refused, as np.load(allow_pickle=False) does."""
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(f)
+    if dtype.hasobject:
+        raise ValueError("object arrays are not allowed")
+    a = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=f.tell())
+    return a.reshape(shape, order="F" if fortran else "C")
+
+
+def _decode(shard: Path, key: str, members: dict[str, bytearray]) -> dict[str, Any]:
+    """One sample's members -> a dict of the json's entries and the region arrays by field name."""
+    if "json" not in members:
+        raise VlbertsError(f"sample has no {key}.json member", path=shard, record=f"key {key}")
+    try:
+        meta = json.loads(members["json"])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VlbertsError(f"{key}.json is not valid JSON ({e})", path=shard, record=f"key {key}") from None
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        raise VlbertsError(f"{key}.json has no kind in {', '.join(KINDS)}", path=shard, record=f"key {key}")
+    sample: dict[str, Any] = {"__key__": key, "__shard__": shard.name, **meta}
+    for field in meta.get("fields", []):
+        data = members.get(f"{field}.npy")
+        if data is None:
+            raise VlbertsError(f"sample has no {key}.{field}.npy member", path=shard, record=f"key {key}")
+        try:
+            sample[field] = _load_npy(data)
+        except (ValueError, OSError, EOFError) as e:
+            raise VlbertsError(f"{key}.{field}.npy is not a readable .npy ({e})", path=shard, record=f"key {key}") from None
+    return sample
+
+
+def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
+    """Decoded samples of one shard in file order, reading one member at a time.
+
+    A member without its sample's other members, an unreadable member, or a tar that ends early (cut
+    inside a member or without its end-of-archive blocks) is a one-line `VlbertsError` naming the shard
+    and the sample key.
+    """
+    shard = Path(shard)
+    key: str | None = None
+    members: dict[str, bytearray] = {}
+    try:
+        size = shard.stat().st_size
+        with tarfile.open(shard, "r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                base = info.name.rsplit("/", 1)[-1]
+                k, dot, ext = base.partition(".")
+                if not dot:
+                    raise VlbertsError(f"member {info.name} has no extension", path=shard, record=f"key {k}")
+                if k != key:
+                    if key is not None:
+                        yield _decode(shard, key, members)
+                    key, members = k, {}
+                if ext in members:
+                    raise VlbertsError(f"member {info.name} appears twice", path=shard, record=f"key {k}")
+                data = bytearray(info.size)  # writable, so arrays viewing it are too
+                f = tar.extractfile(info)
+                if f is not None and info.size:
+                    f.readinto(data)  # a member cut short raises tarfile.ReadError
+                members[ext] = data
+            # tarfile stops quietly at a header cut short; a complete archive ends in two zero blocks.
+            if size - tar.offset < 2 * tarfile.BLOCKSIZE:
+                raise VlbertsError("tar is truncated (no end-of-archive blocks)", path=shard,
+                                   record=f"key {key}" if key is not None else None)
+    except tarfile.TarError as e:
+        raise VlbertsError(f"unreadable tar ({e}), truncated or damaged", path=shard,
+                           record=f"key {key}" if key is not None else None) from None
+    except OSError as e:
+        raise VlbertsError(f"cannot read shard ({e.strerror or e})", path=shard) from None
+    if key is not None:
+        yield _decode(shard, key, members)
+
+
+def sample_record(sample: dict[str, Any]) -> RegionRecord:
+    """The `RegionRecord` of an image sample (validated as any record is)."""
+    fields = {name: sample[name] for name in REGION_FIELDS if name in sample}
+    return RegionRecord(image_id=sample["image_id"], image_w=sample["image_w"], image_h=sample["image_h"], **fields)
+
+
+class _OneRecord:
+    def __init__(self, rec: RegionRecord):
+        self.rec = rec
+
+    def get(self, image_id: str) -> RegionRecord:
+        return self.rec
+
+
+def sample_regions(sample: dict[str, Any], max_regions: int, feature_dim: int | None = None) -> Regions:
+    """An image sample's first `max_regions` regions as model inputs (`data.regions.load_regions`)."""
+    return load_regions(_OneRecord(sample_record(sample)), sample["image_id"], max_regions, feature_dim)
+
+
+def current_dist() -> DistInfo:
+    """Rank and world of this process: the joined process group, else torchrun's RANK/WORLD_SIZE, else 0 of 1."""
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size())
+    return DistInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _reader() -> tuple[int, int]:
+    """(worker id, number of workers) of the DataLoader worker running this (0 of 1 in the main process)."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def split_shards(
+    n: int, *, rank: int, world: int, worker: int, num_workers: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[int]:
+    """Indices of the shards reader (rank, worker) reads in `epoch`: the epoch's permutation of the n
+    shards (`data.sampling.epoch_order`), every G-th from position g, with g = rank * num_workers + worker
+    and G = world * num_workers. The readers' lists partition range(n); with n < G some get none, and
+    with n not a multiple of G some read one shard more (use >= G shards of similar size, or resample)."""
+    if not (0 <= rank < world and 0 <= worker < num_workers):
+        raise VlbertsError(f"reader (rank {rank} of {world}, worker {worker} of {num_workers}) is out of range")
+    g, G = rank * num_workers + worker, world * num_workers
+    return [int(i) for i in epoch_order(n, seed, epoch, shuffle)[g::G]]
+
+
+class ShardStream(IterableDataset):
+    """Samples of a list of shards, split across ranks and DataLoader workers (module docstring).
+
+    seed, epoch: the shard order and the shuffle buffer draw from (seed, epoch, rank, worker); call
+        `set_epoch` before each epoch (workers receive a copy of this object when they start).
+    buffer: samples held for shuffling (0 or 1: file order; memory is `buffer` samples).
+    resample: draw shards with replacement forever, each reader from its own (seed, epoch, rank, worker)
+        stream, instead of one pass over its split.
+    dist: rank and world (default `current_dist()`, read when iterated).
+    kinds: keep only samples of these kinds (None: all).
+    Samples are dicts: `__key__`, `__shard__`, the json's entries (kind, image_id, image_w, image_h,
+    captions / text) and the region arrays under `RegionRecord`'s field names (`sample_record`).
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str | Path],
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        buffer: int = 1000,
+        resample: bool = False,
+        dist: DistInfo | None = None,
+        kinds: Sequence[str] | None = None,
+    ):
+        if not shards:
+            raise VlbertsError("no shards to stream")
+        unknown = [k for k in kinds or () if k not in KINDS]
+        if unknown:
+            raise VlbertsError(f"unknown sample kind(s) {', '.join(unknown)}; valid: {', '.join(KINDS)}")
+        self.shards = [Path(s) for s in shards]
+        self.seed, self.epoch, self.shuffle, self.buffer = seed, epoch, shuffle, buffer
+        self.resample, self.dist, self.kinds = resample, dist, None if kinds is None else tuple(kinds)
+
+    @classmethod
+    def from_index(cls, index: str | Path, **kw: Any) -> ShardStream:
+        return cls(shards_of_index(index), **kw)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def reader_shards(self) -> Iterator[Path]:
+        """The shards this (rank, worker) reads this epoch, in order (endless when resampling)."""
+        d = self.dist or current_dist()
+        worker, workers = _reader()
+        if not self.resample:
+            for i in split_shards(len(self.shards), rank=d.rank, world=d.world, worker=worker, num_workers=workers,
+                                  seed=self.seed, epoch=self.epoch, shuffle=self.shuffle):
+                yield self.shards[i]
+            return
+        rng = np.random.default_rng([self.seed, self.epoch, d.rank, worker, 0x2E5])
+        while True:
+            yield self.shards[int(rng.integers(len(self.shards)))]
+
+    def _samples(self) -> Iterator[dict[str, Any]]:
+        for shard in self.reader_shards():
+            for sample in read_shard(shard):
+                if self.kinds is None or sample["kind"] in self.kinds:
+                    yield sample
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.shuffle or self.buffer <= 1:
+            yield from self._samples()
+            return
+        d = self.dist or current_dist()
+        rng = np.random.default_rng([self.seed, self.epoch, d.rank, _reader()[0], 0x5B0])
+        buf: list[dict[str, Any]] = []
+        for sample in self._samples():
+            if len(buf) < self.buffer:
+                buf.append(sample)
+                continue
+            i = int(rng.integers(self.buffer))  # yield a random held sample, hold the new one in its place
+            buf[i], sample = sample, buf[i]
+            yield sample
+        for i in rng.permutation(len(buf)):
+            yield buf[i]
+
+
+class MixedStream(IterableDataset):
+    """`mix_streams`' result: an iterable dataset, so that it can run inside DataLoader workers (each
+    worker mixes the streams' share of that worker)."""
+
+    def __init__(self, streams: Sequence[Iterable[Any]], weights: Sequence[float], seed: int):
+        if len(streams) != len(weights) or not streams:
+            raise VlbertsError(f"{len(streams)} streams but {len(weights)} weights")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise VlbertsError(f"mixing weights must be >= 0 with a positive sum, got {list(weights)}")
+        self.streams, self.weights, self.seed, self.epoch = list(streams), [float(w) for w in weights], seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        for s in self.streams:
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        rng = np.random.default_rng([self.seed, self.epoch, _reader()[0], 0x313])
+        live = [(iter(s), w) for s, w in zip(self.streams, self.weights) if w > 0]
+        while live:
+            p = np.array([w for _, w in live])
+            i = int(rng.choice(len(live), p=p / p.sum()))
+            try:
+                yield next(live[i][0])
+            except StopIteration:
+                del live[i]  # the others keep their relative weights
+
+
+def mix_streams(streams: Sequence[Iterable[Any]], weights: Sequence[float], seed: int = 0) -> MixedStream:
+    """Each next sample comes from stream i with probability weights[i] / sum(weights), drawn from
+    (seed, epoch, worker), so a mix of deterministic streams is deterministic.
+
+    A stream that runs out is dropped and the rest are renormalised (the mix then ends when all have
+    ended), rather than ending the mix at the first one or restarting it: give `resample=True` streams
+    to keep the proportions fixed forever, which is what pre-training on mixed corpora wants.
+    """
+    return MixedStream(streams, weights, seed)
+
+
+# --------------------------------------------------------------------------- command line
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vlberts.data.shards", description="Write WebDataset-style tar shards "
+                                 "from a region store and its captions.")
+    ap.add_argument("--store", required=True, help="region store (HDF5)")
+    ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples)")
+    ap.add_argument("--split", default="train", help="Karpathy split of --captions")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    ap.add_argument("--prefix", default="shard")
+    ap.add_argument("--image-only", action="store_true", help="also write uncaptioned images as image-only samples")
+    args = ap.parse_args(argv)
+    try:
+        refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
+        index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
+                             image_only=args.image_only)
+    except VlbertsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    obj = read_json(index)
+    print(json.dumps({"index": str(index), "shards": len(obj["shards"]), "samples": obj["samples"], "kinds": obj["kinds"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""WebDataset-style tar shards (issue 6, item 4): exact round trips from the region store, the rank x
+worker split, resampling and weighted mixing, determinism, and one-line errors for damaged shards.
+Every shard is written inside the test from the tiny world's store and captions."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from vlberts.data.coco import read_caption_refs
+from vlberts.data.shards import (
+    REGION_FIELDS,
+    ShardStream,
+    main,
+    mix_streams,
+    read_shard,
+    sample_regions,
+    shards_of_index,
+    split_shards,
+    write_shards,
+)
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.training.distributed import DistInfo
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tiny_world, tmp_path_factory):
+    """Three corpora as shards: image-text (captioned images), image-only (every image), text-only."""
+    out = tmp_path_factory.mktemp("shards")
+    refs = read_caption_refs(tiny_world.captions_train)
+    it = write_shards(tiny_world.store, refs, out, shard_size=7, prefix="it")
+    img = write_shards(tiny_world.store, None, out, shard_size=16, prefix="img")
+    txt = write_shards(None, None, out, shard_size=50, prefix="txt", documents=[r.text for r in refs])
+    return {"it": it, "img": img, "txt": txt, "refs": refs}
+
+
+def _key(sample: dict) -> str:
+    return sample["__key__"]
+
+
+def test_round_trip_is_exact(tiny_world, shard_sets):
+    refs = shard_sets["refs"]
+    by_image: dict[str, list[str]] = {}
+    for r in refs:
+        by_image.setdefault(r.image_id, []).append(r.text)
+    index = json.loads(Path(shard_sets["it"]).read_text())
+    assert index["samples"] == len(by_image) and index["kinds"]["image-text"] == len(by_image)
+    assert [s["samples"] for s in index["shards"]][:-1] == [7] * (len(index["shards"]) - 1)
+
+    store = RegionStore(tiny_world.store, upcast=False)
+    seen = set()
+    for shard in shards_of_index(shard_sets["it"]):
+        for s in read_shard(shard):
+            rec = store.get(s["image_id"])
+            assert s["kind"] == "image-text" and s["captions"] == by_image[s["image_id"]]
+            assert (s["image_w"], s["image_h"]) == (rec.image_w, rec.image_h)
+            for name in REGION_FIELDS:
+                a = getattr(rec, name)
+                if a is None:
+                    assert name not in s
+                else:  # bit-exact, in the store's dtype
+                    assert s[name].dtype == a.dtype and np.array_equal(s[name], a), name
+            regions = sample_regions(s, max_regions=36)
+            assert regions.feats.dtype == np.float32 and len(regions.feats) == min(36, rec.num_boxes)
+            seen.add(s["image_id"])
+    assert seen == set(by_image)
+
+    img = json.loads(Path(shard_sets["img"]).read_text())
+    assert img["kinds"] == {"image-text": 0, "image": len(store), "text": 0}
+    texts = [s["text"] for sh in shards_of_index(shard_sets["txt"]) for s in read_shard(sh)]
+    assert texts == [r.text for r in refs]
+
+
+def _keys_of(index: Path, rank: int, world: int, workers: int, epoch: int) -> list[str]:
+    stream = ShardStream.from_index(index, seed=3, epoch=epoch, buffer=5, dist=DistInfo(rank, world))
+    if workers == 0:
+        return [_key(s) for s in stream]
+    loader = DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_key)
+    return list(loader)
+
+
+def test_rank_worker_split_covers_every_sample_once(shard_sets):
+    index = shard_sets["it"]
+    all_keys = sorted(_key(s) for sh in shards_of_index(index) for s in read_shard(sh))
+    orders = []
+    for epoch in (0, 1):
+        got = [k for rank in (0, 1) for k in _keys_of(index, rank, 2, workers=2, epoch=epoch)]
+        assert sorted(got) == all_keys  # every sample, exactly once, over 2 ranks x 2 workers
+        orders.append(got)
+    assert orders[0] != orders[1]  # a new shard order and shuffle each epoch
+
+    n = len(shards_of_index(index))
+    parts = [split_shards(n, rank=r, world=2, worker=w, num_workers=2, seed=0, epoch=0) for r in (0, 1) for w in (0, 1)]
+    assert sorted(i for p in parts for i in p) == list(range(n))
+
+
+def test_resampling_draws_shards_uniformly_and_forever(shard_sets):
+    shards = shards_of_index(shard_sets["img"])  # 4 shards
+    stream = ShardStream(shards, seed=1, resample=True, dist=DistInfo())
+    draws = Counter(p.name for _, p in zip(range(2000), stream.reader_shards()))
+    p = 1 / len(shards)
+    tol = 4 * (2000 * p * (1 - p)) ** 0.5  # 4 binomial standard deviations
+    assert set(draws) == {s.name for s in shards}
+    assert all(abs(c - 2000 * p) < tol for c in draws.values()), draws
+    total = json.loads(Path(shard_sets["img"]).read_text())["samples"]
+    samples = [s for _, s in zip(range(3 * total), stream)]
+    assert len(samples) == 3 * total  # more than one pass: it never ends
+
+
+def _mixed(shard_sets, seed: int):
+    streams = [ShardStream.from_index(shard_sets[k], seed=seed, resample=True, buffer=20, dist=DistInfo())
+               for k in ("it", "txt", "img")]
+    return mix_streams(streams, [0.5, 0.3, 0.2], seed=seed)
+
+
+def test_mixing_proportions_and_determinism(shard_sets):
+    draws = [s for _, s in zip(range(2000), _mixed(shard_sets, seed=4))]
+    counts = Counter(s["kind"] for s in draws)
+    for kind, w in (("image-text", 0.5), ("text", 0.3), ("image", 0.2)):
+        assert abs(counts[kind] - 2000 * w) < 4 * (2000 * w * (1 - w)) ** 0.5, counts
+    again = [s for _, s in zip(range(2000), _mixed(shard_sets, seed=4))]
+    assert [_key(s) for s in again] == [_key(s) for s in draws]
+    other = [s for _, s in zip(range(2000), _mixed(shard_sets, seed=5))]
+    assert [_key(s) for s in other] != [_key(s) for s in draws]
+
+    # Same seed, same epoch: the same order; a finite stream that runs out is dropped from the mix.
+    a = [_key(s) for s in ShardStream.from_index(shard_sets["it"], seed=9, buffer=8)]
+    assert a == [_key(s) for s in ShardStream.from_index(shard_sets["it"], seed=9, buffer=8)]
+    short = ShardStream.from_index(shard_sets["it"], seed=9, buffer=8)
+    mixed = list(mix_streams([short, ShardStream.from_index(shard_sets["img"], buffer=0)], [0.9, 0.1], seed=0))
+    n_images = json.loads(Path(shard_sets["img"]).read_text())["samples"]
+    assert Counter(s["kind"] for s in mixed) == {"image-text": len(a), "image": n_images}
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:
+    """Copy a shard member by member; `edit(name, data)` returns new bytes, or None to drop the member."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.USTAR_FORMAT) as tout:
+        for info in tin:
+            data = edit(info.name, tin.extractfile(info).read())
+            if data is not None:
+                info.size = len(data)
+                tout.addfile(info, io.BytesIO(data))
+
+
+def _error(shard: Path) -> str:
+    with pytest.raises(VlbertsError) as e:
+        list(read_shard(shard))
+    msg = str(e.value)
+    assert "\n" not in msg and shard.name in msg
+    return msg
+
+
+def test_damaged_shards_name_shard_and_key(shard_sets, tmp_path):
+    src = shards_of_index(shard_sets["it"])[0]
+    keys = [_key(s) for s in read_shard(src)]
+    victim = keys[2]
+
+    garbage = tmp_path / "garbage.tar"
+    _rewrite(src, garbage, lambda n, d: b"not an npy file" if n == f"{victim}.features.npy" else d)
+    assert f"key {victim}" in _error(garbage) and "features.npy" in _error(garbage)
+
+    missing = tmp_path / "missing.tar"
+    _rewrite(src, missing, lambda n, d: None if n == f"{victim}.boxes.npy" else d)
+    assert f"key {victim}" in _error(missing) and "boxes.npy" in _error(missing)
+
+    data = src.read_bytes()
+    cut = tmp_path / "cut.tar"  # cut inside the features of the third sample
+    with tarfile.open(src) as t:
+        member = next(m for m in t if m.name == f"{victim}.features.npy")
+    cut.write_bytes(data[: member.offset_data + 100])
+    assert f"key {victim}" in _error(cut)
+
+    headless = tmp_path / "headless.tar"  # cut at a member boundary: tarfile alone would stop quietly
+    headless.write_bytes(data[: member.offset])
+    msg = _error(headless)
+    assert "truncated" in msg and f"key {victim}" in msg
+
+    # Through the stream, the same one-line error reaches the caller.
+    with pytest.raises(VlbertsError, match="garbage.tar"):
+        list(ShardStream([garbage], buffer=0, dist=DistInfo()))
+
+
+def test_command_line(tiny_world, tmp_path, capsys):
+    assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
+                 "--out", str(tmp_path / "s"), "--shard-size", "25"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar")))
+    assert main(["--store", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "t")]) == 2
+    assert "nope.h5" in capsys.readouterr().err
