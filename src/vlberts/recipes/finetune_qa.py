@@ -26,7 +26,6 @@ torchrun, checkpointed and exactly resumable, then predict + score. The task rec
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,6 @@ import torch
 from safetensors.torch import load_file
 
 from vlberts.data.regions import RegionSource
-from vlberts.data.sampling import Position, update_seed
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, detector_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
@@ -48,23 +46,12 @@ from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import load_into
 from vlberts.models.wvisualbert import WVisualBertForVQA
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads
+from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates
 from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
-from vlberts.training.distributed import (
-    DistInfo,
-    barrier,
-    broadcast_parameters,
-    init_distributed,
-    local_device,
-    sum_over_ranks,
-    merge_over_ranks,
-    sync_gradients,
-)
-from vlberts.training.loop import batches, loss_shares, start_or_resume, update
-from vlberts.training.metrics import MetricsLog
-from vlberts.training.optim import build_optimizer, linear_warmup_decay
+from vlberts.training.checkpoint import read_model_config, save_model_dir
+from vlberts.training.distributed import DistInfo, barrier, init_distributed, local_device, merge_over_ranks
 
 LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
 
@@ -81,36 +68,18 @@ VQA_MODELS: dict[str, Callable[[Any, int], VQAModel]] = {
 
 
 @dataclass(frozen=True)
-class FinetuneQAConfig:
-    """The settings every answer-classifier task shares; each task recipe adds its files and defaults."""
+class FinetuneQAConfig(FinetuneConfig):
+    """The settings every answer-classifier task shares (the loop's, `FinetuneConfig`, and these); each task
+    recipe adds its files and defaults."""
 
-    init: str = opt("", "pre-trained vlberts model directory (e.g. a pretrain run's RUN/model)")
     train_questions: str = opt("", "questions json of the training split")
     eval_questions: str = opt("", "questions json to predict and score after training (optional)")
-    features: str = opt("", "region-feature store holding every image")
     out: str = opt("runs/qa", "run directory")
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes")
     loss: str = opt("auto", "auto (the architecture's paper: kl for VisualBERT, bce for the others), bce (BCE x answers) or kl")
-    epochs: float = opt(10.0, "passes over the training questions")
-    batch_size: int = opt(64, "examples per micro-batch")
-    grad_accum: int = opt(1, "micro-batches per update")
-    lr: float = opt(5e-5, "peak learning rate")
-    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised answer classifier")
-    warmup: float = opt(0.1, "fraction of updates spent warming up")
-    weight_decay: float = opt(0.01, "AdamW weight decay")
-    clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
     max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
-    seed: int = opt(0, "seed of head initialisation and data order")
-    log_every: int = opt(10, "updates between metrics records")
-    ckpt_every: int = opt(500, "updates between checkpoints")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
-    length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
-    num_workers: int = opt(0, "DataLoader worker processes")
-    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     eval_batch_size: int = opt(256, "examples per prediction batch")
-    stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
     skip_bad: bool = opt(False, "drop malformed question/annotation records and questions whose image is not in "
                                 "the store, counting them (a warning and metrics.json's skipped_records), "
                                 "instead of stopping at the first")
@@ -257,67 +226,18 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
-    model.to(device)
     data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
                    target=task.target)
-
-    steps = max(1, round(cfg.epochs * len(data) / (cfg.batch_size * cfg.grad_accum)))
-    head = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    if cfg.head_lr_mult != 1.0:  # a separate group for the new classifier
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
-        optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
-    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
-
-    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
-    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
-    broadcast_parameters(model, dist)
-    stream = batches(
-        data, lambda ex: collate_vqa(ex, len(vocab), tok.pad_id), batch_size=cfg.batch_size, seed=cfg.seed,
-        start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
-    )
     extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head}
-
-    model.train()
-    step, done_here = state.step, 0
-    t0 = time.perf_counter()
-    with progress(disable=None if dist.main else True) as bar:
-        bar_task = bar.add_task(f"fine-tune {task.name.upper()}", total=steps, completed=step, info="")
-        while step < steps:
-            torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
-            total = 0.0
-            micro = []
-            for _ in range(cfg.grad_accum):
-                batch, pos = next(stream)
-                micro.append(batch.to(device, non_blocking=True))
-            # The losses are means over questions: each micro-batch weighs by its share of the update's
-            # questions on every rank, so the update is the same however it is split (`loss_shares`).
-            shares = loss_shares([{"loss": float(len(b.targets))} for b in micro], dist)
-            for batch, share in zip(micro, shares):
-                with autocast(device, cfg.precision):
-                    logits = model.answer_logits(batch)
-                loss = loss_fn(logits.float(), batch.targets) * share["loss"]
-                loss.backward()
-                total += loss.item()
-            sync_gradients(model, dist)
-            grad_norm = update(model, optimizer, scheduler, cfg.clip)
-            step += 1
-            done_here += 1
-            bar.update(bar_task, completed=step)
-            if step % cfg.log_every == 0 or step == steps:  # the update's loss: the ranks' shares summed
-                total = sum_over_ranks({"loss": total}, dist)["loss"]
-                bar.update(bar_task, info=f"loss {total:.3f}")
-            if log is not None and (step % cfg.log_every == 0 or step == steps):
-                log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                           "seconds": round(time.perf_counter() - t0, 3)})
-            if (step % cfg.ckpt_every == 0 or step == steps) and dist.main:
-                save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra)
-            if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
-                return None
+    done = finetune_loop(
+        cfg, out=out, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
+        collate=lambda ex: collate_vqa(ex, len(vocab), tok.pad_id),
+        loss=lambda b: loss_fn(model.answer_logits(b).float(), b.targets), count=lambda b: len(b.targets),
+        label=f"fine-tune {task.name.upper()}", lengths=data.lengths() if cfg.length_group > 1 else None,
+    )
+    if not done:
+        return None
 
     final = out / "model"
     if dist.main:
@@ -326,7 +246,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
 
     metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
-               "steps": steps}
+               "steps": num_updates(cfg, len(data))}
     if cfg.eval_questions:
         preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
                            max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,

@@ -1,0 +1,84 @@
+"""Any architecture's encoder behind one call, for the task heads (SPEC §4).
+
+Every downstream task head (NLVR2, RefCOCO+, retrieval, VCR, phrase grounding) sits on the final
+hidden states of a pre-trained encoder (`VLOutput`: text, vision, pooled, ViLBERT's h_IMG). `VLEncoder`
+wraps the architecture's encoder module so that a head is written once for every architecture:
+
+    enc = VLEncoder(cfg)                     # the arch's encoder (VisualBertModel, LxmertModel, ...)
+    out = enc(inputs, tags=tags)             # VLOutput; tags only reach W-VisualBERT (§3.2)
+    load_encoder_weights(enc, "runs/pt/model")   # from a pre-training or fine-tuned model directory
+
+Checkpoints keep each architecture's encoder under its own name (`ENCODER_PREFIX`: `bert.` for the
+single-stream models and ViLBERT, `lxmert.` for LXMERT), in pre-training and fine-tuned models alike,
+so `load_encoder_weights` reads the encoder of either and leaves every head behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from vlberts.data.batch import TagInputs, VLInputs
+from vlberts.errors import VlbertsError
+from vlberts.models.builders import arch_of
+from vlberts.models.lxmert import LxmertModel
+from vlberts.models.outputs import VLOutput
+from vlberts.models.vilbert import ViLBertModel
+from vlberts.models.visualbert import VisualBertModel
+from vlberts.models.vlbert import VLBertModel
+from vlberts.models.weights import load_into, read_state_dict
+from vlberts.models.wvisualbert import WVisualBertModel
+
+ENCODERS: dict[str, type[nn.Module]] = {
+    "visualbert": VisualBertModel,
+    "lxmert": LxmertModel,
+    "vilbert": ViLBertModel,
+    "vlbert": VLBertModel,
+    "wvisualbert": WVisualBertModel,
+}
+
+# the name each architecture's encoder has inside its pre-training and VQA models (and so in checkpoints)
+ENCODER_PREFIX = {"visualbert": "bert", "lxmert": "lxmert", "vilbert": "bert", "vlbert": "bert", "wvisualbert": "bert"}
+
+
+class VLEncoder(nn.Module):
+    """The encoder of the config's architecture; `forward` returns its `VLOutput`."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = arch_of(cfg)
+        self.model = ENCODERS[self.arch](cfg)
+
+    @property
+    def reads_tags(self) -> bool:
+        """Whether batches must carry detector tags (W-VisualBERT with tags on)."""
+        return self.arch == "wvisualbert" and bool(self.cfg.use_tags)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of `VLOutput.text` and `.pooled`."""
+        return self.cfg.hidden_size
+
+    @property
+    def vision_size(self) -> int:
+        """Width of `VLOutput.vision` (ViLBERT's visual stream has its own)."""
+        return getattr(self.cfg, "v_hidden_size", self.cfg.hidden_size)
+
+    def forward(self, x: VLInputs, tags: TagInputs | None = None, need_attn: bool = False) -> VLOutput:
+        if self.arch == "wvisualbert":
+            return self.model(x, tags, need_attn=need_attn)
+        return self.model(x, need_attn=need_attn)
+
+
+def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> None:
+    """Load the encoder of a vlberts model directory (pre-training or fine-tuned) into `encoder`, strictly:
+    every encoder weight must be there."""
+    sd = read_state_dict(directory)
+    prefix = ENCODER_PREFIX[encoder.arch] + "."
+    mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    if not mine:
+        raise VlbertsError(f"no {encoder.arch} encoder weights (keys {prefix}*) in model directory", path=directory)
+    load_into(encoder.model, mine, source=directory)

@@ -1,0 +1,148 @@
+"""The fine-tuning loop every downstream task shares (SPEC §4, §6).
+
+A task recipe builds its model (a pre-trained encoder and a new head), its dataset and collate function,
+and says how a batch is scored; `finetune_loop` does the rest the same way for every task:
+
+* data-parallel under torchrun: each rank takes its slice of every global batch (`training.loop.batches`),
+  its loss weighted by its share of the update's examples (`loss_shares`), gradients summed over ranks,
+  so the update is the same however the batch is split over ranks and micro-batches;
+* AdamW with linear warm-up and decay (an optional separate learning rate for the new head), clipping;
+* checkpoints every `ckpt_every` updates (rank 0, atomic), resumed exactly: data position, optimizer,
+  schedule and dropout seeds (`start_or_resume`);
+* a progress bar and OUT/metrics.jsonl records of the loss, learning rate and gradient norm.
+
+`FinetuneConfig` holds these loop settings; each task's run config extends it with its files and defaults.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vlberts.data.sampling import Position, update_seed
+from vlberts.recipes.common import autocast, opt, progress
+from vlberts.training.checkpoint import TrainState, save_checkpoint
+from vlberts.training.distributed import DistInfo, broadcast_parameters, sum_over_ranks, sync_gradients
+from vlberts.training.loop import batches, loss_shares, start_or_resume, update
+from vlberts.training.metrics import MetricsLog
+from vlberts.training.optim import build_optimizer, linear_warmup_decay
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """The settings of the shared fine-tuning loop (module docstring)."""
+
+    init: str = opt("", "pre-trained vlberts model directory (e.g. a pretrain run's RUN/model)")
+    features: str = opt("", "region-feature store holding every image")
+    out: str = opt("runs/finetune", "run directory")
+    epochs: float = opt(10.0, "passes over the training examples")
+    batch_size: int = opt(64, "examples per micro-batch")
+    grad_accum: int = opt(1, "micro-batches per update")
+    lr: float = opt(5e-5, "peak learning rate")
+    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised head")
+    warmup: float = opt(0.1, "fraction of updates spent warming up")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
+    seed: int = opt(0, "seed of head initialisation and data order")
+    log_every: int = opt(10, "updates between metrics records")
+    ckpt_every: int = opt(500, "updates between checkpoints")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
+    num_workers: int = opt(0, "DataLoader worker processes")
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
+    stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+
+
+def num_updates(cfg: FinetuneConfig, examples: int) -> int:
+    """Updates of `cfg.epochs` passes over `examples` (at least one)."""
+    return max(1, round(cfg.epochs * examples / (cfg.batch_size * cfg.grad_accum)))
+
+
+def finetune_loop(
+    cfg: FinetuneConfig,
+    *,
+    out: Path,
+    model: nn.Module,
+    model_cfg: Any,
+    data: Any,
+    collate: Callable[[list], Any],
+    loss: Callable[[Any], Tensor],
+    count: Callable[[Any], float],
+    label: str,
+    device: torch.device,
+    dist: DistInfo,
+    extra: dict[str, Any] | None = None,
+    head_prefixes: Sequence[str] = ("classifier.",),
+    lengths: Any = None,
+) -> bool:
+    """Train `model` on `data` for `num_updates(cfg, len(data))` updates; True when done, False when
+    stopped early by `stop_after` (a checkpoint to resume from is on disk then, if one was due).
+
+    `collate` turns a list of `data` items into a batch with a `.to(device)`; `loss(batch)` is the batch's
+    mean loss (the model is called inside); `count(batch)` the number of examples that mean is over (the
+    loss weights by it across micro-batches and ranks). `extra` goes into every checkpoint's config.json.
+    Parameters whose names start with one of `head_prefixes` form the head (`head_lr_mult`).
+    """
+    model.to(device)
+    steps = num_updates(cfg, len(data))
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    if cfg.head_lr_mult != 1.0:  # a separate group for the new head
+        head = [p for n, p in model.named_parameters() if n.startswith(tuple(head_prefixes))]
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
+        optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
+    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
+
+    state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    broadcast_parameters(model, dist)
+    stream = batches(
+        data, collate, batch_size=cfg.batch_size, seed=cfg.seed, start=Position.from_dict(state.data),
+        num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+        lengths=lengths if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
+    )
+
+    model.train()
+    step, done_here = state.step, 0
+    t0 = time.perf_counter()
+    with progress(disable=None if dist.main else True) as bar:
+        bar_task = bar.add_task(label, total=steps, completed=step, info="")
+        while step < steps:
+            torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
+            total = 0.0
+            micro = []
+            for _ in range(cfg.grad_accum):
+                batch, pos = next(stream)
+                micro.append(batch.to(device, non_blocking=True))
+            # Each micro-batch's mean loss weighs by its share of the update's examples on every rank,
+            # so the update is the same however it is split (`loss_shares`).
+            shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
+            for batch, share in zip(micro, shares):
+                with autocast(device, cfg.precision):
+                    value = loss(batch).float() * share["loss"]
+                value.backward()
+                total += value.item()
+            sync_gradients(model, dist)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip)
+            step += 1
+            done_here += 1
+            bar.update(bar_task, completed=step)
+            if step % cfg.log_every == 0 or step == steps:  # the update's loss: the ranks' shares summed
+                total = sum_over_ranks({"loss": total}, dist)["loss"]
+                bar.update(bar_task, info=f"loss {total:.3f}")
+                if log is not None:
+                    log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                               "seconds": round(time.perf_counter() - t0, 3)})
+            if (step % cfg.ckpt_every == 0 or step == steps) and dist.main:
+                save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra or {})
+            if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
+                return False
+    return True
