@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
 ROW_KEYS = {
@@ -68,3 +70,25 @@ def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
     proc = subprocess.run([str(VLBERTS), "compare", "--tasks=vqa,nlvr3", "--out", str(out)], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown task 'nlvr3' in --tasks; valid: vqa, gqa" in proc.stderr
     assert not out.exists()
+
+    proc = subprocess.run([str(VLBERTS), "compare", "--seeds=0,x", "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--seeds must be comma-separated integers" in proc.stderr
+    assert not out.exists()
+
+
+def test_compare_over_seeds_reports_mean_and_std(tmp_path):
+    out = tmp_path / "cmp"
+    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert", "--seeds=0,1", "--out", str(out),
+                           *TOY], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads((out / "comparison.json").read_text())["archs"]["visualbert"]
+    runs = row["runs"]
+    assert [r["seed"] for r in runs] == row["seed"] == [0, 1]
+    for r, seed in zip(runs, (0, 1)):  # each seed's run in its own directory, with that seed
+        summary = json.loads((out / "visualbert" / f"seed-{seed}" / "summary.json").read_text())
+        assert summary["seed"] == seed and r["vqa_accuracy"] == summary["vqa_accuracy"]
+    vqa = np.array([r["vqa_accuracy"] for r in runs])
+    assert row["vqa_accuracy"] == round(vqa.mean(), 2) and row["vqa_accuracy_std"] == round(vqa.std(), 2)
+    assert row["grounding_best_head"] == ",".join(r["grounding_best_head"] for r in runs)
+    md = (out / "comparison.md").read_text()
+    assert f"{row['vqa_accuracy']:.2f} ± {row['vqa_accuracy_std']:.2f}" in md

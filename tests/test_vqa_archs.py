@@ -30,7 +30,7 @@ from vlberts.recipes.finetune_vqa import (
     vqa_data,
 )
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
-from vlberts.tasks.vqa import build_answer_vocab
+from vlberts.tasks.vqa import AnswerVocab, build_answer_vocab
 from vlberts.text.tokenizer import TextTokenizer
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
@@ -85,7 +85,7 @@ def test_finetune_evaluate_and_reload(tiny_world, pretrained, tmp_path, arch):
 
     # The encoder of a freshly built VQA model is the pre-training checkpoint's, tensor for tensor.
     sd = load_file(str(pretrained[arch] / "model.safetensors"))
-    model, _ = build_vqa_model(pretrained[arch], 5)
+    model, _ = build_vqa_model(pretrained[arch], AnswerVocab(("a", "b", "c", "d", "e")))
     own = model.state_dict()
     encoder = [k for k in own if k.startswith(model.encoder_name + ".")]
     assert encoder and all(torch.equal(own[k], sd[k]) for k in encoder)
@@ -102,7 +102,7 @@ def _reloaded(world, pretrained, arch: str):
     """A VQA model built from the pre-trained directory, in eval mode, with its tokenizer and a vocabulary."""
     tq, ta = world.vqa("train")
     vocab = build_answer_vocab(read_vqa(tq, ta), 2)
-    model, _ = build_vqa_model(pretrained[arch], len(vocab))
+    model, _ = build_vqa_model(pretrained[arch], vocab)
     return model.eval(), TextTokenizer.load(pretrained[arch]), vocab
 
 

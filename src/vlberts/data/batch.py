@@ -98,6 +98,7 @@ class PretrainBatch:
     regions: RegionTargets | None = None  # masked-region targets; None = regions never masked (VisualBERT)
     tags: TagInputs | None = None  # W-VisualBERT detector tags (inputs, after masking)
     tag_labels: Tensor | None = None  # (B, L) long, original tag subword where masked, -100 elsewhere
+    qa_targets: Tensor | None = None  # (B,) long, LXMERT image-QA answer index, -1 = none (unmatched, caption)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PretrainBatch:
         return _to(self, device, non_blocking)

@@ -16,7 +16,7 @@ draws from the same (seed, epoch, index) stream as the text masking, after it, s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,11 @@ from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
-from vlberts.objectives.matching import drop_unmatched
+from vlberts.objectives.matching import drop_unmatched, sample_qa_target
 from vlberts.objectives.regions import RegionMaskRule, mask_regions, mask_tags_jointly
 from vlberts.objectives.text import Source
 from vlberts.text.masking import IGNORE_INDEX, mask_tokens
+from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 
 MATCH, MISMATCH = 0, 1
@@ -105,6 +106,7 @@ class CaptionPretrainData:
         token_probs: Mapping[int, float] | None = None,
         mismatch_prob: float = 0.0,
         region_setup: RegionSetup = RegionSetup(),
+        qa_targets: Sequence[SoftTarget] | None = None,
     ):
         if not captions:
             raise ValueError("no captions to pre-train on")
@@ -129,6 +131,11 @@ class CaptionPretrainData:
         self.setup = region_setup
         if (pairs or mismatch_prob > 0) and len(self.by_image) < 2:
             raise ValueError("sentence-image prediction needs captions of at least two images")
+        # LXMERT image QA (data/pretrain_qa.py): per sentence, its target over the answer table (no labels
+        # for captions); None: no example carries a QA target.
+        if qa_targets is not None and (pairs or len(qa_targets) != len(captions)):
+            raise ValueError("QA targets need single-sentence examples and one target per sentence")
+        self.qa_targets = qa_targets
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -190,6 +197,10 @@ class CaptionPretrainData:
             "image_id": int(cap.image_id) if cap.image_id.isdigit() else index,
         }
         example.update(self._region_side(rec, regions, cap.image_id, rng))
+        if self.qa_targets is not None:  # LXMERT §3.1.3: the answer is a label only when the pair is matched
+            t = self.qa_targets[index]
+            k = sample_qa_target(np.asarray(t.scores), rng) if label == MATCH and t.labels else -1
+            example["qa_target"] = t.labels[k] if k >= 0 else -1
         return example
 
     def _region_side(self, rec: Any, regions: Regions, image: str, rng: np.random.Generator) -> dict:
@@ -274,6 +285,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         regions=targets,
         tags=tags,
         tag_labels=tag_labels,
+        qa_targets=torch.tensor([e["qa_target"] for e in examples], dtype=torch.long) if "qa_target" in examples[0] else None,
     )
 
 

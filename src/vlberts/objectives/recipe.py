@@ -15,9 +15,9 @@ matching-label convention and region masking rule, and the one function that com
                                                                            batches (unpaired)
 
 Objectives are composable: `parse_objectives("mlm=1,match=0.5", recipe, model_cfg)` gives the weights of a
-run; a name the architecture has no head for is a one-line error. LXMERT's image QA (§3.1.3) has its loss
-(`matching.qa_loss`) and head, but pre-training data with questions (a joint answer table) is not wired
-into this recipe, so it is not offered here.
+run; a name the architecture has no head for is a one-line error. LXMERT's image QA (§3.1.3, `qa`) is
+trained when the run is given questions (`data.pretrain_qa`: questions as sentences, answers over a joint
+answer table), only for the last part of training (§3.3: the last 10 of 20 epochs; `qa_from_step`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from vlberts.data.batch import PretrainBatch
 from vlberts.errors import VlbertsError
-from vlberts.objectives.matching import Convention, matching_loss
+from vlberts.objectives.matching import Convention, matching_loss, qa_loss
 from vlberts.objectives.mlm import masked_positions, mlm_loss
 from vlberts.objectives.regions import (
     LXMERT_REGION_MASK,
@@ -58,6 +58,7 @@ OBJECTIVES: dict[str, tuple[str, Modality]] = {
     "obj": ("LXMERT detected-object classification (confidence-weighted, all regions)", "image"),
     "attr": ("LXMERT detected-attribute classification (confidence-weighted, all regions)", "image"),
     "tag_mlm": ("W-VisualBERT detector-tag MLM with the shared softmax, tags masked jointly with regions", "image"),
+    "qa": ("LXMERT image QA over the joint answer table (needs questions; the last part of training)", "pair"),
 }
 
 # Store quantities a head's size is taken from (see `ArchRecipe.head_sizes`).
@@ -120,7 +121,7 @@ RECIPES: dict[str, ArchRecipe] = {
     ),
     "lxmert": ArchRecipe(
         arch="lxmert", paper="LXMERT §3.1", objectives={"mlm": 1.0, "feat": 1.0, "obj": 1.0, "attr": 1.0, "match": 1.0},
-        head_switch=_LXMERT_HEADS, match_convention="lxmert", region_rule=LXMERT_REGION_MASK,
+        head_switch={**_LXMERT_HEADS, "qa": "num_qa_labels"}, match_convention="lxmert", region_rule=LXMERT_REGION_MASK,
         replace_from_other_image=True, head_sizes=_LXMERT_SIZES,
     ),
     "wvisualbert": ArchRecipe(
@@ -204,9 +205,13 @@ def _tag_mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
     return tag_mlm_loss(out.tag_logits, batch.tag_labels)
 
 
+def _qa(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    return qa_loss(out.qa_logits, batch.qa_targets, batch.qa_targets >= 0, batch.matched)
+
+
 LOSSES = {
     "mlm": _mlm, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
-    "attr": _attr, "tag_mlm": _tag_mlm,
+    "attr": _attr, "tag_mlm": _tag_mlm, "qa": _qa,
 }
 
 
@@ -224,6 +229,7 @@ COUNTS = {
     "obj": lambda batch: batch.regions.masked.numel(),
     "attr": lambda batch: batch.regions.masked.numel(),
     "tag_mlm": lambda batch: masked_positions(batch.tag_labels).sum(),
+    "qa": lambda batch: ((batch.qa_targets >= 0) & batch.matched).sum(),
 }
 
 

@@ -4,6 +4,8 @@
     2. per architecture  the demo's steps 3-7 (pretrain -> probe -> VQA   OUT/ARCH/ (pretrain/, vqa/,
                          -> grounding -> summary) with the same settings   grounding/, summary.json, report.html)
     + with --tasks=vqa,gqa, GQA fine-tuning from the same checkpoint          OUT/ARCH/gqa/
+    + with --seeds=0,1,2, step 2 once per seed (pre-training, fine-tuning;     OUT/ARCH/seed-S/
+      the world and features stay those of --seed), reported as mean and std
     3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
 
 What each paper argues about (one stream or two, which objectives help) only shows when everything else
@@ -21,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import VlbertsError
@@ -43,6 +47,8 @@ class CompareConfig(DemoConfig):
     archs: str = opt(",".join(ARCHS), "comma-separated architectures, each pre-trained with its paper's objectives")
     tasks: str = opt("vqa", "downstream tasks fine-tuned from each checkpoint: vqa, or vqa,gqa (GQA with VQA's "
                      "epochs, batch and learning rate)")
+    seeds: str = opt("", "comma-separated seeds: each architecture is pre-trained and fine-tuned once per seed on the "
+                     "same world and features (those of --seed), the table shows mean ± std; empty: --seed only")
 
 
 TASKS = ("vqa", "gqa")  # vqa is part of every run (the demo's step 5)
@@ -73,6 +79,19 @@ def arch_list(cfg: CompareConfig) -> list[str]:
     return names
 
 
+def seed_list(cfg: CompareConfig) -> list[int]:
+    """The seeds of the model runs: --seeds, or --seed alone; a malformed or repeated seed is an error."""
+    if not cfg.seeds.strip():
+        return [cfg.seed]
+    try:
+        seeds = [int(x) for x in cfg.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise VlbertsError(f"--seeds must be comma-separated integers, got {cfg.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise VlbertsError(f"--seeds must name distinct seeds, got {cfg.seeds!r}")
+    return seeds
+
+
 def task_list(cfg: CompareConfig) -> list[str]:
     """The downstream tasks, vqa first; an unknown name is an error."""
     names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
@@ -98,10 +117,48 @@ def run_gqa(cfg: DemoConfig, arch_out: Path, world: Path, features: Path) -> dic
     return read_json(arch_out / "gqa" / "metrics.json")
 
 
-def arch_config(cfg: CompareConfig, arch: str, out: Path) -> DemoConfig:
-    """The demo config that runs `arch` into OUT: every shared setting copied from `cfg` unchanged."""
+def arch_config(cfg: CompareConfig, arch: str, out: Path, seed: int | None = None) -> DemoConfig:
+    """The demo config that runs `arch` into OUT: every shared setting copied from `cfg` unchanged, with
+    the model runs' `seed` (default: cfg's)."""
     shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DemoConfig)}
-    return DemoConfig(**{**shared, "arch": arch, "model": "", "out": str(out)})
+    return DemoConfig(**{**shared, "arch": arch, "model": "", "out": str(out), "seed": cfg.seed if seed is None else seed})
+
+
+def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """One architecture, one seed: the demo's steps 3-7 and the extra tasks; its comparison row."""
+    s = run_model(acfg, arch_out, out / "world", out / "features.h5", log)
+    row = {
+        "arch": acfg.arch,
+        "seed": acfg.seed,
+        "params": count_parameters(arch_out / "pretrain" / "model"),
+        "pretrain_seconds": s["timings"]["pretrain"],
+        **{k: s[k] for k in HEADLINE},
+    }
+    if "gqa" in tasks:
+        t = time.perf_counter()
+        g = run_gqa(acfg, arch_out, out / "world", out / "features.h5")
+        row.update(gqa_accuracy=g["accuracy"], gqa_majority_baseline=g["majority_baseline"],
+                   gqa_seconds=round(time.perf_counter() - t, 1))
+        log(f"GQA test-dev accuracy {g['accuracy']:.2f}% (majority-answer baseline {g['majority_baseline']:.2f}%)")
+    return row
+
+
+# Numbers that vary with the seed: averaged over seeds, with their standard deviation as KEY_std.
+SEED_VARYING = ("mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "grounding_best_head_acc",
+                "gqa_accuracy", "pretrain_seconds", "gqa_seconds", "seconds")
+
+
+def mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for several seeds: the seed-varying numbers' mean and (population) standard deviation, the
+    best grounding head and layer of each seed, each seed's own row under `runs`."""
+    row = {k: v for k, v in runs[0].items() if k not in SEED_VARYING}
+    for key in SEED_VARYING:
+        if key in runs[0]:
+            values = np.array([r[key] for r in runs], dtype=float)
+            row[key], row[key + "_std"] = round(float(values.mean()), 2), round(float(values.std()), 2)
+    row.update(seed=[r["seed"] for r in runs], grounding_best_head=",".join(r["grounding_best_head"] for r in runs),
+               grounding_best_layer=[r["grounding_best_layer"] for r in runs], runs=runs)
+    return row
 
 
 def count_parameters(model_dir: Path) -> int:
@@ -113,29 +170,20 @@ def count_parameters(model_dir: Path) -> int:
 def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the world and features once, run every architecture on them; returns what comparison.json holds."""
     set_threads()
-    archs, tasks = arch_list(cfg), task_list(cfg)  # bad names fail before any work
+    archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
     prepare_out(out, command="compare")
     t0 = time.perf_counter()
     inputs = build_inputs(cfg, out, log)
     rows: dict[str, dict[str, Any]] = {}
     for arch in archs:
-        log(f"--- {arch} ---")
-        arch_out = out / arch
-        arch_out.mkdir()
-        s = run_model(arch_config(cfg, arch, arch_out), arch_out, out / "world", out / "features.h5", log)
-        rows[arch] = {
-            "arch": arch,
-            "params": count_parameters(arch_out / "pretrain" / "model"),
-            "pretrain_seconds": s["timings"]["pretrain"],
-            **{k: s[k] for k in HEADLINE},
-        }
-        if "gqa" in tasks:
-            t = time.perf_counter()
-            g = run_gqa(arch_config(cfg, arch, arch_out), arch_out, out / "world", out / "features.h5")
-            rows[arch].update(gqa_accuracy=g["accuracy"], gqa_majority_baseline=g["majority_baseline"],
-                              gqa_seconds=round(time.perf_counter() - t, 1))
-            log(f"GQA test-dev accuracy {g['accuracy']:.2f}% (majority-answer baseline {g['majority_baseline']:.2f}%)")
+        runs = []
+        for seed in seeds:
+            log(f"--- {arch} ---" if len(seeds) == 1 else f"--- {arch}, seed {seed} ---")
+            arch_out = out / arch if len(seeds) == 1 else out / arch / f"seed-{seed}"
+            arch_out.mkdir(parents=True)
+            runs.append(run_arch(arch_config(cfg, arch, arch_out, seed), arch_out, out, tasks, log))
+        rows[arch] = runs[0] if len(seeds) == 1 else mean_row(runs)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("arch", "model")}
     result = {"settings": settings, "inputs_seconds": inputs, "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
@@ -148,8 +196,18 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
+def _acc(r: dict[str, Any], key: str) -> str:
+    """An accuracy in %, as mean ± std when the row averages seeds."""
+    return f"{r[key]:.2f} ± {r[key + '_std']:.2f}" if key + "_std" in r else f"{r[key]:.2f}"
+
+
+def _layers(r: dict[str, Any]) -> str:
+    layers = r["grounding_best_layer"]
+    return ",".join(map(str, layers)) if isinstance(layers, list) else str(layers)
+
+
 def markdown_table(result: dict[str, Any]) -> str:
-    """comparison.md: one row per architecture, accuracies in %."""
+    """comparison.md: one row per architecture, accuracies in % (mean ± std over seeds with --seeds)."""
     gqa = all("gqa_accuracy" in r for r in result["archs"].values()) and bool(result["archs"])
     lines = [
         "| arch | params | pretrain s | probe with / zeroed | VQA / majority | "
@@ -159,10 +217,10 @@ def markdown_table(result: dict[str, Any]) -> str:
     for r in result["archs"].values():
         lines.append(
             f"| {r['arch']} | {_params(r['params'])} | {r['pretrain_seconds']:.1f} "
-            f"| {r['mlm_visual_word_acc']:.2f} / {r['mlm_visual_word_acc_regions_zeroed']:.2f} "
-            f"| {r['vqa_accuracy']:.2f} / {r['vqa_majority_baseline']:.2f} "
-            + (f"| {r['gqa_accuracy']:.2f} / {r['gqa_majority_baseline']:.2f} " if gqa else "")
-            + f"| {r['grounding_best_head']} {r['grounding_best_head_acc']:.2f} ({r['grounding_best_layer']}/{r['num_layers']}) "
+            f"| {_acc(r, 'mlm_visual_word_acc')} / {_acc(r, 'mlm_visual_word_acc_regions_zeroed')} "
+            f"| {_acc(r, 'vqa_accuracy')} / {r['vqa_majority_baseline']:.2f} "
+            + (f"| {_acc(r, 'gqa_accuracy')} / {r['gqa_majority_baseline']:.2f} " if gqa else "")
+            + f"| {r['grounding_best_head']} {_acc(r, 'grounding_best_head_acc')} ({_layers(r)}/{r['num_layers']}) "
             f"/ {r['grounding_baseline_acc']:.2f} |"
         )
     return "\n".join(lines)

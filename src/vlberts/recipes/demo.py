@@ -32,7 +32,7 @@ from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
-from vlberts.models.builders import ARCHS, arch_of
+from vlberts.models.builders import ARCHS, arch_of, model_config
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
 from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
 from vlberts.recipes.extract import ExtractConfig, extract
@@ -65,6 +65,9 @@ class DemoConfig:
     vqa_epochs: float = opt(1.25, "VQA fine-tuning epochs")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
+    lxmert_qa: bool = opt(False, "LXMERT also pre-trains image QA (§3.1.3) on the world's VQA and GQA training "
+                          "questions (12 per image beside 5 captions), the QA loss in the last half; default off: "
+                          "README, \"LXMERT's image QA\"")
     detector_epochs: int = opt(3, "world-detector training epochs")
     detector_steps: int = opt(600, "cap on world-detector updates")
     device: str = opt("auto", "auto, cpu, cuda")
@@ -184,6 +187,12 @@ def run_model(
         seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
         device=cfg.device, preload_features=True,
     )
+    if cfg.lxmert_qa and arch_of(model_config(model)) == "lxmert":  # LXMERT §3.2: questions join the sentences
+        pre_cfg = replace(
+            pre_cfg, qa_vqa_questions=str(world / "vqa" / "v2_OpenEnded_world_train_questions.json"),
+            qa_vqa_annotations=str(world / "vqa" / "v2_world_train_annotations.json"),
+            qa_gqa_questions=str(world / "gqa" / "train_balanced_questions.json"),
+        )
     run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")
     model_dir = Path(pre_cfg.out) / "model"
     _record(timings, "pretrain", t)

@@ -80,6 +80,8 @@ class FinetuneQAConfig(FinetuneConfig):
     max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
     eval_batch_size: int = opt(256, "examples per prediction batch")
+    qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
+                                   "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
     skip_bad: bool = opt(False, "drop malformed question/annotation records and questions whose image is not in "
                                 "the store, counting them (a warning and metrics.json's skipped_records), "
                                 "instead of stopping at the first")
@@ -107,20 +109,45 @@ def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:
     return VQA_MODELS[arch_of(model_cfg)](model_cfg, num_answers)
 
 
-def build_qa_model(init: str | Path, num_answers: int) -> tuple[VQAModel, Any]:
-    """An answer-classifier model whose encoder comes from a pre-trained model directory; the classifier is new.
+def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = True) -> tuple[VQAModel, Any, int]:
+    """An answer-classifier model whose encoder comes from a pre-trained model directory, and the number
+    of answer classes whose classifier rows came from the checkpoint too (`copy_qa_head`; else 0: new).
 
     Every encoder weight must be in the checkpoint (and nothing else under the encoder's name); the
-    pre-training heads are left behind."""
-    model_cfg, _ = read_model_config(init)
-    model = qa_model(model_cfg, num_answers)
+    other pre-training heads are left behind."""
+    model_cfg, meta = read_model_config(init)
+    model = qa_model(model_cfg, len(vocab))
     sd = load_file(str(Path(init) / "model.safetensors"))
     prefix = model.encoder_name + "."
     load_into(
         model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=init,
         allow_missing=lambda k: k.startswith("classifier."),
     )
-    return model, model_cfg
+    return model, model_cfg, copy_qa_head(model, sd, meta.get("qa_answers", ()), vocab) if qa_head_init else 0
+
+
+def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answers: Sequence[str],
+                 vocab: AnswerVocab) -> int:
+    """LXMERT's `--loadLXMERTQA` (released `src/lxrt/entry.py`/`tasks/vqa.py load_lxmert_qa`): a model whose
+    pre-training image-QA head has the same shape as its answer classifier starts from it -- the hidden
+    layers copied, and the output row of every answer both tables share; the other answers' rows stay as
+    initialised. Returns the number of rows copied (0 when the checkpoint has no QA head or answer names)."""
+    head = {k[len("answer_head."):]: v for k, v in sd.items() if k.startswith("answer_head.")}
+    mine = {k[len("classifier."):]: v for k, v in model.state_dict().items() if k.startswith("classifier.")}
+    out_layer = "logit_fc.3."  # `AnswerMLP`'s output Linear(2D, A): one row per answer
+    if (not head or len(pretrain_answers) != len(head.get(out_layer + "bias", ())) or head.keys() != mine.keys()
+            or any(head[k].shape[1:] != v.shape[1:] or (head[k].shape != v.shape and not k.startswith(out_layer))
+                   for k, v in mine.items())):
+        return 0
+    shared = [(vocab.ans2idx[a], i) for i, a in enumerate(pretrain_answers) if a in vocab]
+    dst, src = [d for d, _ in shared], [s for _, s in shared]
+    with torch.no_grad():
+        for name, value in mine.items():  # state_dict tensors share the parameters' storage
+            if name.startswith(out_layer):
+                value[dst] = head[name][src]
+            else:
+                value.copy_(head[name])
+    return len(shared)
 
 
 def load_qa_model(directory: str | Path, task: str) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:
@@ -221,7 +248,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                             for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)))
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
-    model, model_cfg = build_qa_model(cfg.init, len(vocab))
+    model, model_cfg, copied = build_qa_model(cfg.init, vocab, cfg.qa_head_init)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
@@ -246,7 +273,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
 
     metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
-               "steps": num_updates(cfg, len(data))}
+               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied}
     if cfg.eval_questions:
         preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
                            max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,

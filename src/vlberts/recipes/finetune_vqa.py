@@ -80,9 +80,11 @@ def vqa_model(model_cfg: Any, num_answers: int) -> VQAModel:
     return qa_model(model_cfg, num_answers)
 
 
-def build_vqa_model(init: str | Path, num_answers: int) -> tuple[VQAModel, Any]:
-    """A VQA model whose encoder comes from a pre-trained model directory; the classifier is new."""
-    return build_qa_model(init, num_answers)
+def build_vqa_model(init: str | Path, vocab: AnswerVocab) -> tuple[VQAModel, Any]:
+    """A VQA model whose encoder comes from a pre-trained model directory; the classifier is new (except
+    LXMERT's rows of answers its pre-training QA head knows: `copy_qa_head`)."""
+    model, model_cfg, _ = build_qa_model(init, vocab)
+    return model, model_cfg
 
 
 def load_vqa_model(directory: str | Path) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:

@@ -30,6 +30,7 @@ import torch
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
+from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -47,8 +48,10 @@ from vlberts.objectives.recipe import (
     run_model,
     total_loss,
 )
+from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
     TrainState,
@@ -108,6 +111,13 @@ class PretrainConfig:
     )
     match_weight: float = opt(1.0, "weight of the matching loss in the paper recipe (when --objectives is empty)")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
+    qa_vqa_questions: str = opt("", "LXMERT image-QA pre-training: VQA v2 questions json whose questions join the "
+                                "sentences, answers as QA labels (needs --qa_vqa_annotations)")
+    qa_vqa_annotations: str = opt("", "LXMERT image-QA pre-training: the VQA v2 annotations json of --qa_vqa_questions")
+    qa_gqa_questions: str = opt("", "LXMERT image-QA pre-training: GQA balanced questions json (with answers)")
+    qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")
+    qa_last_fraction: float = opt(0.5, "the image-QA loss trains in this last fraction of the updates "
+                                  "(LXMERT §3.3: the last 10 of 20 epochs)")
     seed: int = opt(0, "seed of initialisation, data order, masking and negatives")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(200, "updates between checkpoints")
@@ -205,11 +215,26 @@ def store_sizes(store: RegionStore) -> dict[str, int]:
     return sizes
 
 
-def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg) -> dict[str, float]:
-    """The objectives of this run: --objectives, or the paper's (VisualBERT's match only with pairs)."""
+def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
+    """LXMERT's image-QA pre-training data when the run names question files, else None."""
+    if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions):
+        return None
+    if arch != "lxmert":
+        raise VlbertsError(f"image-QA pre-training (--qa_*) is LXMERT's objective (§3.1.3); {arch} has no answer head")
+    return read_pretrain_qa(cfg.qa_vqa_questions, cfg.qa_vqa_annotations, cfg.qa_gqa_questions,
+                            min_count=cfg.qa_min_answer_count)
+
+
+def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg, with_qa: bool = False) -> dict[str, float]:
+    """The objectives of this run: --objectives, or the paper's (VisualBERT's match only with pairs; LXMERT's
+    image QA when the run has questions). `qa` needs questions."""
     if cfg.objectives.strip():
+        if not with_qa and "qa" in (item.partition("=")[0].strip() for item in cfg.objectives.split(",")):
+            raise VlbertsError("objective qa needs questions: --qa_vqa_questions/--qa_vqa_annotations or --qa_gqa_questions")
         return parse_objectives(cfg.objectives, recipe, model_cfg)
     weights = recipe.defaults(model_cfg)
+    if with_qa and "qa" in recipe.available(model_cfg):
+        weights["qa"] = 1.0
     if "match" in weights:
         weights["match"] = cfg.match_weight
     if recipe.caption_pairs and not cfg.pairs:
@@ -266,15 +291,19 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
     captions = read_caption_refs(cfg.captions, split=cfg.split)
+    arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
+    recipe = RECIPES[arch]
+    qa = image_qa(cfg, arch)
+    qa_targets = None
+    if qa is not None:  # questions join the sentences; captions carry no QA label
+        qa_targets = [SoftTarget((), ())] * len(captions) + qa.targets
+        captions = captions + qa.sentences
     store = RegionStore(cfg.features)
     if cfg.preload_features:
         store.preload()
     missing = [c.image_id for c in captions if c.image_id not in store]
     if missing:
-        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} captions affected)", path=cfg.features, record=missing[0])
-
-    arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
-    recipe = RECIPES[arch]
+        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} sentences affected)", path=cfg.features, record=missing[0])
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
     tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
     if dist.main:  # rank 0 trains (or loads) and saves the vocabulary; the others load the saved one
@@ -284,10 +313,15 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         tok = TextTokenizer.load(out / "tokenizer")
     seed_everything(cfg.seed)
     if cfg.init:
-        model, model_cfg, _ = load_pretraining_model(cfg.init)
+        model, model_cfg, meta = load_pretraining_model(cfg.init)
+        if qa is not None and tuple(meta.get("qa_answers", ())) != qa.answers.answers:
+            raise VlbertsError("--init's image-QA head was trained on another joint answer table (config.json "
+                               "qa_answers); continue with the same questions", path=Path(cfg.init) / "config.json")
     else:
         sizes = store_sizes(store)
         heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
+        if arch == "lxmert":  # the image-QA head: one class per joint-table answer, none without questions
+            heads["num_qa_labels"] = len(qa.answers) if qa is not None else 0
         model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
         model = build_pretraining_model(model_cfg)
         if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
@@ -305,7 +339,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if model_cfg.vocab_size != tok.vocab_size:
         raise VlbertsError(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}")
     model.to(device)
-    weights = run_weights(cfg, recipe, model_cfg)
+    weights = run_weights(cfg, recipe, model_cfg, with_qa=qa is not None)
+    qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
     if unpaired and "match" in weights:
         raise VlbertsError(f"{model_cfg.__class__.__name__} variant {model_cfg.variant} trains on unpaired batches: "
@@ -319,6 +354,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         token_probs=token_probs(tok, cfg.mlm_word_probs),
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
         region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in),
+        qa_targets=qa_targets if "qa" in weights else None,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
@@ -351,15 +387,17 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 batch, pos = next(stream)
                 batch = batch.to(device, non_blocking=True)
                 micro.append(unpaired_view(batch, source) if source is not None else batch)
-            active = [k for k in weights if applies(k, source)]
+            # LXMERT §3.3: the image-QA loss only from `qa_from` on (its weight is 0 before).
+            step_weights = {k: w for k, w in weights.items() if k != "qa" or qa_active(step, qa_from)}
+            active = [k for k in step_weights if applies(k, source)]
             # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
             # the update is the same however it is split (`loss_shares`).
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
             for batch, share in zip(micro, shares):
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
-                losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, weights, source).items()}
-                total_loss(losses, weights).backward()
+                losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
+                total_loss(losses, step_weights).backward()
                 for k, v in losses.items():
                     totals[k] += v.item()
             sync_gradients(model, dist)
@@ -387,7 +425,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
 
     final = out / "model"
     if dist.main:
-        save_model_dir(final, model, model_cfg, extra={"trained_by": "pretrain", "steps": step})
+        extra = {"trained_by": "pretrain", "steps": step}
+        if qa is not None:  # the answer names of the image-QA head's rows (VQA fine-tuning can reuse them)
+            extra["qa_answers"] = list(qa.answers.answers)
+        save_model_dir(final, model, model_cfg, extra=extra)
         tok.save(final)
     barrier(dist)
     return final
