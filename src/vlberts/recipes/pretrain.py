@@ -24,13 +24,16 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.coco import read_caption_refs
+from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
+from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_batches, stream_examples
+from vlberts.data.shards import ShardStream
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -61,10 +64,12 @@ from vlberts.training.checkpoint import (
     save_model_dir,
 )
 from vlberts.training.distributed import (
+    DistInfo,
     barrier,
     broadcast_parameters,
     init_distributed,
     local_device,
+    merge_over_ranks,
     sum_over_ranks,
     sync_gradients,
 )
@@ -77,6 +82,11 @@ from vlberts.training.optim import build_optimizer, linear_warmup_decay
 class PretrainConfig:
     captions: str = opt("", "COCO-format captions json (official or Karpathy) to pre-train on")
     features: str = opt("", "region-feature store (HDF5) holding every image of the captions")
+    shards: str = opt("", "instead of --captions and --features: a shard index json (`python -m vlberts.data.shards`) "
+                      "to stream captioned images from, each rank its own endless stream (data/pretrain_stream.py)")
+    chunk_images: int = opt(1000, "with --shards: images per in-memory chunk (the matching objective's negatives "
+                            "come from the same chunk)")
+    shuffle_buffer: int = opt(1000, "with --shards: samples held by each rank's shuffle buffer")
     out: str = opt("runs/pretrain", "run directory")
     split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json")
     tokenizer: str = opt("", "directory with a BERT vocab.txt; empty: train a WordPiece vocabulary on the captions")
@@ -215,6 +225,37 @@ def store_sizes(store: RegionStore) -> dict[str, int]:
     return sizes
 
 
+VOCAB_CAPTIONS = 50_000  # with --shards and no vocabulary given, one is trained on this many first captions
+
+
+def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
+    """The first `limit` captions of the shards in file order (to train a vocabulary on)."""
+    out: list[CaptionRef] = []
+    for sample in ShardStream(corpus.shards, shuffle=False, kinds=("image-text",), dist=DistInfo()):
+        out.extend(CaptionRef(sample["image_id"], c) for c in sample["captions"])
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def stream_state(pos: StreamPosition, dist: DistInfo) -> dict[str, Any]:
+    """A streamed run's data state: every rank's position, in rank order."""
+    positions = merge_over_ranks({dist.rank: pos.to_dict()}, dist)
+    return {"stream": [positions[r] for r in range(dist.world)]}
+
+
+def stream_start(data: dict[str, Any], dist: DistInfo, out: Path) -> StreamPosition:
+    """This rank's position in a resumed streamed run (the start of its stream in a new run)."""
+    if not data:
+        return StreamPosition()
+    positions = data.get("stream")
+    if positions is None or len(positions) != dist.world:
+        have = "a caption-file run" if positions is None else f"{len(positions)} ranks"
+        raise VlbertsError(f"the checkpoint is of {have}; a streamed run resumes with the same number of ranks "
+                           f"({dist.world} now)", path=out / "checkpoints")
+    return StreamPosition.from_dict(positions[dist.rank])
+
+
 def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
     """LXMERT's image-QA pre-training data when the run names question files, else None."""
     if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions):
@@ -285,23 +326,35 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     device = resolve_device(cfg.device)
     dist = init_distributed(device.type)  # torchrun: one process per rank (training/distributed.py)
     device = local_device(device, dist)
-    if not cfg.captions or not cfg.features:
-        raise VlbertsError("pretrain needs --captions=FILE and --features=STORE")
+    streamed = bool(cfg.shards)
+    if streamed and (cfg.captions or cfg.features):
+        raise VlbertsError("give either --shards or --captions and --features")
+    if not streamed and (not cfg.captions or not cfg.features):
+        raise VlbertsError("pretrain needs --captions=FILE and --features=STORE (or --shards=INDEX)")
     if cfg.init and cfg.bert_init:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
-    captions = read_caption_refs(cfg.captions, split=cfg.split)
     arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
     recipe = RECIPES[arch]
     qa = image_qa(cfg, arch)
+    if streamed:
+        if qa is not None:
+            raise VlbertsError("image-QA pre-training reads question files; it does not stream from --shards")
+        if cfg.batch_size % dist.world:
+            raise VlbertsError(f"with --shards each of the {dist.world} ranks streams batch_size / ranks examples: "
+                               f"--batch_size={cfg.batch_size} must be a multiple of {dist.world}")
+        store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
+        captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
+    else:
+        captions = read_caption_refs(cfg.captions, split=cfg.split)
+        store = RegionStore(cfg.features)
     qa_targets = None
     if qa is not None:  # questions join the sentences; captions carry no QA label
         qa_targets = [SoftTarget((), ())] * len(captions) + qa.targets
         captions = captions + qa.sentences
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
+    if cfg.preload_features and not streamed:
         store.preload()
-    missing = [c.image_id for c in captions if c.image_id not in store]
+    missing = [] if streamed else [c.image_id for c in captions if c.image_id not in store]
     if missing:
         raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} sentences affected)", path=cfg.features, record=missing[0])
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
@@ -348,13 +401,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     pairs = recipe.caption_pairs and cfg.pairs
     tags_in = "tags" in recipe.model_inputs and getattr(model_cfg, "use_tags", False)
 
-    data = CaptionPretrainData(
-        captions, store, tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-        mlm_prob=cfg.mlm_prob, seed=cfg.seed, feature_dim=model_cfg.visual_dim,
-        token_probs=token_probs(tok, cfg.mlm_word_probs),
+    make_data = partial(
+        CaptionPretrainData, tokenizer=tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
+        mlm_prob=cfg.mlm_prob, feature_dim=model_cfg.visual_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
         region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in),
-        qa_targets=qa_targets if "qa" in weights else None,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
@@ -362,12 +413,19 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
     broadcast_parameters(model, dist)
-    stream = batches(
-        data, partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights),
-        batch_size=cfg.batch_size, seed=cfg.seed,
-        start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-        lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
-    )
+    collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights)
+    if streamed:  # each rank its own stream of chunks, resumed at its own position
+        stream = stream_batches(stream_examples(
+            store, lambda caps, regions, seed: make_data(caps, regions, seed=seed), seed=cfg.seed,
+            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(state.data if resumed else {}, dist, out), buffer=cfg.shuffle_buffer,
+        ), collate, cfg.batch_size // dist.world)
+    else:
+        data = make_data(captions, store, seed=cfg.seed, qa_targets=qa_targets if "qa" in weights else None)
+        stream = batches(
+            data, collate, batch_size=cfg.batch_size, seed=cfg.seed,
+            start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+            lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
+        )
 
     # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
     logged = [*(k for k in recipe.objectives if k in recipe.available(model_cfg)), *weights]
@@ -415,11 +473,14 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                     record["source"] = source
                 log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                            "seconds": round(time.perf_counter() - t0, 3)})
-            if (step % cfg.ckpt_every == 0 or step == cfg.steps) and dist.main:
-                save_checkpoint(
-                    out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                    state=TrainState(step=step, data=pos.to_dict(), extra={}),
-                )
+            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+                # Streams: every rank's own position (gathered on every rank: a collective call).
+                position = stream_state(pos, dist) if streamed else pos.to_dict()
+                if dist.main:
+                    save_checkpoint(
+                        out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                        state=TrainState(step=step, data=position, extra={}),
+                    )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
                 return None
 

@@ -1,0 +1,142 @@
+"""Pre-training examples streamed from tar shards, for corpora that do not fit in memory (SPEC §6, issue 6).
+
+`vlberts pretrain --shards=INDEX` reads the shards `data.shards.write_shards` wrote instead of a caption
+file and a region store. Each rank streams its own endless sequence of image-text samples
+(`ShardStream(resample=True)`: shards drawn with replacement from (seed, rank), a shuffle buffer), so
+no rank waits for another at an epoch end and pre-training is counted in updates, as the papers count it.
+
+The stream is cut into CHUNKS of `chunk_images` distinct images (all of them when the corpus has fewer). A chunk is a small in-memory corpus,
+and the examples of an architecture are built from it by the same `CaptionPretrainData` the file-based
+path uses: the same masking, the same region targets and tags, and the matching objective's other
+captions and other images drawn from the chunk's other images (LXMERT §3.1.3 and ViLBERT §3.1 only need
+"a sentence from another image"). A chunk's examples are visited in a permutation drawn from
+(seed, rank, chunk), then the next chunk is read.
+
+Position and exact resume: a rank's position is (chunk, examples of that chunk consumed). Its stream is
+a pure function of (seed, rank), so a resumed run re-reads the chunks before its position without
+building examples from them and continues with exactly the examples the uninterrupted run would have
+seen. Checkpoints store every rank's position (`TrainState.data["stream"]`); the world size must then stay
+the same. The split-invariance of the file-based path (the same update however a global batch is split
+over ranks) does not carry over: ranks read different shards by design, as WebDataset training does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlberts.data.coco import CaptionRef
+from vlberts.data.shards import ShardStream, sample_record, shards_of_index
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord, StoreMetadata
+from vlberts.io import read_json
+from vlberts.training.distributed import DistInfo
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a rank's stream stands: chunks finished, and examples of the current chunk consumed."""
+
+    chunk: int = 0
+    offset: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> StreamPosition:
+        return cls(**d) if d else cls()
+
+
+class ShardCorpus:
+    """A shard index's description of its corpus, standing in for a `RegionStore` where pre-training
+    asks what the regions hold: `feature_dim`, `fields`, `metadata` (classes, attributes), `info()`."""
+
+    def __init__(self, index: str | Path):
+        self.path = Path(index)
+        self.shards = shards_of_index(self.path)
+        index = read_json(self.path)
+        self.images = int(index.get("kinds", {}).get("image-text", 0))  # captioned images
+        store = index.get("store")
+        if not store:
+            raise VlbertsError("shards hold no region features (written without a store)", path=self.path)
+        self.feature_dim: int = int(store["feature_dim"])
+        self.fields: list[str] = list(store["fields"])
+        self.metadata = StoreMetadata.from_dict(store.get("metadata") or {}, path=self.path)
+        self._cls_prob: int | None = None
+
+    def info(self) -> dict[str, Any]:
+        """`RegionStore.info`'s head-size entry: the number of cls_prob columns (read from one sample)."""
+        if self._cls_prob is None and "cls_prob" in self.fields:
+            first = ShardStream(self.shards[:1], shuffle=False, kinds=("image-text", "image"), dist=DistInfo())
+            sample = next(iter(first), None)  # read by every rank alike (not split across ranks)
+            if sample is None:
+                raise VlbertsError("the first shard holds no image sample", path=self.shards[0])
+            self._cls_prob = int(sample["cls_prob"].shape[1])
+        return {"num_classes_cls_prob": self._cls_prob}
+
+
+class ChunkRegions:
+    """The region records of one chunk's images, as a region source (`data.regions.RegionSource`)."""
+
+    def __init__(self, records: dict[str, RegionRecord], path: Path):
+        self.records, self.path = records, path
+
+    def get(self, image_id: str) -> RegionRecord:
+        rec = self.records.get(str(image_id))
+        if rec is None:
+            raise VlbertsError(f"image id {image_id} is not in the current chunk", path=self.path, record=image_id)
+        return rec
+
+    def __contains__(self, image_id: object) -> bool:
+        return str(image_id) in self.records
+
+
+# chunk captions, chunk regions, seed -> the architecture's examples over them (a `CaptionPretrainData`)
+MakeData = Callable[[list[CaptionRef], ChunkRegions, int], Any]
+
+
+def stream_examples(
+    corpus: ShardCorpus, make_data: MakeData, *, seed: int, chunk_images: int, dist: DistInfo,
+    start: StreamPosition = StreamPosition(), buffer: int = 1000,
+) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+    """This rank's endless (example, position after it) pairs (module docstring), from `start` on."""
+    if chunk_images < 2:
+        raise VlbertsError(f"chunk_images must be >= 2 (matching draws another image), got {chunk_images}")
+    if corpus.images < 2:
+        raise VlbertsError(f"the shards hold {corpus.images} captioned image(s); pre-training needs 2 or more", path=corpus.path)
+    chunk_images = min(chunk_images, corpus.images)  # a chunk holds distinct images: at most all of them
+    samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
+                               kinds=("image-text",)))
+    rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
+    chunk = 0
+    while True:
+        records: dict[str, RegionRecord] = {}
+        captions: list[CaptionRef] = []
+        while len(records) < chunk_images:  # distinct images: resampling may draw one twice
+            s = next(samples)
+            if s["image_id"] in records:
+                continue
+            records[s["image_id"]] = sample_record(s) if chunk >= start.chunk else None
+            captions.extend(CaptionRef(s["image_id"], c) for c in s["captions"])
+        if chunk < start.chunk:  # consumed before the resume point: read, not built
+            chunk += 1
+            continue
+        data = make_data(captions, ChunkRegions(records, corpus.path), rank_seed)
+        order = np.random.default_rng([rank_seed, chunk, 0xC4]).permutation(len(data))
+        for k in range(start.offset if chunk == start.chunk else 0, len(order)):
+            yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1)
+        chunk += 1
+
+
+def stream_batches(
+    examples: Iterator[tuple[dict[str, Any], StreamPosition]], collate: Callable[[list], Any], batch_size: int,
+) -> Iterator[tuple[Any, StreamPosition]]:
+    """Batches of `batch_size` consecutive examples, each with the position after its last example."""
+    while True:
+        items = [next(examples) for _ in range(batch_size)]
+        yield collate([e for e, _ in items]), items[-1][1]

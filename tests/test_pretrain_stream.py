@@ -1,0 +1,126 @@
+"""Pre-training streamed from tar shards (`vlberts pretrain --shards`, data/pretrain_stream.py): examples come
+from chunks of the stream, negatives from the chunk's other images, the stream resumes exactly where it
+stopped (one process and two torchrun ranks), and misuse is a one-line error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vlberts.data.coco import read_caption_refs
+from vlberts.data.pretrain import MATCH, CaptionPretrainData
+from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_examples
+from vlberts.data.shards import write_shards
+from vlberts.errors import VlbertsError
+from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.distributed import DistInfo, free_port
+from vlberts.training.metrics import MetricsLog
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_world, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    return write_shards(tiny_world.store, tiny_world.captions_train, out, shard_size=8)
+
+
+def _args(index: Path, out: Path, *extra: str) -> list[str]:
+    return ["pretrain", f"--shards={index}", f"--out={out}", "--model=visualbert-tiny", "--vocab_size=200", "--steps=8",
+            "--batch_size=4", "--lr=1e-3", "--log_every=1", "--ckpt_every=3", "--seed=1", "--chunk_images=6",
+            "--shuffle_buffer=4", *extra]
+
+
+def _cfg(index: Path, out: Path, **kw) -> PretrainConfig:
+    base = dict(shards=str(index), out=str(out), model="lxmert-tiny", vocab_size=200, steps=8, batch_size=4, lr=1e-3,
+                log_every=1, ckpt_every=3, seed=1, chunk_images=6, shuffle_buffer=4)
+    return PretrainConfig(**{**base, **kw})
+
+
+def test_stream_examples_come_from_chunks_and_resume_at_any_position(tiny_world, shards):
+    corpus = ShardCorpus(shards)
+    caption_image = {c.text: c.image_id for c in read_caption_refs(tiny_world.captions_train)}
+    tok = TextTokenizer.train(list(caption_image), vocab_size=200)
+    chunks: list[set[str]] = []
+
+    def make(captions, regions, seed):
+        chunks.append({c.image_id for c in captions})
+        assert all(c.image_id in regions for c in captions)
+        return CaptionPretrainData(captions, regions, tok, pairs=False, mismatch_prob=0.5, seed=seed)
+
+    stream = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(), buffer=4)
+    items = [next(stream) for _ in range(70)]
+    assert len(chunks) >= 2 and all(len(c) == 6 for c in chunks)  # chunks of distinct images
+    positions = [p for _, p in items]
+    assert positions[0] == StreamPosition(0, 1) and positions[-1].chunk >= 1
+    # Each example's image is in its chunk; a mismatched caption is another image of the same chunk.
+    for ex, pos in items:
+        assert str(ex["image_id"]) in chunks[pos.chunk]
+    assert {ex["match"] for ex, _ in items} == {0, 1}
+    assert all(0 <= ex["match"] <= 1 for ex, _ in items) and any(ex["match"] == MATCH for ex, _ in items)
+
+    # Started again at any position, the stream continues with exactly the same examples.
+    for k in (0, 13, 29, 50):
+        again = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(), buffer=4, start=positions[k])
+        for (want, want_pos), (got, got_pos) in zip(items[k + 1:], (next(again) for _ in range(15))):
+            assert want_pos == got_pos and want["image_id"] == got["image_id"] and want["match"] == got["match"]
+            assert np.array_equal(want["ids"], got["ids"]) and np.array_equal(want["labels"], got["labels"])
+    # Another rank streams other examples.
+    other = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(1, 2), buffer=4)
+    assert [next(other)[0]["image_id"] for _ in range(10)] != [ex["image_id"] for ex, _ in items[:10]]
+
+
+def test_streamed_pretraining_trains_and_resumes_exactly(shards, tmp_path):
+    ref = pretrain(_cfg(shards, tmp_path / "ref"))
+    log = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 9))
+    assert all(np.isfinite(list(r.values())[1:]).all() for r in log)
+    assert {"mlm_loss", "feat_loss", "obj_loss", "attr_loss", "match_loss"} <= log[-1].keys()
+    assert (ref / "vocab.txt").is_file()  # the vocabulary was trained on the shards' captions
+
+    run = tmp_path / "run"
+    assert pretrain(_cfg(shards, run, stop_after=5)) is None  # last checkpoint: step 3
+    assert pretrain(_cfg(shards, run)) == run / "model"
+    assert [r["mlm_loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["mlm_loss"] for r in log]
+
+
+def test_streamed_pretraining_misuse_is_one_clear_error(tiny_world, shards, tmp_path):
+    with pytest.raises(VlbertsError, match="either --shards or --captions"):
+        pretrain(_cfg(shards, tmp_path / "a", captions=str(tiny_world.captions_train)))
+    with pytest.raises(VlbertsError, match="does not stream"):
+        pretrain(_cfg(shards, tmp_path / "b", qa_gqa_questions=str(tiny_world.root / "gqa" / "train_balanced_questions.json")))
+    with pytest.raises(VlbertsError, match="chunk_images must be >= 2"):
+        pretrain(_cfg(shards, tmp_path / "c", chunk_images=1))
+    # A chunk larger than the corpus holds every image once (it does not wait for images that never come).
+    assert pretrain(_cfg(shards, tmp_path / "big", chunk_images=10**6, steps=2)) == tmp_path / "big" / "model"
+    # A caption-file run's checkpoint is not resumed by a streamed run.
+    file_run = tmp_path / "d"
+    pretrain(PretrainConfig(captions=str(tiny_world.captions_train), features=str(tiny_world.store), out=str(file_run),
+                            model="lxmert-tiny", vocab_size=200, steps=4, batch_size=4, ckpt_every=2, stop_after=2))
+    with pytest.raises(VlbertsError):
+        pretrain(_cfg(shards, file_run, steps=4, ckpt_every=2))
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_two_ranks_stream_and_resume_exactly(shards, tmp_path):
+    def torchrun(*args: str) -> subprocess.CompletedProcess:
+        cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={free_port()}", str(VLBERTS), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+    proc = torchrun(*_args(shards, tmp_path / "ref"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
+    assert torchrun(*_args(shards, tmp_path / "run", "--stop_after=5")).returncode == 0
+    # One process cannot take over two ranks' streams: a clear error, not a silently different run.
+    proc = subprocess.run([str(VLBERTS), *_args(shards, tmp_path / "run")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "same number of ranks" in proc.stderr and "Traceback" not in proc.stderr
+    proc = torchrun(*_args(shards, tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["mlm_loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["mlm_loss"] for r in ref]
