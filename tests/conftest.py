@@ -51,3 +51,23 @@ def tiny_pretrained(tiny_world, tmp_path_factory) -> Path:
         captions=str(tiny_world.captions_train), features=str(tiny_world.store), out=str(out),
         model="visualbert-tiny", vocab_size=200, steps=4, batch_size=8, ckpt_every=100,
     ))
+
+
+def random_init_dir(arch: str, pretrained: Path, out: Path) -> Path:
+    """A model directory with a randomly initialised `arch` pre-training model and the tokenizer (and
+    feature width) of the pre-trained model at `pretrained`: the "no pre-training" control of task tests."""
+    import json
+
+    import torch
+
+    from vlberts.models.builders import build_pretraining_model, model_config
+    from vlberts.text.tokenizer import TextTokenizer
+    from vlberts.training.checkpoint import save_model_dir
+
+    tok = TextTokenizer.load(pretrained)
+    visual_dim = json.loads((pretrained / "config.json").read_text())["config"]["visual_dim"]
+    torch.manual_seed(0)
+    cfg = model_config(arch, vocab_size=tok.vocab_size, visual_dim=visual_dim)
+    save_model_dir(out, build_pretraining_model(cfg), cfg)
+    tok.save(out)
+    return out

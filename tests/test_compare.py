@@ -25,7 +25,7 @@ TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=
 
 def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     out = tmp_path / "cmp"
-    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--tasks=vqa,gqa",
+    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr",
                            "--out", str(out), *TOY], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -34,8 +34,8 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert proc.stderr.count("Built the embedded world") == 1 and proc.stderr.count("trained the world detector") == 1
     for arch in ("visualbert", "lxmert"):
         assert not (out / arch / "world").exists() and not list((out / arch).rglob("*.h5")), arch
-        for sub in ("pretrain/model/model.safetensors", "vqa/metrics.json", "gqa/metrics.json", "summary.json",
-                    "report.html"):
+        for sub in ("pretrain/model/model.safetensors", "vqa/metrics.json", "gqa/metrics.json", "nlvr2/metrics.json",
+                    "retrieval/metrics.json", "refcoco/metrics.json", "vcr/metrics.json", "summary.json", "report.html"):
             assert (out / arch / sub).exists(), f"{arch}/{sub}"
 
     result = json.loads((out / "comparison.json").read_text())
@@ -44,6 +44,15 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
         assert ROW_KEYS | {"gqa_accuracy", "gqa_majority_baseline"} <= set(row), (arch, ROW_KEYS - set(row))
         gqa = json.loads((out / arch / "gqa" / "metrics.json").read_text())
         assert row["gqa_accuracy"] == gqa["accuracy"] and row["gqa_majority_baseline"] == gqa["majority_baseline"]
+        nlvr2 = json.loads((out / arch / "nlvr2" / "metrics.json").read_text())
+        assert row["nlvr2_accuracy"] == nlvr2["accuracy"] and row["nlvr2_majority_baseline"] == nlvr2["majority_baseline"]
+        ret = json.loads((out / arch / "retrieval" / "metrics.json").read_text())
+        assert row["retrieval_text_to_image_r1"] == ret["text_to_image"]["r1"]
+        assert row["retrieval_chance_text_to_image_r1"] == ret["chance"]["text_to_image"]["r1"]
+        ref = json.loads((out / arch / "refcoco" / "metrics.json").read_text())
+        assert row["refcoco_accuracy"] == ref["accuracy"] and row["refcoco_confidence_baseline"] == ref["confidence_baseline"]
+        vcr = json.loads((out / arch / "vcr" / "metrics.json").read_text())
+        assert vcr["mode"] == "qa" and row["vcr_q2a"] == vcr["q2a"] and row["vcr_chance"] == 25.0
         assert row["arch"] == arch and row["model"] == f"{arch}-small" and row["params"] > 0
     # Identical settings: both pre-trained for the same updates on the same world.
     summaries = [json.loads((out / a / "summary.json").read_text()) for a in ("visualbert", "lxmert")]
@@ -53,7 +62,9 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert result["archs"]["visualbert"]["params"] != result["archs"]["lxmert"]["params"]
 
     md = (out / "comparison.md").read_text().strip().splitlines()
-    assert md[0].startswith("| arch | params |") and "GQA / majority" in md[0] and len(md) == 2 + 2
+    assert md[0].startswith("| arch | params |") and len(md) == 2 + 2
+    assert ("| GQA / majority | NLVR2 / majority | retrieval R@1 / chance | RefCOCO+ val / top-confidence "
+            "| VCR Q->A val / chance |") in md[0]
     assert [line.split("|")[1].strip() for line in md[2:]] == ["visualbert", "lxmert"]
     assert "| visualbert |" in proc.stdout and "| lxmert |" in proc.stdout  # the table is printed
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -157,6 +158,8 @@ def extract(
     seed: int = typer.Option(0, help="Seed of detector training and proposals."),
     epochs: int = typer.Option(3, help="Detector training epochs over the train split."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
+    boxes: str = typer.Option("detected", help="detected: proposals after box selection; gold: exactly the world's "
+                                               "object boxes (RefCOCO+'s ground-truth regions; pass --detector)."),
 ) -> None:
     """Train the world detector (or load one) and extract region features for every world image."""
     import os
@@ -173,7 +176,7 @@ def extract(
     cfg = ExtractConfig(
         world=str(world), out=str(out), detector=str(detector or ""), tsv=tsv, float16=float16, min_boxes=min_boxes,
         max_boxes=max_boxes, conf_thresh=conf_thresh, order=order, feature_dim=feature_dim or 0,
-        seed=seed, epochs=epochs, overwrite=overwrite,
+        seed=seed, epochs=epochs, overwrite=overwrite, boxes=boxes,
     )
     typer.echo(run_extract(cfg).summary())
 
@@ -227,7 +230,7 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     from vlberts.recipes import finetune_vqa as recipe
 
     cfg = _run_config(recipe, ctx, config)
-    _report_finetune("VQA", cfg.out, recipe.finetune_vqa(cfg))
+    _report_finetune(cfg.out, recipe.finetune_vqa(cfg), _qa_lines("VQA"), "predictions.json")
 
 
 @finetune_app.command("gqa", context_settings=OVERRIDES)
@@ -246,23 +249,137 @@ def finetune_gqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     from vlberts.recipes import finetune_gqa as recipe
 
     cfg = _run_config(recipe, ctx, config)
-    _report_finetune("GQA", cfg.out, recipe.finetune_gqa(cfg))
+    _report_finetune(cfg.out, recipe.finetune_gqa(cfg), _qa_lines("GQA"), "predictions.json")
 
 
-def _report_finetune(task: str, out: str, final: Optional[Path]) -> None:
-    """The closing lines of a fine-tuning command: accuracy vs the majority baseline, what was written."""
+@finetune_app.command("vcr", context_settings=OVERRIDES)
+def finetune_vcr_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune on VCR jsonl files, Q->A (--mode=qa) or QA->R (--mode=qar), then predict and score.
+
+    Each question's 4 choices are 4 sequences `[CLS] context [SEP] choice [SEP]` with the question's object
+    regions, scored by a linear layer on the pooled output (ViLBERT: h_IMG * h_CLS), softmax cross-entropy
+    over the 4; QA->R reads the question with the right answer. Combine the two runs' predictions with
+    `vlberts evaluate vcr` for Q->AR.
+
+    Example: vlberts finetune vcr --mode=qa --init=runs/pt/model --features=F.h5
+    --train_file=WORLD/vcr/train.jsonl --eval_file=WORLD/vcr/val.jsonl --out=runs/vcr_qa
+
+    Run `vlberts show-config finetune-vcr` for every setting.
+    """
+    from vlberts.io import read_json
+    from vlberts.recipes import finetune_vcr as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune(cfg.out, recipe.finetune_vcr(cfg), lambda m: [
+        f"VCR {name} accuracy {m[key]:.2f}% on {m['eval_questions']} questions (chance {m['chance']:.0f}%)"
+        for key, name in (("q2a", "Q->A"), ("qa2r", "QA->R")) if key in m
+    ], "predictions.json")
+
+
+@finetune_app.command("refcoco", context_settings=OVERRIDES)
+def finetune_refcoco_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune on RefCOCO+ (refs + COCO instances), then predict and score val, testA and testB.
+
+    Every candidate region (the store's regions: detections, or with --track=gt the instance boxes of a
+    `vlberts extract --boxes gold` store) gets a score from its final visual state (ViLBERT's linear
+    layer, VL-BERT's MLP), trained with BCE on IoU >= 0.5 targets (--soft_iou: IoU itself); the top region
+    is correct at IoU >= 0.5. Reports the upper bound and the highest-confidence-region baseline too.
+
+    Example: vlberts finetune refcoco --init=runs/pt/model --features=F.h5 --out=runs/refcoco
+    --refs='WORLD/refcoco+/refs(unc).p' --instances=WORLD/refcoco+/instances.json
+
+    Run `vlberts show-config finetune-refcoco` for every setting.
+    """
+    from vlberts.io import read_json
+    from vlberts.recipes import finetune_refcoco as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune(cfg.out, recipe.finetune_refcoco(cfg), lambda m: [
+        f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions (upper bound "
+        f"{r['upper_bound']:.2f}%" + (f", highest-confidence baseline {r['confidence_baseline']:.2f}%)"
+                                      if "confidence_baseline" in r else ")")
+        for split, r in m["splits"].items()
+    ], "predictions.json")
+
+
+@finetune_app.command("nlvr2", context_settings=OVERRIDES)
+def finetune_nlvr2_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune on NLVR2 statements (JSON lines), then predict and score accuracy and consistency.
+
+    --encoding=pair (LXMERT, the default except for VisualBERT): the statement is encoded with each image
+    and the two pooled outputs are concatenated into Linear-GeLU-LayerNorm-Linear; --encoding=joint
+    (VisualBERT only, its default): both images' regions in one sequence, a segment per image. Image
+    names (split-setid-pairid-img0/1) are the store's keys, or mapped by --image_map (the world's
+    nlvr2/images.json).
+
+    Example: vlberts finetune nlvr2 --init=runs/pt/model --features=F.h5 --out=runs/nlvr2
+    --train_statements=WORLD/nlvr2/train.json --eval_statements=WORLD/nlvr2/test1.json
+    --image_map=WORLD/nlvr2/images.json
+
+    Run `vlberts show-config finetune-nlvr2` for every setting.
+    """
+    from vlberts.io import read_json
+    from vlberts.recipes import finetune_nlvr2 as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune(cfg.out, recipe.finetune_nlvr2(cfg), lambda m: [
+        f"NLVR2 accuracy {m['accuracy']:.2f}%, consistency {m['consistency']:.2f}% on {m['num_examples']} examples "
+        f"(majority baseline {m['majority_baseline']:.2f}%, {m['majority_baseline_consistency']:.2f}%)"
+    ] if "accuracy" in m else [], "predictions.csv")
+
+
+@finetune_app.command("retrieval", context_settings=OVERRIDES)
+def finetune_retrieval_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune image-text retrieval 4-way (ViLBERT §4), then rank every eval caption against every eval image.
+
+    Each training caption gives four pairs: the positive, a random caption, a random image and a hard
+    negative among the image's --hard_negatives nearest images; softmax cross-entropy over their scores.
+    Reports R@1/5/10 both directions next to chance; writes RUN/scores.npy and RUN/metrics.json.
+
+    Example: vlberts finetune retrieval --init=runs/pt/model --features=F.h5
+    --split_file=WORLD/dataset_world.json --out=runs/retrieval
+
+    Run `vlberts show-config finetune-retrieval` for every setting.
+    """
+    from vlberts.recipes import finetune_retrieval as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune(cfg.out, recipe.finetune_retrieval(cfg), _retrieval_lines, "scores.npy")
+
+
+def _retrieval_lines(m: dict) -> list[str]:
+    """Retrieval metrics, both directions, next to the chance baseline."""
+    if "text_to_image" not in m:
+        return []
+    lines = []
+    for d, name in (("text_to_image", "text->image"), ("image_to_text", "image->text")):
+        r, c = m[d], m["chance"][d]
+        lines.append(f"{name} R@1/5/10 {r['r1']:.2f}/{r['r5']:.2f}/{r['r10']:.2f} medr {r['medr']:g} meanr "
+                   f"{r['meanr']:.1f} (chance {c['r1']:.2f}/{c['r5']:.2f}/{c['r10']:.2f}) on {m['num_captions']} "
+                   f"captions x {m['num_images']} images")
+    return lines
+
+
+def _qa_lines(task: str) -> Callable[[dict], list[str]]:
+    """VQA/GQA: accuracy vs the majority-answer baseline."""
+    return lambda m: [f"{task} accuracy {m['accuracy']:.2f}% on {m['num_questions']} questions "
+                      f"(majority-answer baseline {m['majority_baseline']:.2f}%)"] if "accuracy" in m else []
+
+
+def _report_finetune(out: str, final: Optional[Path], lines: Callable[[dict], list[str]], written: str = "") -> None:
+    """The closing lines of a fine-tuning command (rank 0 only under torchrun): the task's numbers from
+    OUT/metrics.json (`lines`), and what was written (the model, OUT/`written` if given, metrics.json)."""
     from vlberts.io import read_json
 
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+    if os.environ.get("RANK", "0") != "0":
         return
     if final is None:
         typer.echo(f"stopped early at --stop_after; run again to resume ({out})")
         return
-    m = read_json(Path(out) / "metrics.json")
-    if "accuracy" in m:
-        typer.echo(f"{task} accuracy {m['accuracy']:.2f}% on {m['num_questions']} questions "
-                   f"(majority-answer baseline {m['majority_baseline']:.2f}%)")
-    typer.echo(f"wrote {final} and {Path(out) / 'metrics.json'}")
+    for line in lines(read_json(Path(out) / "metrics.json")):
+        typer.echo(line)
+    files = [str(final), *([str(Path(out) / written)] if written else []), str(Path(out) / "metrics.json")]
+    typer.echo(f"wrote {', '.join(files[:-1])} and {files[-1]}")
 
 
 @analyze_app.command("grounding", context_settings=OVERRIDES)
@@ -295,6 +412,29 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
                    + "; ".join(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
                                f"{100 * row.baseline:.2f}%)" for row in s.table2(3))
                    + (f"; skipped captions: {s.skipped}" if s.skipped else ""))
+    typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
+
+
+@analyze_app.command("representations", context_settings=OVERRIDES)
+def analyze_representations_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Word, region and tag representations by class in t-SNE (W-VisualBERT §5, Figure 2).
+
+    Instances are grounded phrases whose head word is a detector class and whose box a region of that
+    class detects; the final states of the word, the region and (W-VisualBERT) the tag are drawn
+    together, and the share of words whose nearest region has their class is reported.
+
+    Example: vlberts analyze representations --model=runs/pt/model --entities=WORLD/flickr30k_entities
+    --features=F.h5 --out=runs/representations
+
+    Run `vlberts show-config analyze-representations` for every setting.
+    """
+    from vlberts.recipes import analyze_representations as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    rep = recipe.analyze_representations(cfg)
+    counts = ", ".join(f"{rep.reps.modalities.count(m)} {m}s" for m in ("word", "region", "tag") if m in rep.reps.modalities)
+    typer.echo(f"{len(set(rep.reps.instances))} instances of {len(set(rep.reps.classes))} classes ({counts}); "
+               f"a word's nearest region has its class {rep.agreement:.2f}% of the time (chance {rep.chance:.2f}%)")
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 
@@ -357,7 +497,12 @@ SHOW = {
     "pretrain": "vlberts.recipes.pretrain",
     "finetune-vqa": "vlberts.recipes.finetune_vqa",
     "finetune-gqa": "vlberts.recipes.finetune_gqa",
+    "finetune-retrieval": "vlberts.recipes.finetune_retrieval",
+    "finetune-refcoco": "vlberts.recipes.finetune_refcoco",
+    "finetune-nlvr2": "vlberts.recipes.finetune_nlvr2",
+    "finetune-vcr": "vlberts.recipes.finetune_vcr",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
+    "analyze-representations": "vlberts.recipes.analyze_representations",
     "demo": "vlberts.recipes.demo",
     "compare": "vlberts.recipes.compare",
     "extract": "vlberts.recipes.extract",
@@ -424,6 +569,99 @@ def evaluate_gqa(
     write_json(out / "metrics.json", metrics)
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     typer.echo(f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}")
+    typer.echo(f"wrote {out / 'metrics.json'}")
+
+
+@evaluate_app.command("vcr")
+def evaluate_vcr_cmd(
+    annotations: Path = typer.Option(..., help="VCR jsonl with labels (e.g. WORLD/vcr/val.jsonl)."),
+    qa: Path = typer.Option(..., help="Q->A predictions.json of `vlberts finetune vcr --mode=qa` (annot_id -> 4 scores)."),
+    qar: Path = typer.Option(..., help="QA->R predictions.json of `vlberts finetune vcr --mode=qar`."),
+) -> None:
+    """Score a Q->A and a QA->R predictions file: Q->A, QA->R and Q->AR accuracy (both right); prints JSON."""
+    import json
+
+    from vlberts.recipes.finetune_vcr import evaluate_vcr
+
+    typer.echo(json.dumps(evaluate_vcr(annotations, qa, qar), indent=2))
+
+
+@evaluate_app.command("refcoco")
+def evaluate_refcoco(
+    predictions: Path = typer.Option(..., help="Predictions: a JSON list of {sent_id, ref_id, box: [x, y, w, h]} (pixels)."),
+    refs: Path = typer.Option(..., help="refs(unc).p (restricted unpickler) or refs.json."),
+    instances: Path = typer.Option(..., help="COCO instances.json of the refs."),
+    out: Path = typer.Option(..., help="Directory to write metrics.json into."),
+    splits: Optional[str] = typer.Option(None, help="Comma-separated splits (default: every split with a prediction)."),
+) -> None:
+    """Score RefCOCO+ predictions: correct when IoU(predicted box, gold box) >= 0.5; write OUT/metrics.json."""
+    from vlberts.io import write_json
+    from vlberts.tasks.refcoco import evaluate_predictions
+
+    metrics = evaluate_predictions(predictions, refs, instances, splits.split(",") if splits else None)
+    write_json(out / "metrics.json", metrics)
+    for split, r in metrics["splits"].items():
+        typer.echo(f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions")
+    typer.echo(f"wrote {out / 'metrics.json'}")
+
+
+@evaluate_app.command("nlvr2")
+def evaluate_nlvr2(
+    predictions: Path = typer.Option(..., help="Official predictions CSV: identifier,True|False per line."),
+    statements: Path = typer.Option(..., help="Labelled NLVR2 statements (JSON lines, e.g. test1.json)."),
+    out: Optional[Path] = typer.Option(None, help="Directory to write metrics.json into (optional)."),
+    train_statements: Optional[Path] = typer.Option(
+        None, "--train_statements", "--train-statements", help="Training statements: adds the majority baseline."),
+) -> None:
+    """Score NLVR2 predictions: accuracy and consistency (nlvr2/eval/metrics.py); print them as JSON."""
+    import json
+
+    from vlberts.io import write_json
+    from vlberts.tasks.nlvr2 import evaluate_predictions
+
+    metrics = evaluate_predictions(predictions, statements, train_statements)
+    typer.echo(json.dumps(metrics, indent=2))
+    if out is not None:
+        write_json(out / "metrics.json", metrics)
+        typer.echo(f"wrote {out / 'metrics.json'}", err=True)
+
+
+@evaluate_app.command("retrieval")
+def evaluate_retrieval_cmd(
+    init: Optional[Path] = typer.Option(None, help="Fine-tuned retrieval model dir, or with --zero_shot a pre-training one."),
+    zero_shot: bool = typer.Option(False, "--zero_shot", "--zero-shot", help="Score with the pre-trained matching head (no fine-tuning)."),
+    scores: Optional[Path] = typer.Option(None, help="Instead of a model: re-score a saved scores.npy (score_index.json beside it)."),
+    features: Optional[Path] = typer.Option(None, help="Region store holding the evaluation images."),
+    split_file: Optional[Path] = typer.Option(None, "--split_file", "--split-file", help="Karpathy split json (dataset_flickr30k.json)."),
+    split: str = typer.Option("test", help="Split to rank."),
+    eval_images: int = typer.Option(0, "--eval_images", "--eval-images", help="Rank only the first N images and their captions (0: all)."),
+    out: Path = typer.Option(..., help="Directory to write metrics.json (and scores.npy) into."),
+    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", help="Regions per image."),
+    max_text_len: int = typer.Option(32, "--max_text_len", "--max-text-len", help="Caption tokens incl. special tokens."),
+    batch_size: int = typer.Option(256, "--batch_size", "--batch-size", help="Pairs per scoring batch."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    skip_bad: bool = typer.Option(False, "--skip_bad", "--skip-bad", help="Drop and count malformed records and images missing from the store."),
+) -> None:
+    """Rank every caption of a split against every image (R@1/5/10, medr, meanr, both directions, vs chance).
+
+    Example (zero-shot, ViLBERT §4): vlberts evaluate retrieval --init=runs/pt/model --zero_shot
+    --features=F.h5 --split_file=WORLD/dataset_world.json --out=runs/zs
+    """
+    from vlberts.recipes.finetune_retrieval import EvaluateRetrievalConfig, evaluate_retrieval
+
+    cfg = EvaluateRetrievalConfig(
+        init=str(init or ""), zero_shot=zero_shot, scores=str(scores or ""), features=str(features or ""),
+        split_file=str(split_file or ""), eval_split=split, eval_images=eval_images, out=str(out),
+        max_regions=max_regions, max_text_len=max_text_len, eval_batch_size=batch_size, device=device,
+        skip_bad=skip_bad,
+    )
+    evaluate_retrieval(cfg)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from vlberts.io import read_json
+
+    for line in _retrieval_lines(read_json(out / "metrics.json")):
+        typer.echo(line)
     typer.echo(f"wrote {out / 'metrics.json'}")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 
 
 def _umask() -> int:
@@ -105,9 +105,10 @@ def read_json(path: str | Path) -> Any:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, parsed record) for each non-blank line of a JSON-lines file; a malformed or truncated
-    line, or bytes that are not UTF-8, is an error naming the file and the line."""
+    line, or bytes that are not UTF-8, is an error naming the file and the line. With `bad` a malformed
+    line goes to it instead (raised, or with --skip_bad dropped and counted)."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
@@ -120,7 +121,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}") from None
+                    error = VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}")
+                    if bad is None:
+                        raise error from None
+                    bad.handle(error)
+                    continue
                 yield lineno, rec
     except UnicodeDecodeError as e:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path, record=f"line {lineno + 1}") from None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import read_json, require_keys
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
@@ -140,40 +140,49 @@ def _coco_from(obj: Any, path: Path) -> CocoCaptions:
     return CocoCaptions(images, tuple(captions))
 
 
-def read_karpathy(path: str | Path, merge_restval: bool = True) -> KarpathyDataset:
-    """Read a Karpathy split file; with `merge_restval`, images of split "restval" get split "train"."""
+def read_karpathy(path: str | Path, merge_restval: bool = True, bad: BadRecords | None = None) -> KarpathyDataset:
+    """Read a Karpathy split file; with `merge_restval`, images of split "restval" get split "train".
+
+    A malformed image record raises, or with `bad` skipping (`--skip_bad`) is dropped and counted."""
     path = Path(path)
-    return _karpathy_from(read_json(path), path, merge_restval)
+    return _karpathy_from(read_json(path), path, merge_restval, bad)
 
 
-def _karpathy_from(obj: Any, path: Path, merge_restval: bool) -> KarpathyDataset:
+def _karpathy_from(obj: Any, path: Path, merge_restval: bool, bad: BadRecords | None = None) -> KarpathyDataset:
     require_keys(obj, ("images",), path=path, record="top level")
     images = []
     for k, rec in enumerate(_list_field(obj, "images", path=path, record="top level")):
-        where = f"images[{k}]"
-        require_keys(rec, ("filename", "split", "sentences"), path=path, record=where)
-        split = rec["split"]
-        if split not in KARPATHY_SPLITS:
-            raise VlbertsError(f"split must be one of {', '.join(KARPATHY_SPLITS)}, got {split!r}",
-                               path=path, record=where)
-        if merge_restval and split == "restval":
-            split = "train"
-        sentences = []
-        for j, s in enumerate(_list_field(rec, "sentences", path=path, record=where)):
-            swhere = f"{where}.sentences[{j}]"
-            require_keys(s, ("raw", "tokens"), path=path, record=swhere)
-            if not isinstance(s["raw"], str) or not isinstance(s["tokens"], list) \
-                    or not all(isinstance(t, str) for t in s["tokens"]):
-                raise VlbertsError("raw must be a string and tokens a list of strings", path=path, record=swhere)
-            sentid = _opt_int(s, "sentid", path=path, record=swhere)
-            sentences.append(KarpathySentence(sentid, tuple(s["tokens"]), s["raw"]))
-        images.append(KarpathyImage(
-            imgid=_opt_int(rec, "imgid", path=path, record=where),
-            cocoid=_opt_int(rec, "cocoid", path=path, record=where),
-            filepath=str(rec.get("filepath", "")), filename=str(rec["filename"]), split=split,
-            sentences=tuple(sentences),
-        ))
+        try:
+            images.append(_karpathy_image(rec, f"images[{k}]", path, merge_restval))
+        except VlbertsError as err:
+            (bad or BadRecords()).handle(err)
     return KarpathyDataset(str(obj.get("dataset", "")), tuple(images))
+
+
+def _karpathy_image(rec: Any, where: str, path: Path, merge_restval: bool) -> KarpathyImage:
+    """One image record of a Karpathy file (`where` names it in errors)."""
+    require_keys(rec, ("filename", "split", "sentences"), path=path, record=where)
+    split = rec["split"]
+    if split not in KARPATHY_SPLITS:
+        raise VlbertsError(f"split must be one of {', '.join(KARPATHY_SPLITS)}, got {split!r}",
+                           path=path, record=where)
+    if merge_restval and split == "restval":
+        split = "train"
+    sentences = []
+    for j, s in enumerate(_list_field(rec, "sentences", path=path, record=where)):
+        swhere = f"{where}.sentences[{j}]"
+        require_keys(s, ("raw", "tokens"), path=path, record=swhere)
+        if not isinstance(s["raw"], str) or not isinstance(s["tokens"], list) \
+                or not all(isinstance(t, str) for t in s["tokens"]):
+            raise VlbertsError("raw must be a string and tokens a list of strings", path=path, record=swhere)
+        sentid = _opt_int(s, "sentid", path=path, record=swhere)
+        sentences.append(KarpathySentence(sentid, tuple(s["tokens"]), s["raw"]))
+    return KarpathyImage(
+        imgid=_opt_int(rec, "imgid", path=path, record=where),
+        cocoid=_opt_int(rec, "cocoid", path=path, record=where),
+        filepath=str(rec.get("filepath", "")), filename=str(rec["filename"]), split=split,
+        sentences=tuple(sentences),
+    )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import iter_jsonl, require_keys
 
 LABEL_STRINGS = {"True": True, "False": False}
@@ -123,23 +123,28 @@ def parse_nlvr2_record(rec: Any, *, path: Path, record: str) -> NLVR2Example:
     )
 
 
-def read_nlvr2(path: str | Path, *, require_labels: bool = False) -> list[NLVR2Example]:
+def read_nlvr2(path: str | Path, *, require_labels: bool = False, bad: BadRecords | None = None) -> list[NLVR2Example]:
     """Read an NLVR2 JSON-lines file; examples in file order, blank lines skipped.
 
     Errors name the file and ``line N``: a malformed or truncated line, a bad identifier or label,
-    a duplicate identifier, or (with `require_labels`) a missing label.
+    a duplicate identifier, or (with `require_labels`) a missing label. With `bad` skipping
+    (``--skip_bad``), such a line is dropped and counted instead ("malformed record").
     """
+    bad = bad if bad is not None else BadRecords()
     examples: list[NLVR2Example] = []
     first_line: dict[str, int] = {}
-    for lineno, rec in iter_jsonl(path):
+    for lineno, rec in iter_jsonl(path, bad):
         where = f"line {lineno}"
-        ex = parse_nlvr2_record(rec, path=path, record=where)
-        if ex.identifier in first_line:
-            raise VlbertsError(
-                f"duplicate identifier {ex.identifier} (first at line {first_line[ex.identifier]})", path=path, record=where
-            )
-        if require_labels and ex.label is None:
-            raise VlbertsError("missing field label", path=path, record=where)
+        try:
+            ex = parse_nlvr2_record(rec, path=path, record=where)
+            if ex.identifier in first_line:
+                raise VlbertsError(f"duplicate identifier {ex.identifier} (first at line {first_line[ex.identifier]})",
+                                   path=path, record=where)
+            if require_labels and ex.label is None:
+                raise VlbertsError("missing field label", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
         first_line[ex.identifier] = lineno
         examples.append(ex)
     return examples

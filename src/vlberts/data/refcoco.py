@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import read_json, require_keys, write_json
 from vlberts.safe_pickle import safe_load
 
@@ -195,25 +195,34 @@ def _parse_ref(rec: Any, *, path: Path, record: str) -> Ref:
     )
 
 
-def read_refs(path: str | Path) -> list[Ref]:
+def read_refs(path: str | Path, bad: BadRecords | None = None) -> list[Ref]:
     """Read ``refs(unc).p`` (through the restricted unpickler) or its JSON form (``*.json``).
 
     Errors name the file and ``refs[i] (ref_id N)``; a pickle naming any non-builtin global (code to
-    run, a class to build) is refused before anything is constructed from it.
+    run, a class to build) is refused before anything is constructed from it. With `bad` skipping, a
+    malformed or duplicate ref is dropped and counted instead.
     """
-    path = Path(path)
+    return [ref for _, ref in _read_refs(Path(path), bad if bad is not None else BadRecords())]
+
+
+def _read_refs(path: Path, bad: BadRecords) -> list[tuple[int, Ref]]:
+    """`read_refs` with each ref's index in the file (for error messages)."""
     data = read_json(path) if path.suffix.lower() == ".json" else safe_load(path)
     if not isinstance(data, list):
         raise VlbertsError(f"expected a list of refs, got {type(data).__name__}", path=path)
     refs = []
     seen: dict[int, int] = {}
     for i, rec in enumerate(data):
-        ref = _parse_ref(rec, path=path, record=f"refs[{i}]")
-        if ref.ref_id in seen:
-            raise VlbertsError(f"duplicate ref_id {ref.ref_id} (first at refs[{seen[ref.ref_id]}])",
-                               path=path, record=f"refs[{i}]")
+        try:
+            ref = _parse_ref(rec, path=path, record=f"refs[{i}]")
+            if ref.ref_id in seen:
+                raise VlbertsError(f"duplicate ref_id {ref.ref_id} (first at refs[{seen[ref.ref_id]}])",
+                                   path=path, record=f"refs[{i}]")
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
         seen[ref.ref_id] = i
-        refs.append(ref)
+        refs.append((i, ref))
     return refs
 
 
@@ -245,8 +254,12 @@ def select_refs(refs: tuple[Ref, ...] | list[Ref], split: str) -> list[Ref]:
 # --------------------------------------------------------------------------- instances
 
 
-def read_instances(path: str | Path) -> tuple[dict[int, CocoImage], dict[int, CocoAnnotation], dict[int, str]]:
-    """Read a COCO ``instances.json``: images, annotations and categories by id."""
+def read_instances(
+    path: str | Path, bad: BadRecords | None = None
+) -> tuple[dict[int, CocoImage], dict[int, CocoAnnotation], dict[int, str]]:
+    """Read a COCO ``instances.json``: images, annotations and categories by id. With `bad` skipping, a
+    malformed annotation (or one whose image or category is missing) is dropped and counted instead."""
+    bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
     require_keys(data, ("images", "annotations", "categories"), path=path, record="instances")
@@ -270,36 +283,55 @@ def read_instances(path: str | Path) -> tuple[dict[int, CocoImage], dict[int, Co
     annotations: dict[int, CocoAnnotation] = {}
     for i, rec in enumerate(data["annotations"]):
         where = f"annotations[{i}]"
-        require_keys(rec, ("id", "image_id", "category_id", "bbox"), path=path, record=where)
-        ann = CocoAnnotation(_int(rec["id"], "id", path=path, record=where),
-                             _int(rec["image_id"], "image_id", path=path, record=where),
-                             _int(rec["category_id"], "category_id", path=path, record=where),
-                             _bbox(rec["bbox"], path=path, record=where))
-        if ann.image_id not in images:
-            raise VlbertsError(f"image_id {ann.image_id} is not in images", path=path, record=where)
-        if ann.category_id not in categories:
-            raise VlbertsError(f"category_id {ann.category_id} is not in categories", path=path, record=where)
+        try:
+            require_keys(rec, ("id", "image_id", "category_id", "bbox"), path=path, record=where)
+            ann = CocoAnnotation(_int(rec["id"], "id", path=path, record=where),
+                                 _int(rec["image_id"], "image_id", path=path, record=where),
+                                 _int(rec["category_id"], "category_id", path=path, record=where),
+                                 _bbox(rec["bbox"], path=path, record=where))
+            if ann.image_id not in images:
+                raise VlbertsError(f"image_id {ann.image_id} is not in images", path=path, record=where)
+            if ann.category_id not in categories:
+                raise VlbertsError(f"category_id {ann.category_id} is not in categories", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
         annotations[ann.id] = ann
     return images, annotations, categories
 
 
-def read_refcoco(refs_path: str | Path, instances_path: str | Path) -> RefCocoData:
-    """Read refs and instances and check that they agree (annotation, image and category of every ref)."""
+def read_refcoco(refs_path: str | Path, instances_path: str | Path, bad: BadRecords | None = None) -> RefCocoData:
+    """Read refs and instances and check that they agree (image, annotation and category of every ref).
+
+    With `bad` skipping, malformed records are dropped and counted (`read_refs`, `read_instances`), and so
+    is a ref whose image ("missing image") or annotation ("missing annotation") is not in the instances
+    or disagrees with them."""
+    bad = bad if bad is not None else BadRecords()
     refs_path = Path(refs_path)
-    refs = read_refs(refs_path)
-    images, annotations, categories = read_instances(instances_path)
-    for i, ref in enumerate(refs):
+    all_refs = _read_refs(refs_path, bad)
+    images, annotations, categories = read_instances(instances_path, bad)
+    refs = []
+    for i, ref in all_refs:
         where = f"refs[{i}] (ref_id {ref.ref_id})"
         ann = annotations.get(ref.ann_id)
-        if ann is None:
-            raise VlbertsError(f"ann_id {ref.ann_id} is not in {Path(instances_path).name}",
-                               path=refs_path, record=where)
-        if ann.image_id != ref.image_id:
-            raise VlbertsError(f"image_id {ref.image_id} differs from its annotation's image_id {ann.image_id}",
-                               path=refs_path, record=where)
-        if ann.category_id != ref.category_id:
-            raise VlbertsError(f"category_id {ref.category_id} differs from its annotation's {ann.category_id}",
-                               path=refs_path, record=where)
+        try:
+            if ref.image_id not in images:
+                bad.handle(VlbertsError(f"image_id {ref.image_id} is not in {Path(instances_path).name}",
+                                        path=refs_path, record=where), "missing image")
+                continue
+            if ann is None:
+                raise VlbertsError(f"ann_id {ref.ann_id} is not in {Path(instances_path).name}",
+                                   path=refs_path, record=where)
+            if ann.image_id != ref.image_id:
+                raise VlbertsError(f"image_id {ref.image_id} differs from its annotation's image_id {ann.image_id}",
+                                   path=refs_path, record=where)
+            if ann.category_id != ref.category_id:
+                raise VlbertsError(f"category_id {ref.category_id} differs from its annotation's {ann.category_id}",
+                                   path=refs_path, record=where)
+        except VlbertsError as err:
+            bad.handle(err, "missing annotation")
+            continue
+        refs.append(ref)
     return RefCocoData(tuple(refs), images, annotations, categories)
 
 

@@ -71,6 +71,18 @@ def detector_tag_subwords(classes: Sequence[str], tok: TextTokenizer) -> tuple[t
     return tuple(tuple(tok.encode(c.split(",")[0])) for c in classes)
 
 
+def model_tag_subwords(reads_tags: bool, regions: Any, tok: TextTokenizer) -> tuple[tuple[int, ...], ...] | None:
+    """The detector tags a task model's batches carry: None for a model that reads none, else
+    `detector_tag_subwords` of the region store's class names (an error naming the store without them)."""
+    if not reads_tags:
+        return None
+    classes = getattr(getattr(regions, "metadata", None), "classes", None)
+    if not classes:
+        raise VlbertsError("this W-VisualBERT reads detector tags, which need the store's class names "
+                           "(metadata classes) and obj_id", path=getattr(regions, "path", None))
+    return detector_tag_subwords(classes, tok)
+
+
 class VQAData:
     """Indexable QA examples; targets are `target(example, vocab)` (None for unannotated questions).
 

@@ -405,6 +405,17 @@ def select_regions(im: WorldImage, det: Detections, selection: SelectionConfig) 
     )
 
 
+def gold_regions(im: WorldImage, det: Detections) -> RegionRecord:
+    """Every RoI of `det` kept, in order (no NMS, no threshold): with `iter_detections(gold=True)` the
+    record's regions are exactly the image's gold objects in object id order -- the candidate regions of
+    the ground-truth-region track of RefCOCO+ (VL-BERT §4.2.3). obj/attr fields as in `select_regions`."""
+    return RegionRecord(
+        image_id=im.image_id, image_w=im.width, image_h=im.height, boxes=det.boxes, features=det.features,
+        cls_prob=det.cls_prob, obj_id=det.cls_prob[:, 1:].argmax(1), obj_conf=det.cls_prob[:, 1:].max(1),
+        attr_id=det.attr_prob.argmax(1), attr_conf=det.attr_prob.max(1),
+    )
+
+
 def iter_detections(
     model: WorldDetector,
     world: WorldScenes,
@@ -412,13 +423,17 @@ def iter_detections(
     proposals: ProposalConfig = ProposalConfig(),
     seed: int = 0,
     batch_images: int = 64,
+    gold: bool = False,
 ) -> Iterator[tuple[WorldImage, Detections]]:
-    """Detections of `images` in order, with the extraction proposals (stream 0 of `seed`)."""
+    """Detections of `images` in order, with the extraction proposals (stream 0 of `seed`), or with
+    `gold` the images' gold object boxes as the RoIs (features for given boxes: `gold_regions`)."""
     model = inference_model(model)
     for start in range(0, len(images), batch_images):
         batch = images[start : start + batch_images]
         pixels = [load_image(world, im) for im in batch]
-        props = [make_proposals(im.boxes, im.width, im.height, proposal_rng(seed, im.image_id, 0), proposals) for im in batch]
+        props = [im.boxes.astype(np.float32) if gold else
+                 make_proposals(im.boxes, im.width, im.height, proposal_rng(seed, im.image_id, 0), proposals)
+                 for im in batch]
         yield from zip(batch, detect(model, pixels, props))
 
 

@@ -8,9 +8,10 @@ wraps the architecture's encoder module so that a head is written once for every
     out = enc(inputs, tags=tags)             # VLOutput; tags only reach W-VisualBERT (§3.2)
     load_encoder_weights(enc, "runs/pt/model")   # from a pre-training or fine-tuned model directory
 
-Checkpoints keep each architecture's encoder under its own name (`ENCODER_PREFIX`: `bert.` for the
-single-stream models and ViLBERT, `lxmert.` for LXMERT), in pre-training and fine-tuned models alike,
-so `load_encoder_weights` reads the encoder of either and leaves every head behind.
+Pre-training and VQA/GQA checkpoints keep each architecture's encoder under its own name
+(`ENCODER_PREFIX`: `bert.` for the single-stream models and ViLBERT, `lxmert.` for LXMERT); task models
+built on `VLEncoder` hold it as `encoder.model.` (`TASK_PREFIX`). `load_encoder_weights` reads the
+encoder of any of them and leaves every head behind.
 """
 
 from __future__ import annotations
@@ -73,12 +74,17 @@ class VLEncoder(nn.Module):
         return self.model(x, need_attn=need_attn)
 
 
+TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task model
+
+
 def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> None:
-    """Load the encoder of a vlberts model directory (pre-training or fine-tuned) into `encoder`, strictly:
-    every encoder weight must be there."""
+    """Load the encoder of a vlberts model directory (pre-training, VQA/GQA or any `VLEncoder` task model)
+    into `encoder`, strictly: every encoder weight must be there."""
     sd = read_state_dict(directory)
-    prefix = ENCODER_PREFIX[encoder.arch] + "."
-    mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-    if not mine:
-        raise VlbertsError(f"no {encoder.arch} encoder weights (keys {prefix}*) in model directory", path=directory)
-    load_into(encoder.model, mine, source=directory)
+    for prefix in (ENCODER_PREFIX[encoder.arch] + ".", TASK_PREFIX):
+        mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        if mine:
+            load_into(encoder.model, mine, source=directory)
+            return
+    raise VlbertsError(f"no {encoder.arch} encoder weights (keys {ENCODER_PREFIX[encoder.arch]}.* or "
+                       f"{TASK_PREFIX}*) in model directory", path=directory)

@@ -3,7 +3,8 @@
     1. world + features  built ONCE, exactly as the demo builds them      OUT/world/, OUT/features.h5
     2. per architecture  the demo's steps 3-7 (pretrain -> probe -> VQA   OUT/ARCH/ (pretrain/, vqa/,
                          -> grounding -> summary) with the same settings   grounding/, summary.json, report.html)
-    + with --tasks=vqa,gqa, GQA fine-tuning from the same checkpoint          OUT/ARCH/gqa/
+    + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr, each fine-tuned from   OUT/ARCH/TASK/
+      same checkpoint with VQA's schedule (epochs, batch, learning rate)
     + with --seeds=0,1,2, step 2 once per seed (pre-training, fine-tuning;     OUT/ARCH/seed-S/
       the world and features stay those of --seed), reported as mean and std
     3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
@@ -45,13 +46,96 @@ class CompareConfig(DemoConfig):
     arch: str = opt("", "not used by compare: --archs lists the architectures")
     model: str = opt("", "not used by compare: each architecture trains its ARCH-small")
     archs: str = opt(",".join(ARCHS), "comma-separated architectures, each pre-trained with its paper's objectives")
-    tasks: str = opt("vqa", "downstream tasks fine-tuned from each checkpoint: vqa, or vqa,gqa (GQA with VQA's "
-                     "epochs, batch and learning rate)")
+    tasks: str = opt("vqa", "downstream tasks fine-tuned from each checkpoint: vqa plus any of gqa, nlvr2, "
+                     "retrieval, refcoco, vcr (each with VQA's epochs, batch and learning rate), e.g. vqa,gqa")
     seeds: str = opt("", "comma-separated seeds: each architecture is pre-trained and fine-tuned once per seed on the "
                      "same world and features (those of --seed), the table shows mean ± std; empty: --seed only")
 
 
-TASKS = ("vqa", "gqa")  # vqa is part of every run (the demo's step 5)
+@dataclass(frozen=True)
+class ExtraTask:
+    """A downstream task compare can add to the demo's VQA: its recipe run on the world with VQA's schedule,
+    and the two numbers of its column (dotted paths into its metrics.json, stored in the row under
+    `TASK_<key>` with dots as underscores)."""
+
+    header: str  # column header, e.g. "GQA / majority"
+    score: str  # the main metric, e.g. "accuracy" or "text_to_image.r1"
+    baseline: str  # its trivial baseline, e.g. "majority_baseline"
+    setup: Callable[[DemoConfig, Path, Path, Path], tuple[Callable[[Any], Any], Any]]  # -> (recipe, run config)
+
+    def row(self, name: str, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {f"{name}_{key.replace('.', '_')}": _get(metrics, key) for key in (self.score, self.baseline)}
+
+
+def _get(metrics: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        metrics = metrics[part]
+    return metrics
+
+
+def _schedule(cfg: DemoConfig, arch_out: Path, features: Path, name: str) -> dict[str, Any]:
+    """The settings every extra task shares with the demo's VQA fine-tuning."""
+    return dict(init=str(arch_out / "pretrain" / "model"), out=str(arch_out / name), features=str(features),
+                epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
+                ckpt_every=10**9, preload_features=True)
+
+
+def _gqa(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    return finetune_gqa, FinetuneGQAConfig(
+        **_schedule(cfg, arch_out, features, "gqa"), length_group=cfg.length_group,
+        train_questions=str(world / "gqa" / "train_balanced_questions.json"),
+        eval_questions=str(world / "gqa" / "testdev_balanced_questions.json"),
+    )
+
+
+def _nlvr2(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    from vlberts.recipes.finetune_nlvr2 import FinetuneNLVR2Config, finetune_nlvr2
+
+    return finetune_nlvr2, FinetuneNLVR2Config(
+        **_schedule(cfg, arch_out, features, "nlvr2"), length_group=cfg.length_group,
+        train_statements=str(world / "nlvr2" / "train.json"), eval_statements=str(world / "nlvr2" / "test1.json"),
+        image_map=str(world / "nlvr2" / "images.json"),
+    )
+
+
+def _retrieval(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    from vlberts.recipes.finetune_retrieval import FinetuneRetrievalConfig, finetune_retrieval
+
+    # 4-way groups of 4 pairs: a quarter of VQA's batch in groups keeps the pairs per update the same.
+    return finetune_retrieval, FinetuneRetrievalConfig(
+        **{**_schedule(cfg, arch_out, features, "retrieval"), "batch_size": max(1, cfg.vqa_batch // 4)},
+        split_file=str(world / "dataset_world.json"),
+    )
+
+
+def _refcoco(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    from vlberts.recipes.finetune_refcoco import FinetuneRefCocoConfig, finetune_refcoco
+
+    return finetune_refcoco, FinetuneRefCocoConfig(
+        **_schedule(cfg, arch_out, features, "refcoco"), refs=str(world / "refcoco+" / "refs(unc).p"),
+        instances=str(world / "refcoco+" / "instances.json"),
+    )
+
+
+def _vcr(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    from vlberts.recipes.finetune_vcr import FinetuneVCRConfig, finetune_vcr
+
+    # Q->A; each question is 4 sequences: a quarter of VQA's batch in questions keeps the sequences per update.
+    return finetune_vcr, FinetuneVCRConfig(
+        **{**_schedule(cfg, arch_out, features, "vcr"), "batch_size": max(1, cfg.vqa_batch // 4)}, mode="qa",
+        train_file=str(world / "vcr" / "train.jsonl"), eval_file=str(world / "vcr" / "val.jsonl"),
+    )
+
+
+# vqa is part of every run (the demo's step 5); the others run after it, from the same checkpoint
+EXTRA_TASKS: dict[str, ExtraTask] = {
+    "gqa": ExtraTask("GQA / majority", "accuracy", "majority_baseline", _gqa),
+    "nlvr2": ExtraTask("NLVR2 / majority", "accuracy", "majority_baseline", _nlvr2),
+    "retrieval": ExtraTask("retrieval R@1 / chance", "text_to_image.r1", "chance.text_to_image.r1", _retrieval),
+    "refcoco": ExtraTask("RefCOCO+ val / top-confidence", "accuracy", "confidence_baseline", _refcoco),
+    "vcr": ExtraTask("VCR Q->A val / chance", "q2a", "chance", _vcr),
+}
+TASKS = ("vqa", *EXTRA_TASKS)
 
 
 CONFIG_CLASS = CompareConfig
@@ -103,18 +187,11 @@ def task_list(cfg: CompareConfig) -> list[str]:
     return names
 
 
-def run_gqa(cfg: DemoConfig, arch_out: Path, world: Path, features: Path) -> dict[str, Any]:
-    """GQA fine-tuning of the architecture's pre-trained model with the VQA schedule; its metrics.json."""
-    gqa = world / "gqa"
-    gqa_cfg = FinetuneGQAConfig(
-        init=str(arch_out / "pretrain" / "model"), out=str(arch_out / "gqa"), features=str(features),
-        train_questions=str(gqa / "train_balanced_questions.json"),
-        eval_questions=str(gqa / "testdev_balanced_questions.json"),
-        epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
-        ckpt_every=10**9, preload_features=True, length_group=cfg.length_group,
-    )
-    run_procs(finetune_gqa, gqa_cfg, ["finetune", "gqa"], cfg.procs, arch_out, "gqa")
-    return read_json(arch_out / "gqa" / "metrics.json")
+def run_task(name: str, cfg: DemoConfig, arch_out: Path, world: Path, features: Path) -> dict[str, Any]:
+    """Fine-tune extra task `name` from the architecture's pre-trained model (`EXTRA_TASKS`); its metrics.json."""
+    recipe, task_cfg = EXTRA_TASKS[name].setup(cfg, arch_out, world, features)
+    run_procs(recipe, task_cfg, ["finetune", name], cfg.procs, arch_out, name)
+    return read_json(arch_out / name / "metrics.json")
 
 
 def arch_config(cfg: CompareConfig, arch: str, out: Path, seed: int | None = None) -> DemoConfig:
@@ -134,18 +211,21 @@ def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log:
         "pretrain_seconds": s["timings"]["pretrain"],
         **{k: s[k] for k in HEADLINE},
     }
-    if "gqa" in tasks:
+    for name in tasks[1:]:
         t = time.perf_counter()
-        g = run_gqa(acfg, arch_out, out / "world", out / "features.h5")
-        row.update(gqa_accuracy=g["accuracy"], gqa_majority_baseline=g["majority_baseline"],
-                   gqa_seconds=round(time.perf_counter() - t, 1))
-        log(f"GQA test-dev accuracy {g['accuracy']:.2f}% (majority-answer baseline {g['majority_baseline']:.2f}%)")
+        task = EXTRA_TASKS[name]
+        numbers = task.row(name, run_task(name, acfg, arch_out, out / "world", out / "features.h5"))
+        row.update(numbers, **{f"{name}_seconds": round(time.perf_counter() - t, 1)})
+        score, baseline = numbers.values()
+        log(f"{name}: {task.header.split(' / ')[0]} {score:.2f} ({task.header.split(' / ')[1]} {baseline:.2f})")
     return row
 
 
 # Numbers that vary with the seed: averaged over seeds, with their standard deviation as KEY_std.
 SEED_VARYING = ("mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "grounding_best_head_acc",
-                "gqa_accuracy", "pretrain_seconds", "gqa_seconds", "seconds")
+                "pretrain_seconds", "seconds",
+                *(f"{name}_{t.score.replace('.', '_')}" for name, t in EXTRA_TASKS.items()),
+                *(f"{name}_seconds" for name in EXTRA_TASKS))
 
 
 def mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,19 +287,23 @@ def _layers(r: dict[str, Any]) -> str:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """comparison.md: one row per architecture, accuracies in % (mean ± std over seeds with --seeds)."""
-    gqa = all("gqa_accuracy" in r for r in result["archs"].values()) and bool(result["archs"])
+    """comparison.md: one row per architecture, accuracies in % (mean ± std over seeds with --seeds); a column
+    per extra task every row has."""
+    rows = list(result["archs"].values())
+    extra = [(name, t) for name, t in EXTRA_TASKS.items()
+             if rows and all(f"{name}_{t.score.replace('.', '_')}" in r for r in rows)]
     lines = [
         "| arch | params | pretrain s | probe with / zeroed | VQA / majority | "
-        + ("GQA / majority | " if gqa else "") + "best grounding head (layer) / baseline |",
-        "|---|---:|---:|---:|---:|" + ("---:|" if gqa else "") + "---:|",
+        + "".join(f"{t.header} | " for _, t in extra) + "best grounding head (layer) / baseline |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|",
     ]
-    for r in result["archs"].values():
+    for r in rows:
         lines.append(
             f"| {r['arch']} | {_params(r['params'])} | {r['pretrain_seconds']:.1f} "
             f"| {_acc(r, 'mlm_visual_word_acc')} / {_acc(r, 'mlm_visual_word_acc_regions_zeroed')} "
             f"| {_acc(r, 'vqa_accuracy')} / {r['vqa_majority_baseline']:.2f} "
-            + (f"| {_acc(r, 'gqa_accuracy')} / {r['gqa_majority_baseline']:.2f} " if gqa else "")
+            + "".join(f"| {_acc(r, f'{name}_{t.score}'.replace('.', '_'))} / {r[f'{name}_{t.baseline}'.replace('.', '_')]:.2f} "
+                      for name, t in extra)
             + f"| {r['grounding_best_head']} {_acc(r, 'grounding_best_head_acc')} ({_layers(r)}/{r['num_layers']}) "
             f"/ {r['grounding_baseline_acc']:.2f} |"
         )

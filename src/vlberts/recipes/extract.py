@@ -5,6 +5,11 @@
         proposals -> detector -> BUTD box selection -> RegionRecord -> the store
     val images also score the detector (proposal accuracies, gold recall after selection)
 
+With --boxes=gold the RoIs are the world's gold object boxes instead of proposals, every one kept in
+object id order (no selection): a store whose regions are exactly the objects, the candidates of the
+ground-truth-region track of RefCOCO+ (VL-BERT §4.2.3). Pass the detector of the detected-region store
+(--detector) so that both stores hold features of the same detector.
+
 Outputs, next to each other:
 
     STORE                          the region store (HDF5; written atomically: all or nothing)
@@ -39,6 +44,7 @@ from vlberts.features.world_detector import (
     DetectorTrainConfig,
     ProposalAccuracy,
     WorldDetectorConfig,
+    gold_regions,
     iter_detections,
     load_detector,
     save_detector,
@@ -68,6 +74,8 @@ class ExtractConfig:
     max_steps: int = opt(900, "cap on detector updates (keeps big worlds within about a minute)")
     batch_images: int = opt(64, "images per backbone pass during extraction")
     overwrite: bool = opt(False, "replace an existing store (only once extraction has succeeded)")
+    boxes: str = opt("detected", "detected: proposals after BUTD selection; gold: exactly the world's object boxes "
+                                 "(object id order, no selection: RefCOCO+'s ground-truth regions)")
 
 
 CONFIG_CLASS = ExtractConfig
@@ -127,6 +135,8 @@ def _validate(cfg: ExtractConfig) -> SelectionConfig:
         conf_thresh=cfg.conf_thresh, min_boxes=cfg.min_boxes, max_boxes=cfg.max_boxes, nms=cfg.nms, order=cfg.order  # type: ignore[arg-type]
     )
     sel.validate()
+    if cfg.boxes not in ("detected", "gold"):
+        raise VlbertsError(f"unknown --boxes {cfg.boxes!r}; valid: detected, gold")
     out = Path(cfg.out)
     if out.exists() and not cfg.overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=out)
@@ -204,8 +214,9 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
             out, feature_dim=info.config.feature_dim, dtype="float16" if cfg.float16 else "float32", metadata=meta,
             with_cls_prob=info.config.num_classes + 1, with_objects=True, with_attrs=True,
         ) as writer:
-            for im, det in iter_detections(model, world, world.images, info.proposals, cfg.seed, cfg.batch_images):
-                rec = select_regions(im, det, sel)
+            gold = cfg.boxes == "gold"
+            for im, det in iter_detections(model, world, world.images, info.proposals, cfg.seed, cfg.batch_images, gold):
+                rec = gold_regions(im, det) if gold else select_regions(im, det, sel)
                 writer.add(rec)
                 counts.append(rec.num_boxes)
                 if im.split == "val":
@@ -240,7 +251,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
 def _settings(cfg: ExtractConfig, sel: SelectionConfig, info: DetectorInfo) -> dict[str, Any]:
     d = info.to_dict()
     return {
-        "box_policy": sel.policy,
+        "box_policy": "gold" if cfg.boxes == "gold" else sel.policy,
         "conf_thresh": sel.conf_thresh,
         "min_boxes": sel.min_boxes,
         "max_boxes": sel.max_boxes,

@@ -12,6 +12,12 @@ and says how a batch is scored; `finetune_loop` does the rest the same way for e
 * a progress bar and OUT/metrics.jsonl records of the loss, learning rate and gradient norm.
 
 `FinetuneConfig` holds these loop settings; each task's run config extends it with its files and defaults.
+A task recipe reads top to bottom as
+
+    out, device, dist = start_finetune(cfg, "nlvr2", required=("init", "train_statements", "features"))
+    ... read the data, build the model ...
+    final = finetune_loop(cfg, out=out, model=model, ..., tokenizer=tok)   # OUT/model, or None if stopped
+    ... predict, score, write metrics.json ...
 """
 
 from __future__ import annotations
@@ -26,9 +32,18 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
-from vlberts.recipes.common import autocast, opt, progress
-from vlberts.training.checkpoint import TrainState, save_checkpoint
-from vlberts.training.distributed import DistInfo, broadcast_parameters, sum_over_ranks, sync_gradients
+from vlberts.errors import VlbertsError
+from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import TrainState, save_checkpoint, save_model_dir
+from vlberts.training.distributed import (
+    DistInfo,
+    broadcast_parameters,
+    init_distributed,
+    local_device,
+    sum_over_ranks,
+    sync_gradients,
+)
 from vlberts.training.loop import batches, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -60,6 +75,19 @@ class FinetuneConfig:
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
 
 
+def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:
+    """The start every fine-tuning recipe shares: threads, device, the process group under torchrun (this
+    rank's device), and a one-line error for each required setting left empty. Returns (out, device, dist)."""
+    set_threads()
+    device = resolve_device(cfg.device)
+    dist = init_distributed(device.type)
+    device = local_device(device, dist)
+    for key in required:
+        if not getattr(cfg, key):
+            raise VlbertsError(f"finetune {task} needs --{key}")
+    return Path(cfg.out), device, dist
+
+
 def num_updates(cfg: FinetuneConfig, examples: int) -> int:
     """Updates of `cfg.epochs` passes over `examples` (at least one)."""
     return max(1, round(cfg.epochs * examples / (cfg.batch_size * cfg.grad_accum)))
@@ -81,9 +109,11 @@ def finetune_loop(
     extra: dict[str, Any] | None = None,
     head_prefixes: Sequence[str] = ("classifier.",),
     lengths: Any = None,
-) -> bool:
-    """Train `model` on `data` for `num_updates(cfg, len(data))` updates; True when done, False when
-    stopped early by `stop_after` (a checkpoint to resume from is on disk then, if one was due).
+    tokenizer: TextTokenizer | None = None,
+) -> Path | None:
+    """Train `model` on `data` for `num_updates(cfg, len(data))` updates, then write the model directory
+    OUT/model (weights, config with `extra`, and the `tokenizer`'s vocabulary; rank 0) and return it; None
+    when stopped early by `stop_after` (a checkpoint to resume from is on disk then, if one was due).
 
     `collate` turns a list of `data` items into a batch with a `.to(device)`; `loss(batch)` is the batch's
     mean loss (the model is called inside); `count(batch)` the number of examples that mean is over (the
@@ -144,5 +174,10 @@ def finetune_loop(
                 save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
                                 state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra or {})
             if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
-                return False
-    return True
+                return None
+    final = out / "model"
+    if dist.main:
+        save_model_dir(final, model, model_cfg, extra=extra)
+        if tokenizer is not None:
+            tokenizer.save(final)
+    return final

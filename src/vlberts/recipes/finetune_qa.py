@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlberts.data.regions import RegionSource
-from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, detector_tag_subwords
+from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
@@ -46,12 +46,12 @@ from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import load_into
 from vlberts.models.wvisualbert import WVisualBertForVQA
-from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates
+from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
+from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
 from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import read_model_config, save_model_dir
-from vlberts.training.distributed import DistInfo, barrier, init_distributed, local_device, merge_over_ranks
+from vlberts.training.checkpoint import read_model_config
+from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
 
 LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
 
@@ -168,13 +168,7 @@ def qa_data(
 ) -> VQAData:
     """The examples laid out for `model`'s head, with detector tags from the store if the model reads them;
     targets by `target` (default: VQA soft scores)."""
-    tags = None
-    if model.reads_tags:
-        classes = getattr(getattr(regions, "metadata", None), "classes", None)
-        if not classes:
-            raise VlbertsError("this W-VisualBERT reads detector tags, which need the store's class names "
-                               "(metadata classes) and obj_id", path=getattr(regions, "path", None))
-        tags = detector_tag_subwords(classes, tok)
+    tags = model_tag_subwords(model.reads_tags, regions, tok)
     return VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
                    feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags, target=target)
 
@@ -222,14 +216,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     Launched by torchrun it trains data-parallel like `pretrain` (each rank a slice of every global
     batch, its loss weighted by its share of the update, gradients summed, rank 0 writes) and the ranks
     share the prediction of the evaluation set."""
-    set_threads()
-    out = Path(cfg.out)
-    device = resolve_device(cfg.device)
-    dist = init_distributed(device.type)
-    device = local_device(device, dist)
-    for key in ("init", *task.required, "features"):
-        if not getattr(cfg, key):
-            raise VlbertsError(f"finetune {task.name} needs --{key}")
+    out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     if cfg.loss != "auto" and cfg.loss not in LOSSES:
         raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
 
@@ -257,19 +244,14 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                    target=task.target)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
     extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head}
-    done = finetune_loop(
-        cfg, out=out, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
+    final = finetune_loop(
+        cfg, out=out, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra, tokenizer=tok,
         collate=lambda ex: collate_vqa(ex, len(vocab), tok.pad_id),
         loss=lambda b: loss_fn(model.answer_logits(b).float(), b.targets), count=lambda b: len(b.targets),
         label=f"fine-tune {task.name.upper()}", lengths=data.lengths() if cfg.length_group > 1 else None,
     )
-    if not done:
+    if final is None:
         return None
-
-    final = out / "model"
-    if dist.main:
-        save_model_dir(final, model, model_cfg, extra=extra)
-        tok.save(final)
 
     metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),

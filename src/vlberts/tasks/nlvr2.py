@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlberts.data.nlvr2 import NLVR2Example
+from vlberts.data.nlvr2 import NLVR2Example, read_nlvr2
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open
 from vlberts.tasks.predictions import require_complete, unique_rows
@@ -120,3 +120,32 @@ def majority_label(train_examples: Iterable[NLVR2Example]) -> bool:
     if not counts:
         raise ValueError("no labelled training examples")
     return counts[True] >= counts[False]
+
+
+def nlvr2_metrics(
+    predictions: Mapping[str, bool], eval_examples: Sequence[NLVR2Example],
+    train_examples: Sequence[NLVR2Example] | None = None,
+) -> dict:
+    """metrics.json of NLVR2: `NLVR2Scores.to_dict()`, plus, when training examples are given, the trivial
+    baseline that predicts the training majority label everywhere (``majority_label``, its accuracy
+    ``majority_baseline`` and consistency ``majority_baseline_consistency``)."""
+    out = score_predictions(predictions, eval_examples).to_dict()
+    if train_examples:
+        label = majority_label(train_examples)
+        base = score_predictions({ex.identifier: label for ex in eval_examples}, eval_examples)
+        out.update(majority_label="True" if label else "False", majority_baseline=base.accuracy,
+                   majority_baseline_consistency=base.consistency)
+    return out
+
+
+def evaluate_predictions(
+    predictions_path: str | Path, statements_path: str | Path, train_path: str | Path | None = None
+) -> dict:
+    """Score an official predictions CSV against a labelled NLVR2 JSON-lines file (`nlvr2_metrics`), with
+    the majority baseline of `train_path` if given. Bad files are one-line `VlbertsError`s."""
+    examples = read_nlvr2(statements_path, require_labels=True)
+    if not examples:
+        raise VlbertsError("no statements to score", path=statements_path)
+    preds = read_predictions(predictions_path, [ex.identifier for ex in examples])
+    train = read_nlvr2(train_path, require_labels=True) if train_path else None
+    return nlvr2_metrics(preds, examples, train)

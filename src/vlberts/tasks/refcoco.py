@@ -14,15 +14,22 @@ Training targets (ViLBERT ``V-logit``): region i gets 1 if IoU(i, gold) >= 0.5 e
 
 `RefScores.upper_bound` is the percentage of expressions with at least one candidate region at
 IoU >= threshold: no scorer can beat it on that candidate set (relevant for detected regions).
+
+Predictions files (`write_predictions`, `read_predictions`, `evaluate_predictions`): RefCOCO+ has no
+official results format; ours is a JSON list with one row per expression (section below).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from vlberts.data.refcoco import Box
-from vlberts.tasks.predictions import choose
+from vlberts.data.refcoco import Box, read_refcoco, xywh_to_xyxy
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, require_keys, write_json
+from vlberts.tasks.predictions import choose, require_complete, unique_rows
 
 IOU_THRESHOLD = 0.5
 
@@ -105,3 +112,82 @@ def score_regions(
     n = len(gold_boxes)
     return RefScores(accuracy=100.0 * correct / n, upper_bound=100.0 * reachable / n, num_expressions=n,
                      num_correct=correct)
+
+
+# --------------------------------------------------------------------------- predictions files
+
+# RefCOCO+ has no official results format (MAttNet, ViLBERT and VL-BERT score in memory); ours is one
+# JSON list of ``{"sent_id", "ref_id", "split", "box": [x, y, w, h] pixels, "score"}``, one row per
+# expression, scored by `evaluate_predictions` against the refs and their instances.
+PREDICTION_KEYS = ("sent_id", "ref_id", "box")
+
+
+def write_predictions(path: str | Path, rows: Iterable[dict]) -> int:
+    """Write prediction rows (keys above) atomically; a repeated sent_id is an error. Returns the count."""
+    rows = list(rows)
+    unique_rows(((r["sent_id"], r) for r in rows), path=path, label="sent_id")
+    write_json(path, rows, indent=None)
+    return len(rows)
+
+
+def read_predictions(path: str | Path) -> dict[int, tuple[int, Box]]:
+    """sent_id -> (ref_id, predicted box xywh); malformed rows and repeated sent_ids are one-line errors."""
+    path = Path(path)
+    data = read_json(path)
+    if not isinstance(data, list):
+        raise VlbertsError("expected a JSON list of {sent_id, ref_id, box: [x, y, w, h]} predictions", path=path)
+    out: dict[int, tuple[int, Box]] = {}
+    for i, rec in enumerate(data):
+        where = f"predictions[{i}]"
+        require_keys(rec, PREDICTION_KEYS, path=path, record=where)
+        sid, rid, box = rec["sent_id"], rec["ref_id"], rec["box"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (sid, rid)):
+            raise VlbertsError(f"sent_id and ref_id must be integers, got {sid!r}, {rid!r}", path=path, record=where)
+        if (not isinstance(box, list) or len(box) != 4
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)
+                or box[2] < 0 or box[3] < 0):
+            raise VlbertsError(f"box must be [x, y, w, h] with w, h >= 0, got {box!r}", path=path,
+                               record=f"sent_id {sid}")
+        if sid in out:
+            raise VlbertsError("duplicate prediction", path=path, record=f"sent_id {sid}")
+        out[sid] = (rid, (float(box[0]), float(box[1]), float(box[2]), float(box[3])))
+    return out
+
+
+def evaluate_predictions(
+    predictions_path: str | Path, refs_path: str | Path, instances_path: str | Path,
+    splits: Sequence[str] | None = None, *, strict: bool = False,
+) -> dict:
+    """Accuracy (IoU(predicted box, gold box) >= 0.5; > with `strict`) per split of a predictions file.
+
+    `splits` default: every split of ("val", "testA", "testB", "train") holding a predicted
+    expression; every expression of a scored split needs a prediction, and a prediction must name an
+    expression of the refs with its own ref_id. Returns ``{"splits": {split: {accuracy, num_expressions,
+    num_correct}}, "accuracy": <first split's>}``."""
+    data = read_refcoco(refs_path, instances_path)
+    preds = read_predictions(predictions_path)
+    by_sent = {s.sent_id: (ref.ref_id) for ref in data.refs for s in ref.sentences}
+    for sid, (rid, _) in preds.items():
+        ref_id = by_sent.get(sid)
+        if ref_id is None:
+            raise VlbertsError("not an expression of the refs", path=predictions_path, record=f"sent_id {sid}")
+        if ref_id != rid:
+            raise VlbertsError(f"ref_id {rid} but the expression belongs to ref {ref_id}",
+                               path=predictions_path, record=f"sent_id {sid}")
+    if splits is None:
+        splits = [s for s in ("val", "testA", "testB", "train")
+                  if any(e.sent_id in preds for e in data.expressions(s))]
+    if not splits:
+        raise VlbertsError("no predictions to score", path=predictions_path)
+    out: dict = {"splits": {}}
+    for split in splits:
+        exprs = data.expressions(split)
+        if not exprs:
+            raise VlbertsError(f"split {split!r} has no expressions", path=refs_path)
+        require_complete(preds, [e.sent_id for e in exprs], path=predictions_path, label="sent_id")
+        correct = sum(_hit(box_iou(xywh_to_xyxy(preds[e.sent_id][1]), e.gold_box_xyxy), IOU_THRESHOLD, strict)
+                      for e in exprs)
+        out["splits"][split] = {"accuracy": 100.0 * correct / len(exprs), "num_expressions": len(exprs),
+                                "num_correct": correct}
+    out["accuracy"] = out["splits"][splits[0]]["accuracy"]
+    return out

@@ -7,6 +7,10 @@
     OUT/vqa/v2_OpenEnded_world_{split}_questions.json  VQA v2 questions
     OUT/vqa/v2_world_{split}_annotations.json          VQA v2 annotations (10 answers each)
     OUT/gqa/{train,val,testdev}_balanced_questions.json GQA balanced questions (world splits train/val/test)
+    OUT/refcoco+/refs(unc).p, refs.json, instances.json  RefCOCO+ refs (pickle and JSON) + COCO instances
+    OUT/nlvr2/{train,dev,test1}.json                   NLVR2 statements about image pairs (world splits train/val/test)
+    OUT/nlvr2/images.json                              NLVR2 image name -> world image id
+    OUT/vcr/{train,val,test}.jsonl, vcr/metadata/*.json VCR multiple-choice questions + per-image boxes (world.vcr)
     OUT/flickr30k_entities/Sentences/{image_id}.txt    Flickr30K Entities phrases + chains
     OUT/flickr30k_entities/Annotations/{image_id}.xml  Flickr30K Entities boxes (1-based pixels)
     OUT/flickr30k_entities/{train,val,test}.txt        image ids per split
@@ -16,7 +20,10 @@
 Determinism: everything random about image k is drawn from `SeedSequence([seed, k])` (one child
 stream each for the scene, the pixels, the captions, the VQA questions and the GQA questions; the GQA
 stream is the fifth child, added after the others, so worlds built before GQA existed keep every
-other file byte for byte), and the split from
+other file byte for byte; RefCOCO+ draws from its own `SeedSequence([seed, REFCOCO_STREAM, k])`, NLVR2 from
+`SeedSequence([seed, NLVR2_STREAM, ...])` (`world.nlvr2`), VCR from `SeedSequence([seed, VCR_STREAM, k])`
+(`world.vcr`)), and the
+split from
 `SeedSequence([seed, 0])`, so the output is byte-identical for any number of worker processes.
 The directory is built under a temporary name and swapped in at the end (`vlberts.io.atomic_dir`).
 """
@@ -27,6 +34,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +44,16 @@ import numpy as np
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, write_json
 from vlberts.world import export
+from vlberts.world import refcoco as world_refcoco
+from vlberts.world.nlvr2 import write_nlvr2
+from vlberts.world import vcr as world_vcr
 from vlberts.world.gqa import GQA_SPLITS, GQAQuestion, generate_gqa_questions, gqa_record
 from vlberts.world.grammar import REFERRING_STYLES, Caption, generate_captions
 from vlberts.world.png import encode_png
 from vlberts.world.questions import QUESTION_ID_FACTOR, Question, generate_questions
 from vlberts.world.relations import scene_geometry, scene_referents
 from vlberts.world.render import render_scene
-from vlberts.world.scene import Scene, SceneConfig, sample_scene, scene_line
+from vlberts.world.scene import Scene, SceneConfig, sample_scene, scene_from_json, scene_line
 from vlberts.world.vocab import BACKGROUND_TONES, COLOURS, RELATION_WORDS, SHAPES, SIZES
 
 SPLITS = export.SPLITS
@@ -88,6 +99,7 @@ class WorldImage:
     captions: tuple[Caption, ...]
     questions: tuple[Question, ...]
     gqa_questions: tuple[GQAQuestion, ...] = ()
+    refcoco_refs: tuple[world_refcoco.WorldRef, ...] = ()
 
 
 def make_image(image_id: int, seed: int, cfg: WorldConfig = WorldConfig(), render: bool = True) -> WorldImage:
@@ -100,7 +112,9 @@ def make_image(image_id: int, seed: int, cfg: WorldConfig = WorldConfig(), rende
     captions = generate_captions(scene, np.random.default_rng(caption_ss), cfg.captions_per_image, geom, refs, cfg.referring)
     questions = generate_questions(scene, np.random.default_rng(question_ss), cfg.questions_per_image, geom, refs)
     gqa = generate_gqa_questions(scene, np.random.default_rng(gqa_ss), cfg.gqa_questions_per_image, geom, refs)
-    return WorldImage(scene, pixels, tuple(captions), tuple(questions), tuple(gqa))
+    refco = world_refcoco.generate_refs(
+        scene, np.random.default_rng(np.random.SeedSequence([seed, world_refcoco.REFCOCO_STREAM, image_id])), refs)
+    return WorldImage(scene, pixels, tuple(captions), tuple(questions), tuple(gqa), tuple(refco))
 
 
 def split_sizes(n: int, fractions: tuple[float, float, float]) -> tuple[int, int, int]:
@@ -139,6 +153,8 @@ class WorldInfo:
     format_version: int = export.FORMAT_VERSION
     template_counts: dict[str, int] = field(default_factory=dict)
     n_gqa_questions: int = 0
+    n_refcoco_refs: int = 0
+    n_refcoco_expressions: int = 0
 
     def summary(self) -> str:
         rate = self.n_images / self.seconds if self.seconds > 0 else float("inf")
@@ -172,6 +188,8 @@ class _ImageOut:
     n_objects: int
     n_entities: int
     templates: list[str]
+    refcoco_refs: list[dict] = field(default_factory=list)  # refs(unc).p entries
+    refcoco_annotations: list[dict] = field(default_factory=list)  # instances.json annotations (images with refs)
 
 
 _JOB: dict = {}  # set once per worker process by _init_worker
@@ -191,6 +209,7 @@ def _build_image(item: tuple[int, str]) -> _ImageOut:
     fl = root / "flickr30k_entities"
     (fl / "Sentences" / f"{image_id}.txt").write_text(export.flickr_sentences_file(captions), encoding="utf-8")
     (fl / "Annotations" / f"{image_id}.xml").write_text(export.flickr_annotation_xml(scene, captions), encoding="utf-8")
+    world_vcr.write_metadata(root / "vcr", scene)
     return _ImageOut(
         image_id=image_id,
         split=split,
@@ -205,6 +224,8 @@ def _build_image(item: tuple[int, str]) -> _ImageOut:
         n_objects=len(scene.objects),
         n_entities=sum(len(c.entities) for c in captions),
         templates=[c.template for c in captions],
+        refcoco_refs=[world_refcoco.ref_record(scene, r, split) for r in im.refcoco_refs],
+        refcoco_annotations=world_refcoco.instance_annotations(scene) if im.refcoco_refs else [],
     )
 
 
@@ -253,8 +274,8 @@ def build_world(
     items = [(i, splits[i]) for i in range(1, n_images + 1)]
 
     with atomic_dir(out, overwrite=overwrite) as root:
-        for sub in ("images", "annotations", "vqa", "gqa", "parses", "flickr30k_entities/Sentences",
-                    "flickr30k_entities/Annotations"):
+        for sub in ("images", "annotations", "vqa", "gqa", "refcoco+", "parses", "flickr30k_entities/Sentences",
+                    "flickr30k_entities/Annotations", "vcr/metadata"):
             (root / sub).mkdir(parents=True, exist_ok=True)
 
         if n_workers == 1:
@@ -276,6 +297,8 @@ def build_world(
             seconds=0.0, workers=n_workers,
             template_counts=_count(t for r in results for t in r.templates),
             n_gqa_questions=sum(len(r.gqa_questions) for r in results),
+            n_refcoco_refs=sum(len(r.refcoco_refs) for r in results),
+            n_refcoco_expressions=sum(len(x["sentences"]) for r in results for x in r.refcoco_refs),
         )
         write_json(root / "world.json", _world_json(info, cfg))
     seconds = time.perf_counter() - t0
@@ -308,6 +331,24 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
             f.writelines(f"{r.image_id}\n" for r in part)
         with atomic_open(root / "parses" / f"{split}.conllu") as f:
             f.writelines(r.conllu for r in part)
+    _write_refcoco(root / "refcoco+", results)
+    write_nlvr2(root / "nlvr2", [scene_from_json(json.loads(r.scene_line)) for r in results], seed)
+    world_vcr.write_vcr(root / "vcr", [scene_from_json(json.loads(r.scene_line)) for r in results], seed, metadata=False)
+
+
+def _write_refcoco(folder: Path, results: list[_ImageOut]) -> None:
+    """RefCOCO+ (`world.refcoco`): the refs as a protocol-2 pickle (as released) and as JSON, and the
+    COCO instances of every image with a ref."""
+    refs = [x for r in results for x in r.refcoco_refs]
+    _dump_json(folder / "refs.json", refs)
+    # Pickled from the JSON text: pickle memoizes shared objects, and which strings are shared depends on
+    # whether the records crossed a process boundary; read back from one text they are the same for any
+    # number of workers, and so are the bytes.
+    with atomic_open(folder / "refs(unc).p", "wb") as f:
+        pickle.dump(json.loads((folder / "refs.json").read_text(encoding="utf-8")), f, protocol=2)
+    _dump_json(folder / "instances.json", world_refcoco.instances_file(
+        [r.coco_image for r in results if r.refcoco_refs], [a for r in results for a in r.refcoco_annotations],
+        export.WORLD_INFO, [export.WORLD_LICENSE]))
 
 
 def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
@@ -325,7 +366,8 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
         "splits": info.splits,
         "counts": {"images": info.n_images, "objects": info.n_objects, "captions": info.n_captions,
                    "entities": info.n_entities, "questions": info.n_questions,
-                   "gqa_questions": info.n_gqa_questions},
+                   "gqa_questions": info.n_gqa_questions, "refcoco_refs": info.n_refcoco_refs,
+                   "refcoco_expressions": info.n_refcoco_expressions},
         "caption_templates": info.template_counts,
         "vocab": {
             "shapes": list(SHAPES),
@@ -342,6 +384,13 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
             "vqa_questions": "vqa/v2_OpenEnded_world_{split}_questions.json",
             "vqa_annotations": "vqa/v2_world_{split}_annotations.json",
             "gqa_questions": "gqa/{train,val,testdev}_balanced_questions.json (world splits train, val, test)",
+            "refcoco": "refcoco+/refs(unc).p (pickle, protocol 2), refcoco+/refs.json (the same refs), "
+                       "refcoco+/instances.json (COCO instances of the images with refs); splits train, val, "
+                       "testA (test refs to circles, squares, triangles), testB (the other shapes)",
+            "nlvr2": "nlvr2/{train,dev,test1}.json (JSON lines; world splits train, val, test), "
+                     "nlvr2/images.json (NLVR2 image name -> world image id)",
+            "vcr": "vcr/{train,val,test}.jsonl (VCR questions, JSON lines; test without labels), "
+                   "vcr/metadata/{image_id:012d}.json (VCR per-image metadata: the objects' gold boxes)",
             "flickr30k_entities": "flickr30k_entities",
             "parses": "parses/{split}.conllu",
         },

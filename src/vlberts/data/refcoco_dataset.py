@@ -1,0 +1,118 @@
+"""RefCOCO+ expressions as model inputs: the expression, the candidate regions, a target per region.
+
+Input (VL-BERT §4.2.3, Fig. 2c: <Query, Image>; ViLBERT §4 alike): ``[CLS] expression [SEP]`` as one
+text segment, then the image's regions from the store (its first `max_regions`, the store's order).
+The candidates are exactly those regions: the detector's boxes for the detected-region track, the
+instance boxes for the ground-truth-region track (a store written by ``vlberts extract --boxes gold``).
+
+Targets (`tasks.refcoco.region_targets`, ViLBERT §4 / VL-BERT §4.2.3): per region, 1 if its IoU with the
+gold box is >= 0.5 else 0, or with `soft` the IoU itself above the threshold (ViLBERT's code). W-VisualBERT's
+detector tags (§3.2) come along when `tag_subwords` is given (`data.vqa_dataset.detector_tag_subwords`).
+
+Letters: B batch, T text length, R regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vlberts.data.batch import TagInputs, VLInputs, _to
+from vlberts.data.refcoco import RefExpression
+from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.errors import VlbertsError
+from vlberts.models.wvisualbert import collate_tags, tag_tokens
+from vlberts.tasks.refcoco import region_targets
+from vlberts.text.tokenizer import TextTokenizer
+
+
+@dataclass
+class RefBatch:
+    """Expressions with their candidate regions and per-region targets."""
+
+    inputs: VLInputs
+    targets: Tensor  # (B, R) float in [0, 1], 0 on padding regions (masked out by inputs.region_mask)
+    index: Tensor  # (B,) long, the expressions' positions in the dataset
+    tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RefBatch:
+        return _to(self, device, non_blocking)
+
+
+class RefData:
+    """Indexable RefCOCO+ expressions (`RefExpression`s) over a region source."""
+
+    def __init__(
+        self,
+        expressions: Sequence[RefExpression],
+        regions: RegionSource,
+        tokenizer: TextTokenizer,
+        *,
+        max_text_len: int = 24,
+        max_regions: int = 36,
+        feature_dim: int | None = None,
+        soft: bool = False,
+        tag_subwords: Sequence[Sequence[int]] | None = None,
+    ):
+        self.expressions = expressions
+        self.regions = regions
+        self.tok = tokenizer
+        self.max_regions = max_regions
+        self.feature_dim = feature_dim
+        self.soft = soft
+        self.tag_subwords = tag_subwords
+        budget = max_text_len - 2  # [CLS] ... [SEP]
+        encs = tokenizer.tok.encode_batch([e.sent for e in expressions], add_special_tokens=False)
+        self.ids = [[tokenizer.cls_id, *e.ids[:budget], tokenizer.sep_id] for e in encs]
+
+    def __len__(self) -> int:
+        return len(self.expressions)
+
+    def lengths(self) -> np.ndarray:
+        """(N,) each example's sequence length (tokens + regions), for length-grouped batches."""
+        regions = region_counts(self.regions, [str(e.image_id) for e in self.expressions], self.max_regions)
+        return np.array([len(ids) for ids in self.ids]) + regions
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict:
+        index = key[1] if isinstance(key, tuple) else key
+        ex = self.expressions[index]
+        regions = load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim)
+        boxes = [tuple(b) for b in regions.pixel_boxes.tolist()]
+        item = {
+            "ids": self.ids[index],
+            "regions": regions,
+            "targets": region_targets(boxes, ex.gold_box_xyxy, soft=self.soft),
+            "index": index,
+        }
+        if self.tag_subwords is not None:
+            obj_id = self.regions.get(str(ex.image_id)).obj_id
+            if obj_id is None:
+                raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
+                                   path=getattr(self.regions, "path", None), record=f"image {ex.image_id}")
+            item["tags"] = tag_tokens(obj_id[: len(regions.feats)], self.tag_subwords)
+        return item
+
+
+def collate_refcoco(items: list[dict], pad_id: int = 0) -> RefBatch:
+    ids = pad_sequences([e["ids"] for e in items], pad_id)  # (B, T)
+    feats, boxes, rmask = pad_regions([e["regions"] for e in items])  # (B, R, D), (B, R, 4), (B, R)
+    targets = torch.zeros(rmask.shape)  # (B, R)
+    for b, e in enumerate(items):
+        targets[b, : len(e["targets"])] = torch.tensor(e["targets"], dtype=torch.float32)
+    return RefBatch(
+        inputs=VLInputs(
+            input_ids=ids,
+            token_type_ids=torch.zeros_like(ids),  # one segment: the query (VL-BERT Fig. 2c)
+            attention_mask=pad_sequences([[1] * len(e["ids"]) for e in items], 0).bool(),
+            region_feats=feats,
+            region_boxes=boxes,
+            region_mask=rmask,
+        ),
+        targets=targets,
+        index=torch.tensor([e["index"] for e in items], dtype=torch.long),
+        tags=collate_tags([e["tags"] for e in items], pad_id) if "tags" in items[0] else None,
+    )

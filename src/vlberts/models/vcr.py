@@ -1,0 +1,72 @@
+"""VCR multiple choice on any architecture: one score per (context, choice) sequence, softmax over the 4.
+
+Each question becomes 4 sequences, ``[CLS] context [SEP] choice [SEP]`` with the question's object
+regions (`data.vcr_dataset`); the model scores each and the 4 scores are trained with softmax
+cross-entropy (`vcr_loss`). Q->A and QA->R are separate models, trained and run the same way.
+
+  visualbert   VisualBERT §4.2: a linear layer on the pooled [CLS] output (BERT's tanh pooler) gives the
+               score; object-reference words are aligned to their regions, which take the average
+               position embedding of those words (`VLInputs.image_text_alignment`, App. A).
+  vlbert       VL-BERT §4.2.1: the same scorer on the pooled [CLS]; object references are their class
+               names. (The released code also adds the referenced region's visual feature to those words;
+               our encoder adds the whole image's to every word, so names only here.)
+  vilbert      ViLBERT §4 (VCR): a linear layer on h_IMG * h_CLS (the encoder's pooled product, §2.2),
+               dropout on the product as in its pre-training alignment head.
+  lxmert       LXMERT reports no VCR: our choice, the same linear scorer on its pooled cross-modality
+               output (the input of its matching and QA heads, §3.1.3).
+  wvisualbert  W-VisualBERT reports no VCR: our choice, the linear scorer on the pooled [CLS], detector
+               tags of the object regions in the input (§3.2).
+
+The encoder is `VLEncoder` (checkpoint keys ``encoder.model.*``), the scorer ``scorer.*`` (new, BERT init).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlberts.data.vcr import NUM_CHOICES
+from vlberts.data.vcr_dataset import JOIN, VCRBatch
+from vlberts.errors import VlbertsError
+from vlberts.models.blocks import init_bert_weights
+from vlberts.models.encoders import VLEncoder
+
+
+class VCRModel(nn.Module):
+    """`VLEncoder` + a linear scorer on its pooled output; `forward(batch)` gives (B, 4) choice logits."""
+
+    head_prefixes = ("scorer.",)
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        if getattr(cfg, "end_to_end", False):
+            raise VlbertsError("VCR here reads stored region features; an end-to-end VL-BERT (end_to_end=true) "
+                               "needs image pixels, which this task does not load")
+        self.cfg = cfg
+        self.encoder = VLEncoder(cfg)
+        self.arch = self.encoder.arch
+        self.join = JOIN[self.arch]  # how multi-object references are written (data.vcr_dataset)
+        self.uses_alignment = self.arch == "visualbert"  # VisualBERT §4.2 / App. A: word-region alignment
+        width = getattr(cfg, "bi_hidden_size", cfg.hidden_size)  # ViLBERT's pooled product is bi_hidden_size wide
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.scorer = nn.Linear(width, 1)
+        init_bert_weights(self.scorer, cfg.initializer_range)
+
+    @property
+    def reads_tags(self) -> bool:
+        return self.encoder.reads_tags
+
+    def forward(self, batch: VCRBatch) -> Tensor:
+        x = batch.inputs
+        if not self.uses_alignment and x.image_text_alignment is not None:
+            x = type(x)(**{**x.__dict__, "image_text_alignment": None})
+        pooled = self.encoder(x, tags=batch.tags).pooled  # (B*4, D)
+        return self.scorer(self.dropout(pooled)).view(-1, NUM_CHOICES)  # (B, 4)
+
+
+def vcr_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Softmax cross-entropy over each question's 4 choice scores (VisualBERT §4.2, VL-BERT §4.2.1,
+    ViLBERT §4). logits (B, 4), labels (B,) -> mean over B."""
+    return F.cross_entropy(logits.float(), labels)

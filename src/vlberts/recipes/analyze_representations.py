@@ -1,0 +1,220 @@
+"""Recipe: word, region and tag representations by class in t-SNE (W-VisualBERT §5, Figure 2).
+
+    read the split's Flickr30K Entities captions and boxes; keep each grounded phrase whose head word
+        (its last word) is a detector class name and whose gold box a detected region of that class
+        overlaps (IoU >= 0.5): an instance (analysis/representations.py says why)
+    keep at most `per_class` instances of the `classes` most frequent classes (seeded)
+    run the pre-trained model on `[CLS] caption [SEP]` + the image's regions (+ the detector tags for
+        W-VisualBERT with tags); take the final states of the head word's last subword, of the region, of
+        the region's tag subwords (mean)
+    t-SNE of all of them together; the figure; how often a word's nearest region has its class
+
+    OUT/representations.png    Figure 2: one point per representation, colour = class, marker = modality
+    OUT/representations.json   counts, the cross-modal agreement and its chance rate, every point (class,
+                               modality, instance, x, y)
+
+Two-stream models whose streams differ in width (ViLBERT's visual stream) have no common space to draw
+the words and regions in: an error says so.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlberts.analysis.boxes import box_iou
+from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions
+from vlberts.analysis.representations import (
+    RepresentationSet,
+    cross_modal_agreement,
+    sample_instances,
+    save_representation_figure,
+    tsne,
+)
+from vlberts.config import apply_overrides, from_dict
+from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
+from vlberts.data.regions import caption_inputs, load_regions
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import write_json
+from vlberts.models.builders import arch_of
+from vlberts.models.wvisualbert import collate_tags, tag_tokens
+from vlberts.recipes.common import opt, progress, resolve_device, set_threads
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import load_pretraining_model
+
+
+@dataclass(frozen=True)
+class RepresentationsConfig:
+    model: str = opt("", "pre-trained vlberts model directory (a pretrain run's RUN/model)")
+    entities: str = opt("", "Flickr30K Entities root: Sentences/, Annotations/, {train,val,test}.txt")
+    features: str = opt("", "region store of the split's images, with the detector's obj_id and class names")
+    split: str = opt("test", "which split's captions to draw from")
+    out: str = opt("runs/representations", "output directory")
+    classes: int = opt(15, "the most frequent classes drawn (W-VisualBERT Figure 2: 15)")
+    per_class: int = opt(50, "instances per class at most (Figure 2: 50)")
+    perplexity: float = opt(30.0, "t-SNE perplexity")
+    iterations: int = opt(750, "t-SNE gradient steps")
+    seed: int = opt(0, "seed of the instance sample and of t-SNE")
+    max_text_len: int = opt(64, "subwords per caption incl. [CLS]/[SEP]")
+    max_regions: int = opt(36, "regions per image (the store's first ones)")
+    batch_size: int = opt(64, "captions per forward pass")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+
+
+CONFIG_CLASS = RepresentationsConfig
+
+
+@dataclass(frozen=True)
+class Instance:
+    caption: int  # index into the captions
+    entity: int  # index into the caption's entities
+    region: int  # the detected region of the entity's class
+    label: str  # the class
+
+
+@dataclass
+class RepresentationsReport:
+    reps: RepresentationSet
+    points: np.ndarray  # (N, 2)
+    agreement: float  # % of words whose nearest region has their class
+    chance: float
+    paths: dict[str, Path]
+
+
+def find_instances(captions: list[EntityCaption], store: RegionStore, class_names: list[str],
+                   max_regions: int, skipped: SkipCounts) -> list[Instance]:
+    """Every grounded phrase whose head word names a class and whose gold box a region of that class
+    detects (IoU >= 0.5, the first such region)."""
+    index = {c.split(",")[0].lower(): k for k, c in enumerate(class_names)}
+    found = []
+    for ci, cap in enumerate(captions):
+        rec = None
+        for ei, (ent, (_, stop)) in enumerate(zip(cap.entities, cap.entity_words)):
+            label = cap.words[stop - 1].lower()
+            if label not in index:
+                skipped.add("head word is not a detector class")
+                continue
+            rec = rec or store.get(cap.image_id)
+            boxes = np.asarray(rec.boxes[:max_regions], dtype=np.float64)
+            hit = (box_iou(boxes, ent.gold_boxes) >= 0.5).any(1) & (np.asarray(rec.obj_id[:max_regions]) == index[label])
+            if not hit.any():
+                skipped.add("no detected region of the class")
+                continue
+            found.append(Instance(ci, ei, int(np.flatnonzero(hit)[0]), label))
+    return found
+
+
+def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: list[Instance], store: RegionStore,
+            tok: TextTokenizer, class_names: list[str], cfg: RepresentationsConfig, device: torch.device) -> RepresentationSet:
+    """The final states of each instance's word, region and (W-VisualBERT with tags) tag."""
+    with_tags = arch_of(model.cfg) == "wvisualbert" and bool(model.cfg.use_tags)
+    tag_words = [tuple(tok.encode(c.split(",")[0])) for c in class_names] if with_tags else None
+    by_caption: dict[int, list[Instance]] = {}
+    for inst in instances:
+        by_caption.setdefault(inst.caption, []).append(inst)
+    order = sorted(by_caption)
+    vectors, classes, modalities, names = [], [], [], []
+    model.eval()
+    with progress() as bar, torch.no_grad():
+        task = bar.add_task("representations", total=len(order), info="")
+        for start in range(0, len(order), cfg.batch_size):
+            chunk = [captions[i] for i in order[start : start + cfg.batch_size]]
+            regs = [load_regions(store, c.image_id, cfg.max_regions, model.cfg.visual_dim) for c in chunk]
+            x = caption_inputs([c.ids for c in chunk], regs).to(device)
+            tags = tag_region = None
+            if with_tags:
+                per_image = [tag_tokens(store.get(c.image_id).obj_id[: len(r.feats)], tag_words) for c, r in zip(chunk, regs)]
+                tags = collate_tags(per_image, tok.pad_id).to(device)
+                tag_region = tags.tag_region.cpu().numpy()
+            out = model.encode(x, tags=tags) if with_tags else model.encode(x)
+            text, vision = out.text.float().cpu().numpy(), out.vision.float().cpu().numpy()  # (B, T, D), (B, R, Dv)
+            tag_states = out.tags.float().cpu().numpy() if with_tags and out.tags is not None else None
+            if text.shape[-1] != vision.shape[-1]:
+                raise VlbertsError(f"{arch_of(model.cfg)}: text states are {text.shape[-1]}-d and region states "
+                                   f"{vision.shape[-1]}-d, so there is no common space to draw them in", path=cfg.model)
+            for b, cap in enumerate(chunk):
+                for inst in by_caption[order[start + b]]:
+                    ent = cap.entities[inst.entity]
+                    name = f"{cap.caption_id}/{ent.chain_id or inst.entity}"
+                    rows = [("word", text[b, ent.word_tokens[-1][-1]]), ("region", vision[b, inst.region])]
+                    if tag_states is not None:
+                        sel = (tag_region[b] == inst.region) & tags.tag_mask[b].cpu().numpy()
+                        if sel.any():
+                            rows.append(("tag", tag_states[b, sel].mean(0)))
+                    for modality, v in rows:
+                        vectors.append(v)
+                        classes.append(inst.label)
+                        modalities.append(modality)
+                        names.append(name)
+            bar.advance(task, len(chunk))
+    return RepresentationSet(np.stack(vectors), classes, modalities, names)
+
+
+def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport:
+    """Run the analysis (module docstring) and write its outputs."""
+    set_threads()
+    for key in ("model", "entities", "features"):
+        if not getattr(cfg, key):
+            raise VlbertsError(f"analyze representations needs --{key}")
+    if cfg.classes < 1 or cfg.per_class < 1:
+        raise VlbertsError("--classes and --per_class must be >= 1")
+    t0 = time.perf_counter()
+    device = resolve_device(cfg.device)
+    model, model_cfg, _ = load_pretraining_model(cfg.model)
+    model.to(device)
+    tok = TextTokenizer.load(cfg.model)
+    store = RegionStore(cfg.features)
+    class_names = store.metadata.classes
+    if not class_names or "obj_id" not in store.fields:
+        raise VlbertsError("the store has no detector class names (metadata classes) and obj_id: instances are "
+                           "phrases whose class the detector found", path=cfg.features)
+    ids = read_flickr_split(cfg.entities, cfg.split)
+    missing = [i for i in ids if i not in store]
+    if missing:
+        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features,
+                           record=missing[0])
+    skipped = SkipCounts()
+    captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
+    found = find_instances(captions, store, class_names, cfg.max_regions, skipped)
+    keep = sample_instances([f.label for f in found], cfg.per_class, cfg.classes, cfg.seed)
+    instances = [found[i] for i in keep]
+    if len(instances) < 2:
+        raise VlbertsError(f"{len(instances)} instance(s) found in split {cfg.split!r} (skipped: {skipped.to_dict()})",
+                           path=cfg.entities)
+    reps = collect(model, captions, instances, store, tok, class_names, cfg, device)
+    points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
+    agreement, chance = cross_modal_agreement(reps)
+
+    out = Path(cfg.out)
+    paths = {"figure": out / "representations.png", "json": out / "representations.json"}
+    arch = arch_of(model_cfg)
+    save_representation_figure(points, reps, paths["figure"],
+                               title=f"{arch}: final-layer representations ({len(instances)} instances, "
+                                     f"{len(set(reps.classes))} classes)")
+    write_json(paths["json"], _to_json(cfg, reps, points, agreement, chance, skipped, time.perf_counter() - t0))
+    return RepresentationsReport(reps, points, agreement, chance, paths)
+
+
+def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray, agreement: float, chance: float,
+             skipped: SkipCounts, seconds: float) -> dict[str, Any]:
+    return {
+        "model": cfg.model, "split": cfg.split,
+        "instances": len(set(reps.instances)),
+        "points": {m: reps.modalities.count(m) for m in ("word", "region", "tag") if m in reps.modalities},
+        "classes": sorted(set(reps.classes)),
+        "word_nearest_region_same_class": round(agreement, 2), "chance": round(chance, 2),
+        "skipped": skipped.to_dict(), "seconds": round(seconds, 2),
+        "tsne": {"perplexity": cfg.perplexity, "iterations": cfg.iterations, "seed": cfg.seed},
+        "rows": [{"class": c, "modality": m, "instance": i, "x": round(float(x), 3), "y": round(float(y), 3)}
+                 for c, m, i, (x, y) in zip(reps.classes, reps.modalities, reps.instances, points)],
+    }
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> RepresentationsConfig:
+    return apply_overrides(from_dict(RepresentationsConfig, base or {}), args)

@@ -1,0 +1,256 @@
+"""Recipe: fine-tune any architecture on RefCOCO+ (SPEC §4) and predict the evaluation splits.
+
+ViLBERT §4 and VL-BERT §4.2.3: each candidate region of the image is scored from its final visual state
+(`models.refcoco`: ViLBERT's linear layer, VL-BERT's MLP), trained with binary cross-entropy against
+IoU >= 0.5 labels (or soft IoU targets, --soft_iou); at inference the highest-scoring region is the
+answer, correct when its IoU with the gold box is >= 0.5 (`tasks.refcoco`).
+
+Tracks (VL-BERT Table 3): the candidates are the regions of the --features store.
+  detected  the detector's boxes (ViLBERT and VL-BERT use MAttNet's detections; here the world
+            detector's proposals after box selection, the store `vlberts extract` writes)
+  gt        the images' instance boxes: a store whose regions are exactly the instances.json boxes of
+            every image (``vlberts extract --boxes gold``); checked per image before training
+Next to the accuracy, metrics.json gives per split the upper bound (expressions with any candidate at
+IoU >= 0.5) and the trivial baseline: the region the detector is most confident about (the store's
+``obj_conf``), which knows nothing of the expression.
+
+    vlberts finetune refcoco --init=runs/pt/model --features=F.h5 --out=runs/refcoco
+        --refs='WORLD/refcoco+/refs(unc).p' --instances=WORLD/refcoco+/instances.json
+
+    RUN/model/             the fine-tuned model (weights, config with task "refcoco", head, track; vocabulary)
+    RUN/predictions.json   one row per evaluated expression: sent_id, ref_id, image_id, split, box [x, y, w, h]
+                           (pixels), score (sigmoid of the top region's logit); `vlberts evaluate refcoco` scores it
+    RUN/metrics.json       per split (val, testA, testB): accuracy, upper bound, highest-confidence baseline,
+                           counts; the first split's numbers at the top level; skipped_records
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from vlberts.config import apply_overrides, from_dict
+from vlberts.data.refcoco import RefCocoData, RefExpression, read_refcoco, xywh_to_xyxy
+from vlberts.data.refcoco_dataset import RefData, collate_refcoco
+from vlberts.data.vqa_dataset import model_tag_subwords
+from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import write_json
+from vlberts.models.encoders import load_encoder_weights
+from vlberts.models.refcoco import RefCocoModel, region_bce_loss
+from vlberts.models.weights import load_into
+from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
+from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.tasks.refcoco import score_regions, write_predictions
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import read_model_config
+from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
+
+TRACKS = ("detected", "gt")
+
+
+@dataclass(frozen=True)
+class FinetuneRefCocoConfig(FinetuneConfig):
+    refs: str = opt("", "refs(unc).p (read through the restricted unpickler) or its JSON form refs.json")
+    instances: str = opt("", "COCO instances.json holding the refs' images and annotations")
+    out: str = opt("runs/refcoco", "run directory")
+    epochs: float = opt(20.0, "passes over the training expressions (ViLBERT and VL-BERT: 20)")
+    train_split: str = opt("train", "refs split to train on")
+    eval_splits: str = opt("val,testA,testB", "comma-separated refs splits to predict and score after training")
+    track: str = opt("detected", "detected: the store's regions are detections; gt: they must be exactly the "
+                                 "images' instance boxes (a store from `vlberts extract --boxes gold`)")
+    soft_iou: bool = opt(False, "soft targets: a region's IoU with the gold box when >= 0.5 (ViLBERT's code), "
+                                "instead of 1")
+    max_text_len: int = opt(24, "expression tokens incl. [CLS] and [SEP]")
+    max_regions: int = opt(36, "candidate regions per image (the store's first ones)")
+    eval_batch_size: int = opt(256, "expressions per prediction batch")
+    skip_bad: bool = opt(False, "drop malformed refs/annotations, refs whose image or annotation is missing and "
+                                "expressions whose image is not in the store, counting them (a warning and "
+                                "metrics.json's skipped_records), instead of stopping at the first")
+
+
+CONFIG_CLASS = FinetuneRefCocoConfig
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> FinetuneRefCocoConfig:
+    return apply_overrides(from_dict(FinetuneRefCocoConfig, base or {}), args)
+
+
+def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokenizer]:
+    """Load a model directory written by this recipe (any architecture)."""
+    model_cfg, meta = read_model_config(directory)
+    if meta.get("task") != "refcoco":
+        raise VlbertsError("not a fine-tuned RefCOCO+ model (config.json has no task 'refcoco')",
+                           path=Path(directory) / "config.json")
+    model = RefCocoModel(model_cfg)
+    load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
+    return model, TextTokenizer.load(directory)
+
+
+def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,
+             *, max_text_len: int, max_regions: int, soft: bool = False) -> RefData:
+    """The expressions laid out for `model`, with detector tags from the store if it reads them."""
+    tags = model_tag_subwords(model.reads_tags, store, tok)
+    return RefData(expressions, store, tok, max_text_len=max_text_len, max_regions=max_regions,
+                   feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags)
+
+
+@torch.no_grad()
+def predict_refcoco(
+    model: RefCocoModel, tok: TextTokenizer, expressions: list[RefExpression], store: RegionStore,
+    *, max_regions: int = 36, max_text_len: int = 24, batch_size: int = 256, device: torch.device | str = "cpu",
+    precision: str = "auto", dist: DistInfo = DistInfo(),
+) -> dict[int, list[float]]:
+    """position in `expressions` -> the logits of its candidate regions (the store's first `max_regions`),
+    on every rank. Distributed, each rank scores every world-th expression and the shares are merged."""
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    model.to(dev).eval()
+    mine = list(range(dist.rank, len(expressions), dist.world))
+    data = ref_data(model, [expressions[i] for i in mine], store, tok, max_text_len=max_text_len,
+                    max_regions=max_regions)
+    out: dict[int, list[float]] = {}
+    for start in range(0, len(data), batch_size):
+        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
+        batch = collate_refcoco(items, tok.pad_id).to(dev)
+        with autocast(dev, precision):
+            logits = model(batch.inputs, batch.tags).float()  # (B, R)
+        for row, item in zip(logits.cpu(), items):
+            out[mine[item["index"]]] = row[: len(item["targets"])].tolist()
+    return merge_over_ranks(out, dist)
+
+
+def _with_features(exprs: list[RefExpression], split: str, store: RegionStore, bad: BadRecords) -> list[RefExpression]:
+    """The expressions whose image is in the store; a missing image is an error naming the store, or with
+    --skip_bad dropped and counted ("missing features")."""
+    missing = sorted({e.image_id for e in exprs if e.image_id not in store})
+    for image_id in missing:
+        n = sum(1 for e in exprs if e.image_id == image_id)
+        bad.handle(VlbertsError(f"image id {image_id} of split {split} not in store ({n} expressions affected)",
+                                path=store.path, record=image_id), "missing features")
+    return [e for e in exprs if e.image_id in store] if missing else exprs
+
+
+def check_gold_store(data: RefCocoData, image_ids: set[int], store: RegionStore, max_regions: int) -> None:
+    """Track gt: every image's store regions are exactly its instance boxes (any order, 0.5 px)."""
+    for image_id in sorted(image_ids):
+        want = sorted(xywh_to_xyxy(a.bbox) for a in data.image_annotations(image_id))
+        boxes = store.get(str(image_id)).boxes
+        got = sorted(tuple(b) for b in boxes[:max_regions].tolist())
+        if len(boxes) > max_regions or len(got) != len(want) or any(
+                max(abs(p - q) for p, q in zip(g, w)) > 0.5 for g, w in zip(got, want)):
+            raise VlbertsError(
+                f"--track=gt needs a store whose regions are exactly each image's instance boxes (at most "
+                f"--max_regions={max_regions}); this image's {len(boxes)} regions are not its {len(want)} instance "
+                f"boxes (write such a store with `vlberts extract --boxes gold`)", path=store.path,
+                record=f"image {image_id}")
+
+
+def split_metrics(exprs: list[RefExpression], scores: dict[int, list[float]], store: RegionStore,
+                  max_regions: int) -> dict:
+    """Accuracy of the model's top region, the candidates' upper bound and the highest-confidence baseline
+    (the store's obj_conf; absent when the store has none), in percent, with counts."""
+    boxes, conf, gold = [], [], []
+    for e in exprs:
+        rec = store.get(str(e.image_id))
+        boxes.append([tuple(b) for b in rec.boxes[:max_regions].tolist()])
+        conf.append(None if rec.obj_conf is None else rec.obj_conf[:max_regions].tolist())
+        gold.append(e.gold_box_xyxy)
+    model = score_regions([scores[i] for i in range(len(exprs))], boxes, gold)
+    out = {"accuracy": model.accuracy, "upper_bound": model.upper_bound,
+           "num_expressions": model.num_expressions, "num_correct": model.num_correct,
+           "num_refs": len({e.ref_id for e in exprs}), "num_images": len({e.image_id for e in exprs})}
+    if all(c is not None for c in conf):
+        out["confidence_baseline"] = score_regions(conf, boxes, gold).accuracy
+    return out
+
+
+def prediction_rows(split: str, exprs: list[RefExpression], scores: dict[int, list[float]], store: RegionStore,
+                    max_regions: int) -> list[dict]:
+    """The predictions file rows of one split: the top region's box as [x, y, w, h] and its sigmoid score."""
+    rows = []
+    for i, e in enumerate(exprs):
+        s = scores[i]
+        top = int(np.argmax(s))  # ties: the lowest index, as tasks.refcoco.top_region
+        x1, y1, x2, y2 = store.get(str(e.image_id)).boxes[top].tolist()
+        rows.append({"sent_id": e.sent_id, "ref_id": e.ref_id, "image_id": e.image_id, "split": split,
+                     "box": [x1, y1, x2 - x1, y2 - y1], "score": 1.0 / (1.0 + math.exp(-s[top]))})
+    return rows
+
+
+def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
+    """Fine-tune on RefCOCO+, then predict and score the evaluation splits; returns the model directory
+    (None when stopped early by `stop_after`). Under torchrun the ranks train data-parallel through
+    `finetune_loop` and share the prediction."""
+    out, device, dist = start_finetune(cfg, "refcoco", ("init", "refs", "instances", "features"))
+    if cfg.track not in TRACKS:
+        raise VlbertsError(f"unknown track {cfg.track!r}; valid: {', '.join(TRACKS)}")
+    eval_splits = [s for s in cfg.eval_splits.split(",") if s]
+
+    bad = BadRecords(skip=cfg.skip_bad)
+    data = read_refcoco(cfg.refs, cfg.instances, bad)
+    store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
+    train = _with_features(data.expressions(cfg.train_split), cfg.train_split, store, bad)
+    evals = {s: _with_features(data.expressions(s), s, store, bad) for s in eval_splits}
+    if not train:
+        raise VlbertsError(f"no training expressions in split {cfg.train_split!r}", path=cfg.refs)
+    if sum(len(ex) for ex in evals.values()) != len({e.sent_id for ex in evals.values() for e in ex}):
+        raise VlbertsError(f"--eval_splits={cfg.eval_splits} share expressions (e.g. test and testA); "
+                           "name each split once")
+    if cfg.track == "gt":
+        check_gold_store(data, {e.image_id for ex in (train, *evals.values()) for e in ex}, store, cfg.max_regions)
+    if bad.total and dist.main:
+        print(bad.warning(), file=sys.stderr)
+
+    model_cfg, _ = read_model_config(cfg.init)
+    tok = TextTokenizer.load(cfg.init)
+    seed_everything(cfg.seed)
+    model = RefCocoModel(model_cfg)
+    load_encoder_weights(model.encoder, cfg.init)
+    if model_cfg.visual_dim != store.feature_dim:
+        raise VlbertsError(
+            f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
+        )
+    train_data = ref_data(model, train, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
+                          soft=cfg.soft_iou)
+    extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou}
+    final = finetune_loop(
+        cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist, extra=extra,
+        collate=lambda items: collate_refcoco(items, tok.pad_id),
+        loss=lambda b: region_bce_loss(model(b.inputs, b.tags), b.targets, b.inputs.region_mask),
+        count=lambda b: int(b.inputs.region_mask.sum()),  # the loss is a mean over the real regions
+        label="fine-tune RefCOCO+", head_prefixes=model.head_prefixes,
+        lengths=train_data.lengths() if cfg.length_group > 1 else None,
+    )
+    if final is None:
+        return None
+
+    metrics: dict = {"track": cfg.track, "head": model.head, "soft_iou": cfg.soft_iou,
+                     "train_expressions": len(train), "train_refs": len({e.ref_id for e in train}),
+                     "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(), "splits": {}}
+    rows: list[dict] = []
+    for split, exprs in evals.items():
+        if not exprs:
+            continue
+        scores = predict_refcoco(model, tok, exprs, store, max_regions=cfg.max_regions, max_text_len=cfg.max_text_len,
+                                 batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)
+        if dist.main:
+            metrics["splits"][split] = split_metrics(exprs, scores, store, cfg.max_regions)
+            rows.extend(prediction_rows(split, exprs, scores, store, cfg.max_regions))
+    if dist.main:
+        if metrics["splits"]:  # the first evaluated split's numbers at the top level
+            first = next(iter(metrics["splits"].values()))
+            metrics.update({k: first[k] for k in ("accuracy", "upper_bound", "confidence_baseline", "num_expressions")
+                            if k in first})
+            metrics["eval_split"] = next(iter(metrics["splits"]))
+        write_predictions(out / "predictions.json", rows)
+        write_json(out / "metrics.json", metrics)
+    barrier(dist)
+    return final

@@ -1,0 +1,288 @@
+"""Recipe: fine-tune any architecture on VCR, Q->A or QA->R (SPEC §4), predict, and score.
+
+VisualBERT §4.2, VL-BERT §4.2.1 and ViLBERT §4 fine-tune Q->A and QA->R as two separate models with the
+same recipe: each question's 4 choices are 4 sequences scored by a linear layer on the pooled output,
+trained with softmax cross-entropy over the 4 (`models.vcr`). QA->R reads the question followed by the
+*right* answer, in training and in evaluation (formats §2.5; `data.vcr.rationale_context`); Q->AR, both
+right, comes from combining the two models' predictions (`vlberts evaluate vcr`, `evaluate_vcr`).
+
+    vlberts finetune vcr --mode=qa --init=runs/pt/model --features=F.h5 --out=runs/vcr_qa
+        --train_file=WORLD/vcr/train.jsonl --eval_file=WORLD/vcr/val.jsonl
+
+    RUN/model/             the fine-tuned model (weights, config with task "vcr" and the mode, vocabulary)
+    RUN/predictions.json   {annot_id: [p_0, p_1, p_2, p_3]}: the 4 choices' softmax probabilities
+    RUN/metrics.json       the mode's accuracy (q2a or qa2r, percent) next to chance (25%), counts,
+                           skipped_records
+
+The regions of a question are its objects (`data.vcr_dataset`, ``--object_regions``): ``iou`` (default)
+maps each object's metadata box to the best-overlapping region of an ordinary detector store; ``gold``
+reads a store holding exactly the objects' boxes (``vlberts extract --boxes=gold``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlberts.config import apply_overrides, from_dict
+from vlberts.data.vcr import VCRExample, parse_vcr_record, read_vcr, read_vcr_metadata
+from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRData, collate_vcr
+from vlberts.data.vqa_dataset import model_tag_subwords
+from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import read_json, write_json
+from vlberts.models.encoders import load_encoder_weights
+from vlberts.models.vcr import VCRModel, vcr_loss
+from vlberts.models.weights import load_into, read_state_dict
+from vlberts.recipes.common import autocast, opt, seed_everything
+from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.tasks.predictions import choose
+from vlberts.tasks.vcr import CHANCE, score_logits
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import read_model_config
+from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
+
+METRIC = {"qa": "q2a", "qar": "qa2r"}  # mode -> its metric in `tasks.vcr`
+
+
+@dataclass(frozen=True)
+class FinetuneVCRConfig(FinetuneConfig):
+    mode: str = opt("qa", "qa: Q->A (choose the answer); qar: QA->R (choose the rationale, given the right answer)")
+    train_file: str = opt("", "VCR jsonl of the training split (with labels)")
+    eval_file: str = opt("", "VCR jsonl to predict (and score, when it has labels) after training")
+    metadata_dir: str = opt("", "folder of the records' metadata_fn files (default: metadata/ next to train_file)")
+    object_regions: str = opt("iou", "iou: each object's box -> the store region overlapping it most; gold: the "
+                                     "store holds exactly the objects' boxes, in order")
+    alignment: bool = opt(True, "VisualBERT: each object's region takes the position of the words naming it (§4.2, "
+                                "App. A); false: names only, as the other architectures (an ablation)")
+    out: str = opt("runs/vcr", "run directory")
+    epochs: float = opt(4.0, "passes over the training questions")
+    batch_size: int = opt(16, "questions per micro-batch (x4 sequences)")
+    lr: float = opt(5e-5, "peak learning rate")
+    max_text_len: int = opt(80, "subwords per sequence incl. [CLS] and two [SEP] (the context is cut first)")
+    eval_batch_size: int = opt(64, "questions per prediction batch")
+    skip_bad: bool = opt(False, "drop malformed records and questions whose image is not in the store or whose "
+                                "objects have no boxes, counting them (a warning and metrics.json's skipped_records), "
+                                "instead of stopping at the first")
+
+
+CONFIG_CLASS = FinetuneVCRConfig
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) -> list[VCRExample]:
+    """The records of a VCR jsonl file (`data.vcr.parse_vcr_record`, blank lines skipped); a malformed line or
+    record (or, with `require_labels`, an unlabelled one) is an error naming the file and line, or with
+    `bad.skip` dropped and counted, reading on."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    out = []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        where = f"line {lineno}"
+        try:
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise VlbertsError(f"not UTF-8 text ({e.reason})", path=path, record=where) from None
+            except json.JSONDecodeError as e:
+                raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=where) from None
+            ex = parse_vcr_record(rec, path=path, record=where)
+            if require_labels and not ex.annotated:
+                raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
+        out.append(ex)
+    return out
+
+
+def _usable(examples: list[VCRExample], path: str, cfg: FinetuneVCRConfig, store: RegionStore, metadata_dir: Path,
+            bad: BadRecords) -> list[VCRExample]:
+    """The examples whose image is in the store and whose objects have regions ("missing features"), or
+    whose metadata file gives a box per object ("bad metadata")."""
+    keep = []
+    for ex in examples:
+        try:
+            if ex.img_id not in store:
+                raise VlbertsError(f"image id {ex.img_id} of {path} not in store", path=cfg.features, record=ex.annot_id)
+            if cfg.object_regions == "gold" and store.num_boxes(ex.img_id) != len(ex.objects):
+                raise VlbertsError(f"object_regions=gold needs one stored region per object: image {ex.img_id} has "
+                                   f"{store.num_boxes(ex.img_id)} for {len(ex.objects)} objects", path=cfg.features,
+                                   record=ex.annot_id)
+        except VlbertsError as err:
+            bad.handle(err, "missing features")
+            continue
+        if cfg.object_regions == "iou":
+            try:
+                meta = read_vcr_metadata(metadata_dir / ex.metadata_fn)
+                if len(meta.boxes) != len(ex.objects):
+                    raise VlbertsError(f"metadata has {len(meta.boxes)} boxes for {len(ex.objects)} objects",
+                                       path=metadata_dir / ex.metadata_fn, record=ex.annot_id)
+            except VlbertsError as err:
+                bad.handle(err, "bad metadata")
+                continue
+        keep.append(ex)
+    return keep
+
+
+# --------------------------------------------------------------------------- model
+
+
+def pretrained_vcr_model(init: str | Path) -> tuple[VCRModel, object]:
+    """A VCR model whose encoder comes from a pre-training (or other fine-tuned) model directory; new scorer."""
+    model_cfg, _ = read_model_config(init)
+    model = VCRModel(model_cfg)
+    load_encoder_weights(model.encoder, init)
+    return model, model_cfg
+
+
+def load_vcr_model(directory: str | Path) -> tuple[VCRModel, str, TextTokenizer]:
+    """A model directory written by `finetune_vcr`: (model, mode, tokenizer)."""
+    model_cfg, meta = read_model_config(directory)
+    if meta.get("task") != "vcr":
+        raise VlbertsError("not a fine-tuned VCR model (config.json has no task 'vcr')", path=Path(directory) / "config.json")
+    model = VCRModel(model_cfg)
+    load_into(model, read_state_dict(directory), source=directory)
+    model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
+    return model, meta["mode"], TextTokenizer.load(directory)
+
+
+def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer,
+             cfg: FinetuneVCRConfig, metadata_dir: Path) -> VCRData:
+    """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags)."""
+    tags = model_tag_subwords(model.reads_tags, store, tok)
+    return VCRData(examples, mode, store, tok, join=model.join, max_text_len=cfg.max_text_len,
+                   feature_dim=model.cfg.visual_dim, object_regions=cfg.object_regions, metadata_dir=metadata_dir,
+                   tag_subwords=tags)
+
+
+@torch.no_grad()
+def predict_vcr(model: VCRModel, data: VCRData, *, batch_size: int = 64, device: torch.device | str = "cpu",
+                precision: str = "auto", dist: DistInfo = DistInfo()) -> dict[str, list[float]]:
+    """annot_id -> the 4 choices' probabilities, on every rank (each rank scores every world-th question)."""
+    dev = torch.device(device) if isinstance(device, str) else device
+    model.to(dev).eval()
+    mine = list(range(dist.rank, len(data), dist.world))
+    out: dict[str, list[float]] = {}
+    for start in range(0, len(mine), batch_size):
+        idx = mine[start : start + batch_size]
+        batch = collate_vcr([data[i] for i in idx], data.tok.pad_id, model.uses_alignment).to(dev)
+        with autocast(dev, precision):
+            probs = model(batch).float().softmax(-1)  # (B, 4)
+        for i, p in zip(idx, probs.tolist()):
+            out[data.examples[i].annot_id] = p
+    return merge_over_ranks(out, dist)
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
+    """Fine-tune one VCR mode, then predict and score the evaluation file; returns the model directory (None
+    when stopped early by `stop_after`). Distributed under torchrun (`finetune_loop`, `predict_vcr`)."""
+    out, device, dist = start_finetune(cfg, "vcr", ("init", "train_file", "features"))
+    if cfg.mode not in MODES:
+        raise VlbertsError(f"unknown --mode {cfg.mode!r}; valid: qa (Q->A), qar (QA->R)")
+    if cfg.object_regions not in OBJECT_REGIONS:
+        raise VlbertsError(f"unknown --object_regions {cfg.object_regions!r}; valid: {', '.join(OBJECT_REGIONS)}")
+    metadata_dir = Path(cfg.metadata_dir) if cfg.metadata_dir else Path(cfg.train_file).parent / "metadata"
+
+    bad = BadRecords(skip=cfg.skip_bad)
+    store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
+    train = read_vcr_file(cfg.train_file, bad, require_labels=True)
+    evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
+    train = _usable(train, cfg.train_file, cfg, store, metadata_dir, bad)
+    evaluation = _usable(evaluation, cfg.eval_file, cfg, store, metadata_dir, bad)
+    if not train:
+        raise VlbertsError("no usable training questions", path=cfg.train_file)
+    if bad.total and dist.main:
+        print(bad.warning(), file=sys.stderr)
+
+    tok = TextTokenizer.load(cfg.init)
+    seed_everything(cfg.seed)
+    model, model_cfg = pretrained_vcr_model(cfg.init)
+    if model_cfg.visual_dim != store.feature_dim:
+        raise VlbertsError(
+            f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
+        )
+    model.uses_alignment = model.uses_alignment and cfg.alignment
+    data = vcr_data(model, train, cfg.mode, store, tok, cfg, metadata_dir)
+    extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "join": model.join,
+             "object_regions": cfg.object_regions, "alignment": model.uses_alignment}
+    final = finetune_loop(
+        cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
+        collate=lambda items: collate_vcr(items, tok.pad_id, model.uses_alignment),
+        loss=lambda b: vcr_loss(model(b), b.labels),  # softmax CE over each question's 4 scores
+        count=lambda b: len(b.labels), label=f"fine-tune VCR {cfg.mode}", head_prefixes=model.head_prefixes,
+        lengths=data.lengths() if cfg.length_group > 1 else None,
+    )
+    if final is None:
+        return None
+    metric = METRIC[cfg.mode]
+    metrics: dict = {"mode": cfg.mode, "arch": model.arch, "object_regions": cfg.object_regions,
+                     "alignment": model.uses_alignment,
+                     "train_questions": len(train), "steps": num_updates(cfg, len(data)),
+                     "skipped_records": bad.to_dict()}
+    if cfg.eval_file:
+        preds = predict_vcr(model, vcr_data(model, evaluation, cfg.mode, store, tok, cfg, metadata_dir),
+                            batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)
+        if dist.main:
+            write_json(out / "predictions.json", {ex.annot_id: preds[ex.annot_id] for ex in evaluation}, indent=None)
+        metrics["eval_questions"] = len(evaluation)
+        if evaluation and all(ex.annotated for ex in evaluation):
+            label = (lambda ex: ex.answer_label) if cfg.mode == "qa" else (lambda ex: ex.rationale_label)
+            right = sum(1 for ex in evaluation if choose(preds[ex.annot_id]) == label(ex))
+            metrics[metric] = 100.0 * right / len(evaluation)
+            metrics["chance"] = CHANCE[metric]
+    if dist.main:
+        write_json(out / "metrics.json", metrics)
+    barrier(dist)
+    return final
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def read_vcr_predictions(path: str | Path) -> dict[str, list[float]]:
+    """A predictions file of this recipe: annot_id -> 4 scores."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise VlbertsError("expected an object mapping annot_id to 4 scores", path=path)
+    for annot_id, scores in data.items():
+        if (not isinstance(scores, list) or len(scores) != 4
+                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
+            raise VlbertsError(f"expected 4 numbers, got {scores!r}", path=path, record=annot_id)
+    return data
+
+
+def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predictions: str | Path) -> dict:
+    """Q->A, QA->R and Q->AR accuracy (percent) of a Q->A and a QA->R predictions file on a labelled VCR
+    jsonl file (`tasks.vcr.score_logits`: Q->AR = both argmaxes right), with chance levels."""
+    examples = read_vcr(annotations, require_labels=True)
+    if not examples:
+        raise VlbertsError("no questions", path=annotations)
+    qa, qar = read_vcr_predictions(qa_predictions), read_vcr_predictions(qar_predictions)
+    for path, preds in ((qa_predictions, qa), (qar_predictions, qar)):
+        missing = [ex.annot_id for ex in examples if ex.annot_id not in preds]
+        if missing:
+            raise VlbertsError(f"no prediction for {len(missing)} of {len(examples)} questions (first: {missing[0]})",
+                               path=path, record=missing[0])
+    scores = score_logits(qa, qar, examples)
+    return {**scores.to_dict(), "chance": dict(CHANCE)}
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> FinetuneVCRConfig:
+    return apply_overrides(from_dict(FinetuneVCRConfig, base or {}), args)

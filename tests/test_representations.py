@@ -1,0 +1,80 @@
+"""Representation views (W-VisualBERT §5, Figure 2): t-SNE keeps clusters apart, the cross-modal agreement
+is what it says on hand-made vectors, instances are sampled per class, and `vlberts analyze
+representations` draws the words, regions and tags of a W-VisualBERT checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vlberts.analysis.representations import RepresentationSet, cross_modal_agreement, sample_instances, tsne
+from vlberts.recipes.pretrain import PretrainConfig, pretrain
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def test_tsne_keeps_separated_clusters_apart_and_is_deterministic():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(3, 20)) * 10
+    x = np.concatenate([c + rng.normal(size=(30, 20)) for c in centres])
+    labels = np.repeat(np.arange(3), 30)
+    y = tsne(x, perplexity=10, iterations=500, seed=1)
+    assert y.shape == (90, 2) and np.isfinite(y).all()
+    d = np.linalg.norm(y[:, None] - y[None], axis=-1)
+    np.fill_diagonal(d, np.inf)
+    nearest5 = np.argsort(d, axis=1)[:, :5]
+    assert (labels[nearest5] == labels[:, None]).mean() > 0.98  # each point's neighbours are its cluster's
+    assert np.array_equal(y, tsne(x, perplexity=10, iterations=500, seed=1))
+    with pytest.raises(ValueError, match="at least 3 points"):
+        tsne(x[:2])
+
+
+def test_cross_modal_agreement_by_hand():
+    # words a, b; regions a, b, b. Word 0 (a) is nearest region 0 (a): agrees; word 1 (b) is nearest
+    # region 0 (a) too: disagrees. Chance: P(region class = a) = 1/3 for word 0, 2/3 for word 1 -> 1/2.
+    reps = RepresentationSet(
+        vectors=np.array([[1.0, 0.0], [0.9, 0.1], [1.0, 0.05], [0.0, 1.0], [-1.0, 0.2]]),
+        classes=["a", "b", "a", "b", "b"], modalities=["word", "word", "region", "region", "region"],
+    )
+    assert cross_modal_agreement(reps) == pytest.approx((50.0, 50.0))
+    with pytest.raises(ValueError, match="no word or no tag"):
+        cross_modal_agreement(reps, key="tag")
+    with pytest.raises(ValueError, match="unknown modalities"):
+        RepresentationSet(np.zeros((1, 2)), ["a"], ["pixel"])
+
+
+def test_sample_instances_takes_the_most_frequent_classes_and_caps_each():
+    classes = ["x"] * 5 + ["y"] * 3 + ["z"] * 1
+    keep = sample_instances(classes, per_class=2, n_classes=2, seed=0)
+    assert keep == sorted(keep) and len(keep) == 4
+    assert sorted(classes[i] for i in keep) == ["x", "x", "y", "y"]
+
+
+def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path):
+    model = pretrain(PretrainConfig(
+        captions=str(tiny_world.captions_train), features=str(tiny_world.store), out=str(tmp_path / "pt"),
+        model="wvisualbert-tiny", vocab_size=200, steps=2, batch_size=8,
+    ))
+    out = tmp_path / "rep"
+    proc = subprocess.run(
+        [str(VLBERTS), "analyze", "representations", f"--model={model}", f"--entities={tiny_world.entities}",
+         f"--features={tiny_world.store}", "--split=train", f"--out={out}", "--per_class=10", "--iterations=100"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "a word's nearest region has its class" in proc.stdout
+    rep = json.loads((out / "representations.json").read_text())
+    n = rep["instances"]
+    assert n >= 10 and rep["points"] == {"word": n, "region": n, "tag": n}
+    assert all(c in {"circle", "square", "triangle", "star", "hexagon", "diamond", "cross"} for c in rep["classes"])
+    assert 0 <= rep["chance"] <= 100 and len(rep["rows"]) == 3 * n
+    assert (out / "representations.png").stat().st_size > 10_000
+
+    bad = subprocess.run([str(VLBERTS), "analyze", "representations", f"--model={model}", f"--out={out}"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs --entities" in bad.stderr and "Traceback" not in bad.stderr
