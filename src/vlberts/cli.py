@@ -665,13 +665,31 @@ def evaluate_retrieval_cmd(
     typer.echo(f"wrote {out / 'metrics.json'}")
 
 
+def _leave_process_group(ok: bool) -> None:
+    """Under torchrun, leave the process group before exiting: after a successful command every rank first
+    waits for the others (a rank that exits while a peer's connection is still open can abort that peer:
+    SIGABRT from gloo's threads); after a failure, without waiting. Nothing when torch never joined one."""
+    td = sys.modules.get("torch.distributed")
+    if td is None or not td.is_available() or not td.is_initialized():
+        return
+    if ok:
+        td.barrier()
+    td.destroy_process_group()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: run the app, turning `VlbertsError` into one line and exit code 2."""
+    ok = False
     try:
         app(args=argv, standalone_mode=True)
+    except SystemExit as e:
+        ok = e.code in (0, None)
+        raise
     except VlbertsError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    finally:
+        _leave_process_group(ok)
 
 
 if __name__ == "__main__":
