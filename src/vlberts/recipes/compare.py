@@ -3,8 +3,8 @@
     1. world + features  built ONCE, exactly as the demo builds them      OUT/world/, OUT/features.h5
     2. per architecture  the demo's steps 3-7 (pretrain -> probe -> VQA   OUT/ARCH/ (pretrain/, vqa/,
                          -> grounding -> summary) with the same settings   grounding/, summary.json, report.html)
-    + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr, each fine-tuned from   OUT/ARCH/TASK/
-      same checkpoint with VQA's schedule (epochs, batch, learning rate)
+    + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr, each task fine-tuned   OUT/ARCH/TASK/
+      from the same checkpoint with VQA's schedule (epochs, batch, learning rate)
     + with --seeds=0,1,2, step 2 once per seed (pre-training, fine-tuning;     OUT/ARCH/seed-S/
       the world and features stay those of --seed), reported as mean and std
     3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
