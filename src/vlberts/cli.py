@@ -535,6 +535,16 @@ def models_cmd() -> None:
 
 # --------------------------------------------------------------------------- evaluate
 
+def _write_metrics(out: Path, metrics: dict, lines: list[str]) -> None:
+    """The end of an evaluate command: OUT/metrics.json, the score lines, what was written."""
+    from vlberts.io import write_json
+
+    write_json(out / "metrics.json", metrics)
+    for line in lines:
+        typer.echo(line)
+    typer.echo(f"wrote {out / 'metrics.json'}")
+
+
 @evaluate_app.command("vqa")
 def evaluate_vqa(
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {question_id, answer}."),
@@ -543,14 +553,11 @@ def evaluate_vqa(
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
-    from vlberts.io import write_json
     from vlberts.tasks.vqa import evaluate_predictions
 
     metrics = evaluate_predictions(predictions, questions, annotations)
-    write_json(out / "metrics.json", metrics)
     types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
-    typer.echo(f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})")
-    typer.echo(f"wrote {out / 'metrics.json'}")
+    _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})"])
 
 
 @evaluate_app.command("gqa")
@@ -562,14 +569,11 @@ def evaluate_gqa(
         None, "--train_questions", "--train-questions", help="Training questions: adds the majority-answer baseline."),
 ) -> None:
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
-    from vlberts.io import write_json
     from vlberts.tasks.gqa import evaluate_predictions
 
     metrics = evaluate_predictions(predictions, questions, train_questions)
-    write_json(out / "metrics.json", metrics)
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
-    typer.echo(f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}")
-    typer.echo(f"wrote {out / 'metrics.json'}")
+    _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])
 
 
 @evaluate_app.command("vcr")
@@ -595,14 +599,11 @@ def evaluate_refcoco(
     splits: Optional[str] = typer.Option(None, help="Comma-separated splits (default: every split with a prediction)."),
 ) -> None:
     """Score RefCOCO+ predictions: correct when IoU(predicted box, gold box) >= 0.5; write OUT/metrics.json."""
-    from vlberts.io import write_json
     from vlberts.tasks.refcoco import evaluate_predictions
 
     metrics = evaluate_predictions(predictions, refs, instances, splits.split(",") if splits else None)
-    write_json(out / "metrics.json", metrics)
-    for split, r in metrics["splits"].items():
-        typer.echo(f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions")
-    typer.echo(f"wrote {out / 'metrics.json'}")
+    _write_metrics(out, metrics, [f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions"
+                                  for split, r in metrics["splits"].items()])
 
 
 @evaluate_app.command("nlvr2")
