@@ -258,3 +258,38 @@ def test_a_rank_killed_mid_run_leaves_a_checkpoint_the_relaunched_job_resumes_ex
     ref_log = MetricsLog.read(ref / "metrics.jsonl")
     assert [r["step"] for r in log] == list(range(1, 41))
     assert [r["mlm_loss"] for r in log] == [r["mlm_loss"] for r in ref_log]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_matching_negatives_come_from_the_whole_dataset_alike_on_one_and_two_ranks(tiny_world, tiny_pretrained, tmp_path):
+    """Image-text matching: an example's mismatched caption is drawn from the whole caption set by
+    `example_rng(seed, epoch, index)` (data/pretrain.py), not from a rank's slice of the batch, so the
+    2 ranks' slices hold exactly the pairs (negatives included) that one process holds. With dropout off,
+    2 ranks and 1 process then log the same matching and MLM losses and end with the same weights.
+    (Retrieval's distractors are drawn the same way, data/retrieval.py; tests/test_distributed_tasks.py
+    compares its 1- and 2-process fine-tuning.)"""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    init = tmp_path / "init"  # the tiny VisualBERT without dropout (rank-seeded dropout masks differ)
+    shutil.copytree(tiny_pretrained, init)
+    meta = json.loads((init / "config.json").read_text())
+    meta["config"].update(hidden_dropout=0.0, attention_dropout=0.0)
+    (init / "config.json").write_text(json.dumps(meta))
+    runs = {n: tmp_path / n for n in ("one", "two")}
+    args = {n: _pretrain_args(tiny_world, out, f"--init={init}", "--steps=4") for n, out in runs.items()}
+    proc = subprocess.run([str(VLBERTS), *args["one"]], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun(args["two"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    one, two = (MetricsLog.read(runs[n] / "metrics.jsonl") for n in ("one", "two"))
+    assert [r["step"] for r in two] == [1, 2, 3, 4] and all(r["match_loss"] > 0 for r in two)
+    for key in ("match_loss", "mlm_loss"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5), key
+    a, b = (load_file(runs[n] / "model" / "model.safetensors") for n in ("one", "two"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)

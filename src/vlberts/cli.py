@@ -302,6 +302,37 @@ def finetune_refcoco_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT
     ], "predictions.json")
 
 
+@finetune_app.command("flickr_entities", context_settings=OVERRIDES)
+def finetune_flickr_entities_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Fine-tune Flickr30K Entities phrase grounding, then predict and score val and test (R@1/5/10).
+
+    VisualBERT App. B.4: an extra attention block on the encoder; the head-averaged attention from a
+    phrase's last subword ranks the image's regions (the store's). Targets: regions with IoU >= 0.5 to any
+    gold box of the chain (--iou_rule=union: their union box). Reports the upper bound and the
+    detector-confidence baseline too.
+
+    Example: vlberts finetune flickr_entities --init=runs/pt/model --entities=WORLD/flickr30k_entities
+    --features=F.h5 --out=runs/flickr_entities
+
+    Run `vlberts show-config finetune-flickr-entities` for every setting.
+    """
+    from vlberts.recipes import finetune_flickr_entities as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    _report_finetune(cfg.out, recipe.finetune_flickr_entities(cfg), lambda m: [
+        _flickr_entities_line(split, r) for split, r in m["splits"].items()], "predictions.json")
+
+
+def _flickr_entities_line(split: str, r: dict) -> str:
+    """Flickr30K Entities R@1/5/10 of a split, with the upper bound and the confidence baseline when known."""
+    extra = [f"upper bound {r['upper_bound']:.2f}%"] if "upper_bound" in r else []
+    if "baseline" in r:
+        b = r["baseline"]
+        extra.append(f"detector-confidence baseline {b['r@1']:.2f}/{b['r@5']:.2f}/{b['r@10']:.2f}")
+    return (f"Flickr30K Entities {split} R@1/5/10 {r['r@1']:.2f}/{r['r@5']:.2f}/{r['r@10']:.2f} on "
+            f"{r['num_entities']} phrases" + (f" ({', '.join(extra)})" if extra else ""))
+
+
 @finetune_app.command("nlvr2", context_settings=OVERRIDES)
 def finetune_nlvr2_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
     """Fine-tune on NLVR2 statements (JSON lines), then predict and score accuracy and consistency.
@@ -389,7 +420,8 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
 
     Per-head accuracy at IoU >= 0.5 against Flickr30K Entities boxes, the most-confident-region
     baseline, active heads, the best-heads table and the figure; with dependency parses
-    (--parses=auto finds the world's, or --parses=FILE.conllu) also Table 2 and Figure 4.
+    (--parses=auto finds the world's, or --parses=FILE.conllu, or --parser=spacy:PIPELINE with spaCy
+    installed) also Table 2 and Figure 4.
 
     Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --split=test --out=runs/grounding
@@ -435,6 +467,28 @@ def analyze_representations_cmd(ctx: typer.Context, config: Optional[Path] = CON
     counts = ", ".join(f"{rep.reps.modalities.count(m)} {m}s" for m in ("word", "region", "tag") if m in rep.reps.modalities)
     typer.echo(f"{len(set(rep.reps.instances))} instances of {len(set(rep.reps.classes))} classes ({counts}); "
                f"a word's nearest region has its class {rep.agreement:.2f}% of the time (chance {rep.chance:.2f}%)")
+    typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
+
+
+@analyze_app.command("attention-graphs", context_settings=OVERRIDES)
+def analyze_attention_graphs_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """LXMERT-style attention graphs (LXMERT App. E, Figs. 3-5) for any architecture.
+
+    Words -> words: attention to the next / previous token per head against uniform; regions -> words:
+    share of a region's attention per POS tag against the tag's share of the tokens (with parses);
+    regions -> regions: how often the most attended other region is a related object (with the world's
+    scenes). Figures for a few captions; the report names the maps read for the architecture.
+
+    Example: vlberts analyze attention-graphs --model=runs/pt/model --entities=WORLD/flickr30k_entities
+    --features=F.h5 --out=runs/attention_graphs
+
+    Run `vlberts show-config analyze-attention-graphs` for every setting.
+    """
+    from vlberts.recipes import analyze_attention_graphs as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    rep = recipe.analyze_attention_graphs(cfg)
+    typer.echo(recipe.summary_line(rep.data))
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 
@@ -499,10 +553,12 @@ SHOW = {
     "finetune-gqa": "vlberts.recipes.finetune_gqa",
     "finetune-retrieval": "vlberts.recipes.finetune_retrieval",
     "finetune-refcoco": "vlberts.recipes.finetune_refcoco",
+    "finetune-flickr-entities": "vlberts.recipes.finetune_flickr_entities",
     "finetune-nlvr2": "vlberts.recipes.finetune_nlvr2",
     "finetune-vcr": "vlberts.recipes.finetune_vcr",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
     "analyze-representations": "vlberts.recipes.analyze_representations",
+    "analyze-attention-graphs": "vlberts.recipes.analyze_attention_graphs",
     "demo": "vlberts.recipes.demo",
     "compare": "vlberts.recipes.compare",
     "extract": "vlberts.recipes.extract",
@@ -606,6 +662,29 @@ def evaluate_refcoco(
                                   for split, r in metrics["splits"].items()])
 
 
+@evaluate_app.command("flickr_entities")
+def evaluate_flickr_entities(
+    predictions: Path = typer.Option(..., help="Predictions: a JSON list of phrase rows (image_id, split, sentence, "
+                                               "chain_id, first_word_index, boxes [[x, y, w, h], ...] best first, scores)."),
+    entities: Path = typer.Option(..., help="Flickr30K Entities directory (Sentences/, Annotations/, SPLIT.txt)."),
+    out: Path = typer.Option(..., help="Directory to write metrics.json into."),
+    split: str = typer.Option("test", help="Split to score (rows of other splits are ignored)."),
+    features: Optional[Path] = typer.Option(None, help="The region store the candidates came from: adds the upper "
+                                                       "bound and the detector-confidence baseline."),
+    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", help="Candidate regions per image (with --features)."),
+    iou_rule: str = typer.Option("any", "--iou_rule", "--iou-rule", help="any: IoU >= 0.5 with any gold box of the "
+                                                                         "chain; union: with their union box."),
+) -> None:
+    """Score Flickr30K Entities predictions from their boxes: R@1/5/10 (a box is positive at IoU >= 0.5 with
+    a gold box of the phrase's chain); write OUT/metrics.json."""
+    from vlberts.features.store import RegionStore
+    from vlberts.tasks.flickr_entities import evaluate_predictions
+
+    store = RegionStore(features) if features is not None else None
+    metrics = evaluate_predictions(predictions, entities, split, rule=iou_rule, store=store, max_regions=max_regions)
+    _write_metrics(out, metrics, [_flickr_entities_line(split, metrics)])
+
+
 @evaluate_app.command("nlvr2")
 def evaluate_nlvr2(
     predictions: Path = typer.Option(..., help="Official predictions CSV: identifier,True|False per line."),
@@ -673,6 +752,12 @@ def _leave_process_group(ok: bool) -> None:
     td = sys.modules.get("torch.distributed")
     if td is None or not td.is_available() or not td.is_initialized():
         return
+    # Free what the command left in reference cycles (an FSDP-sharded model and the gloo work its hooks
+    # hold) while the interpreter and the group are alive: freed at interpreter exit, gloo's work objects
+    # can abort the process (SIGABRT, "terminate called without an active exception").
+    import gc
+
+    gc.collect()
     if ok:
         td.barrier()
     td.destroy_process_group()

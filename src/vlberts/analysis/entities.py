@@ -26,6 +26,7 @@ from vlberts.analysis.grounding import GroundingEntity, GroundingInput
 from vlberts.data.flickr_entities import FlickrEntitiesImage
 from vlberts.data.regions import RegionSource, caption_inputs, load_regions
 from vlberts.errors import VlbertsError
+from vlberts.models.outputs import AttentionMaps
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -116,6 +117,35 @@ def region_confidence(record, path: object = None) -> np.ndarray:
 
 
 @torch.no_grad()
+def attention_batches(
+    model: torch.nn.Module,
+    captions: list[EntityCaption],
+    regions: RegionSource,
+    *,
+    max_regions: int = 36,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[list[EntityCaption], list, list, AttentionMaps]]:
+    """Run the model on `captions` (in order, `batch_size` at a time) with their images and yield, per
+    batch, the captions, their store records, their loaded regions (`load_regions`) and every attention
+    map of the forward pass (`model.encode(x, need_attn=True).attentions`). Row b of each map is
+    caption b, padded to the batch's longest caption and region count: callers slice with
+    `len(caption.ids)` and `len(regions[b].feats)`. Shared by the grounding analysis and the attention graphs.
+    """
+    model.eval()
+    feature_dim = model.cfg.visual_dim
+    for start in range(0, len(captions), batch_size):
+        chunk = captions[start : start + batch_size]
+        recs = [regions.get(c.image_id) for c in chunk]
+        regs = [load_regions(regions, c.image_id, max_regions, feature_dim) for c in chunk]
+        x = caption_inputs([c.ids for c in chunk], regs).to(device)
+        maps = model.encode(x, need_attn=True).attentions
+        if maps is None:
+            raise VlbertsError(f"the model returned no attention maps for need_attn=True ({type(model).__name__})")
+        yield chunk, recs, regs, maps
+
+
+@torch.no_grad()
 def grounding_inputs(
     model: torch.nn.Module,
     captions: list[EntityCaption],
@@ -135,16 +165,10 @@ def grounding_inputs(
     not see the regions; `text_to_region()` gives them zero attention, so their heads keep their place in
     the (L, H) grid (comparable with the full model's) with zero region mass and no hits.
     """
-    model.eval()
     work = [c for c in captions if c.entities]
-    feature_dim = model.cfg.visual_dim
     path = getattr(regions, "path", None)
-    for start in range(0, len(work), batch_size):
-        chunk = work[start : start + batch_size]
-        recs = [regions.get(c.image_id) for c in chunk]
-        regs = [load_regions(regions, c.image_id, max_regions, feature_dim) for c in chunk]
-        x = caption_inputs([c.ids for c in chunk], regs).to(device)
-        maps = model.encode(x, need_attn=True).attentions
+    for chunk, recs, regs, maps in attention_batches(model, work, regions, max_regions=max_regions,
+                                                     batch_size=batch_size, device=device):
         t2r = maps.text_to_region().float().cpu().numpy()  # (L, B, H, T, R)
         for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
             n = len(reg.feats)

@@ -97,6 +97,13 @@ def arcs_from_parse(sentence: ConlluSentence, words: Sequence[str]) -> list[Arc]
     indexes the caption's subwords by word, so a parse of a differently tokenised sentence would
     silently pair the wrong words. Raises `ParseMismatch` naming the first difference.
     """
+    check_parse_words(sentence, words)
+    return [Arc(head - 1, rel, dep - 1) for head, rel, dep in sentence.arcs() if head != 0]
+
+
+def check_parse_words(sentence: ConlluSentence, words: Sequence[str]) -> None:
+    """Raise `ParseMismatch` naming the first difference unless the parse's words are exactly `words`
+    (`arcs_from_parse`'s rule; the attention graphs read a parse's UPOS tags under the same rule)."""
     got = sentence.words
     if tuple(got) != tuple(words):
         if len(got) != len(words):
@@ -105,7 +112,6 @@ def arcs_from_parse(sentence: ConlluSentence, words: Sequence[str]) -> list[Arc]
             i = next(i for i, (a, b) in enumerate(zip(got, words)) if a != b)
             why = f"word {i + 1} is {got[i]!r} in the parse, {words[i]!r} in the caption"
         raise ParseMismatch(f"parse {sentence.sent_id!r} does not match the caption's words: {why}")
-    return [Arc(head - 1, rel, dep - 1) for head, rel, dep in sentence.arcs() if head != 0]
 
 
 @dataclass

@@ -83,6 +83,11 @@ class RegionTargets:
         return _to(self, device, non_blocking)
 
 
+# Where a pre-training example comes from (`PretrainBatch.kind`): an image with its text, a text-only sample
+# (VL-BERT §3.3 <Text, ∅>), an image without text (H-VisualBERT's image-only set).
+PAIR, TEXT_ONLY, IMAGE_ONLY = 0, 1, 2
+
+
 @dataclass
 class PretrainBatch:
     """Caption pre-training: MLM with the image + image-text matching (VisualBERT §A.3), and for the other
@@ -99,6 +104,11 @@ class PretrainBatch:
     tags: TagInputs | None = None  # W-VisualBERT detector tags (inputs, after masking)
     tag_labels: Tensor | None = None  # (B, L) long, original tag subword where masked, -100 elsewhere
     qa_targets: Tensor | None = None  # (B,) long, LXMERT image-QA answer index, -1 = none (unmatched, caption)
+    # (B,) long, where each example comes from (`data.text_corpus`): 0 an image with its text, 1 a text-only
+    # sample (VL-BERT §3.3 <Text, ∅>: no regions), 2 an image-only sample (H-VisualBERT: no text).
+    # None: every example is a pair. The image objectives skip kind 1, the pair objectives (matching) 1 and 2.
+    kind: Tensor | None = None
+    nsp_labels: Tensor | None = None  # (B,) long, next-sentence labels (0 = IsNext, 1 = NotNext), -1 = none
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PretrainBatch:
         return _to(self, device, non_blocking)

@@ -11,6 +11,11 @@ The other architectures (objectives/recipe.py says which does what) read one cap
 matching), and a `RegionSetup`: regions masked by the paper's rule, the detector's targets (cls_prob,
 obj/attr ids and confidences, the original features), and W-VisualBERT's detector tags. Region masking
 draws from the same (seed, epoch, index) stream as the text masking, after it, so a resumed run is exact.
+
+End-to-end VL-BERT (`pixels`, a `data.pixels.PixelLoader`): every example also carries its image's pixels
+(3, S, S), a deterministic function of the image id, so resuming stays exact; the collate stacks them into
+`VLInputs.pixels` (B, 3, S, S), zeros for text-only samples (no image: the model masks their visual elements,
+so the zeros are never attended to). The masked RoIs' pixels are zeroed by the model (`roi_masked`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlberts.data.batch import PretrainBatch, RegionTargets, VLInputs
+from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs
 from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
@@ -107,6 +112,7 @@ class CaptionPretrainData:
         mismatch_prob: float = 0.0,
         region_setup: RegionSetup = RegionSetup(),
         qa_targets: Sequence[SoftTarget] | None = None,
+        pixels: Any = None,
     ):
         if not captions:
             raise ValueError("no captions to pre-train on")
@@ -136,6 +142,7 @@ class CaptionPretrainData:
         if qa_targets is not None and (pairs or len(qa_targets) != len(captions)):
             raise ValueError("QA targets need single-sentence examples and one target per sentence")
         self.qa_targets = qa_targets
+        self.pixels = pixels  # a PixelLoader (end-to-end VL-BERT), or None: no example carries pixels
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -197,6 +204,8 @@ class CaptionPretrainData:
             "image_id": int(cap.image_id) if cap.image_id.isdigit() else index,
         }
         example.update(self._region_side(rec, regions, cap.image_id, rng))
+        if self.pixels is not None:  # the caption's own image (no random draw: `rng` is untouched)
+            example["pixels"] = self.pixels.get(cap.image_id)  # (3, S, S)
         if self.qa_targets is not None:  # LXMERT §3.1.3: the answer is a label only when the pair is matched
             t = self.qa_targets[index]
             k = sample_qa_target(np.asarray(t.scores), rng) if label == MATCH and t.labels else -1
@@ -246,9 +255,35 @@ def _pad_stack(arrays: list[np.ndarray], value: Any) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+# Region-side example keys: a text-only example (no regions) gets empty ones to batch with the others.
+_REGION_SIDE = ("masked", "corrupted", "orig_feats", *LABEL_FIELDS, "tag_ids", "tag_region", "tag_labels")
+
+
+def _fill_region_side(examples: list[dict]) -> list[dict]:
+    """Examples without the region-side keys that others carry (text-only samples: R = 0) get zero-length
+    arrays of the same trailing shape and type, so that they pad to all-padding rows."""
+    template = next((e for e in examples if "masked" in e), None)
+    if template is None:
+        return examples
+    keys = [k for k in _REGION_SIDE if k in template]
+    return [e if "masked" in e else {**e, **{k: np.zeros((0, *np.shape(template[k])[1:]), np.asarray(template[k]).dtype)
+                                            for k in keys}} for e in examples]
+
+
+def _stack_pixels(examples: list[dict]) -> torch.Tensor | None:
+    """(B, 3, S, S) pixels of the examples that carry them, zeros for those without an image (text-only
+    samples); None when no example carries pixels."""
+    template = next((e["pixels"] for e in examples if "pixels" in e), None)
+    if template is None:
+        return None
+    return torch.stack([torch.as_tensor(e["pixels"]) if "pixels" in e else torch.zeros_like(template) for e in examples])
+
+
 def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targets: bool = False) -> PretrainBatch:
     """Pad examples into a `PretrainBatch`. With `drop_unmatched_targets`, mismatched pairs keep no MLM or
-    masked-region targets (ViLBERT's `--objective 1`; `objectives.matching.drop_unmatched`)."""
+    masked-region targets (ViLBERT's `--objective 1`; `objectives.matching.drop_unmatched`). Examples may mix
+    sources (`kind`: pairs, text-only, image-only; `data.text_corpus`)."""
+    examples = _fill_region_side(examples)
     ids = pad_sequences([e["ids"] for e in examples], pad_id)  # (B, T)
     regions: list[Regions] = [e["regions"] for e in examples]
     feats, boxes, rmask = pad_regions(regions)
@@ -259,6 +294,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         region_feats=feats,
         region_boxes=boxes,
         region_mask=rmask,
+        pixels=_stack_pixels(examples),
     )
     mlm_labels = pad_sequences([e["labels"] for e in examples], IGNORE_INDEX)  # (B, T)
     matched = torch.tensor([e["match"] == MATCH for e in examples], dtype=torch.bool)  # (B,)
@@ -276,6 +312,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
     if "tag_ids" in examples[0]:
         tags = collate_tags([(e["tag_ids"], e["tag_region"]) for e in examples], pad_id)
         tag_labels = _pad_stack([e["tag_labels"] for e in examples], IGNORE_INDEX)  # (B, L)
+    kind = torch.tensor([e.get("kind", PAIR) for e in examples], dtype=torch.long)  # (B,)
     return PretrainBatch(
         inputs=inputs,
         mlm_labels=mlm_labels,
@@ -285,7 +322,9 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         regions=targets,
         tags=tags,
         tag_labels=tag_labels,
-        qa_targets=torch.tensor([e["qa_target"] for e in examples], dtype=torch.long) if "qa_target" in examples[0] else None,
+        qa_targets=torch.tensor([e.get("qa_target", -1) for e in examples], dtype=torch.long) if "qa_target" in examples[0] else None,
+        kind=kind if bool(kind.any()) else None,
+        nsp_labels=torch.tensor([e.get("nsp", -1) for e in examples], dtype=torch.long) if any("nsp" in e for e in examples) else None,
     )
 
 
@@ -304,3 +343,26 @@ def unpaired_view(batch: PretrainBatch, source: Source) -> PretrainBatch:
     inputs = dataclasses.replace(x, input_ids=x.input_ids[:, :0], token_type_ids=x.token_type_ids[:, :0],
                                  attention_mask=x.attention_mask[:, :0])
     return dataclasses.replace(batch, inputs=inputs, mlm_labels=batch.mlm_labels[:, :0])
+
+
+class ImageOnlyData:
+    """Image-only samples (H-VisualBERT, W-VisualBERT §4.3: "when the training sample comes from OI, we
+    provide only the image"): each image's regions, masked by the recipe's rule, with the detector's targets
+    and tags (`region_setup`), and no text (T = 0, no MLM labels), keyed by (epoch, index) like the captions.
+    `kind` IMAGE_ONLY (2): the image objectives train on them, the matching objective does not."""
+
+    def __init__(self, image_ids: Sequence[str], regions: RegionSource, tokenizer: TextTokenizer, *,
+                 max_regions: int = 36, seed: int = 0, feature_dim: int | None = None,
+                 region_setup: RegionSetup = RegionSetup()):
+        self.inner = CaptionPretrainData(
+            [CaptionRef(str(i), "") for i in image_ids], regions, tokenizer, pairs=False, max_regions=max_regions,
+            seed=seed, feature_dim=feature_dim, region_setup=region_setup,
+        )
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        ex = self.inner[key]
+        none = np.zeros(0, dtype=np.int64)
+        return {**ex, "ids": none, "segments": none, "labels": none, "kind": IMAGE_ONLY}

@@ -23,6 +23,8 @@ from vlberts.models.wvisualbert import (
     WVisualBertForPreTraining,
     wvisualbert_base,
     wvisualbert_h,
+    wvisualbert_h_tiny,
+    wvisualbert_nsp_tiny,
     wvisualbert_nt,
     wvisualbert_s,
     wvisualbert_s_nt,
@@ -263,6 +265,8 @@ MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "wvisualbert-s": wvisualbert_s,
     "wvisualbert-s-nt": wvisualbert_s_nt,
     "wvisualbert-h": wvisualbert_h,
+    "wvisualbert-h-tiny": wvisualbert_h_tiny,
+    "wvisualbert-nsp-tiny": wvisualbert_nsp_tiny,
 }
 
 ARCHS: dict[str, tuple[type, Callable[[Any], nn.Module]]] = {

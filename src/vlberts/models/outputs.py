@@ -52,6 +52,46 @@ class AttentionMaps:
             return torch.stack(self.text_to_vision)[..., self.vision_offset :]
         raise ValueError("no text-to-region attention maps were recorded")
 
+    # The other blocks, for the attention graphs (LXMERT App. E). Same conventions as `text_to_region`:
+    # single-stream maps are slices of the joint map (rows do not sum to one), a layer before
+    # `fusion_layer` gives zeros wherever the regions are involved, and `vision_offset` elements are dropped.
+
+    def _joint_block(self, rows: Tensor, cols: Tensor, needs_regions: bool) -> Tensor:
+        return torch.stack([
+            m[:, :, rows][:, :, :, cols] if i >= self.fusion_layer or not needs_regions
+            else m.new_zeros(*m.shape[:2], len(rows), len(cols))
+            for i, m in enumerate(self.joint)
+        ])
+
+    def text_to_text(self) -> Tensor:
+        """(L, B, H, T, T): word-to-word attention. Two-stream: every recorded text self-attention map
+        in order (LXMERT: the language encoder's layers, then each cross-modality layer's)."""
+        if self.joint:
+            # Layers before `fusion_layer` are (B, H, T, T) with the text at 0..T-1 = text_index.
+            return self._joint_block(self.text_index, self.text_index, needs_regions=False)
+        if self.text_self:
+            return torch.stack(self.text_self)
+        raise ValueError("no text self-attention maps were recorded")
+
+    def region_to_region(self) -> Tensor:
+        """(L, B, H, R, R): region-to-region attention. Two-stream: every recorded vision self-attention
+        map in order (LXMERT: the object-relationship encoder's layers, then each cross-modality layer's)."""
+        if self.joint:
+            return self._joint_block(self.region_index, self.region_index, needs_regions=True)
+        if self.vision_self:
+            off = self.vision_offset
+            return torch.stack(self.vision_self)[..., off:, off:]
+        raise ValueError("no vision self-attention maps were recorded")
+
+    def region_to_text(self) -> Tensor:
+        """(L, B, H, R, T): the attention each region pays to each text token (joint map's region rows x
+        text columns; two-stream: the vision-to-text cross-attention)."""
+        if self.joint:
+            return self._joint_block(self.region_index, self.text_index, needs_regions=True)
+        if self.vision_to_text:
+            return torch.stack(self.vision_to_text)[..., self.vision_offset :, :]
+        raise ValueError("no region-to-text attention maps were recorded")
+
     def describe(self) -> str:
         if self.joint and self.fusion_layer:
             return (f"joint self-attention maps of {len(self.joint)} layers, sliced text rows x region columns; "

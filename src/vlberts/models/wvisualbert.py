@@ -78,6 +78,10 @@ class WVisualBertConfig(BertTextConfig):
     use_tags: bool = True
     # Image-text match head: the paired variants' objective (§3.1); W-VisualBERT sees no pairs.
     match_head: bool = False
+    # BERT's next-sentence head on [CLS] for text documents (footnote 4: "we also adopt the next sentence
+    # prediction task in BERT when long documents are available"). The paired variants' match head is the
+    # same Linear(D, 2) on the pooled output and serves as it; this switch gives W-VisualBERT one.
+    nsp_head: bool = False
     # LXMERT's visual heads (§3.1 "the two visual sub-tasks in LXMERT"); 0 / False leaves one out.
     num_object_labels: int = 1600
     num_attr_labels: int = 400
@@ -90,6 +94,11 @@ class WVisualBertConfig(BertTextConfig):
             raise ValueError(f"visual_pos_dim must be 4 (W-VisualBERT's 4-d boxes), got {self.visual_pos_dim}")
         if self.variant not in ("W", "S", "H"):
             raise ValueError(f"variant must be 'W', 'S' or 'H', got {self.variant!r}")
+
+    @property
+    def pair_head(self) -> bool:
+        """Whether the model has the (B, 2) head on the pooled output (`cls.seq_relationship`)."""
+        return self.match_head or self.nsp_head
 
     def describe(self) -> str:
         name = f"{self.variant}-VisualBERT" + ("" if self.use_tags else "_NT")
@@ -283,7 +292,7 @@ class WVisualBertForPreTraining(nn.Module):
         self.bert = WVisualBertModel(cfg)
         self.cls = nn.Module()
         self.cls.predictions = MLMHead(cfg.hidden_size, cfg.vocab_size, cfg.hidden_act, cfg.layer_norm_eps)
-        self.cls.seq_relationship = nn.Linear(cfg.hidden_size, 2) if cfg.match_head else None
+        self.cls.seq_relationship = nn.Linear(cfg.hidden_size, 2) if cfg.pair_head else None
         sizes = {"obj": cfg.num_object_labels, "attr": cfg.num_attr_labels,
                  "feat": cfg.visual_dim if cfg.feat_regression else 0}
         if any(sizes.values()):
@@ -360,6 +369,16 @@ def wvisualbert_tiny(**kw) -> WVisualBertConfig:
 def wvisualbert_nt(**kw) -> WVisualBertConfig:
     """W-VisualBERT_NT (§4.4, Table 3): no tags, in pre-training or fine-tuning."""
     return dataclasses.replace(WVisualBertConfig(use_tags=False), **kw)
+
+
+def wvisualbert_nsp_tiny(**kw) -> WVisualBertConfig:
+    """`wvisualbert_tiny` with BERT's next-sentence head (for NSP on text documents, footnote 4)."""
+    return wvisualbert_tiny(nsp_head=True, **kw)
+
+
+def wvisualbert_h_tiny(**kw) -> WVisualBertConfig:
+    """A tiny H-VisualBERT (`wvisualbert_h`'s settings at `wvisualbert_tiny`'s size) for unit tests."""
+    return wvisualbert_tiny(variant="H", match_head=True, **kw)
 
 
 def wvisualbert_s(**kw) -> WVisualBertConfig:

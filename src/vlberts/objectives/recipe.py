@@ -18,6 +18,9 @@ Objectives are composable: `parse_objectives("mlm=1,match=0.5", recipe, model_cf
 run; a name the architecture has no head for is a one-line error. LXMERT's image QA (§3.1.3, `qa`) is
 trained when the run is given questions (`data.pretrain_qa`: questions as sentences, answers over a joint
 answer table), only for the last part of training (§3.3: the last 10 of 20 epochs; `qa_from_step`).
+A batch may mix pairs with text-only samples (VL-BERT §3.3, `--text_corpus`) and image-only samples
+(H-VisualBERT, `--unpaired_images`): each objective reads the rows of its modality (`pair_rows`,
+`image_rows`); `nsp` is next-sentence prediction on text documents through the matching head.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from vlberts.data.batch import PretrainBatch
+from vlberts.data.batch import PAIR, TEXT_ONLY, PretrainBatch
 from vlberts.errors import VlbertsError
-from vlberts.objectives.matching import Convention, matching_loss, qa_loss
+from vlberts.objectives.matching import Convention, match_labels, matching_loss, qa_loss
 from vlberts.objectives.mlm import masked_positions, mlm_loss
 from vlberts.objectives.regions import (
     LXMERT_REGION_MASK,
@@ -43,7 +46,7 @@ from vlberts.objectives.regions import (
     masked_roi_loss,
     region_kl_loss,
 )
-from vlberts.objectives.text import Source, tag_mlm_loss
+from vlberts.objectives.text import IS_NEXT, Source, nsp_loss, tag_mlm_loss
 
 Modality = Literal["text", "image", "pair"]
 
@@ -59,6 +62,8 @@ OBJECTIVES: dict[str, tuple[str, Modality]] = {
     "attr": ("LXMERT detected-attribute classification (confidence-weighted, all regions)", "image"),
     "tag_mlm": ("W-VisualBERT detector-tag MLM with the shared softmax, tags masked jointly with regions", "image"),
     "qa": ("LXMERT image QA over the joint answer table (needs questions; the last part of training)", "pair"),
+    "nsp": ("BERT next-sentence prediction on text documents through the sentence-pair / matching head "
+            "(W-VisualBERT footnote 4; needs --text_corpus)", "text"),
 }
 
 # Store quantities a head's size is taken from (see `ArchRecipe.head_sizes`).
@@ -86,10 +91,13 @@ class ArchRecipe:
     head_sizes: Mapping[str, StoreSize] = field(default_factory=dict)  # config field -> store quantity
     # The config value (field, value) that selects unpaired text-only / image-only batches (W-VisualBERT).
     unpaired_when: tuple[str, Any] | None = None
+    # Objectives outside the paper recipe whose head every model of the architecture has (VisualBERT's
+    # sentence-image head is BERT's NSP head, so `nsp` on text documents uses it).
+    optional: tuple[str, ...] = ()
 
     def available(self, model_cfg: Any) -> tuple[str, ...]:
         """The objectives this model has heads for, in recipe order."""
-        names = [*self.objectives, *self.head_switch]
+        names = [*self.objectives, *self.optional, *self.head_switch]
         return tuple(dict.fromkeys(n for n in names if getattr(model_cfg, self.head_switch.get(n, ""), True)))
 
     def unpaired(self, model_cfg: Any) -> bool:
@@ -107,7 +115,7 @@ _LXMERT_HEADS = {"obj": "num_object_labels", "attr": "num_attr_labels", "feat": 
 RECIPES: dict[str, ArchRecipe] = {
     "visualbert": ArchRecipe(
         arch="visualbert", paper="VisualBERT App. A.3", objectives={"mlm": 1.0, "match": 1.0},
-        match_convention="visualbert", caption_pairs=True,
+        match_convention="visualbert", caption_pairs=True, optional=("nsp",),
     ),
     "vilbert": ArchRecipe(
         arch="vilbert", paper="ViLBERT §3.1", objectives={"mlm": 1.0, "region_kl": 1.0, "match": 1.0},
@@ -116,7 +124,7 @@ RECIPES: dict[str, ArchRecipe] = {
     ),
     "vlbert": ArchRecipe(
         arch="vlbert", paper="VL-BERT §3.2-3.3", objectives={"mlm": 1.0, "roi_cls": 1.0},
-        head_switch={"match": "with_match_head"}, match_convention="visualbert", region_rule=VLBERT_REGION_MASK,
+        head_switch={"match": "with_match_head", "nsp": "with_match_head"}, match_convention="visualbert", region_rule=VLBERT_REGION_MASK,
         zero_in_data=False, model_inputs=("roi_masked",), head_sizes={"num_region_classes": "cls_prob"},
     ),
     "lxmert": ArchRecipe(
@@ -127,7 +135,8 @@ RECIPES: dict[str, ArchRecipe] = {
     "wvisualbert": ArchRecipe(
         arch="wvisualbert", paper="W-VisualBERT §3",
         objectives={"mlm": 1.0, "tag_mlm": 1.0, "feat": 1.0, "obj": 1.0, "attr": 1.0, "match": 1.0},
-        head_switch={**_LXMERT_HEADS, "tag_mlm": "use_tags", "match": "match_head"}, match_convention="lxmert",
+        head_switch={**_LXMERT_HEADS, "tag_mlm": "use_tags", "match": "match_head", "nsp": "pair_head"},
+        match_convention="lxmert",
         region_rule=WVISUALBERT_REGION_MASK, replace_from_other_image=True, model_inputs=("tags",),
         head_sizes=_LXMERT_SIZES, unpaired_when=("variant", "W"),
     ),
@@ -171,12 +180,49 @@ def run_model(recipe: ArchRecipe, model: Any, batch: PretrainBatch) -> Any:
     return model(batch.inputs, mlm_positions=masked_positions(batch.mlm_labels), **extra)
 
 
+# Rows of a batch that mixes sources (`PretrainBatch.kind`: 0 pair, 1 text-only, 2 image-only). Each
+# objective reads only the rows of its modality, so that appending text-only samples to a batch leaves its
+# image losses unchanged (VL-BERT §3.3: a <Text, ∅> sample trains MLM only). The MLM, masked-region and tag
+# losses need no selection (a text-only row has no region targets, an image-only row no masked word); the
+# ones that average over every row or every (row, region) slot do.
+
+
+def pair_rows(batch: PretrainBatch) -> Tensor | slice:
+    """The rows that hold an image with its text (matching, image QA)."""
+    kind = getattr(batch, "kind", None)
+    return slice(None) if kind is None else kind == PAIR
+
+
+def image_rows(batch: PretrainBatch) -> Tensor | slice:
+    """The rows that hold an image (pairs and image-only samples)."""
+    kind = getattr(batch, "kind", None)
+    return slice(None) if kind is None else kind != TEXT_ONLY
+
+
+def nsp_rows(batch: PretrainBatch) -> Tensor:
+    """The rows that hold a next-sentence pair."""
+    return batch.nsp_labels >= 0 if batch.nsp_labels is not None else batch.matched.new_zeros(batch.matched.shape)
+
+
 def _mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
     return mlm_loss(out.mlm_logits, batch.mlm_labels[masked_positions(batch.mlm_labels)])
 
 
 def _match(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
-    return matching_loss(out.match_logits, batch.matched, recipe.match_convention)
+    rows = pair_rows(batch)
+    if not isinstance(rows, slice) and not bool(rows.any()):
+        return out.match_logits.sum() * 0.0
+    return matching_loss(out.match_logits[rows], batch.matched[rows], recipe.match_convention)
+
+
+def _nsp(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    """Next-sentence prediction through the matching head: IsNext is the head's "matched" class in the
+    architecture's convention (VisualBERT's head is BERT's NSP head: 0 = IsNext)."""
+    rows = nsp_rows(batch)
+    if not bool(rows.any()):
+        return out.match_logits.sum() * 0.0
+    is_next = batch.nsp_labels[rows] == IS_NEXT
+    return nsp_loss(out.match_logits[rows], match_labels(is_next, recipe.match_convention).to(out.match_logits.device))
 
 
 def _region_kl(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
@@ -188,17 +234,18 @@ def _roi_cls(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
 
 
 def _feat(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
-    return feat_regression_loss(out.feat_pred, batch.regions.feats, batch.regions.masked)
+    i = image_rows(batch)
+    return feat_regression_loss(out.feat_pred[i], batch.regions.feats[i], batch.regions.masked[i])
 
 
 def _obj(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
-    r = batch.regions
-    return detected_label_loss(out.obj_logits, r.obj_id, r.obj_conf, r.masked)
+    r, i = batch.regions, image_rows(batch)
+    return detected_label_loss(out.obj_logits[i], r.obj_id[i], r.obj_conf[i], r.masked[i])
 
 
 def _attr(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
-    r = batch.regions
-    return detected_label_loss(out.attr_logits, r.attr_id, r.attr_conf, r.masked)
+    r, i = batch.regions, image_rows(batch)
+    return detected_label_loss(out.attr_logits[i], r.attr_id[i], r.attr_conf[i], r.masked[i])
 
 
 def _tag_mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
@@ -211,7 +258,7 @@ def _qa(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
 
 LOSSES = {
     "mlm": _mlm, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
-    "attr": _attr, "tag_mlm": _tag_mlm, "qa": _qa,
+    "attr": _attr, "tag_mlm": _tag_mlm, "qa": _qa, "nsp": _nsp,
 }
 
 
@@ -222,14 +269,15 @@ LOSSES = {
 # B x R (padding included: exact across splits when the parts pad to the same number of regions).
 COUNTS = {
     "mlm": lambda batch: masked_positions(batch.mlm_labels).sum(),
-    "match": lambda batch: batch.matched.numel(),
+    "match": lambda batch: batch.matched[pair_rows(batch)].numel(),
     "region_kl": lambda batch: batch.regions.masked.sum(),
     "roi_cls": lambda batch: batch.regions.masked.sum(),
-    "feat": lambda batch: batch.regions.masked.numel(),
-    "obj": lambda batch: batch.regions.masked.numel(),
-    "attr": lambda batch: batch.regions.masked.numel(),
+    "feat": lambda batch: batch.regions.masked[image_rows(batch)].numel(),
+    "obj": lambda batch: batch.regions.masked[image_rows(batch)].numel(),
+    "attr": lambda batch: batch.regions.masked[image_rows(batch)].numel(),
     "tag_mlm": lambda batch: masked_positions(batch.tag_labels).sum(),
     "qa": lambda batch: ((batch.qa_targets >= 0) & batch.matched).sum(),
+    "nsp": lambda batch: nsp_rows(batch).sum(),
 }
 
 

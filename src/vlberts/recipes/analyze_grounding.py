@@ -21,10 +21,14 @@
                                    `--qualitative_captions`), the best head of 4 layers spread over the
                                    network, each entity word's most-attended region drawn over the image
 
-Parses (`--parses`): "auto" (default) reads `<entities>/../parses/<split>.conllu`, where the embedded
+Parses (`--parses`, `--parser`): "auto" (default) reads `<entities>/../parses/<split>.conllu`, where the embedded
 world writes its gold parses, when that file exists; a path reads that CoNLL-U file (e.g. a parser's
 output for real Flickr30K captions, one sentence per caption, `# sent_id = <image id>_<caption index>`
 with the caption index the 0-based line of Sentences/<image id>.txt); "none" skips syntactic grounding.
+`--parser spacy:PIPELINE` parses the captions with an installed spaCy pipeline instead (the optional extra
+`vlberts[parse]`; `vlberts.data.spacy_parse`): spaCy's tokens are aligned to the caption's words and its
+ClearNLP labels mapped to the Stanford labels of Table 2 (compound -> nn, nummod -> num, acl -> partmod, ...);
+a caption whose tokens cannot be aligned is skipped and counted, its message in grounding.json.
 Without parses only entity grounding runs and the report says so. A caption without a parse, or whose
 parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
 its caption id; entity grounding still uses it.
@@ -41,7 +45,7 @@ syntactic ones in `vlberts.analysis.syntactic`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,7 @@ from vlberts.analysis.syntactic import (
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.conllu import ConlluSentence, read_conllu
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
+from vlberts.data.spacy_parse import load_spacy, parse_captions, parser_name
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
@@ -90,6 +95,8 @@ class GroundingConfig:
     top_k: int = opt(10, "rows of the best-heads table and of Table 2")
     parses: str = opt("auto", "CoNLL-U parses for syntactic grounding: auto (<entities>/../parses/<split>.conllu "
                       "if present, as the world writes them), a file (sent_id = <image id>_<caption index>), or none")
+    parser: str = opt("", "parse the captions with spaCy instead of reading CoNLL-U: spacy:PIPELINE (e.g. "
+                      "spacy:en_core_web_sm; needs pip install 'vlberts[parse]' and the pipeline); empty: use --parses")
     relations: str = opt(",".join(FIGURE4_RELATIONS), "relations drawn in the syntactic grounding figure (Figure 4)")
     explorer_examples: int = opt(25, "captions in OUT/explorer.html, the attention explorer (the first N analysed; 0: no explorer)")
     qualitative: int = opt(3, "captions drawn as OUT/qualitative/<caption id>.png (Figures 1/5): the first N "
@@ -111,10 +118,13 @@ class GroundingReport:
     paths: dict[str, Path]
     syntactic: SyntacticResult | None = None  # None when no parses were available
     syntactic_note: str = ""  # where the parses came from, or why syntactic grounding did not run
+    parse_failures: dict[str, str] = field(default_factory=dict)  # caption id -> why the parser's tokens did not align
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
     """The CoNLL-U file to read (or None) and a sentence for the report saying which and why."""
+    if getattr(cfg, "parser", ""):
+        return None, f"parses: spaCy pipeline {parser_name(cfg.parser)} (--parser {cfg.parser}), labels mapped to Stanford"
     if cfg.parses == "none":
         return None, "syntactic grounding not run (--parses=none); only entity grounding ran"
     if cfg.parses == "auto":
@@ -127,6 +137,22 @@ def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
     if not path.is_file():
         raise VlbertsError("parses file not found (--parses)", path=path)
     return path, f"parses: {path}"
+
+
+def load_parses(cfg: GroundingConfig, captions: list[EntityCaption], nlp=None
+                ) -> tuple[dict[str, ConlluSentence] | None, dict[str, str], str]:
+    """The captions' parses keyed by caption id (None: no parses), the captions a parser could not align
+    (caption id -> message) and the report's sentence on where the parses came from.
+
+    `--parser spacy:PIPELINE` parses the captions with spaCy (`vlberts.data.spacy_parse`; `nlp` stands in
+    for the pipeline in tests); otherwise `--parses` names a CoNLL-U file (`resolve_parses`).
+    """
+    path, note = resolve_parses(cfg)
+    if getattr(cfg, "parser", ""):
+        nlp = nlp or load_spacy(cfg.parser)
+        parses, failed = parse_captions(((c.caption_id, c.words) for c in captions), nlp)
+        return parses, failed, note
+    return (read_conllu(path) if path else None), {}, note
 
 
 def resolve_images(cfg: GroundingConfig) -> Path | None:
@@ -155,8 +181,11 @@ def image_bytes(images: Path | None, image_id: str) -> bytes | None:
     return None
 
 
-def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
-    """Run the analysis (module docstring) and write its outputs."""
+def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
+    """Run the analysis (module docstring) and write its outputs.
+
+    nlp: with `--parser`, a parser to use instead of loading the named spaCy pipeline (any callable text ->
+    tokens with spaCy's Token interface, `vlberts.data.spacy_parse.SpacyToken`); tests pass a stand-in."""
     set_threads()
     for key in ("model", "entities", "features"):
         if not getattr(cfg, key):
@@ -180,10 +209,12 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     if missing:
         raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features, record=missing[0])
 
-    parses_path, syntactic_note = resolve_parses(cfg)
-    parses: dict[str, ConlluSentence] | None = read_conllu(parses_path) if parses_path else None
+    if cfg.parser and cfg.parses not in ("auto", "none"):
+        raise VlbertsError("--parser and --parses=FILE both name parses; give one")
+    if cfg.parser and nlp is None:
+        nlp = load_spacy(cfg.parser)  # fails now, not after the forward passes
     relations = [r.strip() for r in cfg.relations.split(",") if r.strip()]
-    if parses is not None and not relations:
+    if (cfg.parser or resolve_parses(cfg)[0]) and not relations:
         raise VlbertsError("--relations names no relation to draw")
     if cfg.explorer_examples < 0:
         raise VlbertsError("--explorer_examples must be >= 0")
@@ -195,6 +226,7 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     skipped = SkipCounts()
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
+    parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
@@ -206,7 +238,7 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
         for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size, device=device):
             acc.add(inp)
             if syn is not None:
-                _add_syntactic(syn, parses, cap, inp)
+                _add_syntactic(syn, parses, cap, inp, parse_failed)
             to_show = len(shown) < cfg.explorer_examples
             if qual_ids:
                 to_draw = cap.caption_id in qual_ids
@@ -240,7 +272,7 @@ def analyze_grounding(cfg: GroundingConfig) -> GroundingReport:
     if drawn:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
-                             syntactic, syntactic_note)
+                             syntactic, syntactic_note, parse_failed)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -274,8 +306,12 @@ def _check_qualitative_ids(qual_ids: list[str], captions: list[EntityCaption], s
 
 
 def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence], cap: EntityCaption,
-                   inp: GroundingInput) -> None:
-    """Score one caption's arcs, or count why it cannot be (no parse; a parse of other words)."""
+                   inp: GroundingInput, parse_failed: dict[str, str] | None = None) -> None:
+    """Score one caption's arcs, or count why it cannot be (no parse; a parse of other words; a parser's
+    tokens that do not align with the caption's words, `parse_failed`)."""
+    if parse_failed and cap.caption_id in parse_failed:
+        syn.skip("parser tokens do not align with the caption's words", cap.caption_id)
+        return
     sentence = parses.get(cap.caption_id)
     if sentence is None:
         syn.skip("no parse", cap.caption_id)
@@ -303,6 +339,8 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "seconds": report.seconds,
         "syntactic_grounding": None if report.syntactic is None else report.syntactic.to_dict(),
         "syntactic_grounding_note": report.syntactic_note,
+        # Per caption, why the parser's tokens could not be aligned with its words (the first 20).
+        "parser_alignment_failures": dict(list(report.parse_failures.items())[:20]),
     }
 
 

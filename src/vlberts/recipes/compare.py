@@ -3,8 +3,9 @@
     1. world + features  built ONCE, exactly as the demo builds them      OUT/world/, OUT/features.h5
     2. per architecture  the demo's steps 3-7 (pretrain -> probe -> VQA   OUT/ARCH/ (pretrain/, vqa/,
                          -> grounding -> summary) with the same settings   grounding/, summary.json, report.html)
-    + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr, each task fine-tuned   OUT/ARCH/TASK/
-      from the same checkpoint with VQA's schedule (epochs, batch, learning rate)
+    + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr,flickr_entities, each   OUT/ARCH/TASK/
+      task fine-tuned from the same checkpoint with its schedule (`TASK_SCHEDULES`: VQA's epochs, batch
+      and learning rate, scaled per task; the same for every architecture)
     + with --seeds=0,1,2, step 2 once per seed (pre-training, fine-tuning;     OUT/ARCH/seed-S/
       the world and features stay those of --seed), reported as mean and std
     3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
@@ -47,7 +48,8 @@ class CompareConfig(DemoConfig):
     model: str = opt("", "not used by compare: each architecture trains its ARCH-small")
     archs: str = opt(",".join(ARCHS), "comma-separated architectures, each pre-trained with its paper's objectives")
     tasks: str = opt("vqa", "downstream tasks fine-tuned from each checkpoint: vqa plus any of gqa, nlvr2, "
-                     "retrieval, refcoco, vcr (each with VQA's epochs, batch and learning rate), e.g. vqa,gqa")
+                     "retrieval, refcoco, vcr, flickr_entities (each on VQA's schedule scaled per task, as TASK_SCHEDULES in recipes/compare.py says), "
+                     "e.g. vqa,gqa")
     seeds: str = opt("", "comma-separated seeds: each architecture is pre-trained and fine-tuned once per seed on the "
                      "same world and features (those of --seed), the table shows mean ± std; empty: --seed only")
 
@@ -73,11 +75,35 @@ def _get(metrics: dict[str, Any], dotted: str) -> Any:
     return metrics
 
 
+@dataclass(frozen=True)
+class TaskSchedule:
+    """A task's fine-tuning schedule relative to the demo's VQA one (`--vqa_epochs/--vqa_batch/--vqa_lr`),
+    so that --quick and any other VQA schedule scale every task alike."""
+
+    epochs: float = 1.0  # x VQA's epochs
+    lr: float = 1.0  # x VQA's learning rate
+    batch_div: int = 1  # VQA's batch / this (tasks whose example is a group of sequences)
+    extra: tuple[tuple[str, Any], ...] = ()  # further settings of the task's run config
+
+
+# Measured on the 1,000-image comparison world (README, "downstream tasks"): with VQA's schedule (2 epochs,
+# batch 64, lr 5e-4) RefCOCO+ stays near its baseline (VisualBERT 17, LXMERT 17 vs 18) where 10 epochs of
+# batch 32 at 1e-4 reach 80-92; VCR needs VL-BERT's larger head learning rate (x20) at 2e-4 for 1 epoch.
+# The retrieval and VCR batches count groups of 4 sequences: a quarter of VQA's keeps the sequences per update.
+TASK_SCHEDULES: dict[str, TaskSchedule] = {
+    "refcoco": TaskSchedule(epochs=5.0, lr=0.2, batch_div=2),
+    "vcr": TaskSchedule(epochs=0.5, lr=0.4, batch_div=4, extra=(("head_lr_mult", 20.0),)),
+    "retrieval": TaskSchedule(batch_div=4),
+}
+
+
 def _schedule(cfg: DemoConfig, arch_out: Path, features: Path, name: str) -> dict[str, Any]:
-    """The settings every extra task shares with the demo's VQA fine-tuning."""
+    """The settings of task `name`'s run: its schedule (`TASK_SCHEDULES`, VQA's by default) and the rest."""
+    s = TASK_SCHEDULES.get(name, TaskSchedule())
     return dict(init=str(arch_out / "pretrain" / "model"), out=str(arch_out / name), features=str(features),
-                epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
-                ckpt_every=10**9, preload_features=True)
+                epochs=cfg.vqa_epochs * s.epochs, batch_size=max(1, cfg.vqa_batch // s.batch_div),
+                lr=cfg.vqa_lr * s.lr, seed=cfg.seed, device=cfg.device, ckpt_every=10**9, preload_features=True,
+                **dict(s.extra))
 
 
 def _gqa(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
@@ -101,10 +127,8 @@ def _nlvr2(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
 def _retrieval(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
     from vlberts.recipes.finetune_retrieval import FinetuneRetrievalConfig, finetune_retrieval
 
-    # 4-way groups of 4 pairs: a quarter of VQA's batch in groups keeps the pairs per update the same.
     return finetune_retrieval, FinetuneRetrievalConfig(
-        **{**_schedule(cfg, arch_out, features, "retrieval"), "batch_size": max(1, cfg.vqa_batch // 4)},
-        split_file=str(world / "dataset_world.json"),
+        **_schedule(cfg, arch_out, features, "retrieval"), split_file=str(world / "dataset_world.json"),
     )
 
 
@@ -120,10 +144,18 @@ def _refcoco(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
 def _vcr(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
     from vlberts.recipes.finetune_vcr import FinetuneVCRConfig, finetune_vcr
 
-    # Q->A; each question is 4 sequences: a quarter of VQA's batch in questions keeps the sequences per update.
     return finetune_vcr, FinetuneVCRConfig(
-        **{**_schedule(cfg, arch_out, features, "vcr"), "batch_size": max(1, cfg.vqa_batch // 4)}, mode="qa",
+        **_schedule(cfg, arch_out, features, "vcr"), mode="qa",
         train_file=str(world / "vcr" / "train.jsonl"), eval_file=str(world / "vcr" / "val.jsonl"),
+    )
+
+
+def _flickr_entities(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
+    from vlberts.recipes.finetune_flickr_entities import FinetuneFlickrEntitiesConfig, finetune_flickr_entities
+
+    return finetune_flickr_entities, FinetuneFlickrEntitiesConfig(
+        **_schedule(cfg, arch_out, features, "flickr_entities"), length_group=cfg.length_group,
+        entities=str(world / "flickr30k_entities"),
     )
 
 
@@ -134,6 +166,8 @@ EXTRA_TASKS: dict[str, ExtraTask] = {
     "retrieval": ExtraTask("retrieval R@1 / chance", "text_to_image.r1", "chance.text_to_image.r1", _retrieval),
     "refcoco": ExtraTask("RefCOCO+ val / top-confidence", "accuracy", "confidence_baseline", _refcoco),
     "vcr": ExtraTask("VCR Q->A val / chance", "q2a", "chance", _vcr),
+    "flickr_entities": ExtraTask("Flickr30K Entities val R@1 / top-confidence", "r@1", "baseline.r@1",
+                                 _flickr_entities),
 }
 TASKS = ("vqa", *EXTRA_TASKS)
 

@@ -5,7 +5,9 @@ and says how a batch is scored; `finetune_loop` does the rest the same way for e
 
 * data-parallel under torchrun: each rank takes its slice of every global batch (`training.loop.batches`),
   its loss weighted by its share of the update's examples (`loss_shares`), gradients summed over ranks,
-  so the update is the same however the batch is split over ranks and micro-batches;
+  so the update is the same however the batch is split over ranks and micro-batches; with `--fsdp=true` the
+  model is sharded over the ranks (FSDP, `training.distributed.shard_model`) and gathered whole for
+  checkpoints and, after training, for evaluation;
 * AdamW with linear warm-up and decay (an optional separate learning rate for the new head), clipping;
 * checkpoints every `ckpt_every` updates (rank 0, atomic), resumed exactly: data position, optimizer,
   schedule and dropout seeds (`start_or_resume`);
@@ -35,12 +37,15 @@ from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import TrainState, save_checkpoint, save_model_dir
+from vlberts.models.weights import load_into, read_state_dict
+from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
 from vlberts.training.distributed import (
     DistInfo,
     broadcast_parameters,
+    gather_for_inference,
     init_distributed,
     local_device,
+    shard_model,
     sum_over_ranks,
     sync_gradients,
 )
@@ -73,6 +78,8 @@ class FinetuneConfig:
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
+    fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
+                     "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
 
 
 def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:
@@ -86,6 +93,22 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
     return Path(cfg.out), device, dist
+
+
+def read_task_model(directory: str | Path, task: str, name: str, hint: str = "") -> tuple[Any, dict]:
+    """(model config, config.json) of a model directory fine-tuned on `task` (its `finetune_loop` wrote
+    "task" into config.json); any other directory is a one-line error calling the task `name`."""
+    model_cfg, meta = read_model_config(directory)
+    if meta.get("task") != task:
+        raise VlbertsError(f"not a fine-tuned {name} model (config.json has no task {task!r}){hint}",
+                           path=Path(directory) / "config.json")
+    return model_cfg, meta
+
+
+def load_task_weights(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Fill a task model built from `read_task_model`'s config with the directory's weights (checked)."""
+    load_into(model, read_state_dict(directory), source=directory)
+    return model
 
 
 def num_updates(cfg: FinetuneConfig, examples: int) -> int:
@@ -121,6 +144,8 @@ def finetune_loop(
     Parameters whose names start with one of `head_prefixes` form the head (`head_lr_mult`).
     """
     model.to(device)
+    if cfg.fsdp:  # in place: the task's `loss` closure calls this same module (training/distributed.py)
+        shard_model(model, dist)
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     if cfg.head_lr_mult != 1.0:  # a separate group for the new head
@@ -170,14 +195,17 @@ def finetune_loop(
                 if log is not None:
                     log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                                "seconds": round(time.perf_counter() - t0, 3)})
-            if (step % cfg.ckpt_every == 0 or step == steps) and dist.main:
+            if step % cfg.ckpt_every == 0 or step == steps:  # every rank: a sharded model is gathered; rank 0 writes
                 save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra or {})
+                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra or {},
+                                write=dist.main)
             if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
                 return None
     final = out / "model"
-    if dist.main:
-        save_model_dir(final, model, model_cfg, extra=extra)
-        if tokenizer is not None:
-            tokenizer.save(final)
+    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main)
+    if dist.main and tokenizer is not None:
+        tokenizer.save(final)
+    # Sharded, every rank now holds the whole model, so that each can predict its own slice of the
+    # evaluation examples (any number of batches) with no collective in the forward.
+    gather_for_inference(model)
     return final

@@ -41,9 +41,8 @@ from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
-from vlberts.models.weights import load_into, read_state_dict
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -127,13 +126,8 @@ def build_nlvr2_model(init: str | Path, encoding: str = "auto") -> tuple[NLVR2Mo
 
 def load_nlvr2_model(directory: str | Path) -> tuple[NLVR2Model, TextTokenizer]:
     """Load a model directory fine-tuned by this recipe (any architecture, either encoding)."""
-    model_cfg, meta = read_model_config(directory)
-    if meta.get("task") != "nlvr2":
-        raise VlbertsError("not a fine-tuned NLVR2 model (config.json has no task 'nlvr2')",
-                           path=Path(directory) / "config.json")
-    model = NLVR2Model(model_cfg, meta["encoding"])
-    load_into(model, read_state_dict(directory), source=directory)
-    return model, TextTokenizer.load(directory)
+    model_cfg, meta = read_task_model(directory, "nlvr2", "NLVR2")
+    return load_task_weights(NLVR2Model(model_cfg, meta["encoding"]), directory), TextTokenizer.load(directory)
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import load_into
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -152,14 +152,9 @@ def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answe
 
 def load_qa_model(directory: str | Path, task: str) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:
     """Load a model directory fine-tuned on `task` ("vqa", "gqa") by `finetune_qa` (any architecture)."""
-    model_cfg, meta = read_model_config(directory)
-    if meta.get("task") != task:
-        raise VlbertsError(f"not a fine-tuned {task.upper()} model (config.json has no task {task!r})",
-                           path=Path(directory) / "config.json")
+    model_cfg, meta = read_task_model(directory, task, task.upper())
     vocab = AnswerVocab(tuple(meta["answers"]))
-    model = qa_model(model_cfg, len(vocab))
-    load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
-    return model, vocab, TextTokenizer.load(directory)
+    return load_task_weights(qa_model(model_cfg, len(vocab)), directory), vocab, TextTokenizer.load(directory)
 
 
 def qa_data(

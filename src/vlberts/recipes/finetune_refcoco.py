@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.refcoco import RefCocoData, RefExpression, read_refcoco, xywh_to_xyxy
@@ -44,9 +43,8 @@ from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
-from vlberts.models.weights import load_into
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -84,13 +82,8 @@ def config_from_args(args: list[str], base: dict | None = None) -> FinetuneRefCo
 
 def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokenizer]:
     """Load a model directory written by this recipe (any architecture)."""
-    model_cfg, meta = read_model_config(directory)
-    if meta.get("task") != "refcoco":
-        raise VlbertsError("not a fine-tuned RefCOCO+ model (config.json has no task 'refcoco')",
-                           path=Path(directory) / "config.json")
-    model = RefCocoModel(model_cfg)
-    load_into(model, load_file(str(Path(directory) / "model.safetensors")), source=directory)
-    return model, TextTokenizer.load(directory)
+    model_cfg, _ = read_task_model(directory, "refcoco", "RefCOCO+")
+    return load_task_weights(RefCocoModel(model_cfg), directory), TextTokenizer.load(directory)
 
 
 def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,

@@ -56,9 +56,9 @@ from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
-from vlberts.models.weights import load_into, read_state_dict
+from vlberts.models.weights import read_state_dict
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -124,13 +124,8 @@ def pretrained_retrieval_model(init: str | Path) -> tuple[RetrievalModel, Any, s
 
 def load_retrieval_model(directory: str | Path) -> RetrievalModel:
     """A model directory written by `finetune_retrieval` (any architecture)."""
-    model_cfg, meta = read_model_config(directory)
-    if meta.get("task") != "retrieval":
-        raise VlbertsError("not a fine-tuned retrieval model (config.json has no task 'retrieval'); for a "
-                           "pre-training model pass --zero_shot", path=Path(directory) / "config.json")
-    model = RetrievalModel(model_cfg)
-    load_into(model, read_state_dict(directory), source=directory)
-    return model
+    model_cfg, _ = read_task_model(directory, "retrieval", "retrieval", "; for a pre-training model pass --zero_shot")
+    return load_task_weights(RetrievalModel(model_cfg), directory)
 
 
 def pair_encoder(model: RetrievalModel, texts: list[str], regions: RegionSource, tok: TextTokenizer, *,

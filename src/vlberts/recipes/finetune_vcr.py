@@ -37,9 +37,8 @@ from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
-from vlberts.models.weights import load_into, read_state_dict
 from vlberts.recipes.common import autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import FinetuneConfig, finetune_loop, num_updates, start_finetune
+from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, score_logits
 from vlberts.text.tokenizer import TextTokenizer
@@ -149,11 +148,8 @@ def pretrained_vcr_model(init: str | Path) -> tuple[VCRModel, object]:
 
 def load_vcr_model(directory: str | Path) -> tuple[VCRModel, str, TextTokenizer]:
     """A model directory written by `finetune_vcr`: (model, mode, tokenizer)."""
-    model_cfg, meta = read_model_config(directory)
-    if meta.get("task") != "vcr":
-        raise VlbertsError("not a fine-tuned VCR model (config.json has no task 'vcr')", path=Path(directory) / "config.json")
-    model = VCRModel(model_cfg)
-    load_into(model, read_state_dict(directory), source=directory)
+    model_cfg, meta = read_task_model(directory, "vcr", "VCR")
+    model = load_task_weights(VCRModel(model_cfg), directory)
     model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
     return model, meta["mode"], TextTokenizer.load(directory)
 

@@ -6,7 +6,8 @@ Reads a COCO-format captions file and a region-feature store. VisualBERT (App. A
 ViLBERT, VL-BERT, LXMERT and W-VisualBERT run their papers' objectives (`objectives/recipe.py` lists them:
 masked-region modelling with the detector's targets, image-text matching on mismatched captions, tag MLM,
 W-VisualBERT's unpaired text-only / image-only batches). `--objectives=mlm=1,match=0.5` picks and weighs
-them; every loss is logged as `<name>_loss`. Training uses AdamW, linear warm-up/decay, gradient accumulation and clipping. Every `ckpt_every` updates it
+them; every loss is logged as `<name>_loss`. `--text_corpus` mixes text-only documents in (VL-BERT §3.3; W-VisualBERT's
+text-only batches, with `nsp`), `--unpaired_images` adds H-VisualBERT's image-only samples (recipes/pretrain_mix.py). Training uses AdamW, linear warm-up/decay, gradient accumulation and clipping. Every `ckpt_every` updates it
 writes an atomic checkpoint (model, optimizer, scheduler, RNG, data position); started again on the
 same run directory it resumes from the newest one and reproduces the uninterrupted run exactly.
 
@@ -15,6 +16,11 @@ same run directory it resumes from the newest one and reproduces the uninterrupt
     RUN/checkpoints/      training checkpoints (`latest` names the newest)
     RUN/model/            the final model directory (weights, config, vocabulary)
     RUN/bert_init.json    with --bert_init: which tensors came from the BERT checkpoint, which stayed random
+
+End-to-end VL-BERT (`--model=vlbert-e2e-tiny`, or any config with end_to_end): the model's CNN reads the
+images (`--images=DIR`, `--image_pattern`, `--pixel_size`; data/pixels.py) and its appearance features
+replace the store's; the store still gives the boxes, and the detector's cls_prob as the masked RoI
+classification targets. The model zeroes the pixels of the masked RoIs itself (§3.3 Task #2).
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ import torch
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
+from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_batches, stream_examples
 from vlberts.data.shards import ShardStream
+from vlberts.data.text_corpus import read_documents
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -54,6 +62,7 @@ from vlberts.objectives.recipe import (
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
@@ -70,6 +79,7 @@ from vlberts.training.distributed import (
     init_distributed,
     local_device,
     merge_over_ranks,
+    shard_model,
     sum_over_ranks,
     sync_gradients,
 )
@@ -128,6 +138,24 @@ class PretrainConfig:
     qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")
     qa_last_fraction: float = opt(0.5, "the image-QA loss trains in this last fraction of the updates "
                                   "(LXMERT §3.3: the last 10 of 20 epochs)")
+    text_corpus: str = opt("", "text-only documents (BERT's format: one sentence per line, a blank line between "
+                           "documents; the world's text/documents.txt) mixed into pre-training as <Text, ∅> samples "
+                           "trained with MLM only (VL-BERT §3.3); W-VisualBERT draws its text-only batches from "
+                           "them; single-stream models only (recipes/pretrain_mix.py)")
+    text_ratio: float = opt(0.5, "with --text_corpus: share of text-only samples in every batch (VL-BERT §3.3: 1:1); "
+                            "W-VisualBERT: share of text-only updates")
+    unpaired_images: str = opt("", "H-VisualBERT: image ids, one per line (the world's unpaired_images.txt), whose "
+                               "captions are withheld; they train as image-only samples, image objectives only "
+                               "(W-VisualBERT §4.3)")
+    unpaired_ratio: float = opt(0.0, "with --unpaired_images: share of image-only samples in every batch; 0: the "
+                                "set's share of all images")
+    images: str = opt("", "end-to-end VL-BERT only (end_to_end configs, e.g. vlbert-e2e-tiny): directory of the "
+                      "images, read as pixels by the model's CNN (the world's WORLD/images)")
+    image_pattern: str = opt(DEFAULT_PATTERN, "with --images: file name of an image id, a Python format string "
+                             "with {image_id} (an integer when the id is all digits), e.g. "
+                             "'COCO_train2014_{image_id:012d}.jpg' for COCO")
+    pixel_size: int = opt(DEFAULT_SIZE, "with --images: images are resized to pixel_size x pixel_size (boxes are "
+                          "fractions of the image size, so they stay valid)")
     seed: int = opt(0, "seed of initialisation, data order, masking and negatives")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(200, "updates between checkpoints")
@@ -137,6 +165,8 @@ class PretrainConfig:
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
+    fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
+                     "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
 
 
 CONFIG_CLASS = PretrainConfig
@@ -256,6 +286,22 @@ def stream_start(data: dict[str, Any], dist: DistInfo, out: Path) -> StreamPosit
     return StreamPosition.from_dict(positions[dist.rank])
 
 
+def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str]) -> PixelLoader | None:
+    """The pixel loader of an end-to-end model (None otherwise); every listed image's file must exist."""
+    name = cfg.init or cfg.model
+    if not end_to_end:
+        if cfg.images:
+            raise VlbertsError(f"--images: {name} reads region features from the store, not pixels; only end-to-end "
+                               "VL-BERT configurations (e.g. vlbert-e2e-tiny) read images")
+        return None
+    if not cfg.images:
+        raise VlbertsError(f"{name}: end-to-end VL-BERT reads image pixels: pass --images=DIR (the world's "
+                           "WORLD/images; --image_pattern names the files, default '{image_id:012d}.png')")
+    loader = PixelLoader(cfg.images, cfg.image_pattern, cfg.pixel_size)
+    loader.check(image_ids)
+    return loader
+
+
 def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
     """LXMERT's image-QA pre-training data when the run names question files, else None."""
     if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions):
@@ -348,6 +394,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     else:
         captions = read_caption_refs(cfg.captions, split=cfg.split)
         store = RegionStore(cfg.features)
+    # H-VisualBERT: the image-only set's captions are withheld (recipes/pretrain_mix.py).
+    captions, image_only = withhold_captions(cfg, captions, store) if not streamed else (captions, [])
+    documents = read_documents(cfg.text_corpus) if cfg.text_corpus else []
     qa_targets = None
     if qa is not None:  # questions join the sentences; captions carry no QA label
         qa_targets = [SoftTarget((), ())] * len(captions) + qa.targets
@@ -360,7 +409,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
     tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
     if dist.main:  # rank 0 trains (or loads) and saves the vocabulary; the others load the saved one
-        tok = _tokenizer(cfg, out, [c.text for c in captions], tag_words)
+        tok = _tokenizer(cfg, out, [c.text for c in captions] + [s for d in documents for s in d], tag_words)
     barrier(dist)
     if not dist.main:
         tok = TextTokenizer.load(out / "tokenizer")
@@ -375,37 +424,44 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
         if arch == "lxmert":  # the image-QA head: one class per joint-table answer, none without questions
             heads["num_qa_labels"] = len(qa.answers) if qa is not None else 0
-        model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
+        # End-to-end: visual_dim is the CNN head's width (the config's), not the store's feature width.
+        dims = {} if getattr(model_config(cfg.model), "end_to_end", False) else {"visual_dim": store.feature_dim}
+        model_cfg = model_config(cfg.model, vocab_size=tok.vocab_size, **dims, **heads)
         model = build_pretraining_model(model_cfg)
         if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
             report = init_text_from_bert(model, cfg.bert_init)
             if dist.main:
                 write_json(out / "bert_init.json", report.to_dict())
                 print(report.summary(), file=sys.stderr)
-    if getattr(model_cfg, "end_to_end", False):
-        raise VlbertsError(f"{cfg.model or cfg.init}: end-to-end VL-BERT reads image pixels, and pre-training batches "
-                           "carry region features only; pre-train a region-feature configuration (e.g. vlbert-small)")
-    if model_cfg.visual_dim != store.feature_dim:
+    end_to_end = bool(getattr(model_cfg, "end_to_end", False))
+    pixels = end_to_end_pixels(cfg, end_to_end, [] if streamed else [c.image_id for c in captions])
+    if not end_to_end and model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     if model_cfg.vocab_size != tok.vocab_size:
         raise VlbertsError(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}")
     model.to(device)
-    weights = run_weights(cfg, recipe, model_cfg, with_qa=qa is not None)
+    if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
+        model = shard_model(model, dist)
+    weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
     if unpaired and "match" in weights:
         raise VlbertsError(f"{model_cfg.__class__.__name__} variant {model_cfg.variant} trains on unpaired batches: "
                            "it has no matching objective")
+    check_sources(cfg, arch, model_cfg, weights, unpaired, streamed)
     pairs = recipe.caption_pairs and cfg.pairs
+    # The width of the store's features as read: the model's, or, end-to-end, the store's own (the CNN
+    # replaces them; they only pad batches alongside the boxes).
+    feature_dim = store.feature_dim if end_to_end else model_cfg.visual_dim
     tags_in = "tags" in recipe.model_inputs and getattr(model_cfg, "use_tags", False)
 
     make_data = partial(
         CaptionPretrainData, tokenizer=tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-        mlm_prob=cfg.mlm_prob, feature_dim=model_cfg.visual_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
+        mlm_prob=cfg.mlm_prob, feature_dim=feature_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
-        region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in),
+        region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
@@ -426,6 +482,13 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
             lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
         )
+        if documents or image_only:  # text-only and image-only samples, each source its own stream
+            stream = build_sources(
+                cfg, data=data, collate=collate, start=state.data, tok=tok, store=store, documents=documents,
+                feature_dim=feature_dim, weights=weights, unpaired=unpaired, image_only=image_only,
+                region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), dist=dist,
+                lengths=data.lengths() if cfg.length_group > 1 else None,
+            )
 
     # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
     logged = [*(k for k in recipe.objectives if k in recipe.available(model_cfg)), *weights]
@@ -437,12 +500,13 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
             # W-VisualBERT §3: each update draws a text-only or an image-only batch (stateless in `step`).
-            source = unpaired_schedule(step, cfg.seed) if unpaired else None
+            # With --text_corpus the text-only share of the updates is --text_ratio (recipes/pretrain_mix.py).
+            source = unpaired_schedule(step, cfg.seed, cfg.text_ratio if cfg.text_corpus else 0.5) if unpaired else None
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))
             totals = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
             micro = []
             for _ in range(cfg.grad_accum):
-                batch, pos = next(stream)
+                batch, pos = draw(stream, source)
                 batch = batch.to(device, non_blocking=True)
                 micro.append(unpaired_view(batch, source) if source is not None else batch)
             # LXMERT §3.3: the image-QA loss only from `qa_from` on (its weight is 0 before).
@@ -476,20 +540,19 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 # Streams: every rank's own position (gathered on every rank: a collective call).
                 position = stream_state(pos, dist) if streamed else pos.to_dict()
-                if dist.main:
-                    save_checkpoint(
-                        out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                        state=TrainState(step=step, data=position, extra={}),
-                    )
+                save_checkpoint(  # every rank: a sharded model is gathered; rank 0 writes
+                    out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
+                    state=TrainState(step=step, data=position, extra={}), write=dist.main,
+                )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
                 return None
 
     final = out / "model"
+    extra = {"trained_by": "pretrain", "steps": step}
+    if qa is not None:  # the answer names of the image-QA head's rows (VQA fine-tuning can reuse them)
+        extra["qa_answers"] = list(qa.answers.answers)
+    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main)  # every rank: gathered if sharded
     if dist.main:
-        extra = {"trained_by": "pretrain", "steps": step}
-        if qa is not None:  # the answer names of the image-QA head's rows (VQA fine-tuning can reuse them)
-            extra["qa_answers"] = list(qa.answers.answers)
-        save_model_dir(final, model, model_cfg, extra=extra)
         tok.save(final)
     barrier(dist)
     return final

@@ -5,6 +5,10 @@ A training checkpoint is a model directory plus `optimizer.safetensors` and `sta
 scheduler, data position, RNG states), under `RUN/checkpoints/step_NNNNNNNN/`. The directory is built
 under a temporary name and renamed; `RUN/checkpoints/latest` (written atomically last) names the
 newest complete one, so an interrupted run resumes from it and loses only the steps since.
+
+A model sharded by FSDP (`training.distributed.shard_model`) is gathered whole on saving (every rank
+calls the save, a collective; only the `write` rank writes) and sharded again on restoring, so its files
+are exactly an unsharded run's: a checkpoint resumes with or without FSDP, on any number of processes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
 from vlberts.models.weights import load_into, tied_aliases
+from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
 FORMAT = "vlberts/1"
 
@@ -33,17 +38,29 @@ FORMAT = "vlberts/1"
 # --------------------------------------------------------------------------- model directories
 
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict without tied aliases (safetensors refuses shared storage), contiguous, on CPU."""
+    """State dict without tied aliases (safetensors refuses shared storage), contiguous, on CPU; a sharded
+    model's whole tensors (a collective)."""
     aliases = tied_aliases(model)
-    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}
+    state = model.state_dict()
+    return {k: full_tensor(v.detach()).to("cpu").contiguous() for k, v in state.items() if k not in aliases}
 
 
-def save_model_dir(directory: str | Path, model: nn.Module, cfg: Any, extra: dict[str, Any] | None = None) -> None:
-    """Write `model.safetensors` + `config.json` into `directory` (each file atomically)."""
-    directory = Path(directory)
+def save_model_dir(
+    directory: str | Path, model: nn.Module, cfg: Any, extra: dict[str, Any] | None = None, *, write: bool = True
+) -> None:
+    """Write `model.safetensors` + `config.json` into `directory` (each file atomically). Distributed, every
+    rank calls it and only `write` (rank 0) writes: a sharded model is gathered from all ranks first."""
+    if not write and not is_sharded(model):
+        return
+    state = _unique_state(model)
+    if write:
+        _write_model_dir(Path(directory), state, cfg, extra)
+
+
+def _write_model_dir(directory: Path, state: dict[str, torch.Tensor], cfg: Any, extra: dict[str, Any] | None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_path(directory / "model.safetensors") as tmp:
-        save_file(_unique_state(model), str(tmp), metadata={"format": FORMAT})
+        save_file(state, str(tmp), metadata={"format": FORMAT})
     write_json(directory / "config.json", {"format": FORMAT, "arch": arch_of(cfg), "config": to_dict(cfg), **(extra or {})})
 
 
@@ -99,8 +116,8 @@ def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
         for name, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = v.detach().to("cpu").contiguous()
+            if isinstance(v, torch.Tensor):  # a sharded parameter's state is sharded too: gathered whole
+                tensors[f"state.{idx}.{name}"] = full_tensor(v.detach()).to("cpu").contiguous()
             else:
                 scalars[f"{idx}.{name}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -136,13 +153,21 @@ def save_checkpoint(
     state: TrainState,
     model_extra: dict[str, Any] | None = None,
     keep: int = 2,
-) -> Path:
-    """Atomically write a full training checkpoint and point `latest` at it; keep the newest `keep`."""
+    write: bool = True,
+) -> Path | None:
+    """Atomically write a full training checkpoint and point `latest` at it; keep the newest `keep`.
+    Distributed, every rank calls it and only `write` (rank 0) writes (a sharded model and its optimizer
+    state are gathered from all ranks first); returns the checkpoint directory, None where not written."""
+    if not write and not is_sharded(model):
+        return None
+    weights = _unique_state(model)
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    if not write:
+        return None
     ckpt_root = Path(run_dir) / "checkpoints"
     name = f"step_{state.step:08d}"
     with atomic_dir(ckpt_root / name, overwrite=True) as tmp:
-        save_model_dir(tmp, model, cfg, model_extra)
-        opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+        _write_model_dir(tmp, weights, cfg, model_extra)
         rng_tensors, rng_meta = rng_state()
         save_file({**opt_tensors, **rng_tensors}, str(tmp / "optimizer.safetensors"))
         write_json(
@@ -161,6 +186,13 @@ def save_checkpoint(
     old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != name)
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
+    # Half-written leftovers of a writer killed mid-checkpoint (rank 0 is the only writer, so any other
+    # temporary here is stale): never read (`latest` names complete ones only), removed now.
+    for p in [*ckpt_root.glob(".step_*.tmp"), *ckpt_root.glob(".step_*.old"), *ckpt_root.glob(".latest.*.tmp")]:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return ckpt_root / name
 
 
@@ -177,13 +209,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def restore_checkpoint(
     path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> TrainState:
-    """Load weights, optimizer, scheduler and RNG states from a training checkpoint directory."""
+    """Load weights, optimizer, scheduler and RNG states from a training checkpoint directory. A sharded
+    model (and its optimizer) takes this rank's shards of the whole tensors every rank reads."""
     path = Path(path)
-    load_into(model, load_file(str(path / "model.safetensors")), source=path / "model.safetensors")
+    weights = load_file(str(path / "model.safetensors"))
+    if is_sharded(model):
+        own = model.state_dict()
+        weights = {k: shard_like(v, own[k]) if k in own and own[k].shape == v.shape else v for k, v in weights.items()}
+    load_into(model, weights, source=path / "model.safetensors")
     meta = read_json(path / "state.json")
     tensors = load_file(str(path / "optimizer.safetensors"))
     opt_tensors = {k: v for k, v in tensors.items() if k.startswith("state.")}
-    optimizer.load_state_dict(_unflatten_optimizer(opt_tensors, meta["optimizer"]))
+    opt_state = _unflatten_optimizer(opt_tensors, meta["optimizer"])
+    if is_sharded(model):  # each parameter's moments laid out as the parameter (indices: param_groups order)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for idx, st in opt_state["state"].items():
+            for name, v in st.items():
+                if isinstance(v, torch.Tensor) and idx < len(params) and v.shape == params[idx].shape:
+                    st[name] = shard_like(v, params[idx])
+    optimizer.load_state_dict(opt_state)
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, meta["rng"])

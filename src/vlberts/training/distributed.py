@@ -17,6 +17,12 @@ its masked words over all ranks' masked words), so the summed gradient is exactl
 process computes on the whole global batch, even when the ranks hold different numbers of terms (where
 DDP's mean of the ranks' means is not); tests/test_distributed.py checks it. Only rank 0 writes logs,
 checkpoints and the final model; logged losses are the update's, summed over the ranks' shares.
+
+With `--fsdp=true` (`shard_model`) each rank keeps a shard of every parameter, gradient and optimizer
+state instead of a whole copy (PyTorch's FSDP2); the same batches, shares and sums, the gradients
+reduce-scattered by FSDP instead of `sync_gradients`; checkpoints are gathered whole (training/checkpoint.py),
+so they are the same files with or without FSDP. tests/test_fsdp.py checks both, and torchrun's in-place
+restart (`--max-restarts`) after a killed rank (`_elastic_store`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +67,34 @@ def init_distributed(device_type: str) -> DistInfo:
     if launched_world_size() <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        store = _elastic_store()
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=launched_world_size())
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _elastic_store() -> dist.Store | None:
+    """Under torchrun, the agent's store with a key prefix of its own for each (re)start of the workers.
+
+    torchrun's static rendezvous (`--master_port`) keeps one store across `--max-restarts` restarts and
+    the workers use it unprefixed, so a restarted rank could read a key the killed group left (gloo's
+    address of a dead peer: "Connection refused", or a hang). The prefix with TORCHELASTIC_RESTART_COUNT
+    gives each attempt fresh keys. Only with one agent (one machine, GROUP_WORLD_SIZE 1): several agents
+    count their restarts each on its own (a membership change restarts workers without counting), so
+    their prefixes could differ. None there, and when the launcher promises no agent store (plain env://):
+    PyTorch's own env:// rendezvous then."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=default_pg_timeout)
+    return dist.PrefixStore(f"vlberts/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def local_device(device: torch.device, info: DistInfo) -> torch.device:
@@ -73,8 +106,10 @@ def local_device(device: torch.device, info: DistInfo) -> torch.device:
 
 
 def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
-    """Start every rank from rank 0's weights (they already agree when seeded alike; this makes it so)."""
-    if info.enabled:
+    """Start every rank from rank 0's weights (they already agree when seeded alike; this makes it so).
+    A sharded model (`shard_model`, which broadcasts before sharding) is left alone: each rank holds its
+    own shard."""
+    if info.enabled and not is_sharded(model):
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
 
@@ -90,7 +125,7 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
     the same collective. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
     cannot see through our typed (dataclass) model outputs, and an unused head would stall it.
     """
-    if not info.enabled:
+    if not info.enabled or is_sharded(model):  # FSDP reduce-scatters the gradients itself (`shard_model`)
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -103,6 +138,108 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
+
+
+# --------------------------------------------------------------------------- FSDP
+
+def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Shard `model`'s parameters, gradients and optimizer state over the ranks with PyTorch's FSDP2
+    (`fully_shard`): each encoder layer (every element of an `nn.ModuleList` of layers: BERT layers,
+    ViLBERT's co-attention and LXMERT's cross-modality layers) is one unit, gathered for its forward and
+    backward only, and the rest (embeddings, heads: tied weights stay together) is the root unit. Starts
+    from rank 0's weights. Returns the model, sharded in place; one process returns it unchanged.
+
+    The arithmetic stays ours: each rank's loss is already weighted by its share of the update
+    (`training.loop.loss_shares`), so the update's gradient is the SUM over ranks. FSDP divides by the
+    world size by default; a gradient divide factor of 1 with sum-only collectives makes it reduce-scatter
+    a plain sum, the same additions `sync_gradients` makes, so no factor is applied at all. (Scaling the
+    loss by the world size instead would multiply then divide, exact only for powers of two.) A parameter
+    that got no gradient on a rank (a head that sat out) counts as zero there, so every rank joins the same
+    reduce-scatter, as in `sync_gradients`.
+    """
+    if not info.enabled:  # nothing to shard: say so and train as usual (a run may resume on any number of ranks)
+        print("warning: --fsdp=true in one process: nothing to shard, training unsharded "
+              "(launch with torchrun --nproc_per_node=N to shard)", file=sys.stderr)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        from vlberts.errors import VlbertsError
+
+        raise VlbertsError(f"--fsdp=true needs FSDP2 (torch.distributed.fsdp.fully_shard); torch {torch.__version__} "
+                           "has none") from None
+
+    # FSDP2 warns when the root's output is a view (an in-place op on it would skip the root's pre-backward
+    # gather). The root keeps its parameters gathered from forward to backward (FSDP2 never reshards the
+    # root after forward) and no loss of ours modifies an output in place: the warning does not apply.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    broadcast_parameters(model, info)
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (info.world,))
+    for unit in _layer_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+    return model
+
+
+def _layer_units(model: nn.Module) -> list[nn.Module]:
+    """The outermost layers held in `nn.ModuleList`s that share no parameter with the rest of the model
+    (a tied parameter must stay in one FSDP unit); none lies inside another."""
+    owners: dict[int, int] = {}  # parameter id -> how many module slots hold it
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    units, taken = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+            continue
+        for i, layer in enumerate(m):
+            inside: dict[int, int] = {}
+            for _, p in layer.named_parameters(remove_duplicate=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+            if inside and all(owners[k] == n for k, n in inside.items()):
+                units.append(layer)
+                taken.append(f"{name}.{i}" if name else str(i))
+    return units
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` went through `shard_model` (its parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank calls it, in the same order); a plain tensor
+    as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `like`: this rank's shard when `like` is sharded (every rank holds `full`, so
+    no communication), else `full` unchanged."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def gather_for_inference(model: nn.Module) -> None:
+    """Give every rank the whole model and keep it so, for evaluation after training: each rank then
+    predicts its own slice (any number of batches) with no collective inside the forward."""
+    if is_sharded(model):
+        model.set_reshard_after_forward(False)
+        model.unshard()
 
 
 def rank_slice(keys: list, info: DistInfo) -> list:

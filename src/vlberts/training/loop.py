@@ -15,7 +15,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
-from vlberts.training.distributed import DistInfo, RankBatches, sum_over_ranks
+from vlberts.training.distributed import DistInfo, RankBatches, full_tensor, sum_over_ranks
 
 
 def batches(
@@ -53,16 +53,21 @@ def batches(
 
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> float:
-    """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm.
+
+    Under FSDP the gradients are shards (DTensors): `clip_grad_norm_` reduces their squared norms over the
+    ranks, so the norm and the clipping are the global ones (summed in another order than one process
+    sums them: equal to float rounding, ~1e-7 relative)."""
+    norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",), write: bool = True) -> None:
-    """A resumed run must use the settings it started with (except how long this invocation runs)."""
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp"), write: bool = True) -> None:
+    """A resumed run must use the settings it started with (except how long this invocation runs, and
+    whether it shards the model: FSDP checkpoints are whole models, the same as unsharded ones)."""
     path = out / "run_config.json"
     if path.is_file():
         before = {k: v for k, v in read_json(path).items() if k not in ignore}

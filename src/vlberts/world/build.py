@@ -15,6 +15,8 @@
     OUT/flickr30k_entities/Annotations/{image_id}.xml  Flickr30K Entities boxes (1-based pixels)
     OUT/flickr30k_entities/{train,val,test}.txt        image ids per split
     OUT/parses/{train,val,test}.conllu                 gold Stanford dependency parses
+    OUT/text/documents.txt                             text-only documents, BERT's format (world.documents)
+    OUT/unpaired_images.txt                            H-VisualBERT's image-only set: train image ids
     OUT/world.json                                     seed, counts, vocabularies, conventions
 
 Determinism: everything random about image k is drawn from `SeedSequence([seed, k])` (one child
@@ -22,7 +24,7 @@ stream each for the scene, the pixels, the captions, the VQA questions and the G
 stream is the fifth child, added after the others, so worlds built before GQA existed keep every
 other file byte for byte; RefCOCO+ draws from its own `SeedSequence([seed, REFCOCO_STREAM, k])`, NLVR2 from
 `SeedSequence([seed, NLVR2_STREAM, ...])` (`world.nlvr2`), VCR from `SeedSequence([seed, VCR_STREAM, k])`
-(`world.vcr`)), and the
+(`world.vcr`), the text documents and the image-only set from their own (`world.documents`)), and the
 split from
 `SeedSequence([seed, 0])`, so the output is byte-identical for any number of worker processes.
 The directory is built under a temporary name and swapped in at the end (`vlberts.io.atomic_dir`).
@@ -47,6 +49,7 @@ from vlberts.world import export
 from vlberts.world import refcoco as world_refcoco
 from vlberts.world.nlvr2 import write_nlvr2
 from vlberts.world import vcr as world_vcr
+from vlberts.world import documents as world_documents
 from vlberts.world.gqa import GQA_SPLITS, GQAQuestion, generate_gqa_questions, gqa_record
 from vlberts.world.grammar import REFERRING_STYLES, Caption, generate_captions
 from vlberts.world.png import encode_png
@@ -281,12 +284,12 @@ def build_world(
         if n_workers == 1:
             _init_worker(str(root), seed, cfg)
             results = [_build_image(it) for it in items]
+            _write_collections(root, results, seed, n_images, cfg, pool=None)
         else:
             chunk = max(1, min(64, n_images // (n_workers * 8)))
             with _pool_context().Pool(n_workers, initializer=_init_worker, initargs=(str(root), seed, cfg)) as pool:
                 results = list(pool.imap(_build_image, items, chunksize=chunk))
-
-        _write_collections(root, results, seed, n_images, cfg)
+                _write_collections(root, results, seed, n_images, cfg, pool=pool)
         info = WorldInfo(
             out=Path(out), seed=seed, n_images=n_images, image_size=cfg.image_size,
             splits={s: sum(1 for r in results if r.split == s) for s in SPLITS},
@@ -312,10 +315,37 @@ def _count(items) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images: int, cfg: WorldConfig) -> None:
-    """The files that gather all images (or all images of a split); `results` are in image id order."""
+def _export_from_scenes(root: Path, seed: int, n_images: int, cfg: WorldConfig, task: str) -> None:
+    """One of the exports that need every image's scene (or none), run in a worker after the images:
+    NLVR2 and VCR (their sets and distractors span images), the text documents. Each reads the scenes
+    from OUT/scenes.jsonl, so nothing large crosses the process boundary."""
+    if task == "documents":
+        (root / "text").mkdir(exist_ok=True)
+        world_documents.write_documents(root / "text" / "documents.txt", seed, world_documents.documents_for(n_images),
+                                        cfg.scene)
+        return
+    with open(root / "scenes.jsonl", encoding="utf-8") as f:
+        scenes = [scene_from_json(json.loads(line)) for line in f]
+    if task == "nlvr2":
+        write_nlvr2(root / "nlvr2", scenes, seed)
+    else:
+        world_vcr.write_vcr(root / "vcr", scenes, seed, metadata=False)
+
+
+def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images: int, cfg: WorldConfig,
+                       pool) -> None:
+    """The files that gather all images (or all images of a split); `results` are in image id order.
+
+    The three exports that need all scenes (`_export_from_scenes`) run in the pool's workers while this
+    process writes the rest, so the build's tail uses both cores instead of one; their outputs do not
+    depend on where they run."""
     with atomic_open(root / "scenes.jsonl") as f:
         f.writelines(r.scene_line + "\n" for r in results)
+    tasks = ("vcr", "nlvr2", "documents")
+    if pool is None:
+        pending = [_export_from_scenes(root, seed, n_images, cfg, t) for t in tasks]
+    else:
+        pending = [pool.apply_async(_export_from_scenes, (root, seed, n_images, cfg, t)) for t in tasks]
     _dump_json(root / "dataset_world.json", {"dataset": "world", "images": [r.karpathy for r in results]})
     for split in SPLITS:
         part = [r for r in results if r.split == split]
@@ -332,8 +362,12 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
         with atomic_open(root / "parses" / f"{split}.conllu") as f:
             f.writelines(r.conllu for r in part)
     _write_refcoco(root / "refcoco+", results)
-    write_nlvr2(root / "nlvr2", [scene_from_json(json.loads(r.scene_line)) for r in results], seed)
-    world_vcr.write_vcr(root / "vcr", [scene_from_json(json.loads(r.scene_line)) for r in results], seed, metadata=False)
+    # The image-only set (`world.documents`; the text documents are one of the pool's exports).
+    world_documents.write_unpaired_images(root / "unpaired_images.txt", world_documents.unpaired_images(
+        [r.image_id for r in results if r.split == "train"], seed))
+    if pool is not None:
+        for job in pending:
+            job.get()  # re-raises a worker's exception here
 
 
 def _write_refcoco(folder: Path, results: list[_ImageOut]) -> None:
@@ -393,6 +427,10 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
                    "vcr/metadata/{image_id:012d}.json (VCR per-image metadata: the objects' gold boxes)",
             "flickr30k_entities": "flickr30k_entities",
             "parses": "parses/{split}.conllu",
+            "text_documents": "text/documents.txt (text-only documents about imagined scenes, BERT's format: one "
+                              "sentence per line, a blank line between documents; train only)",
+            "unpaired_images": "unpaired_images.txt (train image ids whose captions H-VisualBERT withholds: "
+                               "its image-only set)",
         },
         "conventions": {
             "boxes": "scenes.jsonl: [x1, y1, x2, y2] integer pixel edges, 0-based, end exclusive (x2 - x1 = width); "

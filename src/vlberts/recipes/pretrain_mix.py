@@ -1,0 +1,202 @@
+"""Pre-training on more than image-caption pairs: the pieces `recipes/pretrain.py` uses for
+`--text_corpus` (text-only samples), `nsp` (next-sentence prediction on its documents) and
+`--unpaired_images` (H-VisualBERT's image-only samples).
+
+  VL-BERT §3.3     each mini-batch draws from Conceptual Captions and BooksCorpus & Wikipedia at 1:1:
+                   `--text_corpus=FILE --text_ratio=0.5` puts round(B x 0.5) text-only samples <Text, ∅>
+                   in every batch of B (the rest are caption pairs); they train MLM only.
+  W-VisualBERT §3  W-VisualBERT's text-only batches (the unpaired schedule) come from the corpus instead of
+                   the captions; `--text_ratio` is then the share of text-only updates. With `nsp` in
+                   --objectives, text-only samples are sentence pairs (footnote 4).
+  W-VisualBERT §4.3 H-VisualBERT: caption pairs plus images whose captions are withheld
+                   (`--unpaired_images=FILE`, the world's unpaired_images.txt), round(B x --unpaired_ratio)
+                   of them per batch, trained with the image objectives only.
+
+Every source is its own resumable stream (`training.loop.batches`) with its own position in the checkpoint
+(`data["text"]`, `data["image_only"]` beside the captions' epoch and offset) and its own seed, so an
+interrupted run resumes exactly. Text-only samples need a single-stream model: the two-stream models'
+cross-attention layers attend from the words to the regions, and a text-only sample has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vlberts.data.coco import CaptionRef
+from vlberts.data.pretrain import ImageOnlyData
+from vlberts.data.sampling import EpochBatchSampler, Position
+from vlberts.data.text_corpus import TextOnlyData, read_image_ids
+from vlberts.errors import VlbertsError
+from vlberts.training.distributed import DistInfo, rank_slice
+from vlberts.training.loop import batches
+
+SINGLE_STREAM = ("visualbert", "vlbert", "wvisualbert")
+TEXT_SEED, IMAGE_SEED = 0x54455854, 0x494D4147  # "TEXT", "IMAG": the extra streams' seed keys
+
+
+def stream_seed(seed: int, key: int) -> int:
+    """A source's own seed (sampling order and per-example randomness), derived from the run's seed."""
+    return int(np.random.SeedSequence([seed, key]).generate_state(1)[0])
+
+
+def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float], unpaired: bool, streamed: bool) -> None:
+    """One-line errors for settings the extra sources cannot run with."""
+    if cfg.text_corpus and arch not in SINGLE_STREAM:
+        raise VlbertsError(
+            f"--text_corpus: {arch} is two-stream; its cross-attention layers attend from the words to the regions "
+            f"and a text-only sample has none; text-only samples work with {', '.join(SINGLE_STREAM)}")
+    if "nsp" in weights and not cfg.text_corpus:
+        raise VlbertsError("objective nsp needs text documents: --text_corpus=FILE")
+    if (cfg.text_corpus or cfg.unpaired_images) and streamed:
+        raise VlbertsError("--text_corpus and --unpaired_images read files; they do not stream from --shards")
+    if not 0.0 < cfg.text_ratio < 1.0:
+        raise VlbertsError(f"--text_ratio must be in (0, 1), got {cfg.text_ratio}")
+    if cfg.unpaired_images and not (arch == "wvisualbert" and getattr(model_cfg, "variant", "") == "H"):
+        raise VlbertsError("--unpaired_images is H-VisualBERT's extra image-only data (W-VisualBERT §4.3); "
+                           "use an H model (wvisualbert-h, wvisualbert-h-tiny)")
+    if not 0.0 <= cfg.unpaired_ratio < 1.0:
+        raise VlbertsError(f"--unpaired_ratio must be in [0, 1), got {cfg.unpaired_ratio}")
+
+
+def mix_weights(cfg: Any, recipe: Any, model_cfg: Any, weights: dict[str, float]) -> dict[str, float]:
+    """The run's objectives with W-VisualBERT's default NSP added: with a document corpus, the paper's
+    recipe (empty --objectives) trains next-sentence prediction on it when the model has the head
+    (footnote 4: "when long documents are available")."""
+    if cfg.text_corpus and not cfg.objectives.strip() and recipe.unpaired(model_cfg) and "nsp" in recipe.available(model_cfg):
+        return {**weights, "nsp": 1.0}
+    return weights
+
+
+def withhold_captions(cfg: Any, captions: list[CaptionRef], store: Any) -> tuple[list[CaptionRef], list[str]]:
+    """H-VisualBERT: the captions of the `--unpaired_images` images are withheld; returns the remaining
+    captions and the image-only set (ids in file order). Ids the store lacks are an error."""
+    if not cfg.unpaired_images:
+        return captions, []
+    ids = read_image_ids(cfg.unpaired_images)
+    missing = [i for i in ids if i not in store]
+    if missing:
+        raise VlbertsError(f"image id {missing[0]} not in the feature store ({len(missing)} ids affected)",
+                           path=cfg.unpaired_images, record=missing[0])
+    held = set(ids)
+    kept = [c for c in captions if c.image_id not in held]
+    if not kept:
+        raise VlbertsError("every captioned image is in the image-only set: no caption pairs are left",
+                           path=cfg.unpaired_images)
+    return kept, ids
+
+
+def batch_split(cfg: Any, unpaired: bool, n_pair_images: int, n_image_only: int) -> dict[str, int]:
+    """Examples per global batch from each source: captions, text-only, image-only."""
+    B = cfg.batch_size
+    n_text = round(B * cfg.text_ratio) if cfg.text_corpus and not unpaired else 0
+    n_img = 0
+    if n_image_only:
+        # Default: the image-only set's share of all images (what sampling images uniformly would give).
+        ratio = cfg.unpaired_ratio or n_image_only / (n_image_only + n_pair_images)
+        n_img = max(1, round(B * ratio))
+    split = {"pairs": B - n_text - n_img, "text": n_text, "image_only": n_img}
+    if split["pairs"] < 1 or (cfg.text_corpus and not unpaired and n_text < 1):
+        raise VlbertsError(f"--batch_size={B} cannot hold {n_text} text-only, {n_img} image-only samples and at "
+                           "least one caption pair: use a larger batch or smaller ratios")
+    return split
+
+
+@dataclass(frozen=True)
+class SourcePosition:
+    """Where every source stands: the captions' (epoch, offset) at the top level (what a caption-only run
+    saves), each extra source's under its name."""
+
+    state: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+
+def _examples(items: list[dict]) -> list[dict]:
+    """The identity collate: a batch of examples, collated after the sources are joined."""
+    return items
+
+
+class Sources:
+    """The batches of a run that reads more than captions: `draw(source)` returns (batch, SourcePosition).
+    `source` is the unpaired schedule's ("text" / "image") for W-VisualBERT, else None (a mixed batch)."""
+
+    def __init__(self, streams: dict[str, Iterator[tuple[list[dict], Position]]], split: dict[str, int],
+                 collate: Callable[[list[dict]], Any], start: dict[str, Any], unpaired: bool):
+        self.streams, self.split, self.collate, self.unpaired = streams, split, collate, unpaired
+        self.state = {"epoch": int(start.get("epoch", 0)), "offset": int(start.get("offset", 0)),
+                      **{k: start.get(k, Position().to_dict()) for k in streams if k != "pairs"}}
+
+    def _next(self, name: str) -> list[dict]:
+        examples, pos = next(self.streams[name])
+        if name == "pairs":
+            self.state.update(pos.to_dict())
+        else:
+            self.state[name] = pos.to_dict()
+        return examples
+
+    def draw(self, source: str | None) -> tuple[Any, SourcePosition]:
+        if self.unpaired:  # W-VisualBERT: a whole batch from one source; text from the corpus
+            examples = self._next("text" if source == "text" else "pairs")
+        else:  # pairs first, then text-only, then image-only samples
+            examples = [e for name in ("pairs", "text", "image_only") if name in self.streams for e in self._next(name)]
+        return self.collate(examples), SourcePosition(dict(self.state))
+
+
+def build_sources(
+    cfg: Any, *, data: Any, collate: Callable[[list[dict]], Any], start: dict[str, Any], tok: Any, store: Any,
+    documents: list[list[str]], feature_dim: int, weights: dict[str, float], unpaired: bool, image_only: list[str],
+    region_setup: Any, dist: DistInfo, lengths: Any = None,
+) -> Sources:
+    """The caption stream plus the text-only and image-only streams this run reads (module docstring)."""
+    split = batch_split(cfg, unpaired, len(data.images), len(image_only))
+    sizes = {"pairs": cfg.batch_size if unpaired else split["pairs"], "text": cfg.batch_size if unpaired else split["text"],
+             "image_only": split["image_only"]}
+    sources: dict[str, Any] = {"pairs": data}
+    if documents:
+        if "nsp" in weights and len(documents) < 2:
+            raise VlbertsError("objective nsp needs at least two documents (blank-line separated)", path=cfg.text_corpus)
+        sources["text"] = TextOnlyData(
+            documents, tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
+            mlm_prob=cfg.mlm_prob, seed=stream_seed(cfg.seed, TEXT_SEED), nsp="nsp" in weights,
+        )
+    if image_only:
+        sources["image_only"] = ImageOnlyData(
+            image_only, store, tok, max_regions=cfg.max_regions, seed=stream_seed(cfg.seed, IMAGE_SEED),
+            feature_dim=feature_dim, region_setup=region_setup,
+        )
+    streams = {}
+    for name, ds in sources.items():
+        pos = Position.from_dict({**Position().to_dict(), **(start if name == "pairs" else start.get(name, {}))})
+        if name == "pairs":  # the captions' stream as in a caption-only run
+            streams[name] = batches(
+                ds, _examples, batch_size=sizes[name], seed=cfg.seed, start=pos, num_workers=cfg.num_workers,
+                dist=dist, lengths=lengths, group=cfg.length_group,
+            )
+        else:
+            key = TEXT_SEED if name == "text" else IMAGE_SEED
+            streams[name] = fixed_batches(ds, sizes[name], stream_seed(cfg.seed, key), pos, dist)
+    return Sources(streams, split, collate, start, unpaired)
+
+
+def fixed_batches(data: Any, size: int, seed: int, start: Position, dist: DistInfo) -> Iterator[tuple[list[dict], Position]]:
+    """Endless batches of exactly `size` examples of `data` (this rank's slice of them), in the resumable
+    order of `EpochBatchSampler`, running on into the next epoch instead of ending one with a short batch:
+    the share of each source in a batch stays the set ratio however small the source. Examples are made in
+    this process (text-only and image-only examples are cheap)."""
+    order = EpochBatchSampler(len(data), 1, seed, start).iter_with_positions()
+    while True:
+        keys, pos = [], start
+        for _ in range(size):
+            (key,), pos = next(order)
+            keys.append(key)
+        yield [data[k] for k in rank_slice(keys, dist)], pos
+
+
+def draw(stream: Any, source: str | None) -> tuple[Any, Any]:
+    """The next (batch, position) of a run's stream: a `Sources` picks by the update's source."""
+    return stream.draw(source) if isinstance(stream, Sources) else next(stream)
