@@ -214,7 +214,9 @@ def test_image_only_samples_train_the_image_objectives_only(tiny_world):
     assert lm["mlm"].item() == pytest.approx(lp["mlm"].item(), rel=1e-5)
     for k in ("feat", "obj", "attr", "tag_mlm"):
         assert lm[k].item() == pytest.approx(la[k].item(), rel=1e-5), k
-        assert lm[k].item() != pytest.approx(lp[k].item(), rel=1e-3), k  # the image-only rows count
+        # the image-only rows count: they add terms to each image loss (their data are seeded, so this does
+        # not depend on the model's random weights, unlike comparing the loss values themselves)
+        assert loss_counts(bm, [k])[k] > loss_counts(bp, [k])[k], k
     assert loss_counts(bm, ["match", "obj"]) == {"match": 4.0, "obj": 7.0 * bm.regions.masked.shape[1]}
 
 
