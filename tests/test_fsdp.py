@@ -172,9 +172,9 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     assert sorted(p.name for p in fsdp_ckpt.iterdir()) == sorted(p.name for p in single_ckpt.iterdir())
     a, b = load_file(fsdp_ckpt / "model.safetensors"), load_file(single_ckpt / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
-    # Optimizer state: the same entries, and more: distributed, a parameter with no gradient (this loss
-    # leaves the match head out) counts as a zero gradient (FSDP as `sync_gradients`), so AdamW keeps state
-    # for it, where one process skips it.
+    # Optimizer state: the same entries, and more: under FSDP a parameter with no gradient (this loss
+    # leaves the match head out) counts as a zero gradient, so AdamW keeps state for it, where one process
+    # (and `sync_gradients`) skips it.
     a, b = load_file(fsdp_ckpt / "optimizer.safetensors"), load_file(single_ckpt / "optimizer.safetensors")
     assert b.keys() <= a.keys() and all(a[k].shape == b[k].shape for k in b)
     a, b = (json.loads((c / "state.json").read_text()) for c in (fsdp_ckpt, single_ckpt))

@@ -119,25 +119,34 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
     is already weighted by its share of the update (`training.loop.loss_shares`), so the sum is the
     gradient of the update's loss, the same as one process would compute on the whole global batch.
 
-    One all-reduce of all gradients flattened together. A parameter that got no gradient on a rank
-    (a head that sat out the update: VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked
-    losses on a rank whose pairs were all mismatched) counts as zero there, so every rank always joins
-    the same collective. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
+    One all-reduce of all gradients flattened together, with one more number per parameter: 1 if it got
+    a gradient on this rank. A parameter that got no gradient on a rank (a head that sat out the update:
+    VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were
+    all mismatched) counts as zero there, so every rank always joins the same collective; one that got
+    none on any rank gets its `grad` set back to None, as one process would leave it, so AdamW neither
+    moves it nor decays it. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
     cannot see through our typed (dataclass) model outputs, and an unused head would stall it.
     """
     if not info.enabled or is_sharded(model):  # FSDP reduce-scatters the gradients itself (`shard_model`)
         return
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    dtype = next((p.grad.dtype for p in params if p.grad is not None), params[0].dtype)
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=params[0].device)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([*(p.grad.reshape(-1) for p in params), used])  # (sum of numels + P,)
     dist.all_reduce(flat)
     offset = 0
     for p in params:
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
+    for p, any_rank in zip(params, flat[offset:].tolist()):
+        if any_rank == 0:
+            p.grad = None
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -155,7 +164,8 @@ def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
     a plain sum, the same additions `sync_gradients` makes, so no factor is applied at all. (Scaling the
     loss by the world size instead would multiply then divide, exact only for powers of two.) A parameter
     that got no gradient on a rank (a head that sat out) counts as zero there, so every rank joins the same
-    reduce-scatter, as in `sync_gradients`.
+    reduce-scatter. Unlike `sync_gradients`, one that got no gradient on any rank keeps its zero gradient,
+    so AdamW still moves it by its momentum and decays it where one process would skip it.
     """
     if not info.enabled:  # nothing to shard: say so and train as usual (a run may resume on any number of ranks)
         print("warning: --fsdp=true in one process: nothing to shard, training unsharded "
