@@ -80,6 +80,8 @@ class FinetuneConfig:
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
     fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
                      "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
+    compile: bool = opt(False, "torch.compile the model in place (inductor): the first updates wait for the compiler, "
+                        "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
 
 
 def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:
@@ -146,6 +148,8 @@ def finetune_loop(
     model.to(device)
     if cfg.fsdp:  # in place: the task's `loss` closure calls this same module (training/distributed.py)
         shard_model(model, dist)
+    if cfg.compile:  # in place too, so the `loss` closure runs the compiled forward; state dict names unchanged
+        model.compile()
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     if cfg.head_lr_mult != 1.0:  # a separate group for the new head

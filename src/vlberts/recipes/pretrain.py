@@ -167,6 +167,8 @@ class PretrainConfig:
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
                      "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
+    compile: bool = opt(False, "torch.compile the model in place (inductor): the first updates wait for the compiler, "
+                        "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
 
 
 CONFIG_CLASS = PretrainConfig
@@ -444,6 +446,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     model.to(device)
     if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
         model = shard_model(model, dist)
+    if cfg.compile:  # in place: the state dict keeps its names (no `_orig_mod.` prefix)
+        model.compile()
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)

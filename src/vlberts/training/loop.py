@@ -65,9 +65,11 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     return float(norm)
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp"), write: bool = True) -> None:
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile"),
+                   write: bool = True) -> None:
     """A resumed run must use the settings it started with (except how long this invocation runs, and
-    whether it shards the model: FSDP checkpoints are whole models, the same as unsharded ones)."""
+    whether it shards or compiles the model: FSDP checkpoints are whole models, the same as unsharded
+    ones, and compiling changes no weight or name)."""
     path = out / "run_config.json"
     if path.is_file():
         before = {k: v for k, v in read_json(path).items() if k not in ignore}
