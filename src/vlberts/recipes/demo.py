@@ -62,7 +62,7 @@ class DemoConfig:
     colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
     procs: int = opt(2, "processes of pre-training and VQA fine-tuning on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
     length_group: int = opt(16, "pre-training and VQA batches group examples of similar length in windows of this many batches (0: off)")
-    vqa_epochs: float = opt(3.5, "VQA fine-tuning epochs (quick: 0.5)")
+    vqa_epochs: float = opt(4.0, "VQA fine-tuning epochs (quick: 0.5)")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
     lxmert_qa: bool = opt(False, "LXMERT also pre-trains image QA (§3.1.3) on the world's VQA and GQA training "
