@@ -39,9 +39,9 @@ from vlberts.training.distributed import (
     gather_for_inference,
     init_distributed,
     is_sharded,
+    leave_process_group,
     rank_slice,
     shard_model,
-    shutdown,
     sync_gradients,
 )
 from vlberts.training.loop import loss_shares, update
@@ -84,6 +84,11 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    _fsdp_work(rank, tmp)
+    leave_process_group()  # the sharded models are out of scope now (see leave_process_group)
+
+
+def _fsdp_work(rank: int, tmp: str) -> None:
     info = init_distributed("cpu")
     torch.manual_seed(rank)  # ranks start apart: shard_model starts every rank from rank 0's weights
 
@@ -127,7 +132,6 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
     found["eval"] = logits[-1]
     if info.main:
         torch.save(found, f"{tmp}/found.pt")
-    shutdown(info)
 
 
 @needs_fsdp

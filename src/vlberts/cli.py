@@ -746,21 +746,14 @@ def evaluate_retrieval_cmd(
 
 
 def _leave_process_group(ok: bool) -> None:
-    """Under torchrun, leave the process group before exiting: after a successful command every rank first
-    waits for the others (a rank that exits while a peer's connection is still open can abort that peer:
-    SIGABRT from gloo's threads); after a failure, without waiting. Nothing when torch never joined one."""
+    """Under torchrun, leave the process group before exiting (`training.distributed.leave_process_group`);
+    nothing, and no torch import, when the command never joined one."""
     td = sys.modules.get("torch.distributed")
     if td is None or not td.is_available() or not td.is_initialized():
         return
-    # Free what the command left in reference cycles (an FSDP-sharded model and the gloo work its hooks
-    # hold) while the interpreter and the group are alive: freed at interpreter exit, gloo's work objects
-    # can abort the process (SIGABRT, "terminate called without an active exception").
-    import gc
+    from vlberts.training.distributed import leave_process_group
 
-    gc.collect()
-    if ok:
-        td.barrier()
-    td.destroy_process_group()
+    leave_process_group(ok)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

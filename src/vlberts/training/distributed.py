@@ -329,6 +329,20 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+def leave_process_group(ok: bool = True) -> None:
+    """Leave the process group before the process exits; nothing when none was joined.
+
+    Call it after the work's models and optimizers are out of scope (the CLI: after the command returned;
+    a spawned worker: after the function that trained returned). It first frees what is left in
+    reference cycles (an FSDP-sharded model and the gloo work its hooks hold) while the interpreter and the
+    group are alive: freed at interpreter exit instead, gloo's objects can abort the process (SIGABRT,
+    "terminate called without an active exception"). After success every rank then waits for the others,
+    so none closes its connections while a peer still uses them; after a failure it leaves at once."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    import gc
+
+    gc.collect()
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
