@@ -14,6 +14,12 @@ models step with fused AdamW (Hugging Face Trainer's default optimizer, and ours
 Absolute times on shared machines are noise; the ratios, measured in one run, are the claim. Peak
 memory is measured per model in its own subprocess (`--peak-only`): the maximum resident set size of
 building it and two training steps, above the process's size after its imports.
+
+The last row counts each model's floating-point operations in one training forward and backward
+(`torch.utils.flop_counter.FlopCounterMode`: matrix multiplies and attention). A step that is nearly
+all matrix multiplies (on CPU, ours is) cannot be faster than Hugging Face's by much more than the
+ratio of the two counts unless the same multiplies run faster: that ratio is the ceiling of what
+doing less work buys.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.utils.flop_counter import FlopCounterMode
 
 from vlberts.data.batch import VLInputs
 from vlberts.models.convert_hf import load_hf_visualbert, visualbert_config_from_hf
@@ -42,19 +49,20 @@ B, T, R, D, V = 8, 20, 36, 2048, 30522
 N_OBJ, N_ATTR, N_QA = 1600, 400, 9500  # LXMERT's detector classes, attributes and answer table
 
 
-def batch(seed: int = 0) -> dict[str, Any]:
+def batch(seed: int = 0, b: int = B) -> dict[str, Any]:
+    """The benchmark batch on the CPU: `b` examples (default the issue's 8) of the shapes above."""
     g = torch.Generator().manual_seed(seed)
     x = VLInputs(
-        input_ids=torch.randint(1000, V, (B, T), generator=g), token_type_ids=torch.zeros(B, T, dtype=torch.long),
-        attention_mask=torch.ones(B, T, dtype=torch.bool), region_feats=torch.randn(B, R, D, generator=g),
-        region_boxes=torch.rand(B, R, 4, generator=g).sort(-1).values, region_mask=torch.ones(B, R, dtype=torch.bool),
+        input_ids=torch.randint(1000, V, (b, T), generator=g), token_type_ids=torch.zeros(b, T, dtype=torch.long),
+        attention_mask=torch.ones(b, T, dtype=torch.bool), region_feats=torch.randn(b, R, D, generator=g),
+        region_boxes=torch.rand(b, R, 4, generator=g).sort(-1).values, region_mask=torch.ones(b, R, dtype=torch.bool),
     )
-    words = torch.full((B, T), -100)
+    words = torch.full((b, T), -100)
     words[:, 1:T:6] = x.input_ids[:, 1:T:6]  # a few masked-word targets per caption
     return {
-        "x": x, "words": words, "match": torch.randint(0, 2, (B,), generator=g),
-        "obj": torch.randint(0, N_OBJ, (B, R), generator=g), "attr": torch.randint(0, N_ATTR, (B, R), generator=g),
-        "region_mask": (torch.rand(B, R, generator=g) < 0.15).float(), "ans": torch.randint(0, N_QA, (B,), generator=g),
+        "x": x, "words": words, "match": torch.randint(0, 2, (b,), generator=g),
+        "obj": torch.randint(0, N_OBJ, (b, R), generator=g), "attr": torch.randint(0, N_ATTR, (b, R), generator=g),
+        "region_mask": (torch.rand(b, R, generator=g) < 0.15).float(), "ans": torch.randint(0, N_QA, (b,), generator=g),
     }
 
 
@@ -65,7 +73,8 @@ def visualbert_hf_config() -> transformers.VisualBertConfig:
 
 def visualbert_hf_step(hf, d) -> torch.Tensor:
     x = d["x"]
-    labels = torch.cat([d["words"], torch.full((B, R), -100)], 1)  # no targets on the regions
+    words = d["words"]
+    labels = torch.cat([words, torch.full((len(words), R), -100, device=words.device)], 1)  # no targets on the regions
     out = hf(input_ids=x.input_ids, token_type_ids=x.token_type_ids, attention_mask=x.attention_mask.long(),
              visual_embeds=x.region_feats, visual_attention_mask=x.region_mask.long(),
              labels=labels, sentence_image_labels=d["match"])
@@ -90,6 +99,10 @@ def lxmert_hf_config() -> transformers.LxmertConfig:
     return transformers.LxmertConfig(num_object_labels=N_OBJ, num_attr_labels=N_ATTR, num_qa_labels=N_QA)
 
 
+# 6.67, HF's weight of the three region losses; read once (building the config costs ~2 ms, a GPU step's share)
+VISUAL_LOSS_NORMALIZER = lxmert_hf_config().visual_loss_normalizer
+
+
 def lxmert_hf_step(hf, d) -> torch.Tensor:
     x, m = d["x"], d["region_mask"]
     out = hf(input_ids=x.input_ids, visual_feats=x.region_feats, visual_pos=x.region_boxes,
@@ -104,7 +117,7 @@ def lxmert_our_step(ours, d) -> torch.Tensor:
     x, m = d["x"], d["region_mask"].view(-1)
     where = d["words"] != -100
     out = ours(x, mlm_positions=where)
-    norm = lxmert_hf_config().visual_loss_normalizer  # 6.67, HF's weight of the three region losses
+    norm = VISUAL_LOSS_NORMALIZER
     obj = (F.cross_entropy(out.obj_logits.reshape(-1, N_OBJ), d["obj"].view(-1), reduction="none") * m).mean()
     attr = (F.cross_entropy(out.attr_logits.reshape(-1, N_ATTR), d["attr"].view(-1), reduction="none") * m).mean()
     feat = (F.smooth_l1_loss(out.feat_pred.reshape(-1, D), x.region_feats.reshape(-1, D), reduction="none").mean(1) * m).mean()
@@ -164,6 +177,14 @@ def train_fn(model, step, opt, data):
     return run
 
 
+def step_gflops(model, step, data) -> float:
+    """Floating-point operations (GFLOP) of one training forward and backward; no optimizer step."""
+    with FlopCounterMode(display=False) as counter:
+        step(model, data).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / 1e9
+
+
 def status_mib(field: str) -> float:
     """A memory field of /proc/self/status (VmRSS: now, VmHWM: peak) in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -219,6 +240,7 @@ def main() -> None:
                 if i >= 2:
                     times["infer"][name].append(t)
     hf.train(), ours.train()
+    gflops = {"hf": step_gflops(hf, arch.hf_step, data), "ours": step_gflops(ours, arch.our_step, data)}
     train = {
         "hf": train_fn(hf, arch.hf_step, torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True), data),
         "ours": train_fn(ours, arch.our_step, torch.optim.AdamW(ours.parameters(), lr=1e-5, fused=True), data),
@@ -242,6 +264,7 @@ def main() -> None:
         h, o = statistics.median(times[kind]["hf"]), statistics.median(times[kind]["ours"])
         print(f"{label:22s}{h:14.3f}{o:10.3f}{h / o:7.2f}x")
     print(f"{'peak memory (MiB)':22s}{mem['hf']:14.0f}{mem['ours']:10.0f}{mem['hf'] / mem['ours']:7.2f}x")
+    print(f"{'GFLOP per train step':22s}{gflops['hf']:14.1f}{gflops['ours']:10.1f}{gflops['hf'] / gflops['ours']:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -180,3 +180,40 @@ def test_models_command_describes_every_architecture():
     assert "2 co-attention layers" in lines["vilbert-depth2"]
     assert "9 language + 5 object-relationship + 5 cross-modality" in lines["lxmert-base"]
     assert "regions join at layer 13" in lines["visualbert-no-early-fusion"]
+
+
+@pytest.mark.parametrize("fusion", [0, 2])
+def test_pretraining_heads_from_the_rows_they_read_equal_the_whole_forward(fusion):
+    """With `mlm_positions` the last layer computes only [CLS] and the masked words (`head_rows`): logits,
+    and every gradient equal those of the whole forward, with and without early fusion."""
+    torch.manual_seed(0)
+    cfg = visualbert_tiny(num_layers=3, fusion_layer=fusion, hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_pretraining_model(cfg)
+    x = _inputs(B=3, T=7, R=4)
+    where = torch.zeros(3, 7, dtype=torch.bool)
+    where[0, [2, 4]] = True  # example 1 has no masked word, example 2 three
+    where[2, [1, 3, 6]] = True
+    full = model(x)
+    part = model(x, mlm_positions=where)
+    assert part.encoded is None and part.mlm_logits.shape == (5, 100)
+    torch.testing.assert_close(part.mlm_logits, full.mlm_logits[where], atol=1e-5, rtol=0)
+    torch.testing.assert_close(part.match_logits, full.match_logits, atol=1e-5, rtol=0)
+
+    def grads(out, logits):
+        model.zero_grad()
+        (logits.logsumexp(-1).sum() + out.match_logits.square().sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    a, b = grads(full, full.mlm_logits[where]), grads(part, part.mlm_logits)
+    assert a.keys() == b.keys() and len(a) > 20
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_head_rows_lists_cls_then_the_masked_positions_in_order():
+    from vlberts.models.blocks import head_rows
+
+    where = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    rows, valid = head_rows(where)
+    assert rows.tolist() == [[0, 1, 3, 0], [0, 0, 0, 0], [0, 0, 1, 2]]
+    assert valid.tolist() == [[True, True, False], [False, False, False], [True, True, True]]

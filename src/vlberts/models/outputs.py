@@ -116,7 +116,7 @@ class VLOutput:
 class PretrainOutput:
     mlm_logits: Tensor  # (B, T, V), or (N, V) at the N positions asked for
     match_logits: Tensor  # (B, 2)
-    encoded: VLOutput
+    encoded: VLOutput | None  # None where the model computed only the rows its heads read
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, init_bert_weights, mask_bias
+from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, head_rows, init_bert_weights, mask_bias
 from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
 from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
 
@@ -120,28 +120,32 @@ class VisualBertModel(nn.Module):
         self.encoder = Encoder(cfg.block, cfg.num_layers)
         self.pooler = Pooler(cfg.hidden_size)
 
-    def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
-        """With `need_attn`, `attentions.joint` holds one map per layer: (B, H, S, S) for the layers that
-        see the regions, (B, H, T, T) for the text-only layers before `cfg.fusion_layer`."""
+    def hidden(self, x: VLInputs, need_attn: bool = False, rows: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+        """Final hidden states (B, S, D), S = T + R, and the attention maps if asked; with `rows`
+        (B, M) only those positions' states, (B, M, D) (`Encoder.forward`)."""
         T = x.input_ids.shape[1]
-        h = self.embeddings(x)  # (B, S, D), S = T + R
+        h = self.embeddings(x)  # (B, S, D)
         mask = torch.cat([x.attention_mask.bool(), x.region_mask.bool()], dim=1)  # (B, S)
         bias = mask_bias(mask, h.dtype)  # (B, 1, 1, S)
         k = self.cfg.fusion_layer
         if k == 0:
-            h, maps = self.encoder(h, bias, need_weights=need_attn)
-        else:
-            # Without early fusion: the text alone through layers 0..k-1, then the regions' embeddings
-            # are appended and layers k.. run on the whole sequence (original code: `bypass_transformer`).
-            text, maps = h[:, :T], []
-            for layer in self.encoder.layer[:k]:
-                text, probs = layer(text, bias[..., :T], need_attn)  # (B, T, D); probs (B, H, T, T)
-                maps.append(probs)
-            h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
-            for layer in self.encoder.layer[k:]:
-                h, probs = layer(h, bias, need_attn)
-                maps.append(probs)
-            maps = maps if need_attn else []
+            return self.encoder(h, bias, need_weights=need_attn, rows=rows)
+        # Without early fusion: the text alone through layers 0..k-1, then the regions' embeddings are
+        # appended and layers k.. run on the whole sequence (original code: `bypass_transformer`).
+        text, maps = h[:, :T], []
+        for layer in self.encoder.layer[:k]:
+            text, probs = layer(text, bias[..., :T], need_attn)  # (B, T, D); probs (B, H, T, T)
+            maps.append(probs)
+        h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
+        h, more = self.encoder(h, bias, need_weights=need_attn, rows=rows, start=k)
+        return h, (maps + more if need_attn else [])
+
+    def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+        """With `need_attn`, `attentions.joint` holds one map per layer: (B, H, S, S) for the layers that
+        see the regions, (B, H, T, T) for the text-only layers before `cfg.fusion_layer`."""
+        T = x.input_ids.shape[1]
+        h, maps = self.hidden(x, need_attn)
+        k = self.cfg.fusion_layer
         attn = None
         if need_attn:
             S = h.shape[1]
@@ -182,13 +186,21 @@ class VisualBertForPreTraining(nn.Module):
 
     def forward(self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None) -> PretrainOutput:
         """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) for the N
-        selected tokens in row-major order. Otherwise logits are (B, T, V)."""
-        out = self.bert(x, need_attn)
-        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        selected tokens in row-major order. Otherwise logits are (B, T, V).
+
+        Pre-training passes `mlm_positions` and reads nothing else than the two heads, which read only
+        [CLS] and the masked words: the last layer then computes just those rows (`Encoder.forward`,
+        `head_rows`), and `encoded` is None. With `need_attn` every row is computed."""
+        if mlm_positions is None or need_attn:
+            out = self.bert(x, need_attn)
+            text = out.text if mlm_positions is None else out.text[mlm_positions]
+            return PretrainOutput(self.cls.predictions(text), self.cls.seq_relationship(out.pooled), encoded=out)
+        rows, valid = head_rows(mlm_positions)  # (B, 1 + n), (B, n)
+        h, _ = self.bert.hidden(x, rows=rows)  # (B, 1 + n, D)
         return PretrainOutput(
-            mlm_logits=self.cls.predictions(text),
-            match_logits=self.cls.seq_relationship(out.pooled),  # (B, 2)
-            encoded=out,
+            mlm_logits=self.cls.predictions(h[:, 1:][valid]),  # (N, V)
+            match_logits=self.cls.seq_relationship(self.bert.pooler(h[:, 0])),  # (B, 2)
+            encoded=None,
         )
 
 

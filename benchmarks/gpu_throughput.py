@@ -1,0 +1,472 @@
+"""GPU pre-training throughput of our VisualBERT-base and LXMERT-base: model FLOPs utilisation (MFU) against
+the device's measured bf16 matrix-multiply peak, and the throughput ratio against Hugging Face's models on
+the same device, measured in the same run (issue 6, item 2).
+
+    .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
+        [--warmup 3] [--compile] [--device cuda|cpu] [--smoke] [--json PATH] [--threads N]
+
+Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
+Hugging Face's; one batch of `--batch` examples, 20 tokens + 36 regions of 2048-d features), built there
+and imported from there. One training step, as the pre-training recipe runs it on a GPU: the batch, held
+in pinned host memory, is copied to the device (`non_blocking=True`); forward with the pre-training
+losses under bf16 autocast (`recipes.common.autocast`, fp32 master weights); backward; fused AdamW
+(`training.optim.build_optimizer`, the recipe's, for both models). Our attention is
+`F.scaled_dot_product_attention` (flash / memory-efficient kernels); Hugging Face's VisualBERT and LXMERT
+run their default attention implementation (printed). With `--compile`, a copy of our model is also
+compiled in place (`model.compile()`, as `pretrain --compile` does); its first step, which waits for the
+compiler, is reported separately.
+
+Measurement:
+- Peak: large square bf16 `torch.matmul` (8192 x 8192, 2 n^3 FLOPs each), after warm-up, timed with CUDA
+  events; the median over repeats of 10 back-to-back products. This measured number, not a datasheet's,
+  is the MFU denominator.
+- Steps: each model is first moved to the device alone and warmed up (`--warmup` steps); its peak memory
+  is `torch.cuda.max_memory_allocated` over those steps, above what was allocated before it arrived (so
+  the other models' resident weights do not count). Then the models' timed steps are interleaved, one
+  step of each per round, so that drift (clocks, a shared machine) hits all alike; each step is timed
+  with CUDA events after a synchronize; the median over `--steps` rounds is reported.
+  Throughput: examples/s and tokens/s (text + region positions, 56 per example).
+- FLOPs: counted analytically from the configuration (`step_flops`): matrix multiplications only
+  (a multiply-add is 2 FLOPs); each linear layer 2 m n k forward and twice that backward (the input's
+  and the weight's gradients), except the projections of the raw region features and boxes, whose
+  inputs need no gradient (weight gradient only); attention's score and value products, 2 x 2 b h Sq Sk d
+  forward and twice that backward. Element-wise work (softmax, LayerNorm, GELU, the optimizer) is not
+  counted. Each model's count is what that model computes: ours runs the MLM head at the masked
+  positions only (4 of 20 per caption here), and our VisualBERT's last layer only at the rows its heads
+  read ([CLS] and the masked words; keys and values over the whole sequence); Hugging Face's VisualBERT
+  runs every layer and its MLM head at every text and region position, its LXMERT the MLM head at every
+  text position. MFU = (model FLOPs / step time) / measured peak, for each model
+  with its own count; for Hugging Face's models the "useful" MFU (our count, i.e. the FLOPs the losses
+  need, over their time) is printed too. The MFU goal (>= 40%) is checked on ours.
+- Cross-check: one step of each eager model under `torch.utils.flop_counter.FlopCounterMode`, printed
+  beside the analytic count, split into linear layers (mm/addmm) and attention (bmm or the fused SDPA
+  kernels). FlopCounterMode's formula for the fused kernels' backward also counts the recomputation of
+  the scores Q K^T (b h Sq Sk d x 2 more per call); the expected counter value adds it when those
+  kernels ran. It has no formula for CPU's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`):
+  if attention ran there, its FLOPs are missing from the counter, and the check says so.
+
+`--smoke`: the same pipeline with a small batch (2), 2 timed steps after 1 warm-up and a 1024^2 peak
+matmul, to exercise the code; on the CPU when there is no CUDA device (or with `--device cpu`), and then
+a line says that the numbers are not GPU measurements. Without a CUDA device, `--device cuda` (the
+default) without `--smoke` stops with a one-line message. `--json PATH` writes every number (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_hf.py sits next to this file
+
+import vs_hf  # noqa: E402
+from vs_hf import ARCHS, R, T, batch, models, train_fn  # noqa: E402
+
+from vlberts.io import write_json  # noqa: E402
+from vlberts.models.lxmert import LxmertConfig  # noqa: E402
+from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
+from vlberts.recipes.common import autocast  # noqa: E402
+from vlberts.training.optim import build_optimizer  # noqa: E402
+
+GOAL_MFU = 0.40
+
+
+# --------------------------------------------------------------------------- analytic FLOPs
+@dataclass
+class Flops:
+    """Matrix-multiply FLOPs of one training step (forward + backward), by kind; a multiply-add is 2."""
+
+    linear_fwd: int = 0
+    linear_bwd: int = 0
+    attn_fwd: int = 0
+    attn_bwd: int = 0
+    attn_recompute: int = 0  # Q K^T again in the fused kernels' backward: not model FLOPs (cross-check only)
+
+    def linear(self, rows: int, n_in: int, n_out: int, input_grad: bool = True) -> None:
+        """nn.Linear(n_in, n_out) on `rows` vectors: 2 rows n_in n_out forward; backward the weight's
+        gradient, and the input's unless the input is data (needs no gradient)."""
+        f = 2 * rows * n_in * n_out
+        self.linear_fwd += f
+        self.linear_bwd += f * (2 if input_grad else 1)
+
+    def attention(self, b: int, heads: int, sq: int, sk: int, head_dim: int) -> None:
+        """Scores Q K^T and context P V: 2 b h Sq Sk d each forward; backward dQ, dK, dP, dV."""
+        f = 2 * b * heads * sq * sk * head_dim
+        self.attn_fwd += 2 * f
+        self.attn_bwd += 4 * f
+        self.attn_recompute += f
+
+    @property
+    def linear_total(self) -> int:
+        return self.linear_fwd + self.linear_bwd
+
+    @property
+    def attn_total(self) -> int:
+        return self.attn_fwd + self.attn_bwd
+
+    @property
+    def total(self) -> int:
+        """Model FLOPs of the step (no recomputation)."""
+        return self.linear_total + self.attn_total
+
+
+def _attention_block(f: Flops, cfg, b: int, sq: int, sk: int) -> None:
+    """`blocks.AttentionBlock`: queries from Sq positions, keys/values from Sk, output projection."""
+    d = cfg.hidden_size
+    f.linear(b * sq, d, d)  # query
+    f.linear(b * sk, d, d)  # key
+    f.linear(b * sk, d, d)  # value
+    f.attention(b, cfg.num_heads, sq, sk, d // cfg.num_heads)
+    f.linear(b * sq, d, d)  # output.dense
+
+
+def _feed_forward(f: Flops, cfg, rows: int) -> None:
+    f.linear(rows, cfg.hidden_size, cfg.intermediate_size)
+    f.linear(rows, cfg.intermediate_size, cfg.hidden_size)
+
+
+def _bert_layer(f: Flops, cfg, b: int, s: int) -> None:
+    _attention_block(f, cfg, b, s, s)
+    _feed_forward(f, cfg, b * s)
+
+
+def _text_heads(f: Flops, cfg, b: int, mlm_rows: int) -> None:
+    """Pooler, MLM head (transform + decoder) at `mlm_rows` positions, matching head."""
+    d = cfg.hidden_size
+    f.linear(b, d, d)  # pooler
+    f.linear(mlm_rows, d, d)  # cls.predictions.transform
+    f.linear(mlm_rows, d, cfg.vocab_size)  # cls.predictions.decoder (tied to the word embeddings)
+    f.linear(b, d, 2)  # cls.seq_relationship
+
+
+def visualbert_flops(
+    cfg: VisualBertConfig, b: int, t: int, r: int, mlm_rows: int, last_rows: int | None = None
+) -> Flops:
+    """`VisualBertForPreTraining`: region projection, `num_layers` layers (text only before
+    `fusion_layer`), pooler and the two heads. `last_rows`: positions per example the last layer computes
+    (ours in pre-training: [CLS] and the masked words, padded to the longest row, `blocks.head_rows`;
+    queries, output and feed-forward there, keys and values over the whole sequence); None: all."""
+    f = Flops()
+    f.linear(b * r, cfg.projection_in, cfg.hidden_size, input_grad=False)  # visual_projection of the features
+    for i in range(cfg.num_layers):
+        s = t if i < cfg.fusion_layer else t + r
+        if i == cfg.num_layers - 1 and last_rows is not None:
+            _attention_block(f, cfg, b, last_rows, s)
+            _feed_forward(f, cfg, b * last_rows)
+        else:
+            _bert_layer(f, cfg, b, s)
+    _text_heads(f, cfg, b, mlm_rows)
+    return f
+
+
+def lxmert_flops(cfg: LxmertConfig, b: int, t: int, r: int, mlm_rows: int, last_rows: int | None = None) -> Flops:
+    """`LxmertForPreTraining`: object embedding (features and boxes), N_L language layers, N_R
+    object-relationship layers, N_X cross-modality layers (shared cross-attention both ways, then
+    self-attention and feed-forward per modality), pooler and the heads present in the config. Every
+    layer computes every position (`last_rows` must be None)."""
+    if last_rows is not None:
+        raise ValueError("LXMERT computes every position of its last layer")
+    d = cfg.hidden_size
+    f = Flops()
+    f.linear(b * r, cfg.visual_dim, d, input_grad=False)  # visn_fc
+    f.linear(b * r, cfg.visual_pos_dim, d, input_grad=False)  # box_fc
+    for _ in range(cfg.language_layers):
+        _bert_layer(f, cfg, b, t)
+    for _ in range(cfg.relation_layers):
+        _bert_layer(f, cfg, b, r)
+    for _ in range(cfg.cross_layers):
+        _attention_block(f, cfg, b, t, r)  # language -> vision
+        _attention_block(f, cfg, b, r, t)  # vision -> language (same weights)
+        _attention_block(f, cfg, b, t, t)
+        _attention_block(f, cfg, b, r, r)
+        _feed_forward(f, cfg, b * t)
+        _feed_forward(f, cfg, b * r)
+    _text_heads(f, cfg, b, mlm_rows)
+    outs = [cfg.num_object_labels, cfg.num_attr_labels, cfg.visual_dim if cfg.feat_regression else 0]
+    if any(outs):  # obj_predict_head on every region: transform, then one decoder per target
+        f.linear(b * r, d, d)
+        for n in outs:
+            if n:
+                f.linear(b * r, d, n)
+    if cfg.num_qa_labels:  # answer head on the pooled output
+        f.linear(b, d, 2 * d)
+        f.linear(b, 2 * d, cfg.num_qa_labels)
+    return f
+
+
+FLOPS: dict[str, Callable[..., Flops]] = {"visualbert": visualbert_flops, "lxmert": lxmert_flops}
+
+
+def our_last_rows(arch: str, mlm_positions: torch.Tensor) -> int | None:
+    """Positions per example the last layer of our pre-training model computes, given the MLM positions
+    (B, T): VisualBERT's, [CLS] and the masked words padded to the longest row (`blocks.head_rows`);
+    LXMERT's, all."""
+    return 1 + int(mlm_positions.sum(1).max()) if arch == "visualbert" else None
+
+
+def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm_positions: torch.Tensor) -> Flops:
+    """Model FLOPs of one pre-training step of our model with the MLM head at `mlm_positions` (B, T)."""
+    return FLOPS[arch](cfg, b, t, r, int(mlm_positions.sum()), our_last_rows(arch, mlm_positions))
+
+
+# Positions Hugging Face's MLM head runs at: VisualBERT's at every position (text and regions; the labels
+# mask the regions out of the loss), LXMERT's at every text position.
+HF_MLM_ROWS: dict[str, Callable[[int], int]] = {"visualbert": lambda b: b * (T + R), "lxmert": lambda b: b * T}
+
+
+def counted_flops(run: Callable[[], Any]) -> dict[str, int]:
+    """FLOPs per aten op that `FlopCounterMode` counts over `run()`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        run()
+    return {str(op): int(n) for op, n in fc.get_flop_counts().get("Global", {}).items()}
+
+
+def flop_check(analytic: Flops, counts: dict[str, int]) -> dict[str, Any]:
+    """The counter's linear (mm/addmm) and attention (the rest: bmm or SDPA kernels) FLOPs against the
+    analytic ones, with the analytic value adjusted to the counter's conventions (see the docstring)."""
+    linear = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm"))
+    attn = sum(counts.values()) - linear
+    fused = any("attention" in op for op in counts)
+    expected_attn = analytic.attn_total + (analytic.attn_recompute if fused else 0)
+    note = "attention counted as bmm (math / eager path)"
+    if fused:
+        note = "fused SDPA kernels: the counter adds the backward's recomputation of Q K^T"
+    if attn == 0 and analytic.attn_total:
+        expected_attn = 0
+        note = ("FlopCounterMode has no formula for the attention kernel that ran (CPU flash SDPA): "
+                f"attention ({analytic.attn_total / analytic.total:.1%} of the analytic total) is missing from it")
+    expected = analytic.linear_total + expected_attn
+    return {
+        "analytic": analytic.total, "analytic_linear": analytic.linear_total, "analytic_attention": analytic.attn_total,
+        "counter": sum(counts.values()), "counter_linear": linear, "counter_attention": attn,
+        "expected_counter": expected, "rel_diff": sum(counts.values()) / expected - 1 if expected else 0.0,
+        "ops": counts, "note": note,
+    }
+
+
+# --------------------------------------------------------------------------- device helpers
+def matmul_peak(device: torch.device, n: int, repeats: int, inner: int = 10) -> float:
+    """Measured bf16 matmul throughput (TFLOP/s): median over `repeats` of `inner` back-to-back n x n products."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+
+    def products() -> None:
+        for _ in range(inner):
+            torch.matmul(a, b, out=c)
+
+    for _ in range(2):  # warm-up: library heuristics, clocks
+        step_seconds(products, device)
+    seconds = statistics.median(step_seconds(products, device) for _ in range(repeats))
+    return 2 * n**3 * inner / seconds / 1e12
+
+
+def step_seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall time of `fn`'s work: CUDA events after a synchronize (nothing queued before counts), or
+    `vs_hf.timed` on the CPU."""
+    if device.type != "cuda":
+        return vs_hf.timed(fn)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def pinned(d: dict[str, Any]) -> dict[str, Any]:
+    """The host batch in page-locked memory (what the recipe's DataLoader gives with pin_memory=True)."""
+    def pin(v):
+        if isinstance(v, torch.Tensor):
+            return v.pin_memory()
+        return dataclasses.replace(v, **{f.name: pin(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                         if getattr(v, f.name) is not None})
+    return {k: pin(v) for k, v in d.items()}
+
+
+def on_device(d: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) for k, v in d.items()}
+
+
+def bf16_step(loss: Callable, device: torch.device) -> Callable:
+    """A `vs_hf` loss function as the recipe runs a step: copy the host batch over, forward in bf16 autocast."""
+    def step(model, host: dict[str, Any]) -> torch.Tensor:
+        data = on_device(host, device)
+        with autocast(device, "bf16"):
+            return loss(model, data)
+    return step
+
+
+@dataclass
+class Result:
+    model: str
+    step_s: float
+    examples_s: float
+    tokens_s: float
+    flops: int  # model FLOPs per step (this model's own count)
+    tflops_s: float
+    mfu: float
+    useful_mfu: float  # with our count (the FLOPs the losses need)
+    peak_mem_mib: float | None
+    first_step_s: float  # includes compilation for the compiled model
+
+
+def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, Any]:
+    arch = ARCHS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ours = models(arch, Path(tmp))
+    cfg = ours.cfg
+    b = args.batch
+    host = batch(b=b)
+    if device.type == "cuda":
+        host = pinned(host)
+    ours_count = our_flops(name, cfg, b, T, R, host["words"] != -100)
+    hf_flops = FLOPS[name](cfg, b, T, R, HF_MLM_ROWS[name](b))
+    entries = {"hf": (hf, arch.hf_step, hf_flops), "ours": (ours, arch.our_step, ours_count)}
+    if args.compile:
+        compiled = copy.deepcopy(ours)
+        compiled.compile()  # in place, as `pretrain --compile`
+        entries["ours_compiled"] = (compiled, arch.our_step, ours_count)
+
+    fns, first, mem = {}, {}, {}
+    for key, (model, loss, _) in entries.items():
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        model.to(device).train()
+        fns[key] = train_fn(model, bf16_step(loss, device), build_optimizer(model, lr=1e-5), host)
+        first[key] = step_seconds(fns[key], device)  # compilation happens here for the compiled model
+        for _ in range(args.warmup - 1):
+            step_seconds(fns[key], device)
+        mem[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+
+    checks = {key: flop_check(entries[key][2], counted_flops(fns[key])) for key in ("ours", "hf")}
+
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for i in range(args.steps + 1):  # one untimed round after the counter's step
+        for key, fn in fns.items():
+            t = step_seconds(fn, device)
+            if i:
+                times[key].append(t)
+
+    labels = {"hf": "Hugging Face", "ours": "vlberts", "ours_compiled": "vlberts compiled"}
+    results = {}
+    for key, (_, _, flops) in entries.items():
+        s = statistics.median(times[key])
+        results[key] = Result(labels[key], s, b / s, b * (T + R) / s, flops.total, flops.total / s / 1e12,
+                              flops.total / s / 1e12 / peak, ours_count.total / s / 1e12 / peak, mem[key], first[key])
+    for model, *_ in entries.values():
+        model.to("cpu")
+    del fns, entries
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "name": arch.name, "hf_attn_implementation": str(getattr(hf.config, "_attn_implementation", "unknown")),
+        "results": {k: asdict(v) for k, v in results.items()},
+        "ratio_ours_hf": results["hf"].step_s / results["ours"].step_s,
+        "ratio_compiled_hf": results["hf"].step_s / results["ours_compiled"].step_s if args.compile else None,
+        "flop_check": checks,
+    }
+
+
+def print_arch(out: dict[str, Any], caveat: str) -> None:
+    print(f"\n{out['name']}  (Hugging Face attention: {out['hf_attn_implementation']})")
+    print("| model | step ms | examples/s | tokens/s | GFLOP/step | TFLOP/s | MFU | useful MFU | peak MiB "
+          "| first step s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in out["results"].values():
+        mem = f"{r['peak_mem_mib']:.0f}" if r["peak_mem_mib"] is not None else "n/a"
+        print(f"| {r['model']} | {r['step_s'] * 1e3:.1f} | {r['examples_s']:.1f} | {r['tokens_s']:.0f} | "
+              f"{r['flops'] / 1e9:.1f} | {r['tflops_s']:.3f} | {r['mfu']:.1%} | {r['useful_mfu']:.1%} | {mem} | "
+              f"{r['first_step_s']:.2f} |")
+    print(f"throughput ours / Hugging Face (same run, interleaved): {out['ratio_ours_hf']:.2f}x"
+          + (f"; compiled: {out['ratio_compiled_hf']:.2f}x" if out["ratio_compiled_hf"] else ""))
+    for key in ("ours", "ours_compiled"):
+        if key in out["results"]:
+            mfu = out["results"][key]["mfu"]
+            tag = f" ({caveat})" if caveat else ""
+            print(f"MFU goal >= {GOAL_MFU:.0%}, {out['results'][key]['model']}: {mfu:.1%} "
+                  f"{'PASS' if mfu >= GOAL_MFU else 'FAIL'}{tag}")
+    for key, c in out["flop_check"].items():
+        print(f"FLOPs/step {key}: analytic {c['analytic'] / 1e9:.3f} G (linear {c['analytic_linear'] / 1e9:.3f}, "
+              f"attention {c['analytic_attention'] / 1e9:.3f}); FlopCounterMode {c['counter'] / 1e9:.3f} G "
+              f"(linear {c['counter_linear'] / 1e9:.3f}, attention {c['counter_attention'] / 1e9:.3f}); "
+              f"expected {c['expected_counter'] / 1e9:.3f} G, diff {c['rel_diff']:+.2%}; {c['note']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=[*sorted(ARCHS), "all"], default="all")
+    ap.add_argument("--batch", type=int, default=None, help="examples per step (default 64; 2 with --smoke)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per model (default 20; 2 with --smoke)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per model (default 3; 1 with --smoke)")
+    ap.add_argument("--compile", action="store_true", help="also time our model under torch.compile")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
+    ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar
+
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        if not args.smoke:
+            raise SystemExit("no CUDA device found: run on a machine with a GPU, or pass --smoke (--device cpu) "
+                             "for a CPU smoke run")
+        args.device = "cpu"
+    small = args.smoke
+    args.batch = args.batch or (2 if small else 64)
+    args.steps = args.steps or (2 if small else 20)
+    args.warmup = max(1, args.warmup or (1 if small else 3))
+    n = args.matmul_size or (1024 if small else 8192)
+    device = torch.device(args.device)
+
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device: {dev_name}; torch {torch.__version__}, transformers {vs_hf.transformers.__version__}, "
+          f"{torch.get_num_threads()} CPU threads")
+    cpu_run = device.type == "cpu"
+    caveat = "CPU run: not a GPU measurement" if cpu_run else "smoke run: small batch" if small else ""
+    if cpu_run:
+        kind = "smoke run on CPU" if args.smoke else "run on CPU (--device cpu)"
+        print(f"{'no CUDA device: ' if not cuda else ''}{kind}, numbers are not GPU measurements")
+    t0 = time.perf_counter()
+    peak = matmul_peak(device, n, repeats=3 if small else 10, inner=2 if small else 10)
+    print(f"bf16 matmul peak (measured, {n}x{n}): {peak:.3f} TFLOP/s  [{time.perf_counter() - t0:.1f} s]")
+    transfer = "pinned host batch copied to the GPU each step; " if device.type == "cuda" else ""
+    print(f"batch {args.batch} x ({T} tokens + {R} regions of {vs_hf.D}-d); bf16 autocast, fused AdamW; {transfer}"
+          f"median of {args.steps} interleaved steps after {args.warmup} warm-up")
+
+    report: dict[str, Any] = {
+        "device": dev_name, "device_type": device.type, "smoke": small, "caveat": caveat, "torch": torch.__version__,
+        "transformers": vs_hf.transformers.__version__, "peak_tflops": peak, "matmul_size": n,
+        "batch": args.batch, "tokens": T, "regions": R, "steps": args.steps, "warmup": args.warmup,
+        "mfu_goal": GOAL_MFU, "archs": {},
+    }
+    for name in (list(ARCHS) if args.arch == "all" else [args.arch]):
+        out = run_arch(name, args, device, peak)
+        print_arch(out, caveat)
+        report["archs"][name] = out
+        sys.stdout.flush()
+    if args.json:
+        write_json(args.json, report)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Checks of benchmark code that run in seconds on a CPU: the analytic FLOP count of
+`benchmarks/gpu_throughput.py` (the numerator of its MFU) against `torch.utils.flop_counter` on tiny
+models, forward and backward, and its refusal to run without a GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_throughput  # noqa: E402
+
+from vlberts.data.batch import VLInputs  # noqa: E402
+from vlberts.models.builders import build_pretraining_model, model_config  # noqa: E402
+from vlberts.models.convert_hf import visualbert_config_from_hf  # noqa: E402
+
+B, T, R = 3, 7, 5
+
+
+def _inputs(vocab: int, visual_dim: int) -> VLInputs:
+    g = torch.Generator().manual_seed(0)
+    return VLInputs(
+        torch.randint(1, vocab, (B, T), generator=g), torch.zeros(B, T, dtype=torch.long),
+        torch.ones(B, T, dtype=torch.bool), torch.randn(B, R, visual_dim, generator=g),
+        torch.rand(B, R, 4, generator=g).sort(-1).values, torch.ones(B, R, dtype=torch.bool),
+    )
+
+
+def _backward_all(out) -> None:
+    """Backward of a loss that touches every tensor output (every head)."""
+    sum(v.float().sum() for v in vars(out).values() if isinstance(v, torch.Tensor)).backward()
+
+
+def _assert_exact(analytic, counts) -> None:
+    check = gpu_throughput.flop_check(analytic, counts)
+    assert check["counter_attention"] > 0, check["note"]  # the attention products were seen by the counter
+    assert check["counter_linear"] == check["analytic_linear"], check
+    assert check["counter"] == check["expected_counter"], check
+
+
+@pytest.mark.parametrize("name", ["visualbert-tiny", "lxmert-tiny"])
+def test_our_step_flops_match_flop_counter(name):
+    torch.manual_seed(0)
+    cfg = model_config(name)
+    model = build_pretraining_model(cfg).train()  # dropout on: CPU attention takes the counted bmm path
+    x = _inputs(cfg.vocab_size, cfg.visual_dim)
+    mlm = torch.zeros(B, T, dtype=torch.bool)
+    mlm[:, 2] = True
+    mlm[0, [4, 5]] = True  # uneven rows: VisualBERT's last layer pads to the longest (3 + [CLS])
+    counts = gpu_throughput.counted_flops(lambda: _backward_all(model(x, mlm_positions=mlm)))
+    arch = name.split("-")[0]
+    ours = gpu_throughput.our_flops(arch, cfg, B, T, R, mlm)
+    _assert_exact(ours, counts)
+    # and the count is sensitive to what is computed: every position through the MLM head is more
+    assert gpu_throughput.FLOPS[arch](cfg, B, T, R, B * T).total > ours.total
+
+
+def test_hugging_face_visualbert_flops_match_flop_counter():
+    """Hugging Face's VisualBERT runs every layer and its MLM head at every text and region position."""
+    torch.manual_seed(0)
+    hf_cfg = transformers.VisualBertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=37, visual_embedding_dim=20, max_position_embeddings=64)
+    hf = transformers.VisualBertForPreTraining(hf_cfg).train()
+    x = _inputs(99, 20)
+    counts = gpu_throughput.counted_flops(lambda: _backward_all(hf(
+        input_ids=x.input_ids, token_type_ids=x.token_type_ids, attention_mask=x.attention_mask.long(),
+        visual_embeds=x.region_feats, visual_attention_mask=x.region_mask.long())))
+    cfg = visualbert_config_from_hf(hf_cfg.to_dict())
+    _assert_exact(gpu_throughput.visualbert_flops(cfg, B, T, R, B * (T + R)), counts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_throughput_without_cuda_stops_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_throughput.main(["--arch", "visualbert"])
+    assert isinstance(e.value.code, str) and "no CUDA device" in e.value.code and "\n" not in e.value.code
