@@ -45,6 +45,20 @@ def test_compiled_pretraining_equals_eager(tiny_world, tmp_path, monkeypatch):
     for k, w in weights["eager"].items():
         assert (weights["compiled"][k] - w).abs().max() < 1e-4, k
 
+    # A compiled run interrupted after its checkpoint at update 2 resumes eagerly (compile may change on
+    # resume): it ends with the eager run's log and weights.
+    out = tmp_path / "switched"
+    torch._dynamo.reset()
+    cfg = dict(model="visualbert-tiny-nodrop", steps=3, ckpt_every=2)
+    assert pretrain(cfg_for(tiny_world, out, compile=True, stop_after=2, **cfg)) is None
+    pretrain(cfg_for(tiny_world, out, compile=False, **cfg))
+    switched = MetricsLog.read(out / "metrics.jsonl")
+    assert [r["step"] for r in switched] == [1, 2, 3]
+    for a, b in zip(logs["eager"], switched, strict=True):
+        assert b["mlm_loss"] == pytest.approx(a["mlm_loss"], rel=1e-4, abs=1e-6), a["step"]
+    for k, w in load_file(out / "model" / "model.safetensors").items():
+        assert (w - weights["eager"][k]).abs().max() < 1e-4, k
+
 
 def test_compiled_finetuning_equals_eager(tiny_world, tiny_pretrained, tmp_path):
     init = tmp_path / "init"  # the tiny checkpoint with dropout off

@@ -85,3 +85,10 @@ def field_help(cls: type) -> str:
 def opt(default: Any, help: str) -> Any:
     """A run-config field with its help text."""
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+# Help texts of the options every training recipe (pre-training and each fine-tuning task) shares.
+FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
+             "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
+COMPILE_HELP = ("torch.compile the model in place (inductor): the first updates wait for the compiler, "
+                "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")

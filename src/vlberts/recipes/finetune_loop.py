@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -78,10 +78,8 @@ class FinetuneConfig:
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
-    fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
-                     "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
-    compile: bool = opt(False, "torch.compile the model in place (inductor): the first updates wait for the compiler, "
-                        "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
+    fsdp: bool = opt(False, FSDP_HELP)
+    compile: bool = opt(False, COMPILE_HELP)
 
 
 def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:

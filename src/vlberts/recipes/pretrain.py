@@ -61,7 +61,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -165,10 +165,8 @@ class PretrainConfig:
     num_workers: int = opt(0, "DataLoader worker processes")
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
-    fsdp: bool = opt(False, "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
-                     "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
-    compile: bool = opt(False, "torch.compile the model in place (inductor): the first updates wait for the compiler, "
-                        "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
+    fsdp: bool = opt(False, FSDP_HELP)
+    compile: bool = opt(False, COMPILE_HELP)
 
 
 CONFIG_CLASS = PretrainConfig
