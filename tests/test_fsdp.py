@@ -73,7 +73,7 @@ def _step(model, optimizer, scheduler, info) -> None:
     part = VLInputs(**{k: (v[keys] if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
     (share,) = loss_shares([{"mlm": float((labels[keys] != -100).sum())}], info)
     (_loss(model, part, labels[keys]) * share["mlm"]).backward()
-    sync_gradients(model, info)  # a no-op on a sharded model: FSDP reduce-scattered the gradients
+    sync_gradients(model, info)  # sharded: FSDP reduce-scattered the sums; unused parameters back to None
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -105,7 +105,8 @@ def _fsdp_work(rank: int, tmp: str) -> None:
     for step in range(2):
         _step(model, optimizer, scheduler, info)
         if step == 0:
-            found["grads"] = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+            found["grads"] = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+            found["no_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
         found.setdefault("norms", []).append(update(model, optimizer, scheduler, clip=1.0))
     found["w2"] = _full(model)
     save_checkpoint(f"{tmp}/fsdp", model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
@@ -143,8 +144,8 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     for step in range(2):
         _loss(model, *_global_batch()).backward()
         if step == 0:
-            one["grads"] = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                            for n, p in model.named_parameters()}
+            one["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            one["no_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
         one["norms"].append(update(model, optimizer, scheduler, clip=1.0))
     one["w2"] = _full(model)
     save_checkpoint(tmp_path / "single", model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
@@ -159,6 +160,9 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     found = torch.load(tmp_path / "found.pt", weights_only=True)
 
     # FSDP summed the rank gradients (no averaging): the single-process gradient; the global norm clips.
+    # Parameters no rank used (the match head, the pooler: this loss is MLM only) have no gradient, as
+    # with one process, so AdamW neither moves nor decays them (`sync_gradients` on a sharded model).
+    assert found["no_grad"] == one["no_grad"] and len(one["no_grad"]) >= 2
     assert found["grads"].keys() == one["grads"].keys() and len(one["grads"]) > 10
     for n in one["grads"]:
         torch.testing.assert_close(found["grads"][n], one["grads"][n], rtol=1e-4, atol=1e-6, msg=n)
@@ -167,6 +171,8 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
         for n in one["w3"]:
             torch.testing.assert_close(found[key][n], one[key if key != "w3_from_single" else "w3"][n],
                                        rtol=0, atol=1e-5, msg=f"{key} {n}")
+    for n in one["no_grad"]:  # never stepped: still the initial weights, in both runs
+        assert torch.equal(found["w3"][n], one["w3"][n]), n
     # A sharded run resumed from its own checkpoint repeats its update bit for bit.
     assert all(torch.equal(found["w3_from_fsdp"][n], found["w3"][n]) for n in found["w3"])
     torch.testing.assert_close(found["eval"], one["eval"], rtol=0, atol=1e-4)
@@ -176,11 +182,9 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     assert sorted(p.name for p in fsdp_ckpt.iterdir()) == sorted(p.name for p in single_ckpt.iterdir())
     a, b = load_file(fsdp_ckpt / "model.safetensors"), load_file(single_ckpt / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
-    # Optimizer state: the same entries, and more: under FSDP a parameter with no gradient (this loss
-    # leaves the match head out) counts as a zero gradient, so AdamW keeps state for it, where one process
-    # (and `sync_gradients`) skips it.
+    # Optimizer state: the same entries (none for the parameters no rank used) and shapes.
     a, b = load_file(fsdp_ckpt / "optimizer.safetensors"), load_file(single_ckpt / "optimizer.safetensors")
-    assert b.keys() <= a.keys() and all(a[k].shape == b[k].shape for k in b)
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in b)
     a, b = (json.loads((c / "state.json").read_text()) for c in (fsdp_ckpt, single_ckpt))
     assert a.keys() == b.keys() and a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
     assert (a["step"], a["scheduler"]) == (b["step"], b["scheduler"])

@@ -126,8 +126,17 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
     none on any rank gets its `grad` set back to None, as one process would leave it, so AdamW neither
     moves it nor decays it. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
     cannot see through our typed (dataclass) model outputs, and an unused head would stall it.
+
+    Under FSDP the gradients were already summed by its reduce-scatter (`shard_model`), which hands back
+    a zero gradient for a parameter no rank used; here one all-reduce of a flag per parameter (1 if this
+    rank's shard of its gradient is not all zeros) finds those and sets their `grad` back to None too.
+    The one case told apart differently: a parameter some rank used whose summed gradient is exactly zero
+    in every element (one process would step it with a zero gradient, this skips it).
     """
-    if not info.enabled or is_sharded(model):  # FSDP reduce-scatters the gradients itself (`shard_model`)
+    if not info.enabled:
+        return
+    if is_sharded(model):
+        _drop_unused_sharded_grads(model)
         return
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -149,6 +158,20 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
             p.grad = None
 
 
+def _drop_unused_sharded_grads(model: nn.Module) -> None:
+    """FSDP: `grad = None` for the parameters whose summed gradient is zero on every rank's shard."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params)]
+    nonzero = torch.stack([(g != 0).any() if g.numel() else g.new_zeros((), dtype=torch.bool) for g in local])
+    nonzero = nonzero.to(local[0].dtype)  # (P,)
+    dist.all_reduce(nonzero)
+    for p, any_rank in zip(params, nonzero.tolist()):
+        if any_rank == 0:
+            p.grad = None
+
+
 # --------------------------------------------------------------------------- FSDP
 
 def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
@@ -164,8 +187,8 @@ def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
     a plain sum, the same additions `sync_gradients` makes, so no factor is applied at all. (Scaling the
     loss by the world size instead would multiply then divide, exact only for powers of two.) A parameter
     that got no gradient on a rank (a head that sat out) counts as zero there, so every rank joins the same
-    reduce-scatter. Unlike `sync_gradients`, one that got no gradient on any rank keeps its zero gradient,
-    so AdamW still moves it by its momentum and decays it where one process would skip it.
+    reduce-scatter; one that got none on any rank comes back with a zero gradient, which `sync_gradients`
+    (called as without FSDP) sets back to None, so AdamW skips it as one process would.
     """
     if not info.enabled:  # nothing to shard: say so and train as usual (a run may resume on any number of ranks)
         print("warning: --fsdp=true in one process: nothing to shard, training unsharded "
