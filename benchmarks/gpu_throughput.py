@@ -69,9 +69,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_hf.py sits next to this file
 
 import vs_hf  # noqa: E402
-from vs_hf import ARCHS, R, T, batch, models, train_fn  # noqa: E402
+from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
+from vlberts.models.blocks import head_rows  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -210,7 +211,7 @@ def our_last_rows(arch: str, mlm_positions: torch.Tensor) -> int | None:
     """Positions per example the last layer of our pre-training model computes, given the MLM positions
     (B, T): VisualBERT's, [CLS] and the masked words padded to the longest row (`blocks.head_rows`);
     LXMERT's, all."""
-    return 1 + int(mlm_positions.sum(1).max()) if arch == "visualbert" else None
+    return head_rows(mlm_positions)[0].shape[1] if arch == "visualbert" else None
 
 
 def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm_positions: torch.Tensor) -> Flops:
@@ -221,15 +222,6 @@ def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm_positions: torch.Tenso
 # Positions Hugging Face's MLM head runs at: VisualBERT's at every position (text and regions; the labels
 # mask the regions out of the loss), LXMERT's at every text position.
 HF_MLM_ROWS: dict[str, Callable[[int], int]] = {"visualbert": lambda b: b * (T + R), "lxmert": lambda b: b * T}
-
-
-def counted_flops(run: Callable[[], Any]) -> dict[str, int]:
-    """FLOPs per aten op that `FlopCounterMode` counts over `run()`."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as fc:
-        run()
-    return {str(op): int(n) for op, n in fc.get_flop_counts().get("Global", {}).items()}
 
 
 def flop_check(analytic: Flops, counts: dict[str, int]) -> dict[str, Any]:

@@ -177,12 +177,18 @@ def train_fn(model, step, opt, data):
     return run
 
 
+def counted_flops(run: Callable[[], Any]) -> dict[str, int]:
+    """FLOPs per aten op that `FlopCounterMode` counts over `run()`."""
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
+
+
 def step_gflops(model, step, data) -> float:
     """Floating-point operations (GFLOP) of one training forward and backward; no optimizer step."""
-    with FlopCounterMode(display=False) as counter:
-        step(model, data).backward()
+    total = sum(counted_flops(lambda: step(model, data).backward()).values())
     model.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / 1e9
+    return total / 1e9
 
 
 def status_mib(field: str) -> float:
