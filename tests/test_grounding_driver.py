@@ -3,6 +3,7 @@ GroundingInputs, and the `analyze grounding` recipe and CLI on the tiny world.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -126,6 +127,51 @@ def test_grounding_inputs_slice_the_joint_map_and_drop_padding(tmp_path):
     for _, g in got:
         acc.add(g)
     assert acc.result().n_entities == 3
+
+
+def test_captions_are_batched_by_subwords_then_regions(tmp_path):
+    from vlberts.analysis.entities import length_order
+
+    tok = tokenizer(tmp_path)
+    rng = np.random.default_rng(0)
+    recs = [RegionRecord(str(i), 100, 80, np.tile([[0, 0, 9, 9]], (n, 1)).astype(np.float32),
+                         rng.random((n, 16), dtype=np.float32)) for i, n in enumerate([2, 4, 1, 4])]
+    long, short = "[/EN#11/people a man] on [/EN#12/other the red skateboard] .", "[/EN#11/people a man] ."
+    caps = []
+    for rec, line in zip(recs, [long, short, long, short]):
+        (cap,) = entity_captions([image([line])], tok)
+        caps.append(dataclasses.replace(cap, image_id=rec.image_id))
+    # Subwords 4, 4 (short) before 10, 10 (long); then regions: short 4, 4 (split order kept), long 1 < 2.
+    assert list(length_order(caps, FakeStore(recs), max_regions=36)) == [1, 3, 2, 0]
+    assert list(length_order(caps, FakeStore(recs), max_regions=1)) == [1, 3, 0, 2]  # counts capped: ties
+
+
+def test_batching_in_length_order_changes_no_number_and_no_chosen_caption(tiny_world, tiny_pretrained, tmp_path):
+    common = dict(model=str(tiny_pretrained), entities=str(tiny_world.entities), features=str(tiny_world.store),
+                  split="test", explorer_examples=4, qualitative=2)
+    one = analyze_grounding(GroundingConfig(out=str(tmp_path / "one"), batch_size=1, **common))  # no padding
+    many = analyze_grounding(GroundingConfig(out=str(tmp_path / "many"), batch_size=7, **common))
+    np.testing.assert_array_equal(one.result.accuracy, many.result.accuracy)
+    np.testing.assert_allclose(one.result.mean_region_mass, many.result.mean_region_mass, atol=1e-6)
+    assert one.syntactic.relations.keys() == many.syntactic.relations.keys()
+    for rel, a in one.syntactic.relations.items():
+        np.testing.assert_array_equal(a.accuracy, many.syntactic.relations[rel].accuracy)
+    # The explorer and the figures show the split's first captions in the split's order, whatever order
+    # the batches ran in (length order: the split's first captions are not the shortest).
+    import re
+
+    from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
+
+    tok = TextTokenizer.load(tiny_pretrained)
+    ids = read_flickr_split(tiny_world.entities, "test")
+    analysed = [c for c in entity_captions((read_flickr_entities(tiny_world.entities, i) for i in ids), tok) if c.entities]
+    first = [c.caption_id for c in analysed]
+    assert sorted(first[:4], key=lambda c: len(analysed[first.index(c)].ids)) != first[:4]
+    for run in ("one", "many"):
+        html = (tmp_path / run / "explorer.html").read_text()
+        assert re.findall(r'"caption_id":"([^"]+)"', html) == first[:4]
+        drawn = sorted(p.stem for p in (tmp_path / run / "qualitative").iterdir())
+        assert drawn == sorted([c.caption_id for c in analysed if len(c.entities) >= 2][:2])
 
 
 def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrained, tmp_path):

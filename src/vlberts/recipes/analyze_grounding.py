@@ -231,6 +231,10 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
     drawn: list[ExplorerExample] = []  # the qualitative figures' captions (records shared with the explorer)
+    # Which captions those are is decided in split order here: the forward passes come in length order.
+    analysed = [c for c in captions if c.entities]
+    show_ids = {c.caption_id for c in analysed[: cfg.explorer_examples]}
+    draw_ids = set(qual_ids) or {c.caption_id for c in [c for c in analysed if len(c.entities) >= 2][: cfg.qualitative]}
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")
@@ -239,11 +243,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
             acc.add(inp)
             if syn is not None:
                 _add_syntactic(syn, parses, cap, inp, parse_failed)
-            to_show = len(shown) < cfg.explorer_examples
-            if qual_ids:
-                to_draw = cap.caption_id in qual_ids
-            else:
-                to_draw = len(drawn) < cfg.qualitative and len(cap.entities) >= 2
+            to_show, to_draw = cap.caption_id in show_ids, cap.caption_id in draw_ids
             if to_show or to_draw:
                 rec = store.get(cap.image_id)
                 example = explorer_example(cap, inp, options.token, (rec.image_w, rec.image_h),
@@ -254,6 +254,9 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                     drawn.append(example)
             maps = inp.maps
             bar.advance(task)
+    position = {c.caption_id: k for k, c in enumerate(captions)}
+    shown.sort(key=lambda e: position[e.caption_id])
+    drawn.sort(key=lambda e: position[e.caption_id])
     if acc.n_entities == 0:
         raise VlbertsError(f"no grounded entity in split {cfg.split!r} (skipped: {skipped.to_dict()})", path=cfg.entities)
     result = acc.result()
