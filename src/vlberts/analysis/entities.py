@@ -24,7 +24,7 @@ import torch
 
 from vlberts.analysis.grounding import GroundingEntity, GroundingInput
 from vlberts.data.flickr_entities import FlickrEntitiesImage
-from vlberts.data.regions import RegionSource, caption_inputs, load_regions, region_counts
+from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, load_regions, region_counts
 from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps
 from vlberts.text.tokenizer import TextTokenizer
@@ -151,7 +151,8 @@ def attention_batches(
     for start in range(0, len(captions), batch_size):
         chunk = [captions[i] for i in order[start : start + batch_size]]
         recs = [regions.get(c.image_id) for c in chunk]
-        regs = [load_regions(regions, c.image_id, max_regions, feature_dim) for c in chunk]
+        path = getattr(regions, "path", None)
+        regs = [load_regions(FetchedRecord(r, path), c.image_id, max_regions, feature_dim) for c, r in zip(chunk, recs)]
         x = caption_inputs([c.ids for c in chunk], regs).to(device)
         maps = model.encode(x, need_attn=True).attentions
         if maps is None:

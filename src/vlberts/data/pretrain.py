@@ -30,7 +30,7 @@ import torch
 
 from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.objectives.matching import drop_unmatched, sample_qa_target
@@ -81,16 +81,6 @@ class RegionSetup:
     tag_subwords: tuple[tuple[int, ...], ...] | None = None
     attr_subwords: tuple[tuple[int, ...], ...] | None = None
     tag_attr_prob: float = 0.15
-
-
-class _Fetched:
-    """A region source holding one record already read, so that features and labels come from one read."""
-
-    def __init__(self, rec: Any, path: Any = None):
-        self.rec, self.path = rec, path
-
-    def get(self, image_id: str) -> Any:
-        return self.rec
 
 
 class CaptionPretrainData:
@@ -194,7 +184,7 @@ class CaptionPretrainData:
             token_probs=self.token_probs,
         )
         rec = self.regions.get(cap.image_id)
-        regions = load_regions(_Fetched(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
+        regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
                                self.feature_dim)
         example = {
             "ids": masked,

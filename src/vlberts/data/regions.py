@@ -7,7 +7,7 @@ the model from these (SPEC §2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,17 @@ class Regions:
     boxes: np.ndarray  # (R, 4) float32 normalised xyxy
     pixel_boxes: np.ndarray  # (R, 4) float32 xyxy pixels
     conf: np.ndarray | None  # (R,) detector confidence, when the store has it
+
+
+class FetchedRecord:
+    """A region source holding one record already read, so that a caller that needs the record itself
+    (labels, image size, confidence) and its `load_regions` view reads the store once."""
+
+    def __init__(self, rec: Any, path: Any = None):
+        self.rec, self.path = rec, path
+
+    def get(self, image_id: str) -> Any:
+        return self.rec
 
 
 def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None) -> Regions:
