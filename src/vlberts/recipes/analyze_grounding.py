@@ -234,7 +234,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     # Which captions those are is decided in split order here: the forward passes come in length order.
     analysed = [c for c in captions if c.entities]
     show_ids = {c.caption_id for c in analysed[: cfg.explorer_examples]}
-    draw_ids = set(qual_ids) or {c.caption_id for c in [c for c in analysed if len(c.entities) >= 2][: cfg.qualitative]}
+    with_two = [c for c in analysed if len(c.entities) >= 2]  # the figures draw captions with two entities
+    draw_ids = set(qual_ids) or {c.caption_id for c in with_two[: cfg.qualitative]}
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")
