@@ -200,3 +200,40 @@ def test_end_to_end_vlbert_is_a_one_line_error(tiny_world, tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "end-to-end VL-BERT reads image pixels" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_vlbert_masked_roi_target_is_soft_by_default_and_hard_on_request(tiny_world, tmp_path):
+    # The loss of a batch follows the recipe's target: the detector's score vector (released code) or its argmax.
+    from dataclasses import replace
+
+    from vlberts.models.builders import build_pretraining_model, model_config
+    from vlberts.objectives.recipe import run_model
+    from vlberts.objectives.regions import masked_roi_loss
+
+    assert RECIPES["vlbert"].roi_target == "soft"
+    data, tok = _data(tiny_world, "vlbert")
+    batch = collate_pretrain([data[(0, i)] for i in range(8)])
+    assert batch.regions.masked.any()
+    torch.manual_seed(0)
+    cfg = model_config("vlbert-tiny", vocab_size=tok.vocab_size, visual_dim=batch.inputs.region_feats.shape[-1],
+                       num_region_classes=batch.regions.cls_prob.shape[-1])
+    model = build_pretraining_model(cfg)
+    out = run_model(RECIPES["vlbert"], model, batch)
+    r = batch.regions
+    for target in ("soft", "hard"):
+        got = pretrain_losses(replace(RECIPES["vlbert"], roi_target=target), out, batch, {"roi_cls": 1.0})["roi_cls"]
+        torch.testing.assert_close(got, masked_roi_loss(out.region_logits, r.cls_prob, r.masked, target=target))
+    soft = pretrain_losses(RECIPES["vlbert"], out, batch, {"roi_cls": 1.0})["roi_cls"]
+    hard = pretrain_losses(replace(RECIPES["vlbert"], roi_target="hard"), out, batch, {"roi_cls": 1.0})["roi_cls"]
+    assert abs(soft.item() - hard.item()) > 1e-3
+
+    # `--roi_target` reaches the loss: same first batch and weights, so MLM agrees and roi_cls does not;
+    # the default run is the soft one.
+    first = {}
+    for name, kw in {"default": {}, "soft": {"roi_target": "soft"}, "hard": {"roi_target": "hard"}}.items():
+        pretrain(cfg_for(tiny_world, tmp_path / name, "vlbert-tiny", steps=1, ckpt_every=100, **kw))
+        first[name] = MetricsLog.read(tmp_path / name / "metrics.jsonl")[0]
+    assert first["default"]["roi_cls_loss"] == first["soft"]["roi_cls_loss"] != first["hard"]["roi_cls_loss"]
+    assert first["soft"]["mlm_loss"] == first["hard"]["mlm_loss"]
+    with pytest.raises(VlbertsError, match="--roi_target must be soft or hard, got 'argmax'"):
+        pretrain(cfg_for(tiny_world, tmp_path / "bad", "vlbert-tiny", roi_target="argmax"))

@@ -187,6 +187,15 @@ def test_variants(name, tags, match):
                                               "S-VisualBERT_NT", "H-VisualBERT"}
 
 
+def test_s_small_is_the_small_config_trained_on_pairs():
+    import dataclasses
+
+    s, w = model_config("wvisualbert-s-small"), model_config("wvisualbert-small")
+    assert (s.variant, s.match_head, w.variant, w.match_head) == ("S", True, "W", False)
+    assert dataclasses.replace(s, variant="W", match_head=False) == w
+    assert s.describe().startswith("S-VisualBERT")
+
+
 def test_tiny_forward_backward_reaches_tag_and_region_parameters():
     torch.manual_seed(0)
     model = build_pretraining_model(wvisualbert_tiny()).train()

@@ -202,7 +202,7 @@ def vlbert_base(**kw: Any) -> VLBertConfig:
 
 def vlbert_small(**kw: Any) -> VLBertConfig:
     """The laptop-scale VL-BERT, in the spirit of `visualbert_small`: 6 layers x 8 heads, width 128,
-    feed-forward 512, VL-BERT's own sin/cos geometry at 128 dimensions (the paper's 2048 would dwarf a
+    feed-forward `SMALL_FFN`, VL-BERT's own sin/cos geometry at 128 dimensions (the paper's 2048 would dwarf a
     128-wide model), precomputed features, no dropout (visual dropout included). `vlberts pretrain` sizes
     the masked RoI classification head from the store's cls_prob."""
     base = VLBertConfig(
@@ -229,13 +229,21 @@ def vlbert_e2e_tiny(**kw: Any) -> VLBertConfig:
 
 def wvisualbert_small(**kw: Any) -> WVisualBertConfig:
     """The laptop-scale W-VisualBERT, in the spirit of `visualbert_small`: 6 layers x 8 heads, width 128,
-    feed-forward 512, tags and its own 4-d boxes, no dropout; the W variant (unpaired batches, no match
+    feed-forward `SMALL_FFN`, tags and its own 4-d boxes, no dropout; the W variant (unpaired batches, no match
     head). `vlberts pretrain` sizes the object/attribute heads from the store."""
     base = WVisualBertConfig(
         hidden_size=128, num_layers=6, num_heads=8, intermediate_size=SMALL_FFN, max_position_embeddings=128,
         hidden_dropout=0.0, attention_dropout=0.0,
     )
     return dataclasses.replace(base, **kw)
+
+
+def wvisualbert_s_small(**kw: Any) -> WVisualBertConfig:
+    """`wvisualbert_small` as S-VisualBERT (W-VisualBERT §3.1, §4.1): the same architecture and tags, pre-trained
+    on paired captions and images with the text-image match objective added. The W variant's paper does not
+    expect a pre-trained W-VisualBERT to ground ("expected to easily acquire grounding through fine-tuning",
+    §2); this one shows the architecture with aligned data (`vlberts demo --model=wvisualbert-s-small`)."""
+    return wvisualbert_small(**{"variant": "S", "match_head": True, **kw})
 
 
 MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
@@ -260,6 +268,7 @@ MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "vlbert-e2e-tiny": vlbert_e2e_tiny,
     "wvisualbert-base": wvisualbert_base,
     "wvisualbert-small": wvisualbert_small,
+    "wvisualbert-s-small": wvisualbert_s_small,
     "wvisualbert-tiny": wvisualbert_tiny,
     "wvisualbert-nt": wvisualbert_nt,
     "wvisualbert-s": wvisualbert_s,

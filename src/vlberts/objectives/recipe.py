@@ -7,7 +7,8 @@ matching-label convention and region masking rule, and the one function that com
                                                                            15% regions, 90% zeroed; masked
                                                                            losses only on aligned pairs
     vlbert       mlm, roi_cls                                 §3.2-3.3    one caption; 15% RoIs, 90% replaced
-                                                                           by the model's mask vector; no matching
+                                                                           by the model's mask vector; no matching;
+                                                                           soft target (released code) or hard
     lxmert       mlm, feat, obj, attr, match                  §3.1        one caption, p=0.5 another image's;
                                                                            15% regions, 80% zero / 10% other image
     wvisualbert  mlm, tag_mlm, feat, obj, attr (+ match in S/H) §3        tags from the detector's obj_id;
@@ -86,7 +87,9 @@ class ArchRecipe:
     zero_in_data: bool = True  # corrupt masked features in the batch; False: the model does (VL-BERT)
     replace_from_other_image: bool = False  # the rule's random replacements come from another image
     drop_unmatched: bool = False  # masked-modelling targets only on matched pairs (ViLBERT --objective 1)
-    roi_target: Literal["soft", "hard"] = "hard"  # VL-BERT masked RoI classification target
+    # VL-BERT masked RoI classification target: the released code's soft target (the detector's score vector),
+    # or the paper's hard one (its argmax class); `--roi_target` picks (objectives.regions.masked_roi_loss).
+    roi_target: Literal["soft", "hard"] = "soft"
     model_inputs: tuple[str, ...] = ()  # extra forward arguments: "roi_masked" (VL-BERT), "tags" (W-VisualBERT)
     head_sizes: Mapping[str, StoreSize] = field(default_factory=dict)  # config field -> store quantity
     # The config value (field, value) that selects unpaired text-only / image-only batches (W-VisualBERT).

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,9 @@ class PretrainConfig:
         "instead of mlm_prob (comma list, e.g. red=0.3,circle=0.7; default none; see the README: the demo's masking)"
     )
     match_weight: float = opt(1.0, "weight of the matching loss in the paper recipe (when --objectives is empty)")
+    roi_target: str = opt("soft", "VL-BERT masked RoI classification target: soft (the detector's score vector, as "
+                          "the released code) or hard (its argmax class, as the paper's text; README, \"VL-BERT's "
+                          "masked RoI target\")")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
     qa_vqa_questions: str = opt("", "LXMERT image-QA pre-training: VQA v2 questions json whose questions join the "
                                 "sentences, answers as QA labels (needs --qa_vqa_annotations)")
@@ -381,7 +384,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
     arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
-    recipe = RECIPES[arch]
+    if cfg.roi_target not in ("soft", "hard"):
+        raise VlbertsError(f"--roi_target must be soft or hard, got {cfg.roi_target!r}")
+    recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
     qa = image_qa(cfg, arch)
     if streamed:
         if qa is not None:
