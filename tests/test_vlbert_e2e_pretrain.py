@@ -136,7 +136,9 @@ def test_e2e_pretraining_trains_the_cnn_and_the_losses_fall(tiny_world, tmp_path
 
     monkeypatch.setattr(recipe_mod, "build_pretraining_model", build_and_keep)
     out = tmp_path / "e2e"
-    final = pretrain(e2e_cfg(tiny_world, out, steps=30, ckpt_every=100))
+    # The hard target: the tiny world's detector scores are close to uniform, so the soft target's loss
+    # starts at its floor (their entropy) and cannot fall by 5% (test_text_corpus.py says the same).
+    final = pretrain(e2e_cfg(tiny_world, out, steps=30, ckpt_every=100, roi_target="hard"))
     log = MetricsLog.read(out / "metrics.jsonl")
     assert [r["step"] for r in log] == list(range(1, 31))
     assert all(r.keys() >= {"mlm_loss", "roi_cls_loss"} and math.isfinite(r["loss"]) for r in log)
