@@ -130,7 +130,7 @@ class PretrainConfig:
         "instead of mlm_prob (comma list, e.g. red=0.3,circle=0.7; default none; see the README: the demo's masking)"
     )
     match_weight: float = opt(1.0, "weight of the matching loss in the paper recipe (when --objectives is empty)")
-    roi_target: str = opt("soft", "VL-BERT masked RoI classification target: soft (the detector's score vector, as "
+    roi_target: str = opt(ArchRecipe.roi_target, "VL-BERT masked RoI classification target: soft (the detector's score vector, as "
                           "the released code) or hard (its argmax class, as the paper's text; README, \"VL-BERT's "
                           "masked RoI target\")")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
