@@ -15,6 +15,7 @@ VLBERTS = Path(sys.executable).with_name("vlberts")
 
 ROW_KEYS = {
     "arch", "model", "params", "pretrain_seconds", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed",
+    "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed",
     "vqa_accuracy", "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
     "grounding_baseline_acc", "num_layers",
 }

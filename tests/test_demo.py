@@ -15,6 +15,7 @@ VLBERTS = Path(sys.executable).with_name("vlberts")
 KEYS = {
     "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "vqa_majority_baseline",
     "grounding_best_head_acc", "grounding_baseline_acc", "grounding_best_layer", "num_layers", "seconds",
+    "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed", "mlm_direction_word_n",
 }
 
 # Toy settings on top of --quick: the point is that every step runs and reports, not the numbers.
@@ -36,6 +37,11 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
     assert "http://" not in html and "https://" not in html  # self-contained
     assert "entity grounding" in proc.stdout and "report:" in proc.stdout
+    # The direction-word probe counts every left/right/above/below of the test captions.
+    test_caps = json.loads((out / "world/annotations/captions_test.json").read_text())["annotations"]
+    n_dir = sum(w in ("left", "right", "above", "below") for c in test_caps for w in c["caption"].split())
+    assert summary["mlm_direction_word_n"] == n_dir > 0
+    assert "masked direction words" in proc.stdout and "masked direction words" in html
     for sub in ("world/annotations/captions_train.json", "features.h5", "pretrain/model/model.safetensors",
                 "vqa/predictions.json", "grounding/entity_grounding.png"):
         assert (out / sub).exists(), sub

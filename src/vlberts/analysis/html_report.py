@@ -86,6 +86,8 @@ img{max-width:100%}code{background:#f3f3f3;padding:0 .2em}
 <table><tr><th>number</th><th>value</th></tr>
 <tr><td>MLM accuracy on masked colour/shape words, with the image</td><td>{{ '%.2f' % s.mlm_visual_word_acc }}%</td></tr>
 <tr><td>same checkpoint, region features zeroed</td><td>{{ '%.2f' % s.mlm_visual_word_acc_regions_zeroed }}%</td></tr>
+<tr><td>MLM accuracy on masked direction words (left/right/above/below), with the image</td><td>{{ '%.2f' % s.mlm_direction_word_acc }}%</td></tr>
+<tr><td>same checkpoint, region features zeroed</td><td>{{ '%.2f' % s.mlm_direction_word_acc_regions_zeroed }}%</td></tr>
 <tr><td>VQA accuracy (official metric, test split)</td><td>{{ '%.2f' % s.vqa_accuracy }}%</td></tr>
 <tr><td>VQA majority-answer baseline</td><td>{{ '%.2f' % s.vqa_majority_baseline }}%</td></tr>
 <tr><td>best head's entity-grounding accuracy (head {{ s.grounding_best_head }})</td><td>{{ '%.2f' % s.grounding_best_head_acc }}%</td></tr>
@@ -103,6 +105,12 @@ pre-trained MLM head from <code>[CLS] caption [SEP]</code> and the image's regio
 region features set to zero (boxes kept). {{ probe.with_regions.n }} words.</p>
 <table><tr><th>word</th><th>with image (%)</th><th>regions zeroed (%)</th></tr>
 {% for w, a in probe.with_regions.per_word.items() %}<tr><td>{{ w }}</td><td>{{ '%.1f' % a }}</td><td>{{ '%.1f' % probe.regions_zeroed.per_word[w] }}</td></tr>
+{% endfor %}</table>
+<p>Direction words ("left", "right", "above", "below"), probed the same way ({{ probe.directions.with_regions.n }}
+words): the caption's text leaves each one's opposite as likely, so only the two referents' boxes in the image
+decide it.</p>
+<table><tr><th>word</th><th>with image (%)</th><th>regions zeroed (%)</th></tr>
+{% for w, a in probe.directions.with_regions.per_word.items() %}<tr><td>{{ w }}</td><td>{{ '%.1f' % a }}</td><td>{{ '%.1f' % probe.directions.regions_zeroed.per_word[w] }}</td></tr>
 {% endfor %}</table>
 
 <h2>VQA</h2>

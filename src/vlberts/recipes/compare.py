@@ -176,7 +176,8 @@ CONFIG_CLASS = CompareConfig
 
 # The summary numbers each comparison row keeps (recipes/demo.py `run_model` writes them for every architecture).
 HEADLINE = (
-    "model", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "mlm_visual_word_n", "vqa_accuracy",
+    "model", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "mlm_visual_word_n",
+    "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed", "vqa_accuracy",
     "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
     "grounding_baseline_acc", "num_layers", "num_heads", "seconds",
 )
@@ -256,7 +257,8 @@ def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log:
 
 
 # Numbers that vary with the seed: averaged over seeds, with their standard deviation as KEY_std.
-SEED_VARYING = ("mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "grounding_best_head_acc",
+SEED_VARYING = ("mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "mlm_direction_word_acc",
+                "mlm_direction_word_acc_regions_zeroed", "vqa_accuracy", "grounding_best_head_acc",
                 "pretrain_seconds", "seconds",
                 *(f"{name}_{t.score.replace('.', '_')}" for name, t in EXTRA_TASKS.items()),
                 *(f"{name}_seconds" for name in EXTRA_TASKS))

@@ -3,7 +3,8 @@
     1. world      build a seeded world, exported in the real formats          OUT/world/
     2. features   train the world detector, extract region features           OUT/features.h5
     3. pretrain   ARCH (VisualBERT by default) with its paper's objectives     OUT/pretrain/
-    4. probe      masked colour/shape words, with the regions and zeroed      (numbers in summary.json)
+    4. probe      masked colour/shape words (and direction words), with the
+                  regions and with them zeroed                                (numbers in summary.json)
     5. VQA        fine-tune on the train questions, score the test questions  OUT/vqa/
     6. grounding  entity grounding by attention heads on the test captions    OUT/grounding/
     7. report     OUT/report.html, OUT/summary.json, a printed summary
@@ -41,7 +42,7 @@ from vlberts.recipes.pretrain import PretrainConfig, pretrain
 from vlberts.training.checkpoint import load_pretraining_model, read_model_config
 from vlberts.training.distributed import launch
 from vlberts.world.build import WorldConfig, build_world
-from vlberts.world.vocab import COLOUR_NAMES, SHAPE_PLURALS, SHAPES
+from vlberts.world.vocab import COLOUR_NAMES, OPPOSITE, SHAPE_PLURALS, SHAPES
 
 MARKER = ".vlberts-demo"  # marks a directory the demo may replace
 
@@ -205,6 +206,9 @@ def run_model(
     _record(timings, "probe", t)
     log(f"masked colour/shape words: {probe['with_regions']['accuracy']:.1f}% with the image, "
         f"{probe['regions_zeroed']['accuracy']:.1f}% with region features zeroed ({probe['with_regions']['n']} words)")
+    d = probe["directions"]
+    log(f"masked direction words: {d['with_regions']['accuracy']:.1f}% with the image, "
+        f"{d['regions_zeroed']['accuracy']:.1f}% with region features zeroed ({d['with_regions']['n']} words)")
 
     # 5. VQA fine-tuning and official evaluation on the test split.
     t = time.perf_counter()
@@ -239,6 +243,9 @@ def run_model(
         "mlm_visual_word_acc": round(probe["with_regions"]["accuracy"], 2),
         "mlm_visual_word_acc_regions_zeroed": round(probe["regions_zeroed"]["accuracy"], 2),
         "mlm_visual_word_n": probe["with_regions"]["n"],
+        "mlm_direction_word_acc": round(probe["directions"]["with_regions"]["accuracy"], 2),
+        "mlm_direction_word_acc_regions_zeroed": round(probe["directions"]["regions_zeroed"]["accuracy"], 2),
+        "mlm_direction_word_n": probe["directions"]["with_regions"]["n"],
         "vqa_accuracy": vqa_metrics["accuracy"],
         "vqa_majority_baseline": vqa_metrics["majority_baseline"],
         "vqa_per_answer_type": vqa_metrics["per_answer_type"],
@@ -278,19 +285,31 @@ def word_probs(shape: float, colour: float) -> tuple[str, ...]:
     return (*(f"{w}={shape}" for w in shapes), *(f"{w}={colour}" for w in COLOUR_NAMES))
 
 
+# The words that name the direction from one box to another ("left", "right", "above", "below"). A caption
+# says which of two opposites holds only through the image, so text alone scores about half of them; a model
+# above its zeroed-regions score reads the two referents' box geometry, which relation questions, prepositions
+# (Table 2's pobj) and VCR's QA->R rationales need. Reported, not a check (README, "What holds").
+DIRECTION_WORDS = tuple(OPPOSITE)
+
+
 def visual_word_probe(model_dir: Path, world: Path, features: Path, split: str = "test", device: str = "auto") -> dict[str, Any]:
-    """MLM accuracy on masked colour and shape words of the split's captions, with and without the image."""
+    """MLM accuracy on masked colour and shape words of the split's captions, with and without the image
+    (top-level keys), and the same for the direction words under "directions"."""
     from vlberts.text.tokenizer import TextTokenizer
 
     model, _, _ = load_pretraining_model(model_dir)
     tok = TextTokenizer.load(model_dir)
     captions = read_caption_refs(world / "annotations" / f"captions_{split}.json")
-    items = probe_items(captions, tok, set(SHAPES) | set(COLOUR_NAMES))
-    with RegionStore(features) as store:
+
+    def both(words: set[str]) -> dict[str, Any]:
+        items = probe_items(captions, tok, words)
         return {
             "with_regions": visual_word_accuracy(model, items, store, device=device),
             "regions_zeroed": visual_word_accuracy(model, items, store, zero_regions=True, device=device),
         }
+
+    with RegionStore(features) as store:
+        return {**both(set(SHAPES) | set(COLOUR_NAMES)), "directions": both(set(DIRECTION_WORDS))}
 
 
 def config_from_args(args: list[str], base: dict | None = None) -> DemoConfig:
@@ -306,6 +325,8 @@ def format_summary(s: dict[str, Any], out: str | Path) -> str:
         f"{s['num_layers']} layers x {s['num_heads']} heads, {s['images']} images",
         f"  masked colour/shape words   {s['mlm_visual_word_acc']:6.2f}% with the image, "
         f"{s['mlm_visual_word_acc_regions_zeroed']:6.2f}% with regions zeroed",
+        f"  masked direction words      {s['mlm_direction_word_acc']:6.2f}% with the image, "
+        f"{s['mlm_direction_word_acc_regions_zeroed']:6.2f}% with regions zeroed (not a check)",
         f"  VQA (test, official metric) {s['vqa_accuracy']:6.2f}%, majority baseline {s['vqa_majority_baseline']:6.2f}%",
         f"  entity grounding            best head {s['grounding_best_head']} {s['grounding_best_head_acc']:6.2f}% "
         f"(layer {s['grounding_best_layer']}), most-confident-region baseline {s['grounding_baseline_acc']:6.2f}%",
