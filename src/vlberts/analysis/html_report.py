@@ -99,19 +99,18 @@ img{max-width:100%}code{background:#f3f3f3;padding:0 .2em}
 <h2>Pre-training</h2>
 {% if loss_png %}<img src="{{ loss_png }}" alt="pre-training losses">{% endif %}
 
+{% macro word_table(p) %}<table><tr><th>word</th><th>with image (%)</th><th>regions zeroed (%)</th></tr>
+{% for w, a in p.with_regions.per_word.items() %}<tr><td>{{ w }}</td><td>{{ '%.1f' % a }}</td><td>{{ '%.1f' % p.regions_zeroed.per_word[w] }}</td></tr>
+{% endfor %}</table>{% endmacro %}
 <h2>Masked visual words</h2>
 <p>Each colour or shape word of the test captions is masked (all its subwords) and predicted by the
 pre-trained MLM head from <code>[CLS] caption [SEP]</code> and the image's regions, then again with the
 region features set to zero (boxes kept). {{ probe.with_regions.n }} words.</p>
-<table><tr><th>word</th><th>with image (%)</th><th>regions zeroed (%)</th></tr>
-{% for w, a in probe.with_regions.per_word.items() %}<tr><td>{{ w }}</td><td>{{ '%.1f' % a }}</td><td>{{ '%.1f' % probe.regions_zeroed.per_word[w] }}</td></tr>
-{% endfor %}</table>
+{{ word_table(probe) }}
 <p>Direction words ("left", "right", "above", "below"), probed the same way ({{ probe.directions.with_regions.n }}
 words): the caption's text leaves each one's opposite as likely, so only the two referents' boxes in the image
 decide it.</p>
-<table><tr><th>word</th><th>with image (%)</th><th>regions zeroed (%)</th></tr>
-{% for w, a in probe.directions.with_regions.per_word.items() %}<tr><td>{{ w }}</td><td>{{ '%.1f' % a }}</td><td>{{ '%.1f' % probe.directions.regions_zeroed.per_word[w] }}</td></tr>
-{% endfor %}</table>
+{{ word_table(probe.directions) }}
 
 <h2>VQA</h2>
 <table><tr><th>answer type</th><th>accuracy (%)</th><th>majority baseline (%)</th></tr>

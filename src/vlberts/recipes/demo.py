@@ -287,8 +287,8 @@ def word_probs(shape: float, colour: float) -> tuple[str, ...]:
 
 # The words that name the direction from one box to another ("left", "right", "above", "below"). A caption
 # says which of two opposites holds only through the image, so text alone scores about half of them; a model
-# above its zeroed-regions score reads the two referents' box geometry, which relation questions, prepositions
-# (Table 2's pobj) and VCR's QA->R rationales need. Reported, not a check (README, "What holds").
+# above its zeroed-regions score compares the two referents' boxes, which VQA's relation questions and VCR's
+# QA->R rationales need. Reported, not a check (README, "Spatial relations").
 DIRECTION_WORDS = tuple(OPPOSITE)
 
 
