@@ -46,10 +46,15 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
                 "vqa/predictions.json", "grounding/entity_grounding.png"):
         assert (out / sub).exists(), sub
 
-    # Running again replaces the earlier demo.
-    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--seed=1"], capture_output=True, text=True)
+    # The default vocabulary is trained on the captions; it has no "?" (README, "The world's vocabulary").
+    assert "?" not in (out / "pretrain/model/vocab.txt").read_text().split("\n")
+
+    # Running again replaces the earlier demo; --vocab=world pre-trains with the world's vocabulary.
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--seed=1", "--vocab=world"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "summary.json").read_text())["seed"] == 1
+    assert (out / "pretrain/model/vocab.txt").read_text() == (out / "world/vocab/vocab.txt").read_text()
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
@@ -60,6 +65,10 @@ def test_demo_refuses_a_directory_it_did_not_make(tmp_path):
     assert proc.returncode == 2
     assert "was not made by `vlberts demo`" in proc.stderr and "Traceback" not in proc.stderr
     assert (out / "thesis.tex").read_text() == "precious"
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(tmp_path / "v"), "--vocab=bert"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "unknown vocabulary 'bert'; valid: captions, world" in proc.stderr and not (tmp_path / "v").exists()
 
 
 @pytest.mark.parametrize("arch", ["vilbert", "vlbert", "lxmert", "wvisualbert"])

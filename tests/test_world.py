@@ -319,3 +319,23 @@ def test_explicit_phrases_name_colour_and_shape_and_minimal_ones_need_not(images
     assert lacking > 0.3 * len(minimal)
     with pytest.raises(VlbertsError, match="referring must be one of explicit, minimal"):
         build_world("unused", n_images=1, seed=0, config=WorldConfig(referring="verbose"))
+
+
+def test_world_vocabulary_holds_every_word_of_every_text_as_one_token(tiny_world):
+    """WORLD/vocab/ (world.language): questions, statements and rationales reach the model word by word,
+    where a vocabulary of the captions alone spells them letter by letter or as [UNK]."""
+    from vlberts.text.tokenizer import TextTokenizer
+    from vlberts.world.language import world_texts
+
+    tok = TextTokenizer.load(tiny_world.root / "vocab")
+    texts = list(world_texts(tiny_world.root))
+    kinds = {"what size is", "exactly", "only one image", "in total", "?"}
+    assert all(any(k in t.lower() for t in texts) for k in kinds)  # VQA, NLVR2, GQA/VCR text is in it
+    vocab = tok.tok.get_vocab()
+    pieces = {i for t, i in vocab.items() if t.startswith("##")} | {tok.unk_id}
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids and not pieces & set(ids), text  # every word one whole token, none unknown
+    captions = json.loads(tiny_world.captions_train.read_text())["annotations"]
+    captions_only = TextTokenizer.train(c["caption"] for c in captions)
+    assert captions_only.unk_id in captions_only.encode("what size is it?")

@@ -33,7 +33,7 @@ from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.models.builders import ARCHS
 from vlberts.recipes.common import opt, set_threads
-from vlberts.recipes.demo import DemoConfig, build_inputs, prepare_out, run_model, run_procs
+from vlberts.recipes.demo import DemoConfig, build_inputs, prepare_out, pretrain_tokenizer, run_model, run_procs
 from vlberts.recipes.finetune_gqa import FinetuneGQAConfig, finetune_gqa
 from vlberts.training.checkpoint import load_pretraining_model
 
@@ -288,6 +288,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     set_threads()
     archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
+    pretrain_tokenizer(cfg, out / "world")
     prepare_out(out, command="compare")
     t0 = time.perf_counter()
     inputs = build_inputs(cfg, out, log)

@@ -42,6 +42,7 @@ from vlberts.recipes.pretrain import PretrainConfig, pretrain
 from vlberts.training.checkpoint import load_pretraining_model, read_model_config
 from vlberts.training.distributed import launch
 from vlberts.world.build import WorldConfig, build_world
+from vlberts.world.language import VOCAB_DIR
 from vlberts.world.vocab import COLOUR_NAMES, OPPOSITE, SHAPE_PLURALS, SHAPES
 
 MARKER = ".vlberts-demo"  # marks a directory the demo may replace
@@ -66,6 +67,9 @@ class DemoConfig:
     vqa_epochs: float = opt(4.0, "VQA fine-tuning epochs (quick: 0.5)")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
+    vocab: str = opt("captions", "pre-training vocabulary: captions (WordPiece trained on the training captions) or "
+                     "world (WORLD/vocab/, every text of the world: questions and statements too); README, "
+                     "\"The world's vocabulary\"")
     lxmert_qa: bool = opt(False, "LXMERT also pre-trains image QA (§3.1.3) on the world's VQA and GQA training "
                           "questions (12 per image beside 5 captions), the QA loss in the last half; default off: "
                           "README, \"LXMERT's image QA\"")
@@ -97,6 +101,16 @@ def prepare_out(out: Path, command: str = "demo") -> None:
     (out / MARKER).write_text(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
 
 
+VOCABS = ("captions", "world")
+
+
+def pretrain_tokenizer(cfg: DemoConfig, world: Path) -> str:
+    """`PretrainConfig.tokenizer` for cfg's vocabulary: empty (train one on the captions) or the world's."""
+    if cfg.vocab not in VOCABS:
+        raise VlbertsError(f"unknown vocabulary {cfg.vocab!r}; valid: {', '.join(VOCABS)}")
+    return str(world / VOCAB_DIR) if cfg.vocab == "world" else ""
+
+
 def model_name(cfg: DemoConfig) -> str:
     """The model the demo trains: `model` if given, else the architecture's laptop-scale configuration."""
     if cfg.model:
@@ -109,8 +123,9 @@ def model_name(cfg: DemoConfig) -> str:
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
     set_threads()
-    model_name(cfg)  # an unknown architecture fails before any work
+    model_name(cfg)  # an unknown architecture or vocabulary fails before any work
     out = Path(cfg.out)
+    pretrain_tokenizer(cfg, out / "world")
     prepare_out(out)
     t0 = time.perf_counter()
     timings = build_inputs(cfg, out, log)
@@ -186,7 +201,7 @@ def run_model(
         model=model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
         mlm_word_probs=word_probs(cfg.shape_mask_prob, cfg.colour_mask_prob), length_group=cfg.length_group,
         seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
-        device=cfg.device, preload_features=True,
+        device=cfg.device, preload_features=True, tokenizer=pretrain_tokenizer(cfg, world),
     )
     if cfg.lxmert_qa and arch_of(model_config(model)) == "lxmert":  # LXMERT §3.2: questions join the sentences
         pre_cfg = replace(

@@ -17,6 +17,7 @@
     OUT/parses/{train,val,test}.conllu                 gold Stanford dependency parses
     OUT/text/documents.txt                             text-only documents, BERT's format (world.documents)
     OUT/unpaired_images.txt                            H-VisualBERT's image-only set: train image ids
+    OUT/vocab/vocab.txt, vocab/tokenizer_config.json   WordPiece vocabulary of every text above (world.language)
     OUT/world.json                                     seed, counts, vocabularies, conventions
 
 Determinism: everything random about image k is drawn from `SeedSequence([seed, k])` (one child
@@ -50,6 +51,7 @@ from vlberts.world import refcoco as world_refcoco
 from vlberts.world.nlvr2 import write_nlvr2
 from vlberts.world import vcr as world_vcr
 from vlberts.world import documents as world_documents
+from vlberts.world.language import write_world_vocab
 from vlberts.world.gqa import GQA_SPLITS, GQAQuestion, generate_gqa_questions, gqa_record
 from vlberts.world.grammar import REFERRING_STYLES, Caption, generate_captions
 from vlberts.world.png import encode_png
@@ -290,6 +292,7 @@ def build_world(
             with _pool_context().Pool(n_workers, initializer=_init_worker, initargs=(str(root), seed, cfg)) as pool:
                 results = list(pool.imap(_build_image, items, chunksize=chunk))
                 _write_collections(root, results, seed, n_images, cfg, pool=pool)
+        write_world_vocab(root)  # read back from the files above: the language every reader will see
         info = WorldInfo(
             out=Path(out), seed=seed, n_images=n_images, image_size=cfg.image_size,
             splits={s: sum(1 for r in results if r.split == s) for s in SPLITS},
