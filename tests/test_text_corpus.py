@@ -71,14 +71,15 @@ def test_world_writes_documents_and_an_image_only_set(tiny_world):
 
 def test_documents_leave_every_other_world_file_unchanged(tmp_path, monkeypatch):
     """The documents and the image-only set draw from their own seed streams: changing what they hold
-    changes no byte of any other file."""
+    changes no byte of any other file but the world's vocabulary, which is read back from every text
+    (world.language; here the word counts change)."""
     build_world(tmp_path / "a", n_images=12, seed=9, workers=1)
     monkeypatch.setattr(world_documents, "generate_document", lambda seed, d, cfg=None: ["something else ."])
     monkeypatch.setattr(world_documents, "unpaired_images", lambda ids, seed: ids[:1])
     build_world(tmp_path / "b", n_images=12, seed=9, workers=1)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     changed = [f for f in files if (tmp_path / "a" / f).read_bytes() != (tmp_path / "b" / f).read_bytes()]
-    assert changed == [Path("text/documents.txt"), Path("unpaired_images.txt")]
+    assert changed == [Path("text/documents.txt"), Path("unpaired_images.txt"), Path("vocab/vocab.txt")]
 
 
 # --------------------------------------------------------------------------- readers
