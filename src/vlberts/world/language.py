@@ -27,7 +27,7 @@ from vlberts.data.vcr import read_vcr, render_tokens
 from vlberts.text.tokenizer import TextTokenizer
 
 VOCAB_DIR = "vocab"  # WORLD/vocab/: the tokenizer directory
-MAX_VOCAB = 1000  # a cap; the world's language has about 150 words and 60 characters
+MAX_VOCAB = 1000  # a cap: the demo world's vocabulary holds 5 specials, 38 characters (x2 with ##) and 130 words
 
 
 def _json(path: Path):
