@@ -19,45 +19,39 @@ the exported files, so it holds exactly what the readers will see.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from vlberts.data.vcr import read_vcr, render_tokens
+from vlberts.io import read_json, read_jsonl
 from vlberts.text.tokenizer import TextTokenizer
 
 VOCAB_DIR = "vocab"  # WORLD/vocab/: the tokenizer directory
 MAX_VOCAB = 1000  # a cap: the demo world's vocabulary holds 5 specials, 38 characters (x2 with ##) and 130 words
 
 
-def _json(path: Path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def world_texts(root: str | Path) -> Iterator[str]:
     """Every text of the exported world at `root` (module docstring)."""
     root = Path(root)
     for path in sorted((root / "annotations").glob("captions_*.json")):
-        yield from (a["caption"] for a in _json(path)["annotations"])
+        yield from (a["caption"] for a in read_json(path)["annotations"])
     for path in sorted((root / "vqa").glob("v2_OpenEnded_world_*_questions.json")):
-        yield from (q["question"] for q in _json(path)["questions"])
+        yield from (q["question"] for q in read_json(path)["questions"])
     for path in sorted((root / "vqa").glob("v2_world_*_annotations.json")):
-        yield from (a["answer"] for ann in _json(path)["annotations"] for a in ann["answers"])
+        yield from (a["answer"] for ann in read_json(path)["annotations"] for a in ann["answers"])
     for path in sorted((root / "gqa").glob("*_questions.json")):
-        for q in _json(path).values():
+        for q in read_json(path).values():
             yield from (q["question"], q.get("answer", ""), q.get("fullAnswer", ""))
     for path in sorted((root / "nlvr2").glob("*.json")):
         if path.name != "images.json":
-            with open(path, encoding="utf-8") as f:
-                yield from (json.loads(line)["sentence"] for line in f if line.strip())
+            yield from (rec["sentence"] for rec in read_jsonl(path))
     for path in sorted((root / "vcr").glob("*.jsonl")):
         for ex in read_vcr(path):
             for tokens in (ex.question, *ex.answer_choices, *ex.rationale_choices):
                 yield " ".join(render_tokens(tokens, ex.objects).words)
     refs = root / "refcoco+" / "refs.json"
     if refs.is_file():
-        yield from (s["sent"] for ref in _json(refs) for s in ref["sentences"])
+        yield from (s["sent"] for ref in read_json(refs) for s in ref["sentences"])
     documents = root / "text" / "documents.txt"
     if documents.is_file():
         with open(documents, encoding="utf-8") as f:
