@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
@@ -19,6 +20,11 @@ ROW_KEYS = {
     "vqa_accuracy", "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
     "grounding_baseline_acc", "num_layers",
 }
+
+# task -> (x VQA's learning rate, x its epochs, its batch divided by): NLVR2 and VCR at 0.4x the learning
+# rate, RefCOCO+ 5x the epochs at 0.2x, retrieval and VCR count groups of 4 sequences (README, "Comparing").
+SCHEDULES = {"gqa": (1.0, 1.0, 1), "nlvr2": (0.4, 1.0, 1), "retrieval": (1.0, 1.0, 4), "refcoco": (0.2, 5.0, 2),
+             "vcr": (0.4, 0.5, 4)}
 
 # The demo test's toy settings (tests/test_demo.py): the point is that every step runs, not the numbers.
 TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=0.2", "--detector_epochs=1"]
@@ -55,6 +61,13 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
         vcr = json.loads((out / arch / "vcr" / "metrics.json").read_text())
         assert vcr["mode"] == "qa" and row["vcr_q2a"] == vcr["q2a"] and row["vcr_chance"] == 25.0
         assert row["arch"] == arch and row["model"] == f"{arch}-small" and row["params"] > 0
+        # Each task ran on VQA's schedule scaled as TASK_SCHEDULES says (x learning rate, x epochs, / batch).
+        vqa_run = json.loads((out / arch / "vqa" / "run_config.json").read_text())
+        for task, (lr_x, epochs_x, batch_div) in SCHEDULES.items():
+            run = json.loads((out / arch / task / "run_config.json").read_text())
+            assert run["lr"] == pytest.approx(vqa_run["lr"] * lr_x), (arch, task)
+            assert run["epochs"] == pytest.approx(vqa_run["epochs"] * epochs_x), (arch, task)
+            assert run["batch_size"] == max(1, vqa_run["batch_size"] // batch_div), (arch, task)
     # Identical settings: both pre-trained for the same updates on the same world.
     summaries = [json.loads((out / a / "summary.json").read_text()) for a in ("visualbert", "lxmert")]
     for key in ("seed", "images", "pretrain_steps", "shape_mask_prob", "colour_mask_prob"):
