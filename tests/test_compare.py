@@ -117,3 +117,34 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     assert row["grounding_best_head"] == ",".join(r["grounding_best_head"] for r in runs)
     md = (out / "comparison.md").read_text()
     assert f"{row['vqa_accuracy']:.2f} ± {row['vqa_accuracy_std']:.2f}" in md
+
+
+def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):
+    out = tmp_path / "cmp"
+    base = [str(VLBERTS), "compare", "--quick", "--out", str(out), *TOY]
+    proc = subprocess.run([*base, "--archs=visualbert"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads((out / "comparison.json").read_text())["archs"]["visualbert"]
+    model_mtime = (out / "visualbert/pretrain/model/model.safetensors").stat().st_mtime_ns
+
+    # --resume=true adds a task and an architecture to the finished comparison: nothing it holds is redone.
+    proc = subprocess.run([*base, "--archs=visualbert,lxmert", "--tasks=vqa,gqa", "--resume=true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "Built the embedded world" not in proc.stderr and "trained the world detector" not in proc.stderr
+    assert "kept the pre-trained visualbert-small" in proc.stderr and "kept the VQA fine-tuning" in proc.stderr
+    assert (out / "visualbert/pretrain/model/model.safetensors").stat().st_mtime_ns == model_mtime
+    rows = json.loads((out / "comparison.json").read_text())["archs"]
+    assert list(rows) == ["visualbert", "lxmert"]
+    assert rows["visualbert"]["vqa_accuracy"] == first["vqa_accuracy"]
+    assert rows["visualbert"]["pretrain_seconds"] == first["pretrain_seconds"]  # the kept step's own seconds
+    for arch in rows:
+        gqa = json.loads((out / arch / "gqa" / "metrics.json").read_text())
+        assert rows[arch]["gqa_accuracy"] == gqa["accuracy"]
+
+    # Other settings: one line naming the difference, and the comparison is left as it was.
+    proc = subprocess.run([*base, "--archs=visualbert", "--resume=true", "--pretrain_lr=0.002"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "other settings (pretrain_lr 0.001 -> 0.002)" in proc.stderr
+    assert (out / "lxmert" / "gqa" / "metrics.json").is_file()

@@ -1,9 +1,11 @@
 """`vlberts demo` end to end at toy scale: every step runs, summary.json holds the issue's keys, the
-report is self-contained HTML, and an earlier demo directory is replaced while a foreign one is not."""
+report is self-contained HTML, an interrupted demo continues, and an earlier demo directory is replaced while a
+foreign one is not."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,31 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
 
     # The default vocabulary is trained on the captions; it has no "?" (README, "The world's vocabulary").
     assert "?" not in (out / "pretrain/model/vocab.txt").read_text().split("\n")
+
+    # Interrupted after pre-training's second-last checkpoint, before its model and VQA's metrics were
+    # written: the same command continues. It keeps the world and features, pre-trains the last update
+    # again from the checkpoint (the same weights, byte for byte) and fine-tunes VQA again (the same score).
+    model = (out / "pretrain/model/model.safetensors").read_bytes()
+    features_mtime = (out / "features.h5").stat().st_mtime_ns
+    for sub in ("pretrain/model", "vqa/metrics.json", "summary.json"):
+        shutil.rmtree(out / sub) if (out / sub).is_dir() else (out / sub).unlink()
+    checkpoints = sorted(p.name for p in (out / "pretrain/checkpoints").glob("step_*"))
+    (out / "pretrain/checkpoints/latest").write_text(checkpoints[-2])
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "kept the world and its region features" in proc.stderr and "Built the embedded world" not in proc.stderr
+    assert (out / "features.h5").stat().st_mtime_ns == features_mtime
+    assert (out / "pretrain/model/model.safetensors").read_bytes() == model
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["vqa_accuracy"] == summary["vqa_accuracy"] and resumed["timings"]["world"] == summary["timings"]["world"]
+    # --resume=true keeps every finished step; with other settings it refuses in one line.
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--resume=true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "kept the VQA fine-tuning" in proc.stderr, proc.stderr
+    proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--resume=true", "--seed=1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "other settings (seed 0 -> 1)" in proc.stderr and (out / "summary.json").is_file()
 
     # Running again replaces the earlier demo; --vocab=world pre-trains with the world's vocabulary.
     proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY, "--seed=1", "--vocab=world"],

@@ -10,6 +10,10 @@
       the world and features stay those of --seed), reported as mean and std
     3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
 
+Interrupted and started again with the same settings, a comparison continues where it stopped (the demo's
+`--resume`); `--resume=true` also continues a finished one, e.g. with more --tasks or --archs: every step
+and task whose output is complete is kept (a task: its OUT/ARCH/TASK/metrics.json), the rest runs.
+
 What each paper argues about (one stream or two, which objectives help) only shows when everything else
 is held fixed: every architecture reads the same world, the same region features and the same schedule
 (seed, pre-training steps, batch, learning rate, word-masking probabilities, VQA epochs). What differs
@@ -30,10 +34,11 @@ import numpy as np
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json, write_json
+from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.builders import ARCHS
 from vlberts.recipes.common import opt, set_threads
-from vlberts.recipes.demo import DemoConfig, build_inputs, prepare_out, pretrain_tokenizer, run_model, run_procs
+from vlberts.recipes.demo import (DemoConfig, StepTimes, build_inputs, prepare_out, pretrain_tokenizer, run_model, run_procs,
+                                  run_settings)
 from vlberts.recipes.finetune_gqa import FinetuneGQAConfig, finetune_gqa
 from vlberts.training.checkpoint import load_pretraining_model
 
@@ -43,7 +48,7 @@ class CompareConfig(DemoConfig):
     """The demo's settings, shared by every architecture, and which architectures to run."""
 
     out: str = opt("runs/compare", "output directory: OUT/world and OUT/features.h5 once, OUT/ARCH/ per architecture "
-                   "(replaced if it holds an earlier demo or compare)")
+                   "(replaced if it holds an earlier demo or compare, unless --resume continues it)")
     arch: str = opt("", "not used by compare: --archs lists the architectures")
     model: str = opt("", "not used by compare: each architecture trains its ARCH-small")
     archs: str = opt(",".join(ARCHS), "comma-separated architectures, each pre-trained with its paper's objectives")
@@ -225,11 +230,10 @@ def task_list(cfg: CompareConfig) -> list[str]:
     return names
 
 
-def run_task(name: str, cfg: DemoConfig, arch_out: Path, world: Path, features: Path) -> dict[str, Any]:
-    """Fine-tune extra task `name` from the architecture's pre-trained model (`EXTRA_TASKS`); its metrics.json."""
+def run_task(name: str, cfg: DemoConfig, arch_out: Path, world: Path, features: Path) -> None:
+    """Fine-tune extra task `name` from the architecture's pre-trained model (`EXTRA_TASKS`) into ARCH_OUT/NAME."""
     recipe, task_cfg = EXTRA_TASKS[name].setup(cfg, arch_out, world, features)
     run_procs(recipe, task_cfg, ["finetune", name], cfg.procs, arch_out, name)
-    return read_json(arch_out / name / "metrics.json")
 
 
 def arch_config(cfg: CompareConfig, arch: str, out: Path, seed: int | None = None) -> DemoConfig:
@@ -239,9 +243,13 @@ def arch_config(cfg: CompareConfig, arch: str, out: Path, seed: int | None = Non
     return DemoConfig(**{**shared, "arch": arch, "model": "", "out": str(out), "seed": cfg.seed if seed is None else seed})
 
 
-def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log: Callable[[str], None]) -> dict[str, Any]:
-    """One architecture, one seed: the demo's steps 3-7 and the extra tasks; its comparison row."""
-    s = run_model(acfg, arch_out, out / "world", out / "features.h5", log)
+def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log: Callable[[str], None],
+             resumed: bool = False) -> dict[str, Any]:
+    """One architecture, one seed: the demo's steps 3-7 and the extra tasks; its comparison row. `resumed`:
+    keep what ARCH_OUT already holds finished (OUT/ARCH/timings.json)."""
+    arch_out.mkdir(parents=True, exist_ok=resumed)
+    timings = StepTimes(arch_out, resumed)
+    s = run_model(acfg, arch_out, out / "world", out / "features.h5", log, timings=timings)
     row = {
         "arch": acfg.arch,
         "seed": acfg.seed,
@@ -252,8 +260,12 @@ def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log:
     for name in tasks[1:]:
         t = time.perf_counter()
         task = EXTRA_TASKS[name]
-        numbers = task.row(name, run_task(name, acfg, arch_out, out / "world", out / "features.h5"))
-        row.update(numbers, **{f"{name}_seconds": round(time.perf_counter() - t, 1)})
+        metrics = arch_out / name / "metrics.json"
+        if not timings.keep((name,), metrics.is_file(), log, f"{name} ({metrics})"):
+            run_task(name, acfg, arch_out, out / "world", out / "features.h5")
+            timings.record(name, t)
+        numbers = task.row(name, read_json(metrics))
+        row.update(numbers, **{f"{name}_seconds": timings[name]})
         score, baseline = numbers.values()
         log(f"{name}: {task.header.split(' / ')[0]} {score:.2f} ({task.header.split(' / ')[1]} {baseline:.2f})")
     return row
@@ -292,23 +304,26 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
     pretrain_tokenizer(cfg, out / "world")
-    prepare_out(out, command="compare")
+    # --archs and --tasks only say which rows and columns to run: a continued comparison may add to them
+    resumed = prepare_out(out, run_settings(cfg, "compare", ignore=("archs", "tasks", "arch", "model")), cfg.resume,
+                          finished="comparison.json")
     t0 = time.perf_counter()
-    inputs = build_inputs(cfg, out, log)
+    inputs = build_inputs(cfg, out, log, StepTimes(out, resumed))
     rows: dict[str, dict[str, Any]] = {}
     for arch in archs:
         runs = []
         for seed in seeds:
             log(f"--- {arch} ---" if len(seeds) == 1 else f"--- {arch}, seed {seed} ---")
             arch_out = out / arch if len(seeds) == 1 else out / arch / f"seed-{seed}"
-            arch_out.mkdir(parents=True)
-            runs.append(run_arch(arch_config(cfg, arch, arch_out, seed), arch_out, out, tasks, log))
+            runs.append(run_arch(arch_config(cfg, arch, arch_out, seed), arch_out, out, tasks, log, resumed))
         rows[arch] = runs[0] if len(seeds) == 1 else mean_row(runs)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("arch", "model")}
-    result = {"settings": settings, "inputs_seconds": inputs, "seconds": round(time.perf_counter() - t0, 1),
+    # seconds: this invocation's (a continued comparison's rows keep their steps' first seconds)
+    result = {"settings": settings, "inputs_seconds": dict(inputs), "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
     write_json(out / "comparison.json", result)
-    (out / "comparison.md").write_text(markdown_table(result) + "\n")
+    with atomic_open(out / "comparison.md") as f:
+        f.write(markdown_table(result) + "\n")
     return result
 
 

@@ -16,10 +16,18 @@ world and shorter schedules for smoke tests; its numbers are not expected to sho
 two-stream models are analysed through their text-to-vision attention maps. Steps 1-2 (`build_inputs`)
 and 3-7 (`run_model`) are separate functions so that `vlberts compare` (recipes/compare.py) builds the
 world and features once and runs steps 3-7 for each architecture on them.
+
+Started again on the same OUT with the same settings after an interruption, the run continues (`resume`):
+OUT/settings.json records the settings, OUT/timings.json each finished step's seconds (written as the step
+ends). A recorded world + features, a finished pre-training (its model/config.json, written last) and a
+finished fine-tuning (its metrics.json) are kept; an unfinished pre-training continues from its last
+checkpoint; the probe, the grounding analysis and the report (seconds) are run again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -50,7 +58,7 @@ MARKER = ".vlberts-demo"  # marks a directory the demo may replace
 
 @dataclass(frozen=True)
 class DemoConfig:
-    out: str = opt("runs/demo", "output directory (replaced if it holds an earlier demo)")
+    out: str = opt("runs/demo", "output directory (replaced if it holds an earlier demo, unless --resume continues it)")
     quick: bool = opt(False, "a smaller world and shorter schedules (a smoke test, under 3 minutes)")
     seed: int = opt(0, "seed of the world, the detector, pre-training and fine-tuning")
     images: int = opt(5000, "world images (quick: 400)")
@@ -76,6 +84,10 @@ class DemoConfig:
     detector_epochs: int = opt(3, "world-detector training epochs")
     detector_steps: int = opt(600, "cap on world-detector updates")
     device: str = opt("auto", "auto, cpu, cuda")
+    resume: str = opt("auto", "auto: continue an unfinished run that --out holds with the same settings (finished steps "
+                      "kept, pre-training from its last checkpoint), start over otherwise; true: also keep the steps of a "
+                      "finished run (e.g. to add --tasks or --archs to a comparison), an error if the settings differ; "
+                      "false: always start over")
 
 
 CONFIG_CLASS = DemoConfig
@@ -91,14 +103,68 @@ def resolve(cfg: DemoConfig, explicit: set[str] = frozenset()) -> DemoConfig:
     return replace(cfg, **{k: v for k, v in QUICK.items() if k not in explicit})
 
 
-def prepare_out(out: Path, command: str = "demo") -> None:
-    """Start from an empty directory; only a directory an earlier demo (or compare) made is ever removed."""
+SETTINGS = "settings.json"  # OUT/settings.json: the settings a demo or compare directory was made with
+TIMINGS = "timings.json"  # OUT/timings.json: seconds of each finished step
+RESUME = ("auto", "true", "false")
+
+
+def run_settings(cfg: Any, command: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What OUT/settings.json records: every setting that changes a result (not `out`, `resume` or `ignore`)."""
+    keep = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "resume", *ignore)}
+    return json.loads(json.dumps({"command": command, **keep}))  # as read back from the file
+
+
+def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", finished: str = "summary.json") -> bool:
+    """Make OUT ready: empty, or holding the run to continue (`--resume`; README "Resuming"). Returns
+    whether the run continues. Only a directory an earlier demo or compare made is ever removed;
+    `finished` is the file a finished run of this command holds."""
+    command = settings["command"]
+    if resume not in RESUME:
+        raise VlbertsError(f"unknown --resume {resume!r}; valid: {', '.join(RESUME)}")
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).is_file():
             raise VlbertsError(f"exists, is not empty and was not made by `vlberts {command}`; choose another --out", path=out)
+        earlier = read_json(out / SETTINGS) if (out / SETTINGS).is_file() else {}
+        if resume == "true" and earlier != settings:
+            raise VlbertsError(f"--resume=true, but it holds a run with other settings ({_differences(earlier, settings)}); "
+                               "rerun with those or choose another --out", path=out)
+        if resume == "true" or (resume == "auto" and earlier == settings and not (out / finished).is_file()):
+            return True
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
+    write_json(out / SETTINGS, settings)
+    return False
+
+
+def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> str:
+    if not earlier:
+        return f"no {SETTINGS}"
+    keys = sorted(k for k in earlier.keys() | now.keys() if earlier.get(k) != now.get(k))
+    return ", ".join(f"{k} {earlier.get(k)!r} -> {now.get(k)!r}" for k in keys)
+
+
+class StepTimes(dict):
+    """Seconds of each finished step, kept in OUT/timings.json as each step ends, so that a continued run
+    reports the steps it keeps with their first seconds."""
+
+    def __init__(self, out: Path, resumed: bool) -> None:
+        self.path = out / TIMINGS
+        super().__init__(read_json(self.path) if resumed and self.path.is_file() else {})
+        self.kept = 0.0  # seconds of the steps kept from an earlier invocation
+
+    def record(self, name: str, t: float) -> None:
+        """Store the seconds since `t` as step `name`."""
+        self[name] = round(time.perf_counter() - t, 1)
+        write_json(self.path, dict(self))
+
+    def keep(self, names: tuple[str, ...], done: bool, log: Callable[[str], None], what: str) -> bool:
+        """Whether steps `names` are kept from the run being continued (`done`: their output is complete)."""
+        if done and all(n in self for n in names):
+            self.kept += sum(self[n] for n in names)
+            log(f"kept {what} from the run being continued")
+            return True
+        return False
 
 
 VOCABS = ("captions", "world")
@@ -126,36 +192,35 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
     model_name(cfg)  # an unknown architecture or vocabulary fails before any work
     out = Path(cfg.out)
     pretrain_tokenizer(cfg, out / "world")
-    prepare_out(out)
+    resumed = prepare_out(out, run_settings(cfg, "demo"), cfg.resume)
     t0 = time.perf_counter()
-    timings = build_inputs(cfg, out, log)
+    timings = build_inputs(cfg, out, log, StepTimes(out, resumed))
     return run_model(cfg, out, out / "world", out / "features.h5", log, timings=timings, t0=t0)
 
 
-def _record(timings: dict[str, float], name: str, t: float) -> None:
-    """Store the seconds since `t` as step `name`."""
-    timings[name] = round(time.perf_counter() - t, 1)
-
-
-def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print) -> dict[str, float]:
+def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print, timings: StepTimes | None = None) -> StepTimes:
     """Steps 1-2, shared by every model: the world in OUT/world and its region features in OUT/features.h5.
 
-    Returns the seconds each step took ({"world": s, "features": s}).
+    Returns the seconds each step took ({"world": s, "features": s}), continuing `timings` (a resumed run's:
+    the world and features it recorded are kept; both are built again otherwise).
     """
-    timings: dict[str, float] = {}
+    timings = StepTimes(out, resumed=False) if timings is None else timings
+    world = out / "world"
+    done = (world / "world.json").is_file() and (out / "features.h5").is_file()
+    if timings.keep(("world", "features"), done, log, "the world and its region features"):
+        return timings
 
     # 1. The world (SPEC §7), exported in the real formats.
     t = time.perf_counter()
-    world = out / "world"
-    info = build_world(world, n_images=cfg.images, seed=cfg.seed, config=WorldConfig(referring=cfg.referring))
-    _record(timings, "world", t)
+    info = build_world(world, n_images=cfg.images, seed=cfg.seed, config=WorldConfig(referring=cfg.referring), overwrite=True)
+    timings.record("world", t)
     log(info.summary())
 
     # 2. Region features from the world detector (SPEC §2).
     t = time.perf_counter()
     ex = extract(ExtractConfig(world=str(world), out=str(out / "features.h5"), seed=cfg.seed, epochs=cfg.detector_epochs,
-                               max_steps=cfg.detector_steps))
-    _record(timings, "features", t)
+                               max_steps=cfg.detector_steps, overwrite=True))
+    timings.record("features", t)
     log(ex.summary())
     return timings
 
@@ -180,17 +245,19 @@ def run_model(
     features: Path,
     log: Callable[[str], None] = print,
     *,
-    timings: dict[str, float] | None = None,
+    timings: StepTimes | None = None,
     t0: float | None = None,
 ) -> dict[str, Any]:
     """Steps 3-7 for cfg's model on an existing world and feature store, writing into OUT (which must exist).
 
-    `timings` (steps already run) is extended with this part's steps, and the summary's `seconds` count
-    from `t0` (default: now). Returns the summary, also written to OUT/summary.json beside OUT/report.html.
+    `timings` (steps already run; OUT/timings.json) is extended with this part's steps: a finished
+    pre-training or VQA fine-tuning it records is kept (a continued run). The summary's `seconds` count
+    from `t0` (default: now) plus the kept steps' seconds. Returns the summary, also written to
+    OUT/summary.json beside OUT/report.html.
     """
     model = model_name(cfg)
     t0 = time.perf_counter() if t0 is None else t0
-    timings = {} if timings is None else timings
+    timings = StepTimes(out, resumed=False) if timings is None else timings
 
     # 3. Task-agnostic pre-training with the architecture's paper objectives (objectives/recipe.py; for
     # VisualBERT, App. A.3: MLM with the image + sentence-image prediction). The world's shape and colour words are masked with their own probabilities instead of 15% (README,
@@ -209,16 +276,17 @@ def run_model(
             qa_vqa_annotations=str(world / "vqa" / "v2_world_train_annotations.json"),
             qa_gqa_questions=str(world / "gqa" / "train_balanced_questions.json"),
         )
-    run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")
     model_dir = Path(pre_cfg.out) / "model"
-    _record(timings, "pretrain", t)
-    how = f"{cfg.procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
-    log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
+    if not timings.keep(("pretrain",), (model_dir / "config.json").is_file(), log, f"the pre-trained {model}"):
+        run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")  # continues from a checkpoint
+        timings.record("pretrain", t)
+        how = f"{cfg.procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
+        log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
     t = time.perf_counter()
     probe = visual_word_probe(model_dir, world, features, device=cfg.device)
-    _record(timings, "probe", t)
+    timings.record("probe", t)
     log(f"masked colour/shape words: {probe['with_regions']['accuracy']:.1f}% with the image, "
         f"{probe['regions_zeroed']['accuracy']:.1f}% with region features zeroed ({probe['with_regions']['n']} words)")
     d = probe["directions"]
@@ -237,9 +305,10 @@ def run_model(
         epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
         min_answer_count=9, ckpt_every=10**9, preload_features=True, length_group=cfg.length_group,
     )
-    run_procs(finetune_vqa, vqa_cfg, ["finetune", "vqa"], cfg.procs, out, "vqa")
+    if not timings.keep(("vqa",), (out / "vqa" / "metrics.json").is_file(), log, "the VQA fine-tuning"):
+        run_procs(finetune_vqa, vqa_cfg, ["finetune", "vqa"], cfg.procs, out, "vqa")
+        timings.record("vqa", t)
     vqa_metrics = read_json(out / "vqa" / "metrics.json")
-    _record(timings, "vqa", t)
     log(f"VQA test accuracy {vqa_metrics['accuracy']:.2f}% (majority-answer baseline {vqa_metrics['majority_baseline']:.2f}%)")
 
     # 6. Entity grounding by the pre-trained model's heads ("What Does BERT with Vision Look At?" §3.1).
@@ -248,7 +317,7 @@ def run_model(
         model=str(model_dir), entities=str(world / "flickr30k_entities"), features=str(features), split="test",
         out=str(out / "grounding"), device=cfg.device,
     ))
-    _record(timings, "grounding", t)
+    timings.record("grounding", t)
     r = g.result
     log(f"entity grounding: best head {r.best_head.label} at {100 * r.best_head.accuracy:.2f}% "
         f"(most-confident-region baseline {100 * r.baseline_accuracy:.2f}%)")
@@ -282,14 +351,14 @@ def run_model(
         "shape_mask_prob": cfg.shape_mask_prob,
         "colour_mask_prob": cfg.colour_mask_prob,
         "pretrain_steps": cfg.pretrain_steps,
-        "timings": timings,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "timings": dict(timings),
+        "seconds": round(time.perf_counter() - t0 + timings.kept, 1),
     }
     write_json(out / "summary.json", summary)
     from vlberts.analysis.html_report import write_demo_report
 
     write_demo_report(out, summary, probe=probe, grounding=g, vqa=vqa_metrics, pretrain_log=out / "pretrain" / "metrics.jsonl")
-    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    summary["seconds"] = round(time.perf_counter() - t0 + timings.kept, 1)
     write_json(out / "summary.json", summary)
     return summary
 
