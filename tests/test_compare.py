@@ -68,6 +68,7 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
             assert run["lr"] == pytest.approx(vqa_run["lr"] * lr_x), (arch, task)
             assert run["epochs"] == pytest.approx(vqa_run["epochs"] * epochs_x), (arch, task)
             assert run["batch_size"] == max(1, vqa_run["batch_size"] // batch_div), (arch, task)
+        assert json.loads((out / arch / "retrieval" / "run_config.json").read_text())["eval_images"] == 100
     # Identical settings: both pre-trained for the same updates on the same world.
     summaries = [json.loads((out / a / "summary.json").read_text()) for a in ("visualbert", "lxmert")]
     for key in ("seed", "images", "pretrain_steps", "shape_mask_prob", "colour_mask_prob"):

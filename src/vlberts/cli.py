@@ -495,7 +495,7 @@ def analyze_attention_graphs_cmd(ctx: typer.Context, config: Optional[Path] = CO
 @app.command("demo", context_settings=OVERRIDES)
 def demo_cmd(
     ctx: typer.Context,
-    out: Path = typer.Option(Path("runs/demo"), help="Output directory (replaced if it holds an earlier demo)."),
+    out: Path = typer.Option(Path("runs/demo"), help="Output directory (replaced if it holds an earlier demo; an unfinished one with the same settings is continued, see --resume)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller world and schedules: a smoke test in under 3 minutes."),
     seed: int = typer.Option(0, help="Seed of everything."),
 ) -> None:
@@ -519,7 +519,7 @@ def demo_cmd(
 @app.command("compare", context_settings=OVERRIDES)
 def compare_cmd(
     ctx: typer.Context,
-    out: Path = typer.Option(Path("runs/compare"), help="Output directory (replaced if it holds an earlier demo or compare)."),
+    out: Path = typer.Option(Path("runs/compare"), help="Output directory (replaced if it holds an earlier demo or compare; an unfinished comparison with the same settings is continued, see --resume)."),
     quick: bool = typer.Option(False, "--quick", help="The demo's smaller world and schedules."),
     archs: Optional[str] = typer.Option(None, help="Comma-separated architectures (default: all five)."),
 ) -> None:

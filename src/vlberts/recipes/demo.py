@@ -115,7 +115,7 @@ def run_settings(cfg: Any, command: str, ignore: tuple[str, ...] = ()) -> dict[s
 
 
 def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", finished: str = "summary.json") -> bool:
-    """Make OUT ready: empty, or holding the run to continue (`--resume`; README "Resuming"). Returns
+    """Make OUT ready: empty, or holding the run to continue (`--resume`; README "Interrupted runs continue"). Returns
     whether the run continues. Only a directory an earlier demo or compare made is ever removed;
     `finished` is the file a finished run of this command holds."""
     command = settings["command"]
