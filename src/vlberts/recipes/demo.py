@@ -40,7 +40,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import read_json, write_json
+from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.builders import ARCHS, arch_of, model_config
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
 from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
@@ -132,7 +132,8 @@ def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", fini
             return True
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
+    with atomic_open(out / MARKER) as f:
+        f.write(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
     write_json(out / SETTINGS, settings)
     return False
 
