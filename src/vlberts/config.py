@@ -32,6 +32,11 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys whose values differ between two settings dicts (one missing counts as differing), sorted."""
+    return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Convert `value` to the annotated type `tp` (basic types, Optional, tuples, nested dataclasses)."""
     origin = typing.get_origin(tp)

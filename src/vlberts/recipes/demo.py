@@ -26,8 +26,6 @@ checkpoint; the probe, the grounding analysis and the report (seconds) are run a
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -36,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.analysis.visual_words import probe_items, visual_word_accuracy
-from vlberts.config import apply_overrides, from_dict
+from vlberts.config import apply_overrides, changed_settings, from_dict, to_dict
 from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -110,8 +108,7 @@ RESUME = ("auto", "true", "false")
 
 def run_settings(cfg: Any, command: str, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     """What OUT/settings.json records: every setting that changes a result (not `out`, `resume` or `ignore`)."""
-    keep = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "resume", *ignore)}
-    return json.loads(json.dumps({"command": command, **keep}))  # as read back from the file
+    return {"command": command, **{k: v for k, v in to_dict(cfg).items() if k not in ("out", "resume", *ignore)}}
 
 
 def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", finished: str = "summary.json") -> bool:
@@ -141,8 +138,7 @@ def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", fini
 def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> str:
     if not earlier:
         return f"no {SETTINGS}"
-    keys = sorted(k for k in earlier.keys() | now.keys() if earlier.get(k) != now.get(k))
-    return ", ".join(f"{k} {earlier.get(k)!r} -> {now.get(k)!r}" for k in keys)
+    return ", ".join(f"{k} {earlier.get(k)!r} -> {now.get(k)!r}" for k in changed_settings(earlier, now))
 
 
 class StepTimes(dict):

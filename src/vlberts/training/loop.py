@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from vlberts.config import to_dict
+from vlberts.config import changed_settings, to_dict
 from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
@@ -74,7 +74,7 @@ def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after",
     if path.is_file():
         before = {k: v for k, v in read_json(path).items() if k not in ignore}
         now = {k: v for k, v in to_dict(cfg).items() if k not in ignore}
-        diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        diff = changed_settings(before, now)
         if diff:
             raise VlbertsError(
                 f"run directory holds a checkpoint of a run with different settings ({', '.join(diff)}); "
