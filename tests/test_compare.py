@@ -45,7 +45,7 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
                     "retrieval/metrics.json", "refcoco/metrics.json", "vcr/metrics.json", "summary.json", "report.html"):
             assert (out / arch / sub).exists(), f"{arch}/{sub}"
 
-    result = json.loads((out / "comparison.json").read_text())
+    result = json.loads((out / "results.json").read_text())
     assert list(result["archs"]) == ["visualbert", "lxmert"]
     for arch, row in result["archs"].items():
         assert ROW_KEYS | {"gqa_accuracy", "gqa_majority_baseline"} <= set(row), (arch, ROW_KEYS - set(row))
@@ -76,7 +76,7 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert summaries[0]["images"] == 48 and result["settings"]["pretrain_steps"] == 4
     assert result["archs"]["visualbert"]["params"] != result["archs"]["lxmert"]["params"]
 
-    md = (out / "comparison.md").read_text().strip().splitlines()
+    md = (out / "results.md").read_text().strip().splitlines()
     assert md[0].startswith("| arch | params |") and len(md) == 2 + 2
     assert ("| GQA / majority | NLVR2 / majority | retrieval R@1 / chance | RefCOCO+ val / top-confidence "
             "| VCR Q->A val / chance |") in md[0]
@@ -98,16 +98,16 @@ def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
     assert not out.exists()
 
     proc = subprocess.run([str(VLBERTS), "compare", "--seeds=0,x", "--out", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--seeds must be comma-separated integers" in proc.stderr
+    assert proc.returncode == 2 and "--seeds must be a count or comma-separated integers, got '0,x'" in proc.stderr
     assert not out.exists()
 
 
 def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     out = tmp_path / "cmp"
-    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert", "--seeds=0,1", "--out", str(out),
+    proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert", "--seeds=2", "--out", str(out),
                            *TOY], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    row = json.loads((out / "comparison.json").read_text())["archs"]["visualbert"]
+    row = json.loads((out / "results.json").read_text())["archs"]["visualbert"]
     runs = row["runs"]
     assert [r["seed"] for r in runs] == row["seed"] == [0, 1]
     for r, seed in zip(runs, (0, 1)):  # each seed's run in its own directory, with that seed
@@ -116,7 +116,7 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     vqa = np.array([r["vqa_accuracy"] for r in runs])
     assert row["vqa_accuracy"] == round(vqa.mean(), 2) and row["vqa_accuracy_std"] == round(vqa.std(), 2)
     assert row["grounding_best_head"] == ",".join(r["grounding_best_head"] for r in runs)
-    md = (out / "comparison.md").read_text()
+    md = (out / "results.md").read_text()
     assert f"{row['vqa_accuracy']:.2f} ± {row['vqa_accuracy_std']:.2f}" in md
 
 
@@ -125,7 +125,7 @@ def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):
     base = [str(VLBERTS), "compare", "--quick", "--out", str(out), *TOY]
     proc = subprocess.run([*base, "--archs=visualbert"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    first = json.loads((out / "comparison.json").read_text())["archs"]["visualbert"]
+    first = json.loads((out / "results.json").read_text())["archs"]["visualbert"]
     model_mtime = (out / "visualbert/pretrain/model/model.safetensors").stat().st_mtime_ns
 
     # --resume=true adds a task and an architecture to the finished comparison: nothing it holds is redone.
@@ -135,7 +135,7 @@ def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):
     assert "Built the embedded world" not in proc.stderr and "trained the world detector" not in proc.stderr
     assert "kept the pre-trained visualbert-small" in proc.stderr and "kept the VQA fine-tuning" in proc.stderr
     assert (out / "visualbert/pretrain/model/model.safetensors").stat().st_mtime_ns == model_mtime
-    rows = json.loads((out / "comparison.json").read_text())["archs"]
+    rows = json.loads((out / "results.json").read_text())["archs"]
     assert list(rows) == ["visualbert", "lxmert"]
     assert rows["visualbert"]["vqa_accuracy"] == first["vqa_accuracy"]
     assert rows["visualbert"]["pretrain_seconds"] == first["pretrain_seconds"]  # the kept step's own seconds
@@ -149,3 +149,22 @@ def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "other settings (pretrain_lr 0.001 -> 0.002)" in proc.stderr
     assert (out / "lxmert" / "gqa" / "metrics.json").is_file()
+
+
+def test_seeds_is_a_count_or_a_list_and_both_record_the_same_run():
+    from vlberts.errors import VlbertsError
+    from vlberts.recipes.compare import CompareConfig, compare_settings, seed_list
+
+    assert seed_list(CompareConfig()) == [0]
+    assert seed_list(CompareConfig(seeds="3")) == [0, 1, 2]  # issue 3's `--seeds K`: K seeds from --seed
+    assert seed_list(CompareConfig(seed=5, seeds="2")) == [5, 6]
+    assert seed_list(CompareConfig(seeds="4,1")) == [4, 1]
+    assert seed_list(CompareConfig(seeds="7,")) == [7]  # a comma makes it a list
+    # an interrupted --seeds=3 continues under --seeds=0,1,2 (the recorded settings are equal), not 0,1
+    assert compare_settings(CompareConfig(seeds="3")) == compare_settings(CompareConfig(seeds="0,1,2"))
+    assert compare_settings(CompareConfig(seeds="3"))["seeds"] == "0,1,2"
+    assert compare_settings(CompareConfig(seeds="2")) != compare_settings(CompareConfig(seeds="0,1,2"))
+    for bad, message in (("0", "--seeds=K needs K >= 1 seeds, got '0'"), ("1,1", "--seeds must name distinct seeds"),
+                         ("two", "--seeds must be a count or comma-separated integers, got 'two'")):
+        with pytest.raises(VlbertsError, match=message):
+            seed_list(CompareConfig(seeds=bad))

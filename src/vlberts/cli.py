@@ -527,10 +527,11 @@ def compare_cmd(
 
     Builds the world and region features once, then runs the demo's pre-training -> visual-word probe
     -> VQA -> entity grounding for each architecture (its ARCH-small, its paper's objectives) with the
-    same settings, in OUT/ARCH/ (and GQA fine-tuning with --tasks=vqa,gqa); writes OUT/comparison.json
-    and OUT/comparison.md and prints the table.
+    same settings, in OUT/ARCH/ (and GQA fine-tuning with --tasks=vqa,gqa; --seeds=3 runs each
+    architecture with 3 seeds and reports mean ± std); writes OUT/results.json and OUT/results.md and
+    prints the table.
 
-    Example: vlberts compare --archs=visualbert,lxmert --tasks=vqa,gqa --out=runs/compare --quick
+    Example: vlberts compare --archs=visualbert,lxmert --tasks=vqa,gqa --seeds=2 --out=runs/compare --quick
 
     Further settings (the demo's) as --key=value; run `vlberts show-config compare` for them.
     """
@@ -544,7 +545,7 @@ def compare_cmd(
     cfg = resolve(cfg, explicit=set(parse_overrides(extra)))
     result = recipe.run_compare(cfg, log=lambda m: typer.echo(m, err=True))
     typer.echo(recipe.markdown_table(result))
-    typer.echo(f"wrote {out / 'comparison.md'} and {out / 'comparison.json'}; per architecture: {out}/ARCH/report.html")
+    typer.echo(f"wrote {out / recipe.RESULTS_MD} and {out / recipe.RESULTS_JSON}; per architecture: {out}/ARCH/report.html")
 
 
 SHOW = {

@@ -6,9 +6,9 @@
     + with --tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr,flickr_entities, each   OUT/ARCH/TASK/
       task fine-tuned from the same checkpoint with its schedule (`TASK_SCHEDULES`: VQA's epochs, batch
       and learning rate, scaled per task; the same for every architecture)
-    + with --seeds=0,1,2, step 2 once per seed (pre-training, fine-tuning;     OUT/ARCH/seed-S/
-      the world and features stay those of --seed), reported as mean and std
-    3. comparison        the headline numbers side by side                 OUT/comparison.json, OUT/comparison.md
+    + with --seeds=K (K seeds from --seed) or --seeds=0,1,2, step 2 once per   OUT/ARCH/seed-S/
+      seed (pre-training, fine-tuning; the world and features stay those of --seed), reported as mean and std
+    3. comparison        the headline numbers side by side                 OUT/results.json, OUT/results.md
 
 Interrupted and started again with the same settings, a comparison continues where it stopped (the demo's
 `--resume`); `--resume=true` also continues a finished one, e.g. with more --tasks or --archs: every step
@@ -55,8 +55,9 @@ class CompareConfig(DemoConfig):
     tasks: str = opt("vqa", "downstream tasks fine-tuned from each checkpoint: vqa plus any of gqa, nlvr2, "
                      "retrieval, refcoco, vcr, flickr_entities (each on VQA's schedule scaled per task, as TASK_SCHEDULES in recipes/compare.py says), "
                      "e.g. vqa,gqa")
-    seeds: str = opt("", "comma-separated seeds: each architecture is pre-trained and fine-tuned once per seed on the "
-                     "same world and features (those of --seed), the table shows mean ± std; empty: --seed only")
+    seeds: str = opt("", "K (one number: K seeds, --seed to --seed + K - 1) or comma-separated seeds: each architecture "
+                     "is pre-trained and fine-tuned once per seed on the same world and features (those of --seed), the "
+                     "table shows mean ± std; empty: --seed only")
 
 
 @dataclass(frozen=True)
@@ -209,17 +210,26 @@ def arch_list(cfg: CompareConfig) -> list[str]:
     return names
 
 
+RESULTS_JSON, RESULTS_MD = "results.json", "results.md"  # issue 3's DIR/results.json and DIR/results.md
+
+
 def seed_list(cfg: CompareConfig) -> list[int]:
-    """The seeds of the model runs: --seeds, or --seed alone; a malformed or repeated seed is an error."""
-    if not cfg.seeds.strip():
+    """The seeds of the model runs: --seeds=K is K seeds from --seed (issue 3's `--seeds K`), --seeds=A,B,...
+    those seeds, no --seeds --seed alone; a malformed, repeated or non-positive count is an error."""
+    text = cfg.seeds.strip()
+    if not text:
         return [cfg.seed]
     try:
-        seeds = [int(x) for x in cfg.seeds.split(",") if x.strip()]
+        numbers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise VlbertsError(f"--seeds must be comma-separated integers, got {cfg.seeds!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
+        raise VlbertsError(f"--seeds must be a count or comma-separated integers, got {cfg.seeds!r}") from None
+    if "," not in text:
+        if numbers[0] < 1:
+            raise VlbertsError(f"--seeds=K needs K >= 1 seeds, got {cfg.seeds!r}")
+        return list(range(cfg.seed, cfg.seed + numbers[0]))
+    if not numbers or len(set(numbers)) != len(numbers):
         raise VlbertsError(f"--seeds must name distinct seeds, got {cfg.seeds!r}")
-    return seeds
+    return numbers
 
 
 def task_list(cfg: CompareConfig) -> list[str]:
@@ -301,15 +311,21 @@ def count_parameters(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def compare_settings(cfg: CompareConfig) -> dict[str, Any]:
+    """What OUT/settings.json records for a comparison. --archs and --tasks only say which rows and columns
+    to run (a continued comparison may add to them); the seeds are recorded as the list they stand for, so
+    that --seeds=3 and --seeds=0,1,2 are one run."""
+    seeds = ",".join(map(str, seed_list(cfg)))
+    return run_settings(dataclasses.replace(cfg, seeds=seeds), "compare", ignore=("archs", "tasks", "arch", "model"))
+
+
 def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build the world and features once, run every architecture on them; returns what comparison.json holds."""
+    """Build the world and features once, run every architecture on them; returns what results.json holds."""
     set_threads()
     archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
     pretrain_tokenizer(cfg, out / "world")
-    # --archs and --tasks only say which rows and columns to run: a continued comparison may add to them
-    resumed = prepare_out(out, run_settings(cfg, "compare", ignore=("archs", "tasks", "arch", "model")), cfg.resume,
-                          finished="comparison.json")
+    resumed = prepare_out(out, compare_settings(cfg), cfg.resume, finished=RESULTS_JSON)
     t0 = time.perf_counter()
     inputs = build_inputs(cfg, out, log, StepTimes(out, resumed))
     rows: dict[str, dict[str, Any]] = {}
@@ -324,8 +340,8 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     # seconds: this invocation's (a continued comparison's rows keep their steps' first seconds)
     result = {"settings": settings, "inputs_seconds": dict(inputs), "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
-    write_json(out / "comparison.json", result)
-    with atomic_open(out / "comparison.md") as f:
+    write_json(out / RESULTS_JSON, result)
+    with atomic_open(out / RESULTS_MD) as f:
         f.write(markdown_table(result) + "\n")
     return result
 
@@ -345,7 +361,7 @@ def _layers(r: dict[str, Any]) -> str:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """comparison.md: one row per architecture, accuracies in % (mean ± std over seeds with --seeds); a column
+    """results.md: one row per architecture, accuracies in % (mean ± std over seeds with --seeds); a column
     per extra task every row has."""
     rows = list(result["archs"].values())
     extra = [(name, t) for name, t in EXTRA_TASKS.items()
