@@ -118,6 +118,7 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     assert row["grounding_best_head"] == ",".join(r["grounding_best_head"] for r in runs)
     md = (out / "results.md").read_text()
     assert f"{row['vqa_accuracy']:.2f} ± {row['vqa_accuracy_std']:.2f}" in md
+    assert f"| {row['pretrain_seconds']:.1f} ± {row['pretrain_seconds_std']:.1f} |" in md  # training time too
 
 
 def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):

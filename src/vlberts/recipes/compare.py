@@ -350,9 +350,9 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
 
 
-def _acc(r: dict[str, Any], key: str) -> str:
-    """An accuracy in %, as mean ± std when the row averages seeds."""
-    return f"{r[key]:.2f} ± {r[key + '_std']:.2f}" if key + "_std" in r else f"{r[key]:.2f}"
+def _acc(r: dict[str, Any], key: str, digits: int = 2) -> str:
+    """An accuracy in % (or seconds), as mean ± std when the row averages seeds."""
+    return f"{r[key]:.{digits}f} ± {r[key + '_std']:.{digits}f}" if key + "_std" in r else f"{r[key]:.{digits}f}"
 
 
 def _layers(r: dict[str, Any]) -> str:
@@ -373,7 +373,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['arch']} | {_params(r['params'])} | {r['pretrain_seconds']:.1f} "
+            f"| {r['arch']} | {_params(r['params'])} | {_acc(r, 'pretrain_seconds', 1)} "
             f"| {_acc(r, 'mlm_visual_word_acc')} / {_acc(r, 'mlm_visual_word_acc_regions_zeroed')} "
             f"| {_acc(r, 'vqa_accuracy')} / {r['vqa_majority_baseline']:.2f} "
             + "".join(f"| {_acc(r, f'{name}_{t.score}'.replace('.', '_'))} / {r[f'{name}_{t.baseline}'.replace('.', '_')]:.2f} "
