@@ -107,7 +107,9 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert", "--seeds=2", "--out", str(out),
                            *TOY], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    row = json.loads((out / "results.json").read_text())["archs"]["visualbert"]
+    result = json.loads((out / "results.json").read_text())
+    assert result["settings"]["seeds"] == "0,1"  # --seeds=2 from --seed=0
+    row = result["archs"]["visualbert"]
     runs = row["runs"]
     assert [r["seed"] for r in runs] == row["seed"] == [0, 1]
     for r, seed in zip(runs, (0, 1)):  # each seed's run in its own directory, with that seed

@@ -337,6 +337,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
             runs.append(run_arch(arch_config(cfg, arch, arch_out, seed), arch_out, out, tasks, log, resumed))
         rows[arch] = runs[0] if len(seeds) == 1 else mean_row(runs)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("arch", "model")}
+    settings["seeds"] = ",".join(map(str, seeds))  # the seeds run, as settings.json records them
     # seconds: this invocation's (a continued comparison's rows keep their steps' first seconds)
     result = {"settings": settings, "inputs_seconds": dict(inputs), "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
