@@ -257,3 +257,48 @@ def test_grounding_inputs_read_a_two_stream_models_cross_attention(tmp_path):
     assert g.attn.shape == (2, 2, len(cap.ids), 3)  # (N_X, heads, T, R)
     np.testing.assert_allclose(g.attn.sum(-1), 1.0, rtol=1e-5)  # cross-attention rows are over regions only
     assert g.maps.startswith("text-to-vision cross-attention maps of 2 layers")
+
+
+def test_wvisualbert_is_analysed_and_probed_with_its_detector_tags(tmp_path):
+    """W-VisualBERT never sees an image without its detector tags (§3.2: pre-training's image batches and
+    fine-tuning give [regions ; tags]), so the grounding analysis and the probe give them too; the maps'
+    region columns stay the regions. Without the image (probe, regions zeroed) there are no tags either."""
+    from vlberts.analysis.visual_words import ProbeItem, visual_word_accuracy
+    from vlberts.data.batch import VLInputs
+    from vlberts.models.wvisualbert import image_tags, wvisualbert_tiny
+
+    tok, caps, rec = one_captioned_image(tmp_path)
+    subwords = ((tok.token_to_id("skate"), tok.token_to_id("##board")), (tok.token_to_id("man"),),
+                (tok.token_to_id("dog"),))  # detector classes 0, 1, 2 as tag subwords
+    torch.manual_seed(0)
+    model = build_pretraining_model(wvisualbert_tiny(vocab_size=tok.vocab_size))
+    (cap, g), = grounding_inputs(model, caps, FakeStore([rec]), tag_subwords=subwords)
+    (_, g_plain), = grounding_inputs(model, caps, FakeStore([rec]))
+    T = len(cap.ids)
+    assert g.attn.shape == (2, 4, T, 3)  # regions only: the 4 tag subwords are not columns
+    assert not np.allclose(g.attn, g_plain.attn)  # the tags took part
+    assert g.maps.endswith("detector tags in the input beside the regions, not counted as regions")
+
+    # The same numbers as one explicit forward pass of [text ; regions ; tags].
+    ids = torch.tensor([cap.ids])
+    x = VLInputs(ids, torch.zeros_like(ids), torch.ones_like(ids, dtype=torch.bool), torch.from_numpy(rec.features)[None],
+                 torch.from_numpy(rec.boxes / np.array([100, 80, 100, 80], np.float32))[None], torch.ones(1, 3, dtype=torch.bool))
+    tags = image_tags([[0, 1, 2]], subwords)
+    assert tags.tag_ids.tolist() == [list(subwords[0] + subwords[1] + subwords[2])]
+    assert tags.tag_region.tolist() == [[0, 0, 1, 2]]
+    model.eval()
+    joint = model.encode(x, need_attn=True, tags=tags).attentions.joint  # per layer (1, H, T + 3 + 4, same)
+    assert joint[0].shape[-1] == T + 3 + 4
+    want = np.stack([m[0, :, :T, T : T + 3].detach().numpy() for m in joint])  # (L, H, T, R)
+    np.testing.assert_allclose(g.attn, want, atol=1e-6)
+
+    # The probe hands the model the tags with the image, and neither without it.
+    seen = []
+    forward = model.forward
+    model.forward = lambda x, **kw: (seen.append(kw.get("tags")), forward(x, **kw))[1]
+    red = cap.ids.index(tok.token_to_id("red"))
+    items = [ProbeItem(image_id="7", ids=cap.ids[:red] + [tok.mask_id] + cap.ids[red + 1 :], positions=[red],
+                       targets=[cap.ids[red]], word="red")]
+    visual_word_accuracy(model, items, FakeStore([rec]), device="cpu", tag_subwords=subwords)
+    visual_word_accuracy(model, items, FakeStore([rec]), device="cpu", tag_subwords=subwords, zero_regions=True)
+    assert seen[0] is not None and seen[0].tag_ids.tolist() == tags.tag_ids.tolist() and seen[1] is None

@@ -16,7 +16,7 @@ text budget are left out and counted, so a report can say how many were skipped 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +27,7 @@ from vlberts.data.flickr_entities import FlickrEntitiesImage
 from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, load_regions, region_counts
 from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps
+from vlberts.models.wvisualbert import image_tags
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -133,12 +134,17 @@ def attention_batches(
     max_regions: int = 36,
     batch_size: int = 64,
     device: torch.device | str = "cpu",
+    tag_subwords: Sequence[Sequence[int]] | None = None,
 ) -> Iterator[tuple[list[EntityCaption], list, list, AttentionMaps]]:
     """Run the model on `captions`, `batch_size` at a time, with their images and yield, per batch, the
     captions, their store records, their loaded regions (`load_regions`) and every attention map of the
     forward pass (`model.encode(x, need_attn=True).attentions`). Row b of each map is caption b, padded
     to the batch's longest caption and region count: callers slice with `len(caption.ids)` and
     `len(regions[b].feats)`. Shared by the grounding analysis and the attention graphs.
+
+    `tag_subwords` (W-VisualBERT with tags: `vqa_dataset.model_tag_subwords`): each image's detector tags
+    join its regions, unmasked, as in fine-tuning; the model was pre-trained with tags beside every image
+    and has never seen an image without them. The maps' region columns stay the regions' (`region_index`).
 
     Batches hold captions of similar length (ordered by subwords, then regions; `length_order`), not
     the split's order: a batch is padded to its longest caption and its image with the most regions,
@@ -154,7 +160,11 @@ def attention_batches(
         path = getattr(regions, "path", None)
         regs = [load_regions(FetchedRecord(r, path), c.image_id, max_regions, feature_dim) for c, r in zip(chunk, recs)]
         x = caption_inputs([c.ids for c in chunk], regs).to(device)
-        maps = model.encode(x, need_attn=True).attentions
+        if tag_subwords is None:
+            maps = model.encode(x, need_attn=True).attentions
+        else:
+            tags = image_tags([r.obj_id[: len(g.feats)] for r, g in zip(recs, regs)], tag_subwords).to(device)
+            maps = model.encode(x, need_attn=True, tags=tags).attentions
         if maps is None:
             raise VlbertsError(f"the model returned no attention maps for need_attn=True ({type(model).__name__})")
         yield chunk, recs, regs, maps
@@ -169,13 +179,14 @@ def grounding_inputs(
     max_regions: int = 36,
     batch_size: int = 64,
     device: torch.device | str = "cpu",
+    tag_subwords: Sequence[Sequence[int]] | None = None,
 ) -> Iterator[tuple[EntityCaption, GroundingInput]]:
     """Run the model on each caption with its image and yield the caption with its `GroundingInput`.
 
     `model.encode(x, need_attn=True)` must return a `VLOutput` whose `attentions.text_to_region()` is
     (L, B, H, T, R): the joint map's text rows and region columns for single-stream models, the
     text-to-vision maps for two-stream ones. Captions without entities are not run; the others come in
-    `attention_batches`' length order, not the split's.
+    `attention_batches`' length order, not the split's. `tag_subwords`: W-VisualBERT's tags, as there.
 
     For VisualBERT without early fusion (`cfg.fusion_layer` > 0) the layers before the fusion layer do
     not see the regions; `text_to_region()` gives them zero attention, so their heads keep their place in
@@ -184,7 +195,7 @@ def grounding_inputs(
     work = [c for c in captions if c.entities]
     path = getattr(regions, "path", None)
     for chunk, recs, regs, maps in attention_batches(model, work, regions, max_regions=max_regions,
-                                                     batch_size=batch_size, device=device):
+                                                     batch_size=batch_size, device=device, tag_subwords=tag_subwords):
         t2r = maps.text_to_region().float().cpu().numpy()  # (L, B, H, T, R)
         for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
             n = len(reg.feats)
@@ -194,5 +205,6 @@ def grounding_inputs(
                 region_boxes=reg.pixel_boxes.astype(np.float64),
                 region_conf=conf,
                 entities=cap.entities,
-                maps=maps.describe(),
+                maps=maps.describe() + ("; detector tags in the input beside the regions, not counted as regions"
+                                        if tag_subwords is not None else ""),
             )

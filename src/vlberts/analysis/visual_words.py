@@ -10,7 +10,7 @@ text-only MLM on visual words").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import RegionSource, caption_inputs, load_regions
+from vlberts.models.wvisualbert import image_tags
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -61,19 +62,29 @@ def visual_word_accuracy(
     max_regions: int = 36,
     batch_size: int = 256,
     device: str = "auto",
+    tag_subwords: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, float]:
-    """Accuracy (percent) of the pre-training model's MLM head on the probe items, overall and per word."""
+    """Accuracy (percent) of the pre-training model's MLM head on the probe items, overall and per word.
+
+    `tag_subwords` (W-VisualBERT with tags: `vqa_dataset.model_tag_subwords`): the image's detector tags
+    join its regions, as in pre-training and fine-tuning. With `zero_regions` they are left out too: the
+    tags are read off the image, so a probe without the image has neither."""
     dev = resolve_device(device)
     model.to(dev).eval()
     correct = np.zeros(len(items), dtype=bool)
     feature_dim = model.cfg.visual_dim
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        x = caption_inputs([it.ids for it in chunk], [load_regions(regions, it.image_id, max_regions, feature_dim) for it in chunk])
+        regs = [load_regions(regions, it.image_id, max_regions, feature_dim) for it in chunk]
+        x = caption_inputs([it.ids for it in chunk], regs)
         if zero_regions:
             x.region_feats = torch.zeros_like(x.region_feats)
         x = x.to(dev)
-        logits = model(x).mlm_logits  # (B, T, V)
+        if tag_subwords is None or zero_regions:
+            logits = model(x).mlm_logits  # (B, T, V)
+        else:
+            obj_ids = [regions.get(it.image_id).obj_id[: len(r.feats)] for it, r in zip(chunk, regs)]
+            logits = model(x, tags=image_tags(obj_ids, tag_subwords).to(dev)).mlm_logits
         pred = logits.argmax(-1).cpu()
         for i, it in enumerate(chunk):
             correct[start + i] = all(int(pred[i, p]) == t for p, t in zip(it.positions, it.targets))

@@ -306,6 +306,12 @@ def arch_of(cfg: Any) -> str:
     return CONFIG_ARCH[type(cfg)]
 
 
+def reads_tags(cfg: Any) -> bool:
+    """Whether the model's inputs carry detector tags beside the regions (W-VisualBERT §3.2 with tags on;
+    not its NT variants): in pre-training, fine-tuning and the analyses alike."""
+    return arch_of(cfg) == "wvisualbert" and bool(cfg.use_tags)
+
+
 def config_from_dict(arch: str, data: dict[str, Any]):
     if arch not in ARCHS:
         raise VlbertsError(f"unknown architecture {arch!r}; valid: {', '.join(ARCHS)}")

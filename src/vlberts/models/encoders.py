@@ -23,7 +23,7 @@ from torch import nn
 
 from vlberts.data.batch import TagInputs, VLInputs
 from vlberts.errors import VlbertsError
-from vlberts.models.builders import arch_of
+from vlberts.models.builders import arch_of, reads_tags
 from vlberts.models.lxmert import LxmertModel
 from vlberts.models.outputs import VLOutput
 from vlberts.models.vilbert import ViLBertModel
@@ -56,7 +56,7 @@ class VLEncoder(nn.Module):
     @property
     def reads_tags(self) -> bool:
         """Whether batches must carry detector tags (W-VisualBERT with tags on)."""
-        return self.arch == "wvisualbert" and bool(self.cfg.use_tags)
+        return reads_tags(self.cfg)
 
     @property
     def hidden_size(self) -> int:

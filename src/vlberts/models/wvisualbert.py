@@ -148,6 +148,12 @@ def tag_tokens(
     return ids, region
 
 
+def image_tags(obj_ids: Sequence[Sequence[int]], class_subwords: Sequence[Sequence[int]], pad_id: int = 0) -> TagInputs:
+    """The tags of a batch of images, unmasked, as fine-tuning and the analyses give them: obj_ids[b] is
+    image b's detector class per box, for the boxes the batch holds (`RegionRecord.obj_id[:R_b]`)."""
+    return collate_tags([tag_tokens(ids, class_subwords) for ids in obj_ids], pad_id)
+
+
 def collate_tags(per_image: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0) -> TagInputs:
     """Pad the (ids, region) pairs of `tag_tokens` into a batch; padding points at region 0, masked."""
     B = len(per_image)

@@ -56,10 +56,11 @@ from vlberts.analysis.syntactic import ParseMismatch, check_parse_words
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.data.spacy_parse import load_spacy
+from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
-from vlberts.models.builders import arch_of
+from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import image_bytes, load_parses, resolve_images
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
@@ -161,6 +162,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     arch = arch_of(model_cfg)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
+    tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
     ids = read_flickr_split(cfg.entities, cfg.split)
     if cfg.max_images:
         ids = ids[: cfg.max_images]
@@ -184,7 +186,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("attention graphs", total=len(captions), info="")
         for chunk, recs, regs, maps in attention_batches(model, captions, store, max_regions=cfg.max_regions,
-                                                         batch_size=cfg.batch_size, device=device):
+                                                         batch_size=cfg.batch_size, device=device, tag_subwords=tags):
             views = select_views(maps, arch, model_cfg)
             for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
                 T, R = len(cap.ids), len(reg.feats)

@@ -67,9 +67,11 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.conllu import ConlluSentence, read_conllu
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.data.spacy_parse import load_spacy, parse_captions, parser_name
+from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
+from vlberts.models.builders import reads_tags
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_pretraining_model
@@ -202,6 +204,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
+    tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
     ids = read_flickr_split(cfg.entities, cfg.split)
     if cfg.max_images:
         ids = ids[: cfg.max_images]
@@ -240,7 +243,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")
         maps = ""
-        for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size, device=device):
+        for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size,
+                                         device=device, tag_subwords=tags):
             acc.add(inp)
             if syn is not None:
                 _add_syntactic(syn, parses, cap, inp, parse_failed)

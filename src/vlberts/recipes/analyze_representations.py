@@ -39,11 +39,12 @@ from vlberts.analysis.representations import (
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.data.regions import caption_inputs, load_regions
+from vlberts.data.vqa_dataset import detector_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.models.builders import arch_of
-from vlberts.models.wvisualbert import collate_tags, tag_tokens
+from vlberts.models.builders import arch_of, reads_tags
+from vlberts.models.wvisualbert import image_tags
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_pretraining_model
@@ -113,8 +114,8 @@ def find_instances(captions: list[EntityCaption], store: RegionStore, class_name
 def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: list[Instance], store: RegionStore,
             tok: TextTokenizer, class_names: list[str], cfg: RepresentationsConfig, device: torch.device) -> RepresentationSet:
     """The final states of each instance's word, region and (W-VisualBERT with tags) tag."""
-    with_tags = arch_of(model.cfg) == "wvisualbert" and bool(model.cfg.use_tags)
-    tag_words = [tuple(tok.encode(c.split(",")[0])) for c in class_names] if with_tags else None
+    with_tags = reads_tags(model.cfg)
+    tag_words = detector_tag_subwords(class_names, tok) if with_tags else None
     by_caption: dict[int, list[Instance]] = {}
     for inst in instances:
         by_caption.setdefault(inst.caption, []).append(inst)
@@ -129,8 +130,8 @@ def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: li
             x = caption_inputs([c.ids for c in chunk], regs).to(device)
             tags = tag_region = None
             if with_tags:
-                per_image = [tag_tokens(store.get(c.image_id).obj_id[: len(r.feats)], tag_words) for c, r in zip(chunk, regs)]
-                tags = collate_tags(per_image, tok.pad_id).to(device)
+                obj_ids = [store.get(c.image_id).obj_id[: len(r.feats)] for c, r in zip(chunk, regs)]
+                tags = image_tags(obj_ids, tag_words, tok.pad_id).to(device)
                 tag_region = tags.tag_region.cpu().numpy()
             out = model.encode(x, tags=tags) if with_tags else model.encode(x)
             text, vision = out.text.float().cpu().numpy(), out.vision.float().cpu().numpy()  # (B, T, D), (B, R, Dv)

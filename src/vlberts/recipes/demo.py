@@ -39,7 +39,7 @@ from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, read_json, write_json
-from vlberts.models.builders import ARCHS, arch_of, model_config
+from vlberts.models.builders import ARCHS, arch_of, model_config, reads_tags
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
 from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
 from vlberts.recipes.extract import ExtractConfig, extract
@@ -375,21 +375,25 @@ DIRECTION_WORDS = tuple(OPPOSITE)
 
 def visual_word_probe(model_dir: Path, world: Path, features: Path, split: str = "test", device: str = "auto") -> dict[str, Any]:
     """MLM accuracy on masked colour and shape words of the split's captions, with and without the image
-    (top-level keys), and the same for the direction words under "directions"."""
+    (top-level keys), and the same for the direction words under "directions". W-VisualBERT reads the
+    image's detector tags with its regions (and, without the image, neither)."""
+    from vlberts.data.vqa_dataset import model_tag_subwords
     from vlberts.text.tokenizer import TextTokenizer
 
     model, _, _ = load_pretraining_model(model_dir)
     tok = TextTokenizer.load(model_dir)
     captions = read_caption_refs(world / "annotations" / f"captions_{split}.json")
 
-    def both(words: set[str]) -> dict[str, Any]:
-        items = probe_items(captions, tok, words)
-        return {
-            "with_regions": visual_word_accuracy(model, items, store, device=device),
-            "regions_zeroed": visual_word_accuracy(model, items, store, zero_regions=True, device=device),
-        }
-
     with RegionStore(features) as store:
+        tags = model_tag_subwords(reads_tags(model.cfg), store, tok)
+
+        def both(words: set[str]) -> dict[str, Any]:
+            items = probe_items(captions, tok, words)
+            return {
+                "with_regions": visual_word_accuracy(model, items, store, device=device, tag_subwords=tags),
+                "regions_zeroed": visual_word_accuracy(model, items, store, zero_regions=True, device=device),
+            }
+
         return {**both(set(SHAPES) | set(COLOUR_NAMES)), "directions": both(set(DIRECTION_WORDS))}
 
 
