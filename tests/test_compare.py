@@ -167,6 +167,10 @@ def test_seeds_is_a_count_or_a_list_and_both_record_the_same_run():
     assert compare_settings(CompareConfig(seeds="3")) == compare_settings(CompareConfig(seeds="0,1,2"))
     assert compare_settings(CompareConfig(seeds="3"))["seeds"] == "0,1,2"
     assert compare_settings(CompareConfig(seeds="2")) != compare_settings(CompareConfig(seeds="0,1,2"))
+    # one seed, --seed's, is recorded as no --seeds at all (so older single-seed comparisons continue)
+    assert compare_settings(CompareConfig(seeds="1"))["seeds"] == compare_settings(CompareConfig())["seeds"] == ""
+    assert compare_settings(CompareConfig(seed=3, seeds="3,"))["seeds"] == ""
+    assert compare_settings(CompareConfig(seeds="5,"))["seeds"] == "5"
     for bad, message in (("0", "--seeds=K needs K >= 1 seeds, got '0'"), ("1,1", "--seeds must name distinct seeds"),
                          ("two", "--seeds must be a count or comma-separated integers, got 'two'")):
         with pytest.raises(VlbertsError, match=message):

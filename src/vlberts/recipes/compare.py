@@ -314,9 +314,11 @@ def count_parameters(model_dir: Path) -> int:
 def compare_settings(cfg: CompareConfig) -> dict[str, Any]:
     """What OUT/settings.json records for a comparison. --archs and --tasks only say which rows and columns
     to run (a continued comparison may add to them); the seeds are recorded as the list they stand for, so
-    that --seeds=3 and --seeds=0,1,2 are one run."""
-    seeds = ",".join(map(str, seed_list(cfg)))
-    return run_settings(dataclasses.replace(cfg, seeds=seeds), "compare", ignore=("archs", "tasks", "arch", "model"))
+    that --seeds=3 and --seeds=0,1,2 are one run, and as "" when that is --seed alone (--seeds=1, or none:
+    as comparisons recorded before --seeds=K existed)."""
+    seeds = seed_list(cfg)
+    listed = "" if seeds == [cfg.seed] else ",".join(map(str, seeds))
+    return run_settings(dataclasses.replace(cfg, seeds=listed), "compare", ignore=("archs", "tasks", "arch", "model"))
 
 
 def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -337,7 +339,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
             runs.append(run_arch(arch_config(cfg, arch, arch_out, seed), arch_out, out, tasks, log, resumed))
         rows[arch] = runs[0] if len(seeds) == 1 else mean_row(runs)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("arch", "model")}
-    settings["seeds"] = ",".join(map(str, seeds))  # the seeds run, as settings.json records them
+    settings["seeds"] = ",".join(map(str, seeds))  # the seeds that ran (--seeds=3: "0,1,2")
     # seconds: this invocation's (a continued comparison's rows keep their steps' first seconds)
     result = {"settings": settings, "inputs_seconds": dict(inputs), "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
