@@ -2,14 +2,46 @@
 
 Everything the end-to-end tests need (captions, VQA files, Flickr30K Entities, CoNLL-U, a region
 store) comes from `vlberts world build` + `vlberts extract` on 60 images, about 15 s on 2 cores.
+
+The suite checks CPU numerics (exact resumes, float tolerances against references). On a machine with a
+GPU, every recipe's `device=auto` would take CUDA and bf16 instead, so the suite hides the GPU from itself
+and from the CLIs it starts; only the tests marked `gpu` (tests/test_gpu.py) see it. VLBERTS_TEST_CUDA=1
+leaves the GPU visible to every test (a check that the CUDA path runs everywhere; CPU-exact assertions
+may then fail within rounding).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+SHOW_CUDA = os.environ.get("VLBERTS_TEST_CUDA") == "1"
+_cuda_is_available = torch.cuda.is_available
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hide_cuda_from_the_cpu_suite():
+    """Session fixtures (the tiny pre-trained models) are built on the CPU too, whichever test asks first."""
+    if SHOW_CUDA:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _cuda_for_gpu_tests_only(request, monkeypatch):
+    if SHOW_CUDA:
+        return
+    if request.node.get_closest_marker("gpu"):
+        monkeypatch.setattr(torch.cuda, "is_available", _cuda_is_available)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CLIs a test starts see no GPU either
 
 
 @dataclass(frozen=True)

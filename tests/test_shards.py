@@ -195,3 +195,21 @@ def test_command_line(tiny_world, tmp_path, capsys):
     assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar")))
     assert main(["--store", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "t")]) == 2
     assert "nope.h5" in capsys.readouterr().err
+
+
+def test_webdataset_reads_our_shards(tiny_world, shard_sets):
+    # The layout is WebDataset's: its reader, given our shard files, yields the same samples (key, json,
+    # one `<field>.npy` per region field, bit-exact) as ours.
+    wds = pytest.importorskip("webdataset")
+    shards = [str(s) for s in shards_of_index(shard_sets["it"])]
+    ours = [s for sh in shards_of_index(shard_sets["it"]) for s in read_shard(sh)]
+    theirs = list(wds.WebDataset(shards, shardshuffle=False, empty_check=False))
+    assert [t["__key__"] for t in theirs] == [_key(s) for s in ours]
+    for t, s in zip(theirs, ours, strict=True):
+        meta = json.loads(t["json"])
+        assert meta["image_id"] == s["image_id"] and meta["captions"] == s["captions"]
+        fields = [name for name in REGION_FIELDS if name in s]
+        assert sorted(k for k in t if k.endswith(".npy")) == sorted(f"{name}.npy" for name in fields)
+        for name in fields:
+            a = np.load(io.BytesIO(t[f"{name}.npy"]))
+            assert a.dtype == s[name].dtype and np.array_equal(a, s[name]), name

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Every GPU check of issue 6, item 2, in one run on a machine with a CUDA device (a lent GPU is held for
+# minutes, so one prepared command does it all):
+#   1. the GPU tests (`tests/test_gpu.py`: CUDA = CPU numerics, bf16, fused SDPA kernels, CUDA pre-training,
+#      resume, compile, fine-tuning);
+#   2. `gpu_throughput.py` at batch 256 with --compile (base-size MFU against the measured bf16 matmul peak,
+#      ratio against Hugging Face on the same GPU), then at batch 64 eager;
+#   3. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
+#      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
+#      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
+# THROUGHPUT=0 skips step 2; TESTS=0 step 1.
+#
+#   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
+#
+# Logs and JSON land in OUTDIR; the tables are printed last.
+set -u
+out=${1:?usage: benchmarks/gpu_checks.sh OUTDIR}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+$py -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+  | tee -a "$out/gpu.txt"
+
+if [ "${TESTS:-1}" = 1 ]; then
+stamp "GPU tests"
+timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x 2>&1 \
+  | tee "$out/gpu_tests.log" | tail -25
+fi
+
+if [ "${THROUGHPUT:-1}" = 1 ]; then
+stamp "throughput, batch 256, with torch.compile"
+timeout "${B256_S:-300}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile \
+  --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
+stamp "throughput, batch 64, eager"
+timeout "${B64_S:-120}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 \
+  --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
+fi
+
+if [ -n "${SUITE:-}" ]; then
+  stamp "with the GPU visible to every test: $SUITE"
+  # shellcheck disable=SC2086
+  VLBERTS_TEST_CUDA=1 timeout "${SUITE_S:-200}" $py -m pytest -v -rfE --tb=short --timeout=120 \
+    -n "${WORKERS:-8}" -p no:cacheprovider $SUITE > "$out/suite.log" 2>&1
+  grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/[^:]+" "$out/suite.log" | sort | uniq -c
+  grep -E "^(FAILED|ERROR) " "$out/suite.log" | cut -c1-300
+  tail -1 "$out/suite.log"
+fi
+if [ -n "${CPU_SUITE:-}" ]; then
+  stamp "as make test runs them here (GPU hidden): $CPU_SUITE"
+  # shellcheck disable=SC2086
+  timeout "${CPU_SUITE_S:-120}" $py -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider $CPU_SUITE 2>&1 \
+    | tee "$out/cpu_suite.log" | tail -4
+fi
+stamp "done"
+if [ "${THROUGHPUT:-1}" = 1 ]; then
+  echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -30
+  echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -22
+fi
