@@ -145,3 +145,28 @@ def test_feature_dimension_that_disagrees_with_the_model(tiny_world, tiny_pretra
     assert proc.returncode == 2, proc.stderr
     assert "features are" in proc.stderr and "expects" in proc.stderr and str(wide) in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_wvisualbert_on_a_store_without_detected_classes_is_one_line(tiny_world, tiny_pretrained, tmp_path):
+    """W-VisualBERT reads each region's detector tag (`obj_id` and the class names): a store that has the
+    class names but no `obj_id` per box is named in one line, exit 2, before any training."""
+    from conftest import random_init_dir
+
+    from vlberts.features.record import RegionRecord
+    from vlberts.features.store import RegionStore, RegionStoreWriter
+
+    bare = tmp_path / "no_obj_id.h5"
+    with RegionStore(tiny_world.store) as src, RegionStoreWriter(bare, src.feature_dim, metadata=src.metadata) as w:
+        assert src.metadata.classes  # the names stay; the per-box class ids go
+        for rec in src.records():
+            w.add(RegionRecord(rec.image_id, rec.image_w, rec.image_h, rec.boxes, rec.features))
+    init = random_init_dir("wvisualbert-tiny", tiny_pretrained, tmp_path / "w")
+    tq, ta = tiny_world.vqa("train")
+    proc = subprocess.run(
+        [str(VLBERTS), "finetune", "vqa", f"--init={init}", f"--features={bare}", f"--train_questions={tq}",
+         f"--train_annotations={ta}", f"--out={tmp_path / 'run'}", "--min_answer_count=2"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "obj_id" in proc.stderr and str(bare) in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

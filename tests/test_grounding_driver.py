@@ -302,3 +302,11 @@ def test_wvisualbert_is_analysed_and_probed_with_its_detector_tags(tmp_path):
     visual_word_accuracy(model, items, FakeStore([rec]), device="cpu", tag_subwords=subwords)
     visual_word_accuracy(model, items, FakeStore([rec]), device="cpu", tag_subwords=subwords, zero_regions=True)
     assert seen[0] is not None and seen[0].tag_ids.tolist() == tags.tag_ids.tolist() and seen[1] is None
+
+    # A store without the detector's class per region cannot give the tags: one error naming the record,
+    # from the analysis and from the probe alike.
+    bare = dataclasses.replace(rec, obj_id=None, obj_conf=None)
+    with pytest.raises(VlbertsError, match="image 7: detector tags need each region's obj_id"):
+        list(grounding_inputs(model, caps, FakeStore([bare]), tag_subwords=subwords))
+    with pytest.raises(VlbertsError, match="image 7: detector tags need each region's obj_id"):
+        visual_word_accuracy(model, items, FakeStore([bare]), device="cpu", tag_subwords=subwords)

@@ -24,7 +24,14 @@ import torch
 
 from vlberts.analysis.grounding import GroundingEntity, GroundingInput
 from vlberts.data.flickr_entities import FlickrEntitiesImage
-from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, load_regions, region_counts
+from vlberts.data.regions import (
+    FetchedRecord,
+    RegionSource,
+    caption_inputs,
+    detected_classes,
+    load_regions,
+    region_counts,
+)
 from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps
 from vlberts.models.wvisualbert import image_tags
@@ -163,7 +170,9 @@ def attention_batches(
         if tag_subwords is None:
             maps = model.encode(x, need_attn=True).attentions
         else:
-            tags = image_tags([r.obj_id[: len(g.feats)] for r, g in zip(recs, regs)], tag_subwords).to(device)
+            obj_ids = [detected_classes(FetchedRecord(r, path), c.image_id)[: len(g.feats)]
+                       for c, r, g in zip(chunk, recs, regs)]
+            tags = image_tags(obj_ids, tag_subwords).to(device)
             maps = model.encode(x, need_attn=True, tags=tags).attentions
         if maps is None:
             raise VlbertsError(f"the model returned no attention maps for need_attn=True ({type(model).__name__})")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import RegionSource, caption_inputs, load_regions
+from vlberts.data.regions import RegionSource, caption_inputs, detected_classes, load_regions
 from vlberts.models.wvisualbert import image_tags
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
@@ -83,7 +83,7 @@ def visual_word_accuracy(
         if tag_subwords is None or zero_regions:
             logits = model(x).mlm_logits  # (B, T, V)
         else:
-            obj_ids = [regions.get(it.image_id).obj_id[: len(r.feats)] for it, r in zip(chunk, regs)]
+            obj_ids = [detected_classes(regions, it.image_id)[: len(r.feats)] for it, r in zip(chunk, regs)]
             logits = model(x, tags=image_tags(obj_ids, tag_subwords).to(dev)).mlm_logits
         pred = logits.argmax(-1).cpu()
         for i, it in enumerate(chunk):

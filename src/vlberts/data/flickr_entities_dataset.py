@@ -29,8 +29,14 @@ from torch import Tensor
 
 from vlberts.data.batch import TagInputs, VLInputs, _to
 from vlberts.data.flickr_entities import Box, FlickrEntitiesImage
-from vlberts.data.regions import RegionSource, caption_inputs, load_regions, pad_sequences, region_counts
-from vlberts.errors import VlbertsError
+from vlberts.data.regions import (
+    RegionSource,
+    caption_inputs,
+    detected_classes,
+    load_regions,
+    pad_sequences,
+    region_counts,
+)
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.flickr_entities import positive_regions, skip_reason
 from vlberts.text.tokenizer import TextTokenizer
@@ -166,10 +172,7 @@ class EntityData:
             "index": index,
         }
         if self.tag_subwords is not None:
-            obj_id = self.regions.get(cap.image_id).obj_id
-            if obj_id is None:
-                raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                                   path=getattr(self.regions, "path", None), record=f"image {cap.image_id}")
+            obj_id = detected_classes(self.regions, cap.image_id)
             item["tags"] = tag_tokens(obj_id[: len(regions.feats)], self.tag_subwords)
         return item
 

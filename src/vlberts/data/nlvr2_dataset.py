@@ -24,8 +24,15 @@ from torch import Tensor
 
 from vlberts.data.batch import TagInputs, VLInputs, _to
 from vlberts.data.nlvr2 import NLVR2Example
-from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
-from vlberts.errors import VlbertsError
+from vlberts.data.regions import (
+    Regions,
+    RegionSource,
+    detected_classes,
+    load_regions,
+    pad_regions,
+    pad_sequences,
+    region_counts,
+)
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -105,11 +112,7 @@ class NLVR2Data:
 
     def _tags(self, image_id: str, n: int) -> tuple[list[int], list[int]]:
         """The detector tags of the image's first n regions: (subword ids, region of each subword)."""
-        obj_id = self.regions.get(image_id).obj_id
-        if obj_id is None:
-            raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                               path=getattr(self.regions, "path", None), record=f"image {image_id}")
-        return tag_tokens(obj_id[:n], self.tag_subwords)
+        return tag_tokens(detected_classes(self.regions, image_id)[:n], self.tag_subwords)
 
 
 def _joined(left: Regions, right: Regions) -> Regions:

@@ -23,8 +23,7 @@ from torch import Tensor
 
 from vlberts.data.batch import TagInputs, VLInputs, _to
 from vlberts.data.refcoco import RefExpression
-from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences, region_counts
-from vlberts.errors import VlbertsError
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.refcoco import region_targets
 from vlberts.text.tokenizer import TextTokenizer
@@ -89,10 +88,7 @@ class RefData:
             "index": index,
         }
         if self.tag_subwords is not None:
-            obj_id = self.regions.get(str(ex.image_id)).obj_id
-            if obj_id is None:
-                raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                                   path=getattr(self.regions, "path", None), record=f"image {ex.image_id}")
+            obj_id = detected_classes(self.regions, ex.image_id)
             item["tags"] = tag_tokens(obj_id[: len(regions.feats)], self.tag_subwords)
         return item
 

@@ -64,6 +64,16 @@ def load_regions(source: RegionSource, image_id: str | int, max_regions: int, fe
     return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=conf)
 
 
+def detected_classes(source: RegionSource, image_id: str | int, record: str | None = None) -> np.ndarray:
+    """The detector's class per stored region of an image (`obj_id`, (N,)), which W-VisualBERT's tags are
+    made of; a store without it is an error naming the store and `record` (default: the image)."""
+    obj_id = getattr(source.get(str(image_id)), "obj_id", None)
+    if obj_id is None:
+        raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
+                           path=getattr(source, "path", None), record=record or f"image {image_id}")
+    return np.asarray(obj_id)
+
+
 def region_counts(source: RegionSource, image_ids: list[str], max_regions: int) -> np.ndarray:
     """(N,) regions each image contributes (at most `max_regions`), read without loading features where
     the source can (a `RegionStore`'s `num_boxes`); used to group batches by length."""

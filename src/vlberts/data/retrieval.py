@@ -36,7 +36,7 @@ import torch
 
 from vlberts.data.batch import TagInputs, VLInputs, _to
 from vlberts.data.coco import read_karpathy
-from vlberts.data.regions import RegionSource, Regions, load_regions, pad_regions, pad_sequences
+from vlberts.data.regions import Regions, RegionSource, detected_classes, load_regions, pad_regions, pad_sequences
 from vlberts.data.sampling import example_rng
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -187,10 +187,7 @@ class PairEncoder:
             return self._cache[image_id]
         item: dict = {"regions": load_regions(self.regions, image_id, self.max_regions, self.feature_dim)}
         if self.tag_subwords is not None:
-            obj_id = self.regions.get(image_id).obj_id
-            if obj_id is None:
-                raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                                   path=getattr(self.regions, "path", None), record=f"image {image_id}")
+            obj_id = detected_classes(self.regions, image_id)
             item["tags"] = tag_tokens(obj_id[: len(item["regions"].feats)], self.tag_subwords)
         if self._cache is not None:
             self._cache[image_id] = item

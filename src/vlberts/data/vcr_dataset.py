@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from vlberts.data.batch import TagInputs, VLInputs
-from vlberts.data.regions import RegionSource, Regions, pad_regions, pad_sequences
-from vlberts.data.vcr import NUM_CHOICES, VCRExample, read_vcr_metadata, render_tokens, rationale_context
+from vlberts.data.regions import Regions, RegionSource, detected_classes, pad_regions, pad_sequences
+from vlberts.data.vcr import NUM_CHOICES, VCRExample, rationale_context, read_vcr_metadata, render_tokens
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.text.tokenizer import TextTokenizer
@@ -173,11 +173,8 @@ class VCRData:
         item = {"choices": self.choices[index], "regions": regions, "index": index,
                 "label": -1 if self.labels[index] is None else self.labels[index]}
         if self.tag_subwords is not None:
-            obj_id = getattr(self.regions.get(ex.img_id), "obj_id", None)
-            if obj_id is None:
-                raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                                   path=getattr(self.regions, "path", None), record=ex.annot_id)
-            item["tags"] = tag_tokens(np.asarray(obj_id)[rows], self.tag_subwords)
+            obj_id = detected_classes(self.regions, ex.img_id, record=ex.annot_id)
+            item["tags"] = tag_tokens(obj_id[rows], self.tag_subwords)
         return item
 
 

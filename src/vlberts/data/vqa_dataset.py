@@ -24,13 +24,12 @@ import numpy as np
 import torch
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.data.regions import RegionSource, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.vqa import VQAExample
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.vqa import AnswerVocab, SoftTarget, dense_targets, soft_target
 from vlberts.text.tokenizer import TextTokenizer
-
 
 # A target: annotated example, answer classes -> its scores (None: no target, e.g. when only predicting).
 Target = Callable[[Any, AnswerVocab], SoftTarget | None]
@@ -151,11 +150,7 @@ class VQAData:
 
     def _tags(self, image_id: str | int, n: int) -> tuple[list[int], list[int]]:
         """The detector tags of the image's first n regions: (subword ids, region of each subword)."""
-        obj_id = self.regions.get(str(image_id)).obj_id
-        if obj_id is None:
-            raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
-                               path=getattr(self.regions, "path", None), record=f"image {image_id}")
-        return tag_tokens(obj_id[:n], self.tag_subwords)
+        return tag_tokens(detected_classes(self.regions, image_id)[:n], self.tag_subwords)
 
 
 def collate_vqa(examples: list[dict], num_answers: int, pad_id: int = 0) -> VQABatch:
