@@ -124,6 +124,15 @@ def test_cli_malformed_annotations_exit_2_naming_the_file(tiny_world, tiny_pretr
     assert not (tmp_path / "run").exists()
 
 
+def _finetune_cli(world, init: Path, features: Path, out: Path) -> subprocess.CompletedProcess:
+    tq, ta = world.vqa("train")
+    return subprocess.run(
+        [str(VLBERTS), "finetune", "vqa", f"--init={init}", f"--features={features}", f"--train_questions={tq}",
+         f"--train_annotations={ta}", f"--out={out}", "--min_answer_count=2"],
+        capture_output=True, text=True,
+    )
+
+
 def test_feature_dimension_that_disagrees_with_the_model(tiny_world, tiny_pretrained, tmp_path):
     """A store whose features are wider than the model's visual_dim is named, with the image."""
     import numpy as np
@@ -136,12 +145,7 @@ def test_feature_dimension_that_disagrees_with_the_model(tiny_world, tiny_pretra
         for rec in src.records():
             w.add(RegionRecord(rec.image_id, rec.image_w, rec.image_h, rec.boxes,
                                np.concatenate([rec.features, np.zeros((rec.num_boxes, 4), np.float32)], 1)))
-    tq, ta = tiny_world.vqa("train")
-    proc = subprocess.run(
-        [str(VLBERTS), "finetune", "vqa", f"--init={tiny_pretrained}", f"--features={wide}", f"--train_questions={tq}",
-         f"--train_annotations={ta}", f"--out={tmp_path / 'run'}", "--min_answer_count=2"],
-        capture_output=True, text=True,
-    )
+    proc = _finetune_cli(tiny_world, tiny_pretrained, wide, tmp_path / "run")
     assert proc.returncode == 2, proc.stderr
     assert "features are" in proc.stderr and "expects" in proc.stderr and str(wide) in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -161,12 +165,7 @@ def test_wvisualbert_on_a_store_without_detected_classes_is_one_line(tiny_world,
         for rec in src.records():
             w.add(RegionRecord(rec.image_id, rec.image_w, rec.image_h, rec.boxes, rec.features))
     init = random_init_dir("wvisualbert-tiny", tiny_pretrained, tmp_path / "w")
-    tq, ta = tiny_world.vqa("train")
-    proc = subprocess.run(
-        [str(VLBERTS), "finetune", "vqa", f"--init={init}", f"--features={bare}", f"--train_questions={tq}",
-         f"--train_annotations={ta}", f"--out={tmp_path / 'run'}", "--min_answer_count=2"],
-        capture_output=True, text=True,
-    )
+    proc = _finetune_cli(tiny_world, init, bare, tmp_path / "run")
     assert proc.returncode == 2, proc.stderr
     assert "obj_id" in proc.stderr and str(bare) in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
