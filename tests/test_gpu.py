@@ -172,3 +172,22 @@ def test_vqa_finetuning_on_cuda(tiny_world, tiny_pretrained, tmp_path):
     assert 0 <= metrics["accuracy"] <= 100 and metrics["num_questions"] > 0
     log = MetricsLog.read(out / "metrics.jsonl")
     assert log and all(torch.isfinite(torch.tensor(r["loss"])) for r in log if "loss" in r)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per torchrun rank)")
+def test_torchrun_on_two_gpus_trains_logs_once_and_resumes(tiny_world, tmp_path):
+    # NCCL carries the gradients and gloo the CPU-side totals and predictions (init_distributed's
+    # "cpu:gloo,cuda:nccl"): NCCL alone fails on the first CPU tensor the recipe reduces.
+    from test_distributed import _pretrain_args, _torchrun
+
+    ref = tmp_path / "ref"
+    proc = _torchrun(_pretrain_args(tiny_world, ref, "--device=auto"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = MetricsLog.read(ref / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 9))  # rank 0 logs, once per update
+    run = tmp_path / "run"
+    assert _torchrun(_pretrain_args(tiny_world, run, "--stop_after=5")).returncode == 0
+    proc = _torchrun(_pretrain_args(tiny_world, run))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(log, MetricsLog.read(run / "metrics.jsonl"), strict=True):
+        assert b["mlm_loss"] == pytest.approx(a["mlm_loss"], rel=1e-3), a["step"]

@@ -67,7 +67,9 @@ def init_distributed(device_type: str) -> DistInfo:
     if launched_world_size() <= 1:
         return DistInfo()
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        # On GPUs, NCCL for CUDA tensors (gradients, parameters) and gloo for the CPU ones the recipes
+        # reduce too (`sum_over_ranks`' logged totals, `merge_over_ranks`' objects): NCCL has no CPU path.
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         store = _elastic_store()
         if store is None:
             dist.init_process_group(backend=backend)
