@@ -44,8 +44,11 @@ fi
 if [ -n "${SUITE:-}" ]; then
   stamp "with the GPU visible to every test: $SUITE"
   # shellcheck disable=SC2086
-  VLBERTS_TEST_CUDA=1 timeout "${SUITE_S:-200}" $py -m pytest -v -rfE --tb=short --timeout=120 \
-    -n "${WORKERS:-8}" -p no:cacheprovider $SUITE > "$out/suite.log" 2>&1
+  # Each test has --timeout (pytest-timeout) so that the session ends and prints every failure's cause
+  # (a run cut by the outer timeout prints none); on 2026-11-26, 14 workers with a 120 s limit timed out
+  # building the session fixtures, so keep the workers few and the limit long.
+  VLBERTS_TEST_CUDA=1 timeout "${SUITE_S:-200}" $py -m pytest -v -rfE --tb=line --timeout="${TEST_TIMEOUT:-300}" \
+    -n "${WORKERS:-4}" -p no:cacheprovider $SUITE > "$out/suite.log" 2>&1
   grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/[^:]+" "$out/suite.log" | sort | uniq -c
   grep -E "^(FAILED|ERROR) " "$out/suite.log" | cut -c1-300
   tail -1 "$out/suite.log"
@@ -53,7 +56,7 @@ fi
 if [ -n "${CPU_SUITE:-}" ]; then
   stamp "as make test runs them here (GPU hidden): $CPU_SUITE"
   # shellcheck disable=SC2086
-  timeout "${CPU_SUITE_S:-120}" $py -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider $CPU_SUITE 2>&1 \
+  timeout "${CPU_SUITE_S:-120}" $py -m pytest -q -n "${WORKERS:-4}" -p no:cacheprovider $CPU_SUITE 2>&1 \
     | tee "$out/cpu_suite.log" | tail -4
 fi
 stamp "done"
