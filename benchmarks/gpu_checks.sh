@@ -43,11 +43,11 @@ fi
 
 if [ -n "${SUITE:-}" ]; then
   stamp "with the GPU visible to every test: $SUITE"
-  # shellcheck disable=SC2086
   # Each test has --timeout (pytest-timeout) so that the session ends and prints every failure's cause
   # (a run cut by the outer timeout prints none). On 2026-11-26, 14 workers with a 120 s limit reported
-  # 85 errors and 10 failures (70 passed) whose causes the cut run never printed (most in fixture set-up, so probably the
-  # limit itself): keep the workers few and the limit long.
+  # 85 errors and 10 failures (70 passed) whose causes the cut run never printed (most errors in fixture
+  # set-up, so probably the limit itself): keep the workers few and the limit long.
+  # shellcheck disable=SC2086
   VLBERTS_TEST_CUDA=1 timeout "${SUITE_S:-200}" $py -m pytest -v -rfE --tb=line --timeout="${TEST_TIMEOUT:-300}" \
     -n "${WORKERS:-4}" -p no:cacheprovider $SUITE > "$out/suite.log" 2>&1
   grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/[^:]+" "$out/suite.log" | sort | uniq -c
