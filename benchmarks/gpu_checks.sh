@@ -4,7 +4,8 @@
 #   1. the GPU tests (`tests/test_gpu.py`: CUDA = CPU numerics, bf16, fused SDPA kernels, CUDA pre-training,
 #      resume, compile, fine-tuning);
 #   2. `gpu_throughput.py` at batch 256 with --compile (base-size MFU against the measured bf16 matmul peak,
-#      ratio against Hugging Face on the same GPU), then at batch 64 eager;
+#      ratio against Hugging Face on the same GPU, and a profile of each model's step: host vs kernel
+#      time, operator tables in OUTDIR/profiles.tgz), then at batch 64 eager;
 #   3. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
@@ -35,7 +36,9 @@ fi
 if [ "${THROUGHPUT:-1}" = 1 ]; then
 stamp "throughput, batch 256, with torch.compile"
 timeout "${B256_S:-300}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile \
-  --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
+  --profile "$out/profile" --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
+# the operator tables in one file (a lent machine sends back few files)
+[ -d "$out/profile" ] && tar -czf "$out/profiles.tgz" -C "$out" profile && rm -r "$out/profile"
 stamp "throughput, batch 64, eager"
 timeout "${B64_S:-120}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 \
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1

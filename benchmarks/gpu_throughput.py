@@ -3,7 +3,7 @@ the device's measured bf16 matrix-multiply peak, and the throughput ratio agains
 the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
-        [--warmup 3] [--compile] [--device cuda|cpu] [--smoke] [--json PATH] [--threads N]
+        [--warmup 3] [--compile] [--device cuda|cpu] [--smoke] [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
 Hugging Face's; one batch of `--batch` examples, 20 tokens + 36 regions of 2048-d features), built there
@@ -315,6 +315,30 @@ class Result:
     first_step_s: float  # includes compilation for the compiled model
 
 
+def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -> dict[str, Any]:
+    """Where a training step's time goes: `torch.profiler` over `steps` steps. Returns the per-step host
+    (CPU) and device (CUDA kernel) time and the operators' table sorted by device time (CPU time on a
+    CPU run). A step whose host time is near its wall time while the kernels take much less is bound by
+    launching them, not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    step_seconds(fn, device)  # nothing left queued from before
+    with profile(activities=activities) as prof:
+        wall = sum(step_seconds(fn, device) for _ in range(steps)) / steps
+    events = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernel_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    host_us = sum(e.self_cpu_time_total for e in events)
+    return {
+        "wall_ms": wall * 1e3,
+        "host_ms": host_us / steps / 1e3,  # CPU time of the operators (launches included), per step
+        "kernel_ms": kernel_us / steps / 1e3,  # sum of kernel times per step (0 on a CPU run)
+        "table": events.table(sort_by=sort, row_limit=30),
+    }
+
+
 def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, Any]:
     arch = ARCHS[name]
     with tempfile.TemporaryDirectory() as tmp:
@@ -354,6 +378,14 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
             if i:
                 times[key].append(t)
 
+    profiles = {}
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for key, fn in fns.items():
+            p = profile_steps(fn, device)
+            (args.profile / f"{name}_{key}_b{b}.txt").write_text(p.pop("table"))
+            profiles[key] = p
+
     labels = {"hf": "Hugging Face", "ours": "vlberts", "ours_compiled": "vlberts compiled"}
     results = {}
     for key, (_, _, flops) in entries.items():
@@ -371,6 +403,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
         "ratio_ours_hf": results["hf"].step_s / results["ours"].step_s,
         "ratio_compiled_hf": results["hf"].step_s / results["ours_compiled"].step_s if args.compile else None,
         "flop_check": checks,
+        "profiles": profiles,
     }
 
 
@@ -392,6 +425,9 @@ def print_arch(out: dict[str, Any], caveat: str) -> None:
             tag = f" ({caveat})" if caveat else ""
             print(f"MFU goal >= {GOAL_MFU:.0%}, {out['results'][key]['model']}: {mfu:.1%} "
                   f"{'PASS' if mfu >= GOAL_MFU else 'FAIL'}{tag}")
+    for key, p in out["profiles"].items():
+        print(f"profile {key}: wall {p['wall_ms']:.1f} ms/step, operators' host time {p['host_ms']:.1f} ms, "
+              f"kernels {p['kernel_ms']:.1f} ms (table in the --profile directory)")
     for key, c in out["flop_check"].items():
         print(f"FLOPs/step {key}: analytic {c['analytic'] / 1e9:.3f} G (linear {c['analytic_linear'] / 1e9:.3f}, "
               f"attention {c['analytic_attention'] / 1e9:.3f}); FlopCounterMode {c['counter'] / 1e9:.3f} G "
@@ -411,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also profile 3 steps of each model: per-step host and kernel time, and the operator "
+                         "tables (DIR/ARCH_MODEL_bBATCH.txt)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

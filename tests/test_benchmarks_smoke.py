@@ -77,3 +77,10 @@ def test_gpu_throughput_without_cuda_stops_with_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_throughput.main(["--arch", "visualbert"])
     assert isinstance(e.value.code, str) and "no CUDA device" in e.value.code and "\n" not in e.value.code
+
+
+def test_profile_steps_splits_a_step_into_host_and_kernel_time():
+    a = torch.randn(64, 64)
+    out = gpu_throughput.profile_steps(lambda: a @ a, torch.device("cpu"), steps=2)
+    assert out["wall_ms"] > 0 and out["host_ms"] > 0 and out["kernel_ms"] == 0.0  # no device on a CPU run
+    assert "aten::mm" in out["table"]
