@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import RegionSource, caption_inputs, detected_classes, load_regions
+from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, detected_classes, load_regions
 from vlberts.models.wvisualbert import image_tags
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
@@ -75,7 +75,9 @@ def visual_word_accuracy(
     feature_dim = model.cfg.visual_dim
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        regs = [load_regions(regions, it.image_id, max_regions, feature_dim) for it in chunk]
+        path = getattr(regions, "path", None)
+        fetched = [FetchedRecord(regions.get(it.image_id), path) for it in chunk]  # each record read once
+        regs = [load_regions(f, it.image_id, max_regions, feature_dim) for f, it in zip(fetched, chunk)]
         x = caption_inputs([it.ids for it in chunk], regs)
         if zero_regions:
             x.region_feats = torch.zeros_like(x.region_feats)
@@ -83,7 +85,7 @@ def visual_word_accuracy(
         if tag_subwords is None or zero_regions:
             logits = model(x).mlm_logits  # (B, T, V)
         else:
-            obj_ids = [detected_classes(regions, it.image_id)[: len(r.feats)] for it, r in zip(chunk, regs)]
+            obj_ids = [detected_classes(f, it.image_id)[: len(r.feats)] for f, it, r in zip(fetched, chunk, regs)]
             logits = model(x, tags=image_tags(obj_ids, tag_subwords).to(dev)).mlm_logits
         pred = logits.argmax(-1).cpu()
         for i, it in enumerate(chunk):
