@@ -28,13 +28,12 @@ from vlberts.data.regions import (
     FetchedRecord,
     RegionSource,
     caption_inputs,
-    detected_classes,
+    detected_tags,
     load_regions,
     region_counts,
 )
 from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps
-from vlberts.models.wvisualbert import image_tags
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -170,9 +169,7 @@ def attention_batches(
         if tag_subwords is None:
             maps = model.encode(x, need_attn=True).attentions
         else:
-            obj_ids = [detected_classes(FetchedRecord(r, path), c.image_id)[: len(g.feats)]
-                       for c, r, g in zip(chunk, recs, regs)]
-            tags = image_tags(obj_ids, tag_subwords).to(device)
+            tags = detected_tags(recs, [c.image_id for c in chunk], regs, tag_subwords, path).to(device)
             maps = model.encode(x, need_attn=True, tags=tags).attentions
         if maps is None:
             raise VlbertsError(f"the model returned no attention maps for need_attn=True ({type(model).__name__})")

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, detected_classes, load_regions
-from vlberts.models.wvisualbert import image_tags
+from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, detected_tags, load_regions
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -76,8 +75,8 @@ def visual_word_accuracy(
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
         path = getattr(regions, "path", None)
-        fetched = [FetchedRecord(regions.get(it.image_id), path) for it in chunk]  # each record read once
-        regs = [load_regions(f, it.image_id, max_regions, feature_dim) for f, it in zip(fetched, chunk)]
+        recs = [regions.get(it.image_id) for it in chunk]  # each record read once
+        regs = [load_regions(FetchedRecord(r, path), it.image_id, max_regions, feature_dim) for r, it in zip(recs, chunk)]
         x = caption_inputs([it.ids for it in chunk], regs)
         if zero_regions:
             x.region_feats = torch.zeros_like(x.region_feats)
@@ -85,8 +84,8 @@ def visual_word_accuracy(
         if tag_subwords is None or zero_regions:
             logits = model(x).mlm_logits  # (B, T, V)
         else:
-            obj_ids = [detected_classes(f, it.image_id)[: len(r.feats)] for f, it, r in zip(fetched, chunk, regs)]
-            logits = model(x, tags=image_tags(obj_ids, tag_subwords).to(dev)).mlm_logits
+            tags = detected_tags(recs, [it.image_id for it in chunk], regs, tag_subwords, path)
+            logits = model(x, tags=tags.to(dev)).mlm_logits
         pred = logits.argmax(-1).cpu()
         for i, it in enumerate(chunk):
             correct[start + i] = all(int(pred[i, p]) == t for p, t in zip(it.positions, it.targets))

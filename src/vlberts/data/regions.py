@@ -6,14 +6,16 @@ the model from these (SPEC §2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import TagInputs, VLInputs
 from vlberts.errors import VlbertsError
+from vlberts.models.wvisualbert import image_tags
 
 
 class RegionRecordLike(Protocol):
@@ -72,6 +74,18 @@ def detected_classes(source: RegionSource, image_id: str | int, record: str | No
         raise VlbertsError("detector tags need each region's obj_id, which this image lacks",
                            path=getattr(source, "path", None), record=record or f"image {image_id}")
     return np.asarray(obj_id)
+
+
+def detected_tags(
+    records: Sequence[Any], image_ids: Sequence[str | int], regions: Sequence[Regions],
+    tag_subwords: Sequence[Sequence[int]], path: Any = None, pad_id: int = 0,
+) -> TagInputs:
+    """W-VisualBERT's unmasked detector tags for a batch of images already read (`records[b]` of image
+    `image_ids[b]`, loaded as `regions[b]`): the classes of each image's first len(regions[b].feats) boxes,
+    as fine-tuning and the analyses give them. `path` names the store in the error for a missing obj_id."""
+    obj_ids = [detected_classes(FetchedRecord(rec, path), i)[: len(r.feats)]
+               for rec, i, r in zip(records, image_ids, regions)]
+    return image_tags(obj_ids, tag_subwords, pad_id)
 
 
 def region_counts(source: RegionSource, image_ids: list[str], max_regions: int) -> np.ndarray:

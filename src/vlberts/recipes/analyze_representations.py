@@ -38,13 +38,12 @@ from vlberts.analysis.representations import (
 )
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
-from vlberts.data.regions import caption_inputs, load_regions
+from vlberts.data.regions import FetchedRecord, caption_inputs, detected_tags, load_regions
 from vlberts.data.vqa_dataset import detector_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
-from vlberts.models.wvisualbert import image_tags
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_pretraining_model
@@ -126,12 +125,14 @@ def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: li
         task = bar.add_task("representations", total=len(order), info="")
         for start in range(0, len(order), cfg.batch_size):
             chunk = [captions[i] for i in order[start : start + cfg.batch_size]]
-            regs = [load_regions(store, c.image_id, cfg.max_regions, model.cfg.visual_dim) for c in chunk]
+            recs = [store.get(c.image_id) for c in chunk]  # each record read once
+            regs = [load_regions(FetchedRecord(r, store.path), c.image_id, cfg.max_regions, model.cfg.visual_dim)
+                    for r, c in zip(recs, chunk)]
             x = caption_inputs([c.ids for c in chunk], regs).to(device)
             tags = tag_region = None
             if with_tags:
-                obj_ids = [store.get(c.image_id).obj_id[: len(r.feats)] for c, r in zip(chunk, regs)]
-                tags = image_tags(obj_ids, tag_words, tok.pad_id).to(device)
+                tags = detected_tags(recs, [c.image_id for c in chunk], regs, tag_words, store.path, tok.pad_id)
+                tags = tags.to(device)
                 tag_region = tags.tag_region.cpu().numpy()
             out = model.encode(x, tags=tags) if with_tags else model.encode(x)
             text, vision = out.text.float().cpu().numpy(), out.vision.float().cpu().numpy()  # (B, T, D), (B, R, Dv)
