@@ -3,13 +3,15 @@
 # minutes, so one prepared command does it all):
 #   1. the GPU tests (`tests/test_gpu.py`: CUDA = CPU numerics, bf16, fused SDPA kernels, CUDA pre-training,
 #      resume, compile, fine-tuning);
-#   2. `gpu_throughput.py` at batch 256 with --compile (base-size MFU against the measured bf16 matmul peak,
-#      ratio against Hugging Face on the same GPU, and a profile of each model's step: host vs kernel
-#      time, operator tables in OUTDIR/profiles.tgz), then at batch 64 eager;
+#   2. `gpu_throughput.py` at batch 256, eager and compiled in torch.compile's default and reduce-overhead
+#      (CUDA graphs) modes (base-size MFU against the measured bf16 matmul peak, ratio against Hugging Face
+#      on the same GPU, and a profile of each model's step: host vs kernel time, operator tables in
+#      OUTDIR/profiles.tgz), then at batch 64 (host-bound on the H200), eager and with CUDA graphs;
 #   3. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2; TESTS=0 step 1.
+# THROUGHPUT=0 skips step 2; TESTS=0 step 1; MODES="default" compiles one mode only. Each compile of a
+# base model took 45-60 s on the H200: step 2 needs about 7 minutes, step 1 about 1.5 (budget the calls).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -34,13 +36,14 @@ timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu tests/test_gpu.py -p no:cachep
 fi
 
 if [ "${THROUGHPUT:-1}" = 1 ]; then
-stamp "throughput, batch 256, with torch.compile"
-timeout "${B256_S:-300}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile \
+modes=${MODES:-default,reduce-overhead}
+stamp "throughput, batch 256, compiled: $modes"
+timeout "${B256_S:-420}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile-modes "$modes" \
   --profile "$out/profile" --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
 # the operator tables in one file (a lent machine sends back few files)
 [ -d "$out/profile" ] && tar -czf "$out/profiles.tgz" -C "$out" profile && rm -r "$out/profile"
-stamp "throughput, batch 64, eager"
-timeout "${B64_S:-120}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 \
+stamp "throughput, batch 64, eager and with CUDA graphs"
+timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 --compile-modes "${B64_MODES:-reduce-overhead}" \
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
 fi
 
@@ -65,6 +68,6 @@ if [ -n "${CPU_SUITE:-}" ]; then
 fi
 stamp "done"
 if [ "${THROUGHPUT:-1}" = 1 ]; then
-  echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -30
-  echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -22
+  echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -36
+  echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28
 fi

@@ -3,7 +3,8 @@ the device's measured bf16 matrix-multiply peak, and the throughput ratio agains
 the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
-        [--warmup 3] [--compile] [--device cuda|cpu] [--smoke] [--json PATH] [--threads N] [--profile DIR]
+        [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--device cuda|cpu] [--smoke]
+        [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
 Hugging Face's; one batch of `--batch` examples, 20 tokens + 36 regions of 2048-d features), built there
@@ -14,7 +15,9 @@ losses under bf16 autocast (`recipes.common.autocast`, fp32 master weights); bac
 `F.scaled_dot_product_attention` (flash / memory-efficient kernels); Hugging Face's VisualBERT and LXMERT
 run their default attention implementation (printed). With `--compile`, a copy of our model is also
 compiled in place (`model.compile()`, as `pretrain --compile` does); its first step, which waits for the
-compiler, is reported separately.
+compiler, is reported separately. `--compile-modes` compiles one copy per `torch.compile` mode named
+(`reduce-overhead` replays each step's kernels as CUDA graphs, so the host launches one graph instead of
+thousands of kernels: possible because our step reads nothing back from the device, `TokenSelection`).
 
 Measurement:
 - Peak: large square bf16 `torch.matmul` (8192 x 8192, 2 n^3 FLOPs each), after warm-up, timed with CUDA
@@ -55,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -72,7 +74,7 @@ import vs_hf  # noqa: E402
 from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
-from vlberts.models.blocks import head_rows  # noqa: E402
+from vlberts.data.batch import select_tokens  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -154,7 +156,7 @@ def visualbert_flops(
 ) -> Flops:
     """`VisualBertForPreTraining`: region projection, `num_layers` layers (text only before
     `fusion_layer`), pooler and the two heads. `last_rows`: positions per example the last layer computes
-    (ours in pre-training: [CLS] and the masked words, padded to the longest row, `blocks.head_rows`;
+    (ours in pre-training: [CLS] and the masked words, padded to the longest row, `TokenSelection.rows`;
     queries, output and feed-forward there, keys and values over the whole sequence); None: all."""
     f = Flops()
     f.linear(b * r, cfg.projection_in, cfg.hidden_size, input_grad=False)  # visual_projection of the features
@@ -209,9 +211,9 @@ FLOPS: dict[str, Callable[..., Flops]] = {"visualbert": visualbert_flops, "lxmer
 
 def our_last_rows(arch: str, mlm_positions: torch.Tensor) -> int | None:
     """Positions per example the last layer of our pre-training model computes, given the MLM positions
-    (B, T): VisualBERT's, [CLS] and the masked words padded to the longest row (`blocks.head_rows`);
+    (B, T): VisualBERT's, [CLS] and the masked words padded to the longest row (`TokenSelection.rows`);
     LXMERT's, all."""
-    return head_rows(mlm_positions)[0].shape[1] if arch == "visualbert" else None
+    return select_tokens(mlm_positions).rows.shape[1] if arch == "visualbert" else None
 
 
 def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm_positions: torch.Tensor) -> Flops:
@@ -280,12 +282,7 @@ def step_seconds(fn: Callable[[], Any], device: torch.device) -> float:
 
 def pinned(d: dict[str, Any]) -> dict[str, Any]:
     """The host batch in page-locked memory (what the recipe's DataLoader gives with pin_memory=True)."""
-    def pin(v):
-        if isinstance(v, torch.Tensor):
-            return v.pin_memory()
-        return dataclasses.replace(v, **{f.name: pin(getattr(v, f.name)) for f in dataclasses.fields(v)
-                                         if getattr(v, f.name) is not None})
-    return {k: pin(v) for k, v in d.items()}
+    return {k: v.pin_memory() for k, v in d.items()}  # tensors, and typed batches (`data.batch.Batch`)
 
 
 def on_device(d: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -339,6 +336,11 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
     }
 
 
+def compiled_key(mode: str) -> str:
+    """The results key of our model compiled in `mode` ("ours_compiled" for the default mode)."""
+    return "ours_compiled" if mode == "default" else f"ours_compiled_{mode.replace('-', '_')}"
+
+
 def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, Any]:
     arch = ARCHS[name]
     with tempfile.TemporaryDirectory() as tmp:
@@ -351,10 +353,10 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
     ours_count = our_flops(name, cfg, b, T, R, host["words"] != -100)
     hf_flops = FLOPS[name](cfg, b, T, R, HF_MLM_ROWS[name](b))
     entries = {"hf": (hf, arch.hf_step, hf_flops), "ours": (ours, arch.our_step, ours_count)}
-    if args.compile:
+    for mode in args.compile_modes:
         compiled = copy.deepcopy(ours)
-        compiled.compile()  # in place, as `pretrain --compile`
-        entries["ours_compiled"] = (compiled, arch.our_step, ours_count)
+        compiled.compile(mode=mode)  # in place, as `pretrain --compile`
+        entries[compiled_key(mode)] = (compiled, arch.our_step, ours_count)
 
     fns, first, mem = {}, {}, {}
     for key, (model, loss, _) in entries.items():
@@ -386,7 +388,8 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
             (args.profile / f"{name}_{key}_b{b}.txt").write_text(p.pop("table"))
             profiles[key] = p
 
-    labels = {"hf": "Hugging Face", "ours": "vlberts", "ours_compiled": "vlberts compiled"}
+    labels = {"hf": "Hugging Face", "ours": "vlberts",
+              **{compiled_key(m): "vlberts compiled" + ("" if m == "default" else f" ({m})") for m in args.compile_modes}}
     results = {}
     for key, (_, _, flops) in entries.items():
         s = statistics.median(times[key])
@@ -401,7 +404,8 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
         "name": arch.name, "hf_attn_implementation": str(getattr(hf.config, "_attn_implementation", "unknown")),
         "results": {k: asdict(v) for k, v in results.items()},
         "ratio_ours_hf": results["hf"].step_s / results["ours"].step_s,
-        "ratio_compiled_hf": results["hf"].step_s / results["ours_compiled"].step_s if args.compile else None,
+        "ratio_compiled_hf": results["hf"].step_s / results["ours_compiled"].step_s if "ours_compiled" in results else None,
+        "ratio_compiled_modes_hf": {m: results["hf"].step_s / results[compiled_key(m)].step_s for m in args.compile_modes},
         "flop_check": checks,
         "profiles": profiles,
     }
@@ -418,9 +422,10 @@ def print_arch(out: dict[str, Any], caveat: str) -> None:
               f"{r['flops'] / 1e9:.1f} | {r['tflops_s']:.3f} | {r['mfu']:.1%} | {r['useful_mfu']:.1%} | {mem} | "
               f"{r['first_step_s']:.2f} |")
     print(f"throughput ours / Hugging Face (same run, interleaved): {out['ratio_ours_hf']:.2f}x"
-          + (f"; compiled: {out['ratio_compiled_hf']:.2f}x" if out["ratio_compiled_hf"] else ""))
-    for key in ("ours", "ours_compiled"):
-        if key in out["results"]:
+          + "".join(f"; compiled{'' if m == 'default' else f' ({m})'}: {r:.2f}x"
+                    for m, r in out["ratio_compiled_modes_hf"].items()))
+    for key in out["results"]:
+        if key != "hf":
             mfu = out["results"][key]["mfu"]
             tag = f" ({caveat})" if caveat else ""
             print(f"MFU goal >= {GOAL_MFU:.0%}, {out['results'][key]['model']}: {mfu:.1%} "
@@ -441,7 +446,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="examples per step (default 64; 2 with --smoke)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per model (default 20; 2 with --smoke)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per model (default 3; 1 with --smoke)")
-    ap.add_argument("--compile", action="store_true", help="also time our model under torch.compile")
+    ap.add_argument("--compile", action="store_true", help="also time our model under torch.compile (default mode)")
+    ap.add_argument("--compile-modes", default="",
+                    help="comma-separated torch.compile modes to time, one compiled copy each "
+                         "(default, reduce-overhead, max-autotune, ...); --compile adds default")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
@@ -451,6 +459,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also profile 3 steps of each model: per-step host and kernel time, and the operator "
                          "tables (DIR/ARCH_MODEL_bBATCH.txt)")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.compile_modes.split(",") if m.strip()]
+    args.compile_modes = list(dict.fromkeys((["default"] if args.compile else []) + modes))
     if args.threads:
         torch.set_num_threads(args.threads)
     vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar

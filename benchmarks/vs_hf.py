@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from vlberts.data.batch import VLInputs
+from vlberts.data.batch import VLInputs, select_tokens
 from vlberts.models.convert_hf import load_hf_visualbert, visualbert_config_from_hf
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert, lxmert_config_from_hf
 from vlberts.models.lxmert import LxmertForPreTraining
@@ -60,7 +60,8 @@ def batch(seed: int = 0, b: int = B) -> dict[str, Any]:
     words = torch.full((b, T), -100)
     words[:, 1:T:6] = x.input_ids[:, 1:T:6]  # a few masked-word targets per caption
     return {
-        "x": x, "words": words, "match": torch.randint(0, 2, (b,), generator=g),
+        # the masked words as index tensors, built here on the host as the pre-training collate builds them
+        "x": x, "words": words, "mlm": select_tokens(words != -100), "match": torch.randint(0, 2, (b,), generator=g),
         "obj": torch.randint(0, N_OBJ, (b, R), generator=g), "attr": torch.randint(0, N_ATTR, (b, R), generator=g),
         "region_mask": (torch.rand(b, R, generator=g) < 0.15).float(), "ans": torch.randint(0, N_QA, (b,), generator=g),
     }
@@ -82,9 +83,9 @@ def visualbert_hf_step(hf, d) -> torch.Tensor:
 
 
 def visualbert_our_step(ours, d) -> torch.Tensor:
-    where = d["words"] != -100
-    out = ours(d["x"], mlm_positions=where)
-    return F.cross_entropy(out.mlm_logits, d["words"][where]) + F.cross_entropy(out.match_logits, d["match"])
+    sel = d["mlm"]
+    out = ours(d["x"], mlm_positions=sel)
+    return F.cross_entropy(out.mlm_logits, d["words"][sel.example, sel.position]) + F.cross_entropy(out.match_logits, d["match"])
 
 
 def visualbert_logit_diff(hf, ours, d) -> float:
@@ -115,13 +116,13 @@ def lxmert_hf_step(hf, d) -> torch.Tensor:
 def lxmert_our_step(ours, d) -> torch.Tensor:
     """The same five losses with the same weights (HF `LxmertForPreTraining.forward`)."""
     x, m = d["x"], d["region_mask"].view(-1)
-    where = d["words"] != -100
-    out = ours(x, mlm_positions=where)
+    sel = d["mlm"]
+    out = ours(x, mlm_positions=sel)
     norm = VISUAL_LOSS_NORMALIZER
     obj = (F.cross_entropy(out.obj_logits.reshape(-1, N_OBJ), d["obj"].view(-1), reduction="none") * m).mean()
     attr = (F.cross_entropy(out.attr_logits.reshape(-1, N_ATTR), d["attr"].view(-1), reduction="none") * m).mean()
     feat = (F.smooth_l1_loss(out.feat_pred.reshape(-1, D), x.region_feats.reshape(-1, D), reduction="none").mean(1) * m).mean()
-    return (F.cross_entropy(out.mlm_logits, d["words"][where]) + F.cross_entropy(out.match_logits, d["match"])
+    return (F.cross_entropy(out.mlm_logits, d["words"][sel.example, sel.position]) + F.cross_entropy(out.match_logits, d["match"])
             + norm * (obj + attr + feat) + F.cross_entropy(out.qa_logits, d["ans"]))
 
 

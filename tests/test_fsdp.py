@@ -107,7 +107,7 @@ def _fsdp_work(rank: int, tmp: str) -> None:
         if step == 0:
             found["grads"] = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
             found["no_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
-        found.setdefault("norms", []).append(update(model, optimizer, scheduler, clip=1.0))
+        found.setdefault("norms", []).append(float(update(model, optimizer, scheduler, clip=1.0)))
     found["w2"] = _full(model)
     save_checkpoint(f"{tmp}/fsdp", model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=2, data={}, extra={}), write=info.main)
@@ -146,7 +146,7 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
         if step == 0:
             one["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             one["no_grad"] = sorted(n for n, p in model.named_parameters() if p.grad is None)
-        one["norms"].append(update(model, optimizer, scheduler, clip=1.0))
+        one["norms"].append(float(update(model, optimizer, scheduler, clip=1.0)))
     one["w2"] = _full(model)
     save_checkpoint(tmp_path / "single", model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=2, data={}, extra={}))

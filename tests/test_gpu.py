@@ -91,6 +91,21 @@ def test_losses_and_gradients_on_cuda_equal_the_cpus(tiny_world, arch):
         assert _rel(flat[2], flat[0]) < 5e-2, (arch, source)
 
 
+def test_the_pretraining_loader_yields_pinned_batches(tiny_world):
+    """With `pin_memory=True` (the recipes' setting on a GPU) every tensor of a batch, nested ones included,
+    arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the GPU's work."""
+    from test_pretrain_archs import _tensors
+
+    from vlberts.data.sampling import Position
+    from vlberts.training.loop import batches
+
+    data, tok = _data(tiny_world, "wvisualbert")
+    collate = lambda examples: collate_pretrain(examples, pad_id=tok.pad_id)  # noqa: E731
+    batch, _ = next(batches(data, collate, batch_size=4, seed=0, start=Position(), pin_memory=True))
+    tensors = _tensors(batch)
+    assert len(tensors) > 15 and all(t.is_pinned() for t in tensors)
+
+
 @pytest.mark.parametrize("sq,sk", [(20, 20), (20, 36), (56, 56), (37, 13)])
 def test_attention_runs_on_fused_kernels_and_equals_the_explicit_path(sq, sk):
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -184,7 +184,7 @@ def test_models_command_describes_every_architecture():
 
 @pytest.mark.parametrize("fusion", [0, 2])
 def test_pretraining_heads_from_the_rows_they_read_equal_the_whole_forward(fusion):
-    """With `mlm_positions` the last layer computes only [CLS] and the masked words (`head_rows`): logits,
+    """With `mlm_positions` the last layer computes only [CLS] and the masked words (`TokenSelection.rows`): logits,
     and every gradient equal those of the whole forward, with and without early fusion."""
     torch.manual_seed(0)
     cfg = visualbert_tiny(num_layers=3, fusion_layer=fusion, hidden_dropout=0.0, attention_dropout=0.0)
@@ -210,10 +210,55 @@ def test_pretraining_heads_from_the_rows_they_read_equal_the_whole_forward(fusio
         torch.testing.assert_close(b[n], a[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_head_rows_lists_cls_then_the_masked_positions_in_order():
-    from vlberts.models.blocks import head_rows
+def test_token_selection_lists_cls_then_the_masked_positions_in_order():
+    from vlberts.data.batch import select_tokens
 
     where = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
-    rows, valid = head_rows(where)
-    assert rows.tolist() == [[0, 1, 3, 0], [0, 0, 0, 0], [0, 0, 1, 2]]
-    assert valid.tolist() == [[True, True, False], [False, False, False], [True, True, True]]
+    sel = select_tokens(where)
+    assert sel.count == 5
+    assert sel.example.tolist() == [0, 0, 2, 2, 2] and sel.position.tolist() == [1, 3, 0, 1, 2]  # where.nonzero()
+    assert sel.rows.tolist() == [[0, 1, 3, 0], [0, 0, 0, 0], [0, 0, 1, 2]]  # [CLS], then each row's, padded
+    assert sel.slot.tolist() == [0, 1, 0, 1, 2]  # rows[example, 1 + slot] == position
+    assert (sel.rows[sel.example, 1 + sel.slot] == sel.position).all()
+    h = torch.randn(3, 4, 2)
+    assert torch.equal(h[sel.example, sel.position], h[where])
+    empty = select_tokens(torch.zeros(3, 0, dtype=torch.bool))  # an image-only batch: from the shape alone
+    assert empty.count == 0 and empty.rows.tolist() == [[0], [0], [0]]
+
+
+def test_pretraining_forward_and_losses_read_nothing_back_from_the_device(tiny_world):
+    """One pre-training forward and its losses, per architecture, compile to a single graph: no boolean
+    index, no `.item()`, no size read off a tensor, so on a GPU the host never waits for the kernels it
+    queued (and `torch.compile` has no graph break). The batch's `mlm_tokens` were built by the collate
+    on the host; W-VisualBERT is checked on both its text-only and image-only batches."""
+    import torch._dynamo as dynamo
+    from test_pretrain_archs import _data
+
+    from vlberts.data.pretrain import collate_pretrain, unpaired_view
+    from vlberts.features.store import RegionStore
+    from vlberts.models import builders
+    from vlberts.objectives.recipe import RECIPES, pretrain_losses, run_model, total_loss
+    from vlberts.recipes.pretrain import store_sizes
+
+    store = RegionStore(tiny_world.store)
+    sizes = store_sizes(store)
+    for arch in ("visualbert", "vilbert", "vlbert", "lxmert", "wvisualbert"):
+        data, tok = _data(tiny_world, arch)
+        recipe = RECIPES[arch]
+        batch = collate_pretrain([data[(0, i)] for i in range(8)], pad_id=tok.pad_id,
+                                 drop_unmatched_targets=recipe.drop_unmatched)
+        heads = {f: sizes[w] for f, w in recipe.head_sizes.items() if w in sizes}
+        cfg = builders.model_config(f"{arch}-tiny", vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
+        model = builders.build_pretraining_model(cfg).train()
+        weights = {k: 1.0 for k in recipe.objectives if k in recipe.available(cfg)}
+        for source in (("text", "image") if arch == "wvisualbert" else (None,)):
+            b = unpaired_view(batch, source) if source else batch
+            assert b.mlm_tokens is not None
+
+            def step(b, source=source):
+                return total_loss(pretrain_losses(recipe, run_model(recipe, model, b), b, weights, source), weights)
+
+            dynamo.reset()
+            explained = dynamo.explain(step)(b)
+            reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
+            assert explained.graph_break_count == 0 and explained.graph_count == 1, (arch, source, reasons)

@@ -236,3 +236,32 @@ def test_vlbert_masked_roi_target_is_soft_by_default_and_hard_on_request(tiny_wo
     assert first["soft"]["mlm_loss"] == first["hard"]["mlm_loss"]
     with pytest.raises(VlbertsError, match="--roi_target must be soft or hard, got 'argmax'"):
         pretrain(cfg_for(tiny_world, tmp_path / "bad", "vlbert-tiny", roi_target="argmax"))
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a typed batch, nested batches included."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+def test_the_loader_pins_every_tensor_of_a_typed_batch(tiny_world, monkeypatch):
+    """`DataLoader(pin_memory=True)` pins an object only through its own `pin_memory` method and passes any
+    other object through unpinned: every tensor of a pre-training batch (W-VisualBERT's: regions, tags,
+    masked-word indices nested inside) must go through it. Pinning needs a GPU (tests/test_gpu.py checks
+    `is_pinned()` there); here `Tensor.pin_memory` is replaced by a copy that records its input."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    data, tok = _data(tiny_world, "wvisualbert")
+    batch = collate_pretrain([data[(0, i)] for i in range(4)], pad_id=tok.pad_id)
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: seen.append(self) or self.clone())
+    pinned = pin_memory(batch)
+    before, after = _tensors(batch), _tensors(pinned)
+    assert batch.tags is not None and batch.regions is not None and batch.mlm_tokens is not None
+    assert type(pinned) is type(batch) and len(before) == len(after) == len(seen) > 15
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(after, before))  # every one was copied

@@ -6,26 +6,48 @@ Letters in shape comments: B batch, T text length, R regions, D feature width, A
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 
-def _to(obj, device: torch.device | str, non_blocking: bool = False):
-    """Move every tensor field of a dataclass (recursively) to `device`."""
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """A copy of dataclass `obj` with `fn` applied to every tensor field, recursively."""
     changes = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, Tensor):
-            changes[f.name] = v.to(device, non_blocking=non_blocking)
+            changes[f.name] = fn(v)
         elif dataclasses.is_dataclass(v):
-            changes[f.name] = _to(v, device, non_blocking)
+            changes[f.name] = _map_tensors(v, fn)
     return dataclasses.replace(obj, **changes)
 
 
+BatchT = TypeVar("BatchT", bound="Batch")
+
+
+class Batch:
+    """What every typed batch (a dataclass of tensors and nested batches) can do with its tensors.
+
+    `pin_memory` is what `DataLoader(pin_memory=True)` calls on each batch it yields: it pins tensors,
+    mappings and sequences itself but leaves any other object as it is, so a dataclass without the
+    method reaches the training loop in pageable memory, and its `to(device, non_blocking=True)` copy
+    cannot overlap the GPU's work."""
+
+    def to(self: BatchT, device: torch.device | str, non_blocking: bool = False) -> BatchT:
+        """Every tensor field (recursively) on `device`."""
+        return _map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self: BatchT) -> BatchT:
+        """Every tensor field (recursively) in page-locked host memory (needs an accelerator)."""
+        return _map_tensors(self, lambda t: t.pin_memory())
+
+
 @dataclass
-class VLInputs:
+class VLInputs(Batch):
     """What every architecture reads: a text sequence and a set of image regions.
 
     Boxes are (x1, y1, x2, y2) divided by the image width/height, so in [0, 1]; spatial encodings
@@ -44,8 +66,6 @@ class VLInputs:
     # this H, W. Only end-to-end models (VL-BERT `end_to_end`) read it; None everywhere else.
     pixels: Tensor | None = None
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> VLInputs:
-        return _to(self, device, non_blocking)
 
     @property
     def batch_size(self) -> int:
@@ -53,7 +73,7 @@ class VLInputs:
 
 
 @dataclass
-class TagInputs:
+class TagInputs(Batch):
     """Detector tags of a batch (W-VisualBERT §3.2), as subword tokens that each point at the region they
     came from. L tag subwords."""
 
@@ -61,12 +81,9 @@ class TagInputs:
     tag_region: Tensor  # (B, L) long, index into the batch's regions (0..R-1) of each subword's box
     tag_mask: Tensor  # (B, L) bool, True for real tag subwords
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> TagInputs:
-        return _to(self, device, non_blocking)
-
 
 @dataclass
-class RegionTargets:
+class RegionTargets(Batch):
     """Masked-region modelling: which regions were masked and what the region losses compare against.
     C detector classes (background included, as `cls_prob` is stored)."""
 
@@ -79,8 +96,6 @@ class RegionTargets:
     attr_id: Tensor | None = None  # (B, R) long, detected attribute label, -100 on padding
     attr_conf: Tensor | None = None  # (B, R) float
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RegionTargets:
-        return _to(self, device, non_blocking)
 
 
 # Where a pre-training example comes from (`PretrainBatch.kind`): an image with its text, a text-only sample
@@ -89,7 +104,52 @@ PAIR, TEXT_ONLY, IMAGE_ONLY = 0, 1, 2
 
 
 @dataclass
-class PretrainBatch:
+class TokenSelection(Batch):
+    """The text positions the pre-training heads read (the masked words), as index tensors.
+
+    Built on the host from a (B, T) bool mask (`select_tokens`; the pre-training collate builds one per
+    batch), they let the forward pass and the MLM loss pick those rows with plain integer indexing. Picking
+    them with the mask itself (`h[mask]`) or sizing a tensor by a count read off the device
+    (`int(counts.max())`) makes the host wait for every kernel queued before it, once per such read, and
+    splits a `torch.compile` graph there; integer indices whose sizes the host already knows do neither.
+    `h[sel.example, sel.position]` lists the selected rows in the row-major order of `h[mask]`."""
+
+    example: Tensor  # (N,) long: the example b of each selected token, row-major
+    position: Tensor  # (N,) long: its text position t
+    rows: Tensor  # (B, 1 + n) long: 0 ([CLS]), then example b's selected positions ascending, padded with 0
+    slot: Tensor  # (N,) long: where token k sits in rows[:, 1:] (row b = example[k])
+
+    @property
+    def count(self) -> int:
+        """N, the number of selected tokens (a shape: reading it never waits for the device)."""
+        return self.example.shape[0]
+
+
+def select_tokens(positions: Tensor) -> TokenSelection:
+    """positions (B, T) bool -> the `TokenSelection` of its True entries. Reads the mask's values (call it
+    where they are on the host); a mask with no columns (an image-only batch) is read from its shape."""
+    B, T = positions.shape
+    dev = positions.device
+    if T == 0 or B == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        return TokenSelection(empty, empty, torch.zeros(B, 1, dtype=torch.long, device=dev), empty)
+    example, position = positions.nonzero(as_tuple=True)  # (N,), (N,): row-major
+    counts = positions.sum(1)  # (B,)
+    n = int(counts.max())
+    ordered = torch.where(positions, torch.arange(T, device=dev), T).sort(dim=1).values[:, :n]  # (B, n), selected first
+    valid = torch.arange(n, device=dev) < counts[:, None]  # (B, n)
+    rows = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), ordered.masked_fill(~valid, 0)], 1)
+    slot = torch.arange(n, device=dev).expand(B, n)[valid]  # (N,): the rank of each token within its example
+    return TokenSelection(example, position, rows, slot)
+
+
+def as_selection(positions: Tensor | TokenSelection) -> TokenSelection:
+    """A `TokenSelection`, given one or the (B, T) bool mask it is built from (eager callers and tests)."""
+    return positions if isinstance(positions, TokenSelection) else select_tokens(positions)
+
+
+@dataclass
+class PretrainBatch(Batch):
     """Caption pre-training: MLM with the image + image-text matching (VisualBERT §A.3), and for the other
     architectures the region-side targets (`regions`) and detector tags (`tags`) their objectives read."""
 
@@ -109,13 +169,13 @@ class PretrainBatch:
     # None: every example is a pair. The image objectives skip kind 1, the pair objectives (matching) 1 and 2.
     kind: Tensor | None = None
     nsp_labels: Tensor | None = None  # (B,) long, next-sentence labels (0 = IsNext, 1 = NotNext), -1 = none
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PretrainBatch:
-        return _to(self, device, non_blocking)
+    # Where mlm_labels is set, as index tensors built with it on the host (`collate_pretrain`), so that the
+    # step never reads the mask back from the device. None: built from mlm_labels when needed.
+    mlm_tokens: TokenSelection | None = None
 
 
 @dataclass
-class VQABatch:
+class VQABatch(Batch):
     """VQA: question + regions, soft answer scores as targets."""
 
     inputs: VLInputs
@@ -126,5 +186,3 @@ class VQABatch:
     answer_pos: Tensor
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2), for models that read them
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> VQABatch:
-        return _to(self, device, non_blocking)

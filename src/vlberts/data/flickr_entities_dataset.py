@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlberts.data.batch import TagInputs, VLInputs, _to
+from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.flickr_entities import Box, FlickrEntitiesImage
 from vlberts.data.regions import (
     RegionSource,
@@ -95,7 +95,7 @@ def phrase_captions(
 
 
 @dataclass
-class EntityBatch:
+class EntityBatch(Batch):
     """Captions with their regions, the positions of their phrases and each phrase's target regions."""
 
     inputs: VLInputs
@@ -104,9 +104,6 @@ class EntityBatch:
     targets: Tensor  # (B, P, R) float, 1 on positive regions, 0 elsewhere and on padding
     index: Tensor  # (B,) long, the captions' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> EntityBatch:
-        return _to(self, device, non_blocking)
 
 
 class EntityData:

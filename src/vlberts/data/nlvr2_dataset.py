@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlberts.data.batch import TagInputs, VLInputs, _to
+from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.nlvr2 import NLVR2Example
 from vlberts.data.regions import (
     Regions,
@@ -41,7 +41,7 @@ IGNORE_LABEL = -100  # label of an unlabelled example (cross-entropy's ignore in
 
 
 @dataclass
-class NLVR2Batch:
+class NLVR2Batch(Batch):
     """B examples; `inputs` has 2B rows in the pair layout and B in the joint one (module docstring)."""
 
     inputs: VLInputs
@@ -49,8 +49,6 @@ class NLVR2Batch:
     index: Tensor  # (B,) long, the examples' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags, one row per encoder row
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> NLVR2Batch:
-        return _to(self, device, non_blocking)
 
     @property
     def size(self) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs
+from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs, select_tokens
 from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
@@ -315,6 +315,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         qa_targets=torch.tensor([e.get("qa_target", -1) for e in examples], dtype=torch.long) if "qa_target" in examples[0] else None,
         kind=kind if bool(kind.any()) else None,
         nsp_labels=torch.tensor([e.get("nsp", -1) for e in examples], dtype=torch.long) if any("nsp" in e for e in examples) else None,
+        mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX),
     )
 
 
@@ -332,7 +333,8 @@ def unpaired_view(batch: PretrainBatch, source: Source) -> PretrainBatch:
         return dataclasses.replace(batch, inputs=inputs, regions=regions, tags=None, tag_labels=None)
     inputs = dataclasses.replace(x, input_ids=x.input_ids[:, :0], token_type_ids=x.token_type_ids[:, :0],
                                  attention_mask=x.attention_mask[:, :0])
-    return dataclasses.replace(batch, inputs=inputs, mlm_labels=batch.mlm_labels[:, :0])
+    labels = batch.mlm_labels[:, :0]
+    return dataclasses.replace(batch, inputs=inputs, mlm_labels=labels, mlm_tokens=select_tokens(labels != IGNORE_INDEX))
 
 
 class ImageOnlyData:

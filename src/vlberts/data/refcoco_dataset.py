@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlberts.data.batch import TagInputs, VLInputs, _to
+from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.refcoco import RefExpression
 from vlberts.data.regions import RegionSource, detected_classes, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -30,16 +30,13 @@ from vlberts.text.tokenizer import TextTokenizer
 
 
 @dataclass
-class RefBatch:
+class RefBatch(Batch):
     """Expressions with their candidate regions and per-region targets."""
 
     inputs: VLInputs
     targets: Tensor  # (B, R) float in [0, 1], 0 on padding regions (masked out by inputs.region_mask)
     index: Tensor  # (B,) long, the expressions' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RefBatch:
-        return _to(self, device, non_blocking)
 
 
 class RefData:

@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from vlberts.data.batch import TagInputs, VLInputs, _to
+from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.coco import read_karpathy
 from vlberts.data.regions import Regions, RegionSource, detected_classes, load_regions, pad_regions, pad_sequences
 from vlberts.data.sampling import example_rng
@@ -147,14 +146,12 @@ LAYOUTS = {"caption": (2, _caption), "second_segment": (3, _second_segment)}
 
 
 @dataclass
-class RetrievalBatch:
+class RetrievalBatch(Batch):
     """N (caption, image) pairs; in training N = 4 x groups, each group's four pairs contiguous, positive first."""
 
     inputs: VLInputs
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of each pair's image
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RetrievalBatch:
-        return _to(self, device, non_blocking)
 
     @property
     def num_pairs(self) -> int:

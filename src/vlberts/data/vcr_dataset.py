@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlberts.data.batch import TagInputs, VLInputs
+from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.regions import Regions, RegionSource, detected_classes, pad_regions, pad_sequences
 from vlberts.data.vcr import NUM_CHOICES, VCRExample, rationale_context, read_vcr_metadata, render_tokens
 from vlberts.errors import VlbertsError
@@ -93,17 +93,13 @@ def layout_choice(
 
 
 @dataclass
-class VCRBatch:
+class VCRBatch(Batch):
     """B questions x 4 choices: the choices' sequences flattened question-major, (B*4, ...)."""
 
     inputs: VLInputs  # (B*4, T) text, (B*4, R, D) regions (each question's repeated 4 times)
     labels: Tensor  # (B,) long, the right choice, -1 when unknown (test)
     index: Tensor  # (B,) long, the examples' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags, (B*4, L)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> VCRBatch:
-        from vlberts.data.batch import _to
-        return _to(self, device, non_blocking)
 
 
 class VCRData:

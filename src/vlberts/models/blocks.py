@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vlberts.data.batch import TokenSelection, as_selection
+
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),  # BERT's exact erf GELU
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -242,20 +244,12 @@ def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
     return x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
-def head_rows(positions: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows pre-training heads read: [CLS] (position 0) and the selected text positions.
-
-    positions (B, T) bool -> rows (B, 1 + N_max) long: 0, then each example's selected positions in
-    ascending order, padded with 0; valid (B, N_max) bool marks the real ones, so `h[:, 1:][valid]` lists
-    the selected positions' states in the row-major order of `h_text[positions]`."""
-    B, T = positions.shape
-    counts = positions.sum(1)  # (B,)
-    n = int(counts.max()) if B else 0
-    index = torch.arange(T, device=positions.device)
-    ordered = torch.where(positions, index, T).sort(dim=1).values[:, :n]  # (B, n), selected first
-    valid = torch.arange(n, device=positions.device) < counts[:, None]  # (B, n)
-    rows = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=positions.device), ordered.masked_fill(~valid, 0)], 1)
-    return rows, valid
+def selected_text(text: Tensor, positions: Tensor | TokenSelection | None) -> Tensor:
+    """text (B, T, D) -> (N, D), the selected tokens' states in row-major order; all of it when None."""
+    if positions is None:
+        return text
+    sel = as_selection(positions)
+    return text[sel.example, sel.position]
 
 
 class Pooler(nn.Module):

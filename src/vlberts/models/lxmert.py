@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs, VQABatch
+from vlberts.data.batch import TokenSelection, VLInputs, VQABatch
 from vlberts.models.blocks import (
     AnswerMLP,
     AttentionBlock,
@@ -52,6 +52,7 @@ from vlberts.models.blocks import (
     PredictionHeadTransform,
     init_bert_weights,
     mask_bias,
+    selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, LxmertPretrainOutput, VLOutput
 from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
@@ -301,12 +302,12 @@ class LxmertForPreTraining(nn.Module):
         return self.lxmert(x, need_attn)
 
     def forward(
-        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None
+        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None
     ) -> LxmertPretrainOutput:
-        """All heads present in the model. With `mlm_positions` (B, T) bool, the MLM head runs only there:
-        logits (N, V) for the N selected tokens in row-major order; otherwise (B, T, V)."""
+        """All heads present in the model. With `mlm_positions` (B, T) bool (or its `TokenSelection`), the MLM
+        head runs only there: logits (N, V) for the N selected tokens in row-major order; otherwise (B, T, V)."""
         out = self.lxmert(x, need_attn)
-        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        text = selected_text(out.text, mlm_positions)
         obj = self.obj_predict_head(out.vision) if self.obj_predict_head is not None else {}
         return LxmertPretrainOutput(
             mlm_logits=self.cls.predictions(text),

@@ -88,7 +88,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs, VQABatch
+from vlberts.data.batch import TokenSelection, VLInputs, VQABatch
 from vlberts.models.blocks import (
     AddNorm,
     AnswerMLP,
@@ -101,6 +101,7 @@ from vlberts.models.blocks import (
     PredictionHeadTransform,
     init_bert_weights,
     mask_bias,
+    selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, ViLBertPretrainOutput, VLOutput
 from vlberts.models.spatial import spatial_encoding
@@ -443,13 +444,13 @@ class ViLBertForPreTraining(nn.Module):
         return self.bert(x, need_attn)
 
     def forward(
-        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None
+        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None
     ) -> ViLBertPretrainOutput:
-        """All heads. With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) for the
-        N selected tokens in row-major order; otherwise (B, T, V). Region logits are (B, R, C) for the
-        caller's regions."""
+        """All heads. With `mlm_positions` (B, T) bool (or its `TokenSelection`), the MLM head runs only
+        there: logits (N, V) for the N selected tokens in row-major order; otherwise (B, T, V). Region
+        logits are (B, R, C) for the caller's regions."""
         out = self.bert(x, need_attn)
-        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        text = selected_text(out.text, mlm_positions)
         return ViLBertPretrainOutput(
             mlm_logits=self.cls.predictions(text),
             match_logits=self.cls.bi_seq_relationship(self.dropout(out.pooled)),  # (B, 2), 0 = aligned

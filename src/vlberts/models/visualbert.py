@@ -20,8 +20,16 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, head_rows, init_bert_weights, mask_bias
+from vlberts.data.batch import TokenSelection, VLInputs, VQABatch, as_selection
+from vlberts.models.blocks import (
+    BertTextConfig,
+    Encoder,
+    MLMHead,
+    Pooler,
+    init_bert_weights,
+    mask_bias,
+    selected_text,
+)
 from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
 from vlberts.models.spatial import SPATIAL_DIMS, spatial_encoding
 
@@ -184,21 +192,23 @@ class VisualBertForPreTraining(nn.Module):
         """The encoder alone (no heads): what the analyses read."""
         return self.bert(x, need_attn)
 
-    def forward(self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None) -> PretrainOutput:
-        """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) for the N
-        selected tokens in row-major order. Otherwise logits are (B, T, V).
+    def forward(
+        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None
+    ) -> PretrainOutput:
+        """With `mlm_positions` (B, T) bool (or its `TokenSelection`), the MLM head runs only there:
+        logits (N, V) for the N selected tokens in row-major order. Otherwise logits are (B, T, V).
 
         Pre-training passes `mlm_positions` and reads nothing else than the two heads, which read only
         [CLS] and the masked words: the last layer then computes just those rows (`Encoder.forward`,
-        `head_rows`), and `encoded` is None. With `need_attn` every row is computed."""
+        `TokenSelection.rows`), and `encoded` is None. With `need_attn` every row is computed."""
         if mlm_positions is None or need_attn:
             out = self.bert(x, need_attn)
-            text = out.text if mlm_positions is None else out.text[mlm_positions]
+            text = selected_text(out.text, mlm_positions)
             return PretrainOutput(self.cls.predictions(text), self.cls.seq_relationship(out.pooled), encoded=out)
-        rows, valid = head_rows(mlm_positions)  # (B, 1 + n), (B, n)
-        h, _ = self.bert.hidden(x, rows=rows)  # (B, 1 + n, D)
+        sel = as_selection(mlm_positions)
+        h, _ = self.bert.hidden(x, rows=sel.rows)  # (B, 1 + n, D)
         return PretrainOutput(
-            mlm_logits=self.cls.predictions(h[:, 1:][valid]),  # (N, V)
+            mlm_logits=self.cls.predictions(h[:, 1:][sel.example, sel.slot]),  # (N, V)
             match_logits=self.cls.seq_relationship(self.bert.pooler(h[:, 0])),  # (B, 2)
             encoded=None,
         )

@@ -48,8 +48,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import roi_align
 
-from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.models.blocks import BertTextConfig, Encoder, MLMHead, Pooler, activation, init_bert_weights, mask_bias
+from vlberts.data.batch import TokenSelection, VLInputs, VQABatch
+from vlberts.models.blocks import (
+    BertTextConfig,
+    Encoder,
+    MLMHead,
+    Pooler,
+    activation,
+    init_bert_weights,
+    mask_bias,
+    selected_text,
+)
 from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
 
 # Released code `coordinate_embeddings`: normalised coordinates are scaled by 100 and divided by
@@ -337,14 +346,14 @@ class VLBertForPreTraining(nn.Module):
         return self.bert(x, need_attn, roi_masked)
 
     def forward(
-        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | None = None,
+        self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None,
         roi_masked: Tensor | None = None,
     ) -> VLBertPretrainOutput:
-        """With `mlm_positions` (B, T) bool, the MLM head runs only there: logits (N, V) in row-major order;
-        otherwise (B, T, V). `roi_masked` (B, R) bool marks the RoIs masked for Task #2; `region_logits`
-        (B, R, C) cover every region (the loss reads the masked ones)."""
+        """With `mlm_positions` (B, T) bool (or its `TokenSelection`), the MLM head runs only there: logits
+        (N, V) in row-major order; otherwise (B, T, V). `roi_masked` (B, R) bool marks the RoIs masked for
+        Task #2; `region_logits` (B, R, C) cover every region (the loss reads the masked ones)."""
         out = self.bert(x, need_attn, roi_masked)
-        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        text = selected_text(out.text, mlm_positions)
         head = self.cls.seq_relationship
         return VLBertPretrainOutput(
             mlm_logits=self.cls.predictions(text),

@@ -51,7 +51,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import TagInputs, VLInputs, VQABatch  # TagInputs re-exported: the models' tag input type
+from vlberts.data.batch import TagInputs, TokenSelection, VLInputs, VQABatch  # TagInputs re-exported: the models' tag input type
 from vlberts.models.blocks import (
     AnswerMLP,
     BertTextConfig,
@@ -61,6 +61,7 @@ from vlberts.models.blocks import (
     PredictionHeadTransform,
     init_bert_weights,
     mask_bias,
+    selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, VLOutput
 
@@ -325,15 +326,16 @@ class WVisualBertForPreTraining(nn.Module):
         self,
         x: VLInputs,
         need_attn: bool = False,
-        mlm_positions: Tensor | None = None,
+        mlm_positions: Tensor | TokenSelection | None = None,
         tags: TagInputs | None = None,
         tag_positions: Tensor | None = None,
     ) -> WVisualBertPretrainOutput:
-        """mlm_positions (B, T) / tag_positions (B, L) bool: run the MLM head only there, giving (N, V)
-        logits in row-major order; otherwise (B, T, V) / (B, L, V). The visual heads run on every
-        region (LXMERT's losses weight the label terms by detector confidence over all boxes)."""
+        """mlm_positions (B, T) bool (or its `TokenSelection`) / tag_positions (B, L) bool: run the MLM head
+        only there, giving (N, V) logits in row-major order; otherwise (B, T, V) / (B, L, V). The visual
+        heads run on every region (LXMERT's losses weight the label terms by detector confidence over all
+        boxes)."""
         out = self.bert(x, tags, need_attn)
-        text = out.text if mlm_positions is None else out.text[mlm_positions]
+        text = selected_text(out.text, mlm_positions)
         tag_logits = None
         if out.tags is not None:
             t = out.tags if tag_positions is None else out.tags[tag_positions]

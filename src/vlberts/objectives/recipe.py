@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from vlberts.data.batch import PAIR, TEXT_ONLY, PretrainBatch
+from vlberts.data.batch import PAIR, TEXT_ONLY, PretrainBatch, TokenSelection, select_tokens
 from vlberts.errors import VlbertsError
 from vlberts.objectives.matching import Convention, match_labels, matching_loss, qa_loss
 from vlberts.objectives.mlm import masked_positions, mlm_loss
@@ -180,7 +180,13 @@ def run_model(recipe: ArchRecipe, model: Any, batch: PretrainBatch) -> Any:
         extra["roi_masked"] = batch.regions.corrupted
     if "tags" in recipe.model_inputs and batch.tags is not None:
         extra["tags"] = batch.tags
-    return model(batch.inputs, mlm_positions=masked_positions(batch.mlm_labels), **extra)
+    return model(batch.inputs, mlm_positions=mlm_tokens(batch), **extra)
+
+
+def mlm_tokens(batch: PretrainBatch) -> TokenSelection:
+    """The masked words of `batch` as index tensors: the ones its collate built on the host (so the step
+    reads nothing back from the device), or built here from `mlm_labels` for a batch made without them."""
+    return batch.mlm_tokens if batch.mlm_tokens is not None else select_tokens(masked_positions(batch.mlm_labels))
 
 
 # Rows of a batch that mixes sources (`PretrainBatch.kind`: 0 pair, 1 text-only, 2 image-only). Each
@@ -208,7 +214,8 @@ def nsp_rows(batch: PretrainBatch) -> Tensor:
 
 
 def _mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
-    return mlm_loss(out.mlm_logits, batch.mlm_labels[masked_positions(batch.mlm_labels)])
+    sel = mlm_tokens(batch)
+    return mlm_loss(out.mlm_logits, batch.mlm_labels[sel.example, sel.position])
 
 
 def _match(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
@@ -271,7 +278,7 @@ LOSSES = {
 # LXMERT-style region losses average over every (example, region) slot as the originals do, so theirs is
 # B x R (padding included: exact across splits when the parts pad to the same number of regions).
 COUNTS = {
-    "mlm": lambda batch: masked_positions(batch.mlm_labels).sum(),
+    "mlm": lambda batch: mlm_tokens(batch).count,
     "match": lambda batch: batch.matched[pair_rows(batch)].numel(),
     "region_kl": lambda batch: batch.regions.masked.sum(),
     "roi_cls": lambda batch: batch.regions.masked.sum(),

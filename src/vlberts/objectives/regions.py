@@ -123,13 +123,20 @@ def region_kl_loss(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor
     The original (`visual_target=0`) keeps all 1601 columns, background included (it drops the [IMG]
     *position*, not a class; our `region_logits` already exclude [IMG]), and divides the summed KL by the
     number of masked regions with no guard; here a batch with none gives a zero that keeps the graph.
+    Every region's KL is computed and the masked ones are averaged (`masked_mean`), so that nothing is
+    read back from the device.
     """
-    if not mask.any():
-        return logits.sum() * 0.0
-    logp = F.log_softmax(logits[mask].float(), dim=-1)  # (N, C)
-    t = target_probs[mask].float()  # (N, C)
-    kl = torch.xlogy(t, t) - t * logp  # (N, C), 0 log 0 = 0
-    return kl.sum() / mask.sum()
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, R, C)
+    t = target_probs.float()  # (B, R, C)
+    kl = (torch.xlogy(t, t) - t * logp).sum(-1)  # (B, R), 0 log 0 = 0
+    return masked_mean(kl, mask)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """values (B, R), mask (B, R) bool -> the mean of the masked values; 0 (with the graph kept) when none
+    is masked. Computed on every entry and selected with `where`: a boolean index (`values[mask]`) or a
+    test like `mask.any()` would make the host wait for the device."""
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp_min(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,15 +153,15 @@ def masked_roi_loss(
     (`target="hard"`: cross-entropy against argmax of `cls_prob`); the released code uses the detector's
     whole score vector as a soft target (`soft_cross_entropy`, `target="soft"`, the default).
     """
-    if not mask.any():
-        return logits.sum() * 0.0
-    logp = F.log_softmax(logits[mask].float(), dim=-1)  # (N, C)
-    probs = cls_prob[mask].float()  # (N, C)
-    if target == "hard":
-        return F.nll_loss(logp, probs.argmax(-1))
-    if target != "soft":
+    if target not in ("soft", "hard"):
         raise ValueError(f"target must be 'soft' or 'hard', got {target!r}")
-    return -(probs * logp).sum(-1).mean()
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, R, C)
+    probs = cls_prob.float()  # (B, R, C)
+    if target == "hard":
+        per_region = -logp.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1)  # (B, R)
+    else:
+        per_region = -(probs * logp).sum(-1)  # (B, R)
+    return masked_mean(per_region, mask)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlberts.objectives.regions import masked_mean
 from vlberts.text.masking import IGNORE_INDEX
 
 Source = Literal["image", "text"]
@@ -55,10 +56,9 @@ def tag_mlm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     tags "are predicted just as masked subwords are predicted in text modeling"; the original
     (`use_bert_input_for_tags`) predicts them with the same MLM head and loss.
     """
-    sel = labels != IGNORE_INDEX  # (B, L)
-    if not sel.any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[sel].float(), labels[sel])
+    per_tag = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                              reduction="none").view(labels.shape)  # (B, L), 0 where not masked
+    return masked_mean(per_tag, labels != IGNORE_INDEX)
 
 
 # --------------------------------------------------------------------------------------------------

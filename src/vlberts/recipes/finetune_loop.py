@@ -173,29 +173,30 @@ def finetune_loop(
         bar_task = bar.add_task(label, total=steps, completed=step, info="")
         while step < steps:
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
-            total = 0.0
+            total: Any = 0.0  # on the device until logged (`pretrain`: no read-back each update)
             micro = []
             for _ in range(cfg.grad_accum):
                 batch, pos = next(stream)
-                micro.append(batch.to(device, non_blocking=True))
+                micro.append(batch)
             # Each micro-batch's mean loss weighs by its share of the update's examples on every rank,
-            # so the update is the same however it is split (`loss_shares`).
+            # so the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
             for batch, share in zip(micro, shares):
+                batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
                     value = loss(batch).float() * share["loss"]
                 value.backward()
-                total += value.item()
+                total = total + value.detach()
             sync_gradients(model, dist)
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
             bar.update(bar_task, completed=step)
             if step % cfg.log_every == 0 or step == steps:  # the update's loss: the ranks' shares summed
-                total = sum_over_ranks({"loss": total}, dist)["loss"]
+                total = sum_over_ranks({"loss": float(total)}, dist)["loss"]
                 bar.update(bar_task, info=f"loss {total:.3f}")
                 if log is not None:
-                    log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                    log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                                "seconds": round(time.perf_counter() - t0, 3)})
             if step % cfg.ckpt_every == 0 or step == steps:  # every rank: a sharded model is gathered; rank 0 writes
                 save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,

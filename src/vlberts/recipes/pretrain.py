@@ -510,39 +510,41 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             # With --text_corpus the text-only share of the updates is --text_ratio (recipes/pretrain_mix.py).
             source = unpaired_schedule(step, cfg.seed, cfg.text_ratio if cfg.text_corpus else 0.5) if unpaired else None
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))
-            totals = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
-            micro = []
+            # The update's losses, kept on the device until a record is written: reading one back (`.item()`)
+            # would make the host wait for the GPU every update instead of queueing the next one's kernels.
+            totals: dict[str, Any] = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
+            micro = []  # host batches: everything the step needs to know about them is read here
             for _ in range(cfg.grad_accum):
                 batch, pos = draw(stream, source)
-                batch = batch.to(device, non_blocking=True)
                 micro.append(unpaired_view(batch, source) if source is not None else batch)
             # LXMERT §3.3: the image-QA loss only from `qa_from` on (its weight is 0 before).
             step_weights = {k: w for k, w in weights.items() if k != "qa" or qa_active(step, qa_from)}
             active = [k for k in step_weights if applies(k, source)]
             # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
-            # the update is the same however it is split (`loss_shares`).
+            # the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
             for batch, share in zip(micro, shares):
+                batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
                 total_loss(losses, step_weights).backward()
                 for k, v in losses.items():
-                    totals[k] += v.item()
+                    totals[k] = totals[k] + v.detach()
             sync_gradients(model, dist)
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1
             bar.update(task, completed=step)
             if step % cfg.log_every == 0 or step == cfg.steps:  # the update's losses: the ranks' shares summed
-                totals = sum_over_ranks(totals, dist)
+                totals = sum_over_ranks({k: float(v) for k, v in totals.items()}, dist)
                 bar.update(task, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
             if log is not None and (step % cfg.log_every == 0 or step == cfg.steps):
                 record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
                 record.update({f"{k}_loss": v for k, v in totals.items()})
                 if source is not None:
                     record["source"] = source
-                log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                            "seconds": round(time.perf_counter() - t0, 3)})
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
                 # Streams: every rank's own position (gathered on every rank: a collective call).

@@ -52,8 +52,9 @@ def batches(
         yield batch, pos
 
 
-def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> float:
-    """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm.
+def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> torch.Tensor:
+    """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm, a
+    0-d tensor on the parameters' device (`float()` it where it is logged, not every update).
 
     Under FSDP the gradients are shards (DTensors): `clip_grad_norm_` reduces their squared norms over the
     ranks, so the norm and the clipping are the global ones (summed in another order than one process
@@ -62,7 +63,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm.detach()
 
 
 def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile"),
