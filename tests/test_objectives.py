@@ -290,6 +290,39 @@ def test_match_label_conventions_and_lxmert_loss_by_hand():
     assert approx(matching_loss(torch.tensor([[0.0, LN3]]), torch.tensor([True]), "lxmert"), 0.287682)
     assert matching_loss(torch.tensor([[0.0, 3.0]]), torch.tensor([True]), "lxmert") < \
         matching_loss(torch.tensor([[0.0, LN3]]), torch.tensor([True]), "lxmert")
+    # Only some rows (a batch mixing pairs with text-only samples): row 1's loss (-ln(1/4)) is left out.
+    two, rows = torch.tensor([[0.0, LN3], [0.0, LN3]]), torch.tensor([True, False])
+    assert approx(matching_loss(two, torch.tensor([True, False]), "lxmert", rows=rows), 0.287682)
+    assert matching_loss(two, torch.tensor([True, False]), "lxmert", rows=torch.zeros(2, dtype=torch.bool)).item() == 0.0
+
+
+def test_losses_over_a_subset_read_nothing_back_from_the_device():
+    """Each loss that averages over a data-dependent subset (masked regions, masked tags, the rows of one
+    kind, answered questions) traces to one graph: no boolean index and no `.any()` test, so on a GPU the
+    host never waits for the device inside a step (`test_models.py` checks whole pre-training steps)."""
+    import torch._dynamo as dynamo
+
+    g = torch.Generator().manual_seed(0)
+    B, R, C = 3, 4, 5
+    mask = torch.tensor([[True, False, False, True], [False] * 4, [False, True, False, False]])
+    tags = torch.full((B, R), IGNORE_INDEX)
+    tags[0, 1], tags[2, 3] = 2, 4
+    probs = torch.softmax(torch.randn(B, R, C, generator=g), -1)
+    has, matched = torch.tensor([True, False, True]), torch.tensor([True, True, False])
+    cases = {
+        "region_kl": (region_kl_loss, (torch.randn(B, R, C, generator=g), probs, mask)),
+        "roi_cls soft": (masked_roi_loss, (torch.randn(B, R, C, generator=g), probs, mask)),
+        "roi_cls hard": (lambda lg, p, m: masked_roi_loss(lg, p, m, target="hard"), (torch.randn(B, R, C, generator=g), probs, mask)),
+        "tag_mlm": (tag_mlm_loss, (torch.randn(B, R, C, generator=g), tags)),
+        "matching rows": (lambda lg, m, r: matching_loss(lg, m, "lxmert", rows=r), (torch.randn(B, 2, generator=g), matched, has)),
+        "qa": (qa_loss, (torch.randn(B, 6, generator=g), torch.tensor([1, -1, 2]), has, matched)),
+        "qa soft": (qa_loss, (torch.randn(B, 6, generator=g), torch.rand(B, 6, generator=g), has, matched)),
+    }
+    for name, (fn, args) in cases.items():
+        dynamo.reset()
+        explained = dynamo.explain(fn)(*args)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, (name, explained.break_reasons)
+        assert torch.isfinite(fn(*args)), name
 
 
 def test_qa_loss_by_hand_only_matched_pairs_with_answers():

@@ -16,6 +16,7 @@ import numpy as np
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlberts.objectives.regions import masked_mean
 from vlberts.text.masking import IGNORE_INDEX
 
 Convention = Literal["visualbert", "vilbert", "lxmert"]
@@ -34,9 +35,14 @@ def flip_match_labels(labels: Tensor) -> Tensor:
     return 1 - labels
 
 
-def matching_loss(logits: Tensor, matched: Tensor, convention: Convention) -> Tensor:
-    """Cross-entropy of the (B, 2) matching logits against matched (B,) bool, in the model's convention."""
-    return F.cross_entropy(logits.float(), match_labels(matched, convention).to(logits.device))
+def matching_loss(logits: Tensor, matched: Tensor, convention: Convention, rows: Tensor | None = None) -> Tensor:
+    """Cross-entropy of the (B, 2) matching logits against matched (B,) bool, in the model's convention.
+    rows (B,) bool: the mean over those rows only, 0 when there are none (a batch that mixes pairs with
+    text-only or image-only samples, `recipe.pair_rows`; next-sentence pairs, `recipe.nsp_rows`)."""
+    labels = match_labels(matched, convention).to(logits.device)
+    if rows is None:
+        return F.cross_entropy(logits.float(), labels)
+    return masked_mean(F.cross_entropy(logits.float(), labels, reduction="none"), rows)
 
 
 def alignment_features(h_img: Tensor, h_cls: Tensor) -> Tensor:
@@ -89,13 +95,12 @@ def qa_loss(logits: Tensor, targets: Tensor, has_answer: Tensor, matched: Tensor
     are matched"; the code sets the label of mismatched pairs to -1 (ignored).
     """
     keep = has_answer.bool() & matched.bool()  # (B,)
-    if not keep.any():
-        return logits.sum() * 0.0
-    lg = logits[keep].float()  # (N, A)
-    t = targets[keep]
-    if t.dim() == 1:
-        return F.cross_entropy(lg, t.long())
-    return F.binary_cross_entropy_with_logits(lg, t.float()) * lg.shape[-1]
+    lg = logits.float()  # (B, A)
+    if targets.dim() == 1:
+        per_row = F.cross_entropy(lg, targets.long().clamp_min(0), reduction="none")  # (B,); -1 rows not kept
+    else:
+        per_row = F.binary_cross_entropy_with_logits(lg, targets.float(), reduction="none").sum(-1)  # (B,)
+    return masked_mean(per_row, keep)
 
 
 def qa_from_step(total_steps: int, last_fraction: float = 0.5) -> int:

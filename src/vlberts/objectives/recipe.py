@@ -34,7 +34,7 @@ from torch import Tensor
 
 from vlberts.data.batch import PAIR, TEXT_ONLY, PretrainBatch, TokenSelection, select_tokens
 from vlberts.errors import VlbertsError
-from vlberts.objectives.matching import Convention, match_labels, matching_loss, qa_loss
+from vlberts.objectives.matching import Convention, matching_loss, qa_loss
 from vlberts.objectives.mlm import masked_positions, mlm_loss
 from vlberts.objectives.regions import (
     LXMERT_REGION_MASK,
@@ -47,7 +47,7 @@ from vlberts.objectives.regions import (
     masked_roi_loss,
     region_kl_loss,
 )
-from vlberts.objectives.text import IS_NEXT, Source, nsp_loss, tag_mlm_loss
+from vlberts.objectives.text import IS_NEXT, Source, tag_mlm_loss
 
 Modality = Literal["text", "image", "pair"]
 
@@ -220,19 +220,16 @@ def _mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
 
 def _match(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
     rows = pair_rows(batch)
-    if not isinstance(rows, slice) and not bool(rows.any()):
-        return out.match_logits.sum() * 0.0
-    return matching_loss(out.match_logits[rows], batch.matched[rows], recipe.match_convention)
+    return matching_loss(out.match_logits, batch.matched, recipe.match_convention,
+                         rows=None if isinstance(rows, slice) else rows)
 
 
 def _nsp(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
     """Next-sentence prediction through the matching head: IsNext is the head's "matched" class in the
     architecture's convention (VisualBERT's head is BERT's NSP head: 0 = IsNext)."""
-    rows = nsp_rows(batch)
-    if not bool(rows.any()):
+    if batch.nsp_labels is None:
         return out.match_logits.sum() * 0.0
-    is_next = batch.nsp_labels[rows] == IS_NEXT
-    return nsp_loss(out.match_logits[rows], match_labels(is_next, recipe.match_convention).to(out.match_logits.device))
+    return matching_loss(out.match_logits, batch.nsp_labels == IS_NEXT, recipe.match_convention, rows=nsp_rows(batch))
 
 
 def _region_kl(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:

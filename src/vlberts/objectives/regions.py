@@ -133,8 +133,8 @@ def region_kl_loss(logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """values (B, R), mask (B, R) bool -> the mean of the masked values; 0 (with the graph kept) when none
-    is masked. Computed on every entry and selected with `where`: a boolean index (`values[mask]`) or a
+    """values and mask (bool) of one shape, e.g. (B, R) or (B,) -> the mean of the masked values; 0 (with
+    the graph kept) when none is masked. Computed on every entry and selected with `where`: a boolean index (`values[mask]`) or a
     test like `mask.any()` would make the host wait for the device."""
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp_min(1)
 
