@@ -7,6 +7,7 @@
 - `vlberts pretrain` trains every architecture on CUDA in bf16 with fp32 master weights (MLM falls), and an
   interrupted CUDA run resumes to the uninterrupted run's log and weights.
 - `--compile=true` on CUDA trains the eager model's numbers; fine-tuning and the grounding analysis run there.
+- The pre-training loader hands over batches in pinned memory (every tensor, nested batches included).
 
 Run them with `pytest -m gpu` on a machine with a GPU.
 """
