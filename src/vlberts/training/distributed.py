@@ -121,8 +121,9 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
     is already weighted by its share of the update (`training.loop.loss_shares`), so the sum is the
     gradient of the update's loss, the same as one process would compute on the whole global batch.
 
-    One all-reduce of all gradients flattened together, with one more number per parameter: 1 if it got
-    a gradient on this rank. A parameter that got no gradient on a rank (a head that sat out the update:
+    One all-reduce of all gradients flattened together, and one of a number per parameter, 1 if it got a
+    gradient on this rank, kept on the host (gloo, also on GPUs: "cpu:gloo,cuda:nccl") so that reading
+    it back does not wait for the GPU. A parameter that got no gradient on a rank (a head that sat out the update:
     VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were
     all mismatched) counts as zero there, so every rank always joins the same collective; one that got
     none on any rank gets its `grad` set back to None, as one process would leave it, so AdamW neither
@@ -143,19 +144,19 @@ def sync_gradients(model: nn.Module, info: DistInfo) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return
-    dtype = next((p.grad.dtype for p in params if p.grad is not None), params[0].dtype)
-    used = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=params[0].device)
+    used = torch.tensor([float(p.grad is not None) for p in params])  # (P,), on the host
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([*(p.grad.reshape(-1) for p in params), used])  # (sum of numels + P,)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
     dist.all_reduce(flat)
+    dist.all_reduce(used)
     offset = 0
     for p in params:
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
-    for p, any_rank in zip(params, flat[offset:].tolist()):
+    for p, any_rank in zip(params, used.tolist()):
         if any_rank == 0:
             p.grad = None
 
