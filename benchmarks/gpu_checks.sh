@@ -10,8 +10,10 @@
 #   3. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2; TESTS=0 step 1; MODES="default" compiles one mode only. Each compile of a
-# base model took 45-60 s on the H200: step 2 needs about 7 minutes, step 1 about 1.5 (budget the calls).
+# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; MODES="default" compiles one
+# mode only. Each compile of a base model took 45-60 s on the H200, so (estimated, not yet run) step 1
+# takes about 1.5 min, the batch-256 run 5, the batch-64 run 3: with a 10-minute limit per call, run
+# `B64=0 ... OUTDIR` first and `TESTS=0 B256=0 ... OUTDIR2` second.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -35,13 +37,15 @@ timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu tests/test_gpu.py -p no:cachep
   | tee "$out/gpu_tests.log" | tail -25
 fi
 
-if [ "${THROUGHPUT:-1}" = 1 ]; then
+if [ "${THROUGHPUT:-1}" = 1 ] && [ "${B256:-1}" = 1 ]; then
 modes=${MODES:-default,reduce-overhead}
 stamp "throughput, batch 256, compiled: $modes"
 timeout "${B256_S:-420}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile-modes "$modes" \
   --profile "$out/profile" --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
 # the operator tables in one file (a lent machine sends back few files)
 [ -d "$out/profile" ] && tar -czf "$out/profiles.tgz" -C "$out" profile && rm -r "$out/profile"
+fi
+if [ "${THROUGHPUT:-1}" = 1 ] && [ "${B64:-1}" = 1 ]; then
 stamp "throughput, batch 64, eager and with CUDA graphs"
 timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 --compile-modes "${B64_MODES:-reduce-overhead}" \
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
@@ -68,6 +72,6 @@ if [ -n "${CPU_SUITE:-}" ]; then
 fi
 stamp "done"
 if [ "${THROUGHPUT:-1}" = 1 ]; then
-  echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -36
-  echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28
+  [ -f "$out/gpu_b256.log" ] && { echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -36; }
+  [ -f "$out/gpu_b64.log" ] && { echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28; }
 fi
