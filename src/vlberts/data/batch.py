@@ -66,7 +66,6 @@ class VLInputs(Batch):
     # this H, W. Only end-to-end models (VL-BERT `end_to_end`) read it; None everywhere else.
     pixels: Tensor | None = None
 
-
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
@@ -95,7 +94,6 @@ class RegionTargets(Batch):
     obj_conf: Tensor | None = None  # (B, R) float, its confidence (0 on padding)
     attr_id: Tensor | None = None  # (B, R) long, detected attribute label, -100 on padding
     attr_conf: Tensor | None = None  # (B, R) float
-
 
 
 # Where a pre-training example comes from (`PretrainBatch.kind`): an image with its text, a text-only sample
@@ -185,4 +183,3 @@ class VQABatch(Batch):
     # `question` layout, whose models read pooled outputs and ignore it
     answer_pos: Tensor
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of the regions (§3.2), for models that read them
-

@@ -49,7 +49,6 @@ class NLVR2Batch(Batch):
     index: Tensor  # (B,) long, the examples' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags, one row per encoder row
 
-
     @property
     def size(self) -> int:
         return len(self.labels)

@@ -152,7 +152,6 @@ class RetrievalBatch(Batch):
     inputs: VLInputs
     tags: TagInputs | None = None  # W-VisualBERT's detector tags of each pair's image
 
-
     @property
     def num_pairs(self) -> int:
         return self.inputs.batch_size
