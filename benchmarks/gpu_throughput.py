@@ -74,7 +74,7 @@ import vs_hf  # noqa: E402
 from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
-from vlberts.data.batch import select_tokens  # noqa: E402
+from vlberts.data.batch import TokenSelection  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -209,16 +209,11 @@ def lxmert_flops(cfg: LxmertConfig, b: int, t: int, r: int, mlm_rows: int, last_
 FLOPS: dict[str, Callable[..., Flops]] = {"visualbert": visualbert_flops, "lxmert": lxmert_flops}
 
 
-def our_last_rows(arch: str, mlm_positions: torch.Tensor) -> int | None:
-    """Positions per example the last layer of our pre-training model computes, given the MLM positions
-    (B, T): VisualBERT's, [CLS] and the masked words padded to the longest row (`TokenSelection.rows`);
-    LXMERT's, all."""
-    return select_tokens(mlm_positions).rows.shape[1] if arch == "visualbert" else None
-
-
-def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm_positions: torch.Tensor) -> Flops:
-    """Model FLOPs of one pre-training step of our model with the MLM head at `mlm_positions` (B, T)."""
-    return FLOPS[arch](cfg, b, t, r, int(mlm_positions.sum()), our_last_rows(arch, mlm_positions))
+def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm: TokenSelection) -> Flops:
+    """Model FLOPs of one pre-training step of our model with the MLM head at the masked words `mlm`.
+    The positions per example its last layer computes: VisualBERT's, [CLS] and the masked words padded to
+    the longest row (`mlm.rows`); LXMERT's, all."""
+    return FLOPS[arch](cfg, b, t, r, mlm.count, mlm.rows.shape[1] if arch == "visualbert" else None)
 
 
 # Positions Hugging Face's MLM head runs at: VisualBERT's at every position (text and regions; the labels
@@ -350,7 +345,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
     host = batch(b=b)
     if device.type == "cuda":
         host = pinned(host)
-    ours_count = our_flops(name, cfg, b, T, R, host["words"] != -100)
+    ours_count = our_flops(name, cfg, b, T, R, host["mlm"])
     hf_flops = FLOPS[name](cfg, b, T, R, HF_MLM_ROWS[name](b))
     entries = {"hf": (hf, arch.hf_step, hf_flops), "ours": (ours, arch.our_step, ours_count)}
     for mode in args.compile_modes:

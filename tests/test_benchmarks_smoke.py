@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_throughput  # noqa: E402
 
-from vlberts.data.batch import VLInputs  # noqa: E402
+from vlberts.data.batch import VLInputs, select_tokens  # noqa: E402
 from vlberts.models.builders import build_pretraining_model, model_config  # noqa: E402
 from vlberts.models.convert_hf import visualbert_config_from_hf  # noqa: E402
 
@@ -50,6 +50,7 @@ def test_our_step_flops_match_flop_counter(name):
     mlm = torch.zeros(B, T, dtype=torch.bool)
     mlm[:, 2] = True
     mlm[0, [4, 5]] = True  # uneven rows: VisualBERT's last layer pads to the longest (3 + [CLS])
+    mlm = select_tokens(mlm)  # as the pre-training collate hands it over
     counts = gpu_throughput.counted_flops(lambda: _backward_all(model(x, mlm_positions=mlm)))
     arch = name.split("-")[0]
     ours = gpu_throughput.our_flops(arch, cfg, B, T, R, mlm)

@@ -21,16 +21,15 @@ import torch
 from safetensors.torch import load_file
 from test_finetune_vqa import vqa_cfg
 from test_pretrain import cfg_for
-from test_pretrain_archs import _data
+from test_pretrain_archs import _data, tiny_model_and_batch
 
 from vlberts.data.pretrain import collate_pretrain, unpaired_view
-from vlberts.features.store import RegionStore
 from vlberts.models import builders
 from vlberts.models.blocks import MultiHeadAttention
 from vlberts.objectives.recipe import RECIPES, pretrain_losses, run_model, total_loss
 from vlberts.recipes.common import autocast
 from vlberts.recipes.finetune_vqa import finetune_vqa
-from vlberts.recipes.pretrain import pretrain, store_sizes
+from vlberts.recipes.pretrain import pretrain
 from vlberts.training.checkpoint import load_pretraining_model
 from vlberts.training.metrics import MetricsLog
 
@@ -64,17 +63,9 @@ def _losses_and_grads(arch, model, batch, weights, source, device, precision):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_losses_and_gradients_on_cuda_equal_the_cpus(tiny_world, arch):
-    data, tok = _data(tiny_world, arch)
-    recipe = RECIPES[arch]
-    batch = collate_pretrain([data[(0, i)] for i in range(8)], pad_id=tok.pad_id,
-                             drop_unmatched_targets=recipe.drop_unmatched)
-    store = RegionStore(tiny_world.store)
-    sizes = store_sizes(store)  # detector classes and attributes, as `pretrain` sizes the heads
-    heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
     torch.manual_seed(0)
-    cfg = builders.model_config(f"{arch}-tiny", vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
-    model = builders.build_pretraining_model(cfg).eval()  # dropout off: the same function on both devices
-    weights = {k: 1.0 for k in recipe.objectives if k in recipe.available(cfg)}
+    model, batch, weights = tiny_model_and_batch(tiny_world, arch)
+    model.eval()  # dropout off: the same function on both devices
     for source in (("text", "image") if arch == "wvisualbert" else (None,)):
         ref, ref_grads = _losses_and_grads(arch, model, batch, weights, source, torch.device("cpu"), "fp32")
         model.to(CUDA)

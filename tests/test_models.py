@@ -232,25 +232,15 @@ def test_pretraining_forward_and_losses_read_nothing_back_from_the_device(tiny_w
     queued (and `torch.compile` has no graph break). The batch's `mlm_tokens` were built by the collate
     on the host; W-VisualBERT is checked on both its text-only and image-only batches."""
     import torch._dynamo as dynamo
-    from test_pretrain_archs import _data
+    from test_pretrain_archs import tiny_model_and_batch
 
-    from vlberts.data.pretrain import collate_pretrain, unpaired_view
-    from vlberts.features.store import RegionStore
-    from vlberts.models import builders
+    from vlberts.data.pretrain import unpaired_view
     from vlberts.objectives.recipe import RECIPES, pretrain_losses, run_model, total_loss
-    from vlberts.recipes.pretrain import store_sizes
 
-    store = RegionStore(tiny_world.store)
-    sizes = store_sizes(store)
     for arch in ("visualbert", "vilbert", "vlbert", "lxmert", "wvisualbert"):
-        data, tok = _data(tiny_world, arch)
+        model, batch, weights = tiny_model_and_batch(tiny_world, arch)
+        model.train()
         recipe = RECIPES[arch]
-        batch = collate_pretrain([data[(0, i)] for i in range(8)], pad_id=tok.pad_id,
-                                 drop_unmatched_targets=recipe.drop_unmatched)
-        heads = {f: sizes[w] for f, w in recipe.head_sizes.items() if w in sizes}
-        cfg = builders.model_config(f"{arch}-tiny", vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
-        model = builders.build_pretraining_model(cfg).train()
-        weights = {k: 1.0 for k in recipe.objectives if k in recipe.available(cfg)}
         for source in (("text", "image") if arch == "wvisualbert" else (None,)):
             b = unpaired_view(batch, source) if source else batch
             assert b.mlm_tokens is not None

@@ -18,10 +18,12 @@ import torch
 
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import MATCH, CaptionPretrainData, collate_pretrain, unpaired_view
+from vlberts.data.batch import PretrainBatch
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
+from vlberts.models import builders
 from vlberts.objectives.recipe import RECIPES, pretrain_losses
-from vlberts.recipes.pretrain import PretrainConfig, pretrain, region_setup
+from vlberts.recipes.pretrain import PretrainConfig, pretrain, region_setup, store_sizes
 from vlberts.text.masking import IGNORE_INDEX
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.metrics import MetricsLog
@@ -110,6 +112,22 @@ def _data(world, arch: str, **kw) -> tuple[CaptionPretrainData, TextTokenizer]:
     setup = region_setup(recipe, dict(weights), store, tok, with_tags=arch == "wvisualbert")
     data = CaptionPretrainData(caps, store, tok, pairs=False, seed=2, mismatch_prob=0.5, region_setup=setup, **kw)
     return data, tok
+
+
+def tiny_model_and_batch(world, arch: str, n: int = 8) -> tuple[torch.nn.Module, PretrainBatch, dict[str, float]]:
+    """A `{arch}-tiny` pre-training model with its heads sized from the tiny world's store (as `pretrain`
+    sizes them), a collated batch of `n` examples with the recipe's targets, and the paper's objective
+    weights. Seed torch before calling for a reproducible model."""
+    data, tok = _data(world, arch)
+    recipe = RECIPES[arch]
+    batch = collate_pretrain([data[(0, i)] for i in range(n)], pad_id=tok.pad_id,
+                             drop_unmatched_targets=recipe.drop_unmatched)
+    store = RegionStore(world.store)
+    sizes = store_sizes(store)  # detector classes and attributes
+    heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
+    cfg = builders.model_config(f"{arch}-tiny", vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **heads)
+    weights = {k: 1.0 for k in recipe.objectives if k in recipe.available(cfg)}
+    return builders.build_pretraining_model(cfg), batch, weights
 
 
 def test_examples_carry_each_recipes_targets(tiny_world):
