@@ -78,6 +78,7 @@ from vlberts.data.batch import TokenSelection  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
+from vlberts.training.loop import pinned  # noqa: E402
 from vlberts.training.optim import build_optimizer  # noqa: E402
 
 GOAL_MFU = 0.40
@@ -273,11 +274,6 @@ def step_seconds(fn: Callable[[], Any], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
-
-
-def pinned(d: dict[str, Any]) -> dict[str, Any]:
-    """The host batch in page-locked memory (what the recipe's DataLoader gives with pin_memory=True)."""
-    return {k: v.pin_memory() for k, v in d.items()}  # tensors, and typed batches (`data.batch.Batch`)
 
 
 def on_device(d: dict[str, Any], device: torch.device) -> dict[str, Any]:

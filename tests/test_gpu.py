@@ -83,19 +83,43 @@ def test_losses_and_gradients_on_cuda_equal_the_cpus(tiny_world, arch):
         assert _rel(flat[2], flat[0]) < 5e-2, (arch, source)
 
 
-def test_the_pretraining_loader_yields_pinned_batches(tiny_world):
-    """With `pin_memory=True` (the recipes' setting on a GPU) every tensor of a batch, nested ones included,
-    arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the GPU's work."""
+def test_the_prefetched_pretraining_batches_are_pinned(tiny_world):
+    """Drawn through the recipes' `Prefetcher(prepare=pinned)` on a GPU, every tensor of a batch, nested ones
+    included, arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the GPU's work."""
     from test_pretrain_archs import _tensors
 
     from vlberts.data.sampling import Position
-    from vlberts.training.loop import batches
+    from vlberts.training.loop import Prefetcher, batches, pinned
 
     data, tok = _data(tiny_world, "wvisualbert")
     collate = lambda examples: collate_pretrain(examples, pad_id=tok.pad_id)  # noqa: E731
-    batch, _ = next(batches(data, collate, batch_size=4, seed=0, start=Position(), pin_memory=True))
+    with Prefetcher(batches(data, collate, batch_size=4, seed=0, start=Position()), prepare=pinned) as ahead:
+        batch, _ = next(ahead)
     tensors = _tensors(batch)
     assert len(tensors) > 15 and all(t.is_pinned() for t in tensors)
+
+
+def test_a_run_mixing_three_sources_copies_pinned_batches_to_the_gpu(tiny_world, tmp_path, monkeypatch):
+    """H-VisualBERT with text-only documents and image-only samples: batches collated from three streams in
+    the training process (not by a DataLoader) reach the GPU from page-locked memory too."""
+    from test_pretrain_archs import _tensors
+    from test_text_corpus import _cfg
+
+    from vlberts.data.batch import PretrainBatch
+
+    copied: list[bool] = []
+    to = PretrainBatch.to
+
+    def recording_to(self, device, non_blocking=False):
+        if torch.device(device).type == "cuda":
+            copied.extend(t.is_pinned() for t in _tensors(self))
+        return to(self, device, non_blocking=non_blocking)
+
+    monkeypatch.setattr(PretrainBatch, "to", recording_to)
+    root = tiny_world.root
+    pretrain(_cfg(tiny_world, tmp_path / "h", "wvisualbert-h-tiny", text_corpus=str(root / "text" / "documents.txt"),
+                  unpaired_images=str(root / "unpaired_images.txt"), text_ratio=0.25, device="cuda"))
+    assert len(copied) > 8 * 10 and all(copied)
 
 
 @pytest.mark.parametrize("sq,sk", [(20, 20), (20, 36), (56, 56), (37, 13)])

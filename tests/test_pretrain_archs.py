@@ -267,19 +267,25 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-def test_the_loader_pins_every_tensor_of_a_typed_batch(tiny_world, monkeypatch):
-    """`DataLoader(pin_memory=True)` pins an object only through its own `pin_memory` method and passes any
-    other object through unpinned: every tensor of a pre-training batch (W-VisualBERT's: regions, tags,
-    masked-word indices nested inside) must go through it. Pinning needs a GPU (tests/test_gpu.py checks
-    `is_pinned()` there); here `Tensor.pin_memory` is replaced by a copy that records its input."""
-    from torch.utils.data._utils.pin_memory import pin_memory
+def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypatch):
+    """On a GPU the recipes draw each update's micro-batches through `Prefetcher(prepare=pinned)`: every
+    tensor of every batch (W-VisualBERT's: regions, tags, masked-word indices nested inside) must be pinned,
+    the position passed through. (A `DataLoader(pin_memory=True)` pins an object only through its own
+    `pin_memory` method, so typed batches need one: `data.batch.Batch`.) Pinning needs a GPU
+    (tests/test_gpu.py checks `is_pinned()` there); here `Tensor.pin_memory` is replaced by a copy that
+    records its input."""
+    from vlberts.data.sampling import Position
+    from vlberts.training.loop import pinned
 
     data, tok = _data(tiny_world, "wvisualbert")
-    batch = collate_pretrain([data[(0, i)] for i in range(4)], pad_id=tok.pad_id)
+    micro = [collate_pretrain([data[(0, i)] for i in range(k, k + 4)], pad_id=tok.pad_id) for k in (0, 4)]
     seen: list[torch.Tensor] = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: seen.append(self) or self.clone())
-    pinned = pin_memory(batch)
-    before, after = _tensors(batch), _tensors(pinned)
-    assert batch.tags is not None and batch.regions is not None and batch.mlm_tokens is not None
-    assert type(pinned) is type(batch) and len(before) == len(after) == len(seen) > 15
-    assert all(a is not b and torch.equal(a, b) for a, b in zip(after, before))  # every one was copied
+    source, after, pos = pinned(("image", micro, Position(0, 8)))
+    assert (source, pos) == ("image", Position(0, 8))
+    for batch, out in zip(micro, after, strict=True):
+        assert batch.tags is not None and batch.regions is not None and batch.mlm_tokens is not None
+        before_t, after_t = _tensors(batch), _tensors(out)
+        assert type(out) is type(batch) and len(before_t) == len(after_t) > 15
+        assert all(a is not b and torch.equal(a, b) for a, b in zip(after_t, before_t))  # every one was copied
+    assert len(seen) == sum(len(_tensors(b)) for b in micro)

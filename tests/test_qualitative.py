@@ -125,7 +125,7 @@ def test_analyze_grounding_writes_qualitative_figures(tiny_world, tiny_pretraine
         width, height = png_size(f.read_bytes())
         assert (width, height) == (960, 615)  # 2 layers of visualbert-tiny: 2 panels at 150 dpi
     chosen = files[1].stem
-    again = analyze_grounding(GroundingConfig(out=str(tmp_path / "c"), qualitative_captions=chosen, **common))
+    analyze_grounding(GroundingConfig(out=str(tmp_path / "c"), qualitative_captions=chosen, **common))
     assert [f.stem for f in (tmp_path / "c" / "qualitative").glob("*.png")] == [chosen]
     none = analyze_grounding(GroundingConfig(out=str(tmp_path / "n"), qualitative=0, explorer_examples=0, **common))
     assert "qualitative" not in none.paths and not (tmp_path / "n" / "qualitative").exists()

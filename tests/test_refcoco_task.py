@@ -21,7 +21,7 @@ from vlberts.data.batch import VLInputs
 from vlberts.data.refcoco import read_refcoco, read_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.models.builders import build_pretraining_model, model_config
+from vlberts.models.builders import model_config
 from vlberts.models.refcoco import LinearRegionScorer, RefCocoModel, VLBertRegionScorer, region_bce_loss
 from vlberts.recipes.extract import ExtractConfig, companion_paths, extract
 from vlberts.recipes.finetune_refcoco import (
@@ -30,8 +30,6 @@ from vlberts.recipes.finetune_refcoco import (
     load_refcoco_model,
     predict_refcoco,
 )
-from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import save_model_dir
 from vlberts.world import refcoco as world_refcoco
 from vlberts.world.build import make_image
 from vlberts.world.vocab import COLOURS, SHAPES, SIZES

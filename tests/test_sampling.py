@@ -1,12 +1,17 @@
 """Batch order: a deterministic permutation per epoch, resumable from any position; length grouping
-keeps that and only changes which examples share a batch."""
+keeps that and only changes which examples share a batch; drawing ahead in a thread keeps it too."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from vlberts.data.sampling import EpochBatchSampler, Position
+from vlberts.data.sampling import EpochBatchSampler
+from vlberts.errors import VlbertsError
+from vlberts.training.loop import Prefetcher
 
 
 def take(sampler: EpochBatchSampler, n: int):
@@ -53,3 +58,64 @@ def test_grouping_puts_similar_lengths_together_and_stays_random():
 def test_lengths_must_match_the_dataset():
     with pytest.raises(ValueError, match="3 lengths for 4 examples"):
         EpochBatchSampler(4, 2, seed=0, lengths=np.ones(3), group=2)
+
+
+def test_prefetching_keeps_the_order_and_prepares_each_item_in_its_thread():
+    sampler = EpochBatchSampler(103, 8, seed=3)
+    expected = take(sampler, 30)
+    threads = []
+
+    def prepare(item):
+        threads.append(threading.current_thread().name)
+        return item[0], item[1], "prepared"
+
+    with Prefetcher(sampler.iter_with_positions(), prepare=prepare, depth=3) as ahead:
+        got = [next(ahead) for _ in range(30)]
+    assert [(b, p) for b, p, _ in got] == expected  # same batches, each with its own position
+    assert {tag for *_, tag in got} == {"prepared"}
+    assert set(threads) == {"vlberts-prefetch"}
+    assert list(Prefetcher(iter(range(5)))) == [0, 1, 2, 3, 4]  # a finite stream ends
+
+
+def test_an_error_while_drawing_is_raised_at_the_item_it_replaced():
+    def records():
+        yield from range(4)
+        raise VlbertsError("bad record", path="shard-000.tar", record="img7")
+
+    ahead = Prefetcher(records(), depth=2)
+    assert [next(ahead) for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(VlbertsError, match="^shard-000.tar: record img7: bad record$"):
+        next(ahead)
+    assert not ahead._thread.is_alive()
+
+
+def test_closing_stops_the_thread_after_drawing_at_most_depth_ahead():
+    drawn = []
+
+    def endless():
+        while True:
+            drawn.append(len(drawn))
+            yield drawn[-1]
+
+    ahead = Prefetcher(endless(), depth=2)
+    assert [next(ahead) for _ in range(3)] == [0, 1, 2]
+    deadline = time.monotonic() + 5
+    while len(drawn) < 6 and time.monotonic() < deadline:  # 3 taken, 2 queued, 1 waiting to be queued
+        time.sleep(0.01)
+    ahead.close()
+    assert not ahead._thread.is_alive()
+    assert len(drawn) == 6  # never more than depth + 1 beyond what was taken
+
+
+def test_the_thread_makes_the_loops_gpu_current_before_drawing(monkeypatch):
+    """CUDA's current device is per thread: under torchrun rank 1's prefetch thread must pin for cuda:1, or
+    it opens a context on GPU 0. Recorded here with the CUDA calls replaced (no GPU needed)."""
+    import torch
+
+    made_current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: made_current.append(index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert list(Prefetcher(iter(range(3)), cuda=torch.device("cuda", 1))) == [0, 1, 2]
+    assert list(Prefetcher(iter(range(3)), cuda=torch.device("cuda"))) == [0, 1, 2]  # the caller's current one
+    assert list(Prefetcher(iter(range(3)))) == [0, 1, 2]
+    assert made_current == [1, 3]

@@ -19,11 +19,10 @@ from vlberts.data.vcr import read_vcr, read_vcr_metadata, render_tokens
 from vlberts.data.vcr_dataset import VCRBatch, VCRData, collate_vcr, layout_choice
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.models.builders import build_pretraining_model, model_config
+from vlberts.models.builders import model_config
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.finetune_vcr import FinetuneVCRConfig, evaluate_vcr, finetune_vcr, load_vcr_model
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import save_model_dir
 from vlberts.world.relations import scene_geometry
 from vlberts.world.scene import scene_from_json
 from vlberts.world.vcr import positional_relations, generate_vcr

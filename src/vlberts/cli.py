@@ -266,7 +266,6 @@ def finetune_vcr_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
     Run `vlberts show-config finetune-vcr` for every setting.
     """
-    from vlberts.io import read_json
     from vlberts.recipes import finetune_vcr as recipe
 
     cfg = _run_config(recipe, ctx, config)
@@ -290,7 +289,6 @@ def finetune_refcoco_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT
 
     Run `vlberts show-config finetune-refcoco` for every setting.
     """
-    from vlberts.io import read_json
     from vlberts.recipes import finetune_refcoco as recipe
 
     cfg = _run_config(recipe, ctx, config)
@@ -349,7 +347,6 @@ def finetune_nlvr2_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTIO
 
     Run `vlberts show-config finetune-nlvr2` for every setting.
     """
-    from vlberts.io import read_json
     from vlberts.recipes import finetune_nlvr2 as recipe
 
     cfg = _run_config(recipe, ctx, config)

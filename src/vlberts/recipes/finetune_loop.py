@@ -49,7 +49,7 @@ from vlberts.training.distributed import (
     sum_over_ranks,
     sync_gradients,
 )
-from vlberts.training.loop import batches, loss_shares, start_or_resume, update
+from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -162,21 +162,22 @@ def finetune_loop(
     broadcast_parameters(model, dist)
     stream = batches(
         data, collate, batch_size=cfg.batch_size, seed=cfg.seed, start=Position.from_dict(state.data),
-        num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+        num_workers=cfg.num_workers,
         lengths=lengths if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
     )
 
     model.train()
     step, done_here = state.step, 0
     t0 = time.perf_counter()
-    with progress(disable=None if dist.main else True) as bar:
+    # On a GPU drawn ahead in a thread and pinned there: the host collates while the device computes.
+    with progress(disable=None if dist.main else True) as bar, feed(stream, device) as ahead:
         bar_task = bar.add_task(label, total=steps, completed=step, info="")
         while step < steps:
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume
             total: Any = 0.0  # on the device until logged (`pretrain`: no read-back each update)
             micro = []
             for _ in range(cfg.grad_accum):
-                batch, pos = next(stream)
+                batch, pos = next(ahead)
                 micro.append(batch)
             # Each micro-batch's mean loss weighs by its share of the update's examples on every rank,
             # so the update is the same however it is split (`loss_shares`). Counted on the host batches.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from vlberts.config import apply_overrides, from_dict
+from vlberts.data.batch import PretrainBatch
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
@@ -83,7 +85,7 @@ from vlberts.training.distributed import (
     sum_over_ranks,
     sync_gradients,
 )
-from vlberts.training.loop import batches, loss_shares, start_or_resume, update
+from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -486,7 +488,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         data = make_data(captions, store, seed=cfg.seed, qa_targets=qa_targets if "qa" in weights else None)
         stream = batches(
             data, collate, batch_size=cfg.batch_size, seed=cfg.seed,
-            start=Position.from_dict(state.data), num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+            start=Position.from_dict(state.data), num_workers=cfg.num_workers,
             lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
         )
         if documents or image_only:  # text-only and image-only samples, each source its own stream
@@ -500,23 +502,32 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
     logged = [*(k for k in recipe.objectives if k in recipe.available(model_cfg)), *weights]
     logged = list(dict.fromkeys(logged))
-    model.train()
-    step, done_here = state.step, 0
-    t0 = time.perf_counter()
-    with progress(disable=None if dist.main else True) as bar:
-        task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
-        while step < cfg.steps:
+
+    def update_batches(step: int) -> Iterator[tuple[str | None, list[PretrainBatch], Any]]:
+        """Each update's (source, micro-batches, data position after them), from update `step` on."""
+        while True:
             # W-VisualBERT §3: each update draws a text-only or an image-only batch (stateless in `step`).
             # With --text_corpus the text-only share of the updates is --text_ratio (recipes/pretrain_mix.py).
             source = unpaired_schedule(step, cfg.seed, cfg.text_ratio if cfg.text_corpus else 0.5) if unpaired else None
+            micro = []
+            for _ in range(cfg.grad_accum):
+                batch, pos = draw(stream, source)
+                micro.append(unpaired_view(batch, source) if source is not None else batch)
+            yield source, micro, pos
+            step += 1
+
+    model.train()
+    step, done_here = state.step, 0
+    t0 = time.perf_counter()
+    # On a GPU drawn ahead in a thread and pinned there: the host collates while the device computes.
+    with progress(disable=None if dist.main else True) as bar, feed(update_batches(step), device) as updates:
+        task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
+        while step < cfg.steps:
+            source, micro, pos = next(updates)  # host batches: everything the step needs to know is read here
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))
             # The update's losses, kept on the device until a record is written: reading one back (`.item()`)
             # would make the host wait for the GPU every update instead of queueing the next one's kernels.
             totals: dict[str, Any] = {k: 0.0 for k in logged if k not in weights or applies(k, source)}
-            micro = []  # host batches: everything the step needs to know about them is read here
-            for _ in range(cfg.grad_accum):
-                batch, pos = draw(stream, source)
-                micro.append(unpaired_view(batch, source) if source is not None else batch)
             # LXMERT §3.3: the image-QA loss only from `qa_from` on (its weight is 0 before).
             step_weights = {k: w for k, w in weights.items() if k != "qa" or qa_active(step, qa_from)}
             active = [k for k in step_weights if applies(k, source)]
