@@ -319,11 +319,12 @@ def test_interrupted_run_with_extra_sources_resumes_exactly(tiny_world, tmp_path
 def test_drawing_ahead_in_a_thread_gives_the_same_run(tiny_world, tmp_path, monkeypatch):
     """On a GPU the loop draws its updates two ahead in a thread (`training.loop.feed`); on the CPU inline.
     The threaded feed, forced here on the CPU, gives the same run, interrupted and resumed or not: H-VisualBERT
-    (three sources; each update's source picked by the unpaired schedule) and VL-BERT's mixed batches."""
+    (three sources; each update's source picked by the unpaired schedule) and VL-BERT's mixed batches, the
+    latter with 2 DataLoader workers started from the feed's thread."""
     from vlberts.recipes import pretrain as recipe
     from vlberts.training.loop import Prefetcher
 
-    for case in ("h-both", "vlbert-text"):
+    for case, workers in (("h-both", 0), ("vlbert-text", 2)):
         model, kw = RESUME_CASES[case]
         kw = _paths(tiny_world, kw)
         ref = tmp_path / case / "inline"
@@ -331,8 +332,8 @@ def test_drawing_ahead_in_a_thread_gives_the_same_run(tiny_world, tmp_path, monk
         with monkeypatch.context() as m:
             m.setattr(recipe, "feed", lambda items, device: Prefetcher(items, depth=2))
             run = tmp_path / case / "threaded"
-            assert pretrain(_cfg(tiny_world, run, model, stop_after=5, **kw)) is None
-            assert pretrain(_cfg(tiny_world, run, model, **kw)) == run / "model"
+            assert pretrain(_cfg(tiny_world, run, model, stop_after=5, num_workers=workers, **kw)) is None
+            assert pretrain(_cfg(tiny_world, run, model, num_workers=workers, **kw)) == run / "model"
         a, b = MetricsLog.read(ref / "metrics.jsonl"), MetricsLog.read(run / "metrics.jsonl")
         assert [(r.get("source"), _losses(r)) for r in a] == [(r.get("source"), _losses(r)) for r in b]
         wa, wb = (load_file(d / "model" / "model.safetensors") for d in (ref, run))
