@@ -55,8 +55,9 @@ def test_finetune_writes_model_predictions_and_metrics(tiny_world, tiny_pretrain
 
 
 def test_finetune_resume_equals_uninterrupted(tiny_world, tiny_pretrained, tmp_path):
+    """Also with the first part's batches drawn ahead in a thread (`--prefetch`, a GPU's default): the same run."""
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref"))
-    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", stop_after=3)) is None
+    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", stop_after=3, prefetch=2)) is None
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run"))
     a, b = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl"), MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]

@@ -316,28 +316,27 @@ def test_interrupted_run_with_extra_sources_resumes_exactly(tiny_world, tmp_path
         assert all(_losses(r).keys() == {"mlm", "nsp"} for r in a if r["source"] == "text")
 
 
-def test_drawing_ahead_in_a_thread_gives_the_same_run(tiny_world, tmp_path, monkeypatch):
-    """On a GPU the loop draws its updates two ahead in a thread (`training.loop.feed`); on the CPU inline.
-    The threaded feed, forced here on the CPU, gives the same run, interrupted and resumed or not: H-VisualBERT
-    (three sources; each update's source picked by the unpaired schedule) and VL-BERT's mixed batches, the
-    latter with 2 DataLoader workers started from the feed's thread."""
-    from vlberts.recipes import pretrain as recipe
-    from vlberts.training.loop import Prefetcher
-
+def test_drawing_ahead_in_a_thread_gives_the_same_run(tiny_world, tmp_path):
+    """`--prefetch=N` draws N updates ahead in a thread (the default on a GPU; inline on a CPU). Forced here on
+    the CPU, it gives the same run, interrupted (threaded) and resumed (inline) or not: H-VisualBERT (three
+    sources; each update's source picked by the unpaired schedule) and VL-BERT's mixed batches, the latter
+    with 2 DataLoader workers started from the feed's thread."""
     for case, workers in (("h-both", 0), ("vlbert-text", 2)):
         model, kw = RESUME_CASES[case]
         kw = _paths(tiny_world, kw)
         ref = tmp_path / case / "inline"
         pretrain(_cfg(tiny_world, ref, model, **kw))
-        with monkeypatch.context() as m:
-            m.setattr(recipe, "feed", lambda items, device: Prefetcher(items, depth=2))
-            run = tmp_path / case / "threaded"
-            assert pretrain(_cfg(tiny_world, run, model, stop_after=5, num_workers=workers, **kw)) is None
-            assert pretrain(_cfg(tiny_world, run, model, num_workers=workers, **kw)) == run / "model"
+        run = tmp_path / case / "threaded"
+        assert pretrain(_cfg(tiny_world, run, model, stop_after=5, num_workers=workers, prefetch=2, **kw)) is None
+        assert pretrain(_cfg(tiny_world, run, model, num_workers=workers, prefetch=0, **kw)) == run / "model"
         a, b = MetricsLog.read(ref / "metrics.jsonl"), MetricsLog.read(run / "metrics.jsonl")
         assert [(r.get("source"), _losses(r)) for r in a] == [(r.get("source"), _losses(r)) for r in b]
         wa, wb = (load_file(d / "model" / "model.safetensors") for d in (ref, run))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+        again = tmp_path / case / "threaded-throughout"
+        pretrain(_cfg(tiny_world, again, model, num_workers=workers, prefetch=3, **kw))
+        wc = load_file(again / "model" / "model.safetensors")
+        assert all(torch.equal(wa[k], wc[k]) for k in wa)
 
 
 def _falls(values: list[float], factor: float = 0.95) -> bool:

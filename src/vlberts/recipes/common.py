@@ -90,5 +90,8 @@ def opt(default: Any, help: str) -> Any:
 # Help texts of the options every training recipe (pre-training and each fine-tuning task) shares.
 FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
              "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
+PREFETCH_HELP = ("updates whose batches a thread draws ahead (and pins, on a GPU) while the device runs the current "
+                 "one; 0: drawn in the loop; -1: 2 on a GPU, 0 on a CPU (a thread beside the compute threads slows a "
+                 "small CPU). Results are the same either way")
 COMPILE_HELP = ("torch.compile the model in place (inductor): the first updates wait for the compiler, "
                 "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -76,6 +76,7 @@ class FinetuneConfig:
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
+    prefetch: int = opt(-1, PREFETCH_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
     fsdp: bool = opt(False, FSDP_HELP)
@@ -170,7 +171,7 @@ def finetune_loop(
     step, done_here = state.step, 0
     t0 = time.perf_counter()
     # On a GPU drawn ahead in a thread and pinned there: the host collates while the device computes.
-    with progress(disable=None if dist.main else True) as bar, feed(stream, device) as ahead:
+    with progress(disable=None if dist.main else True) as bar, feed(stream, device, cfg.prefetch) as ahead:
         bar_task = bar.add_task(label, total=steps, completed=step, info="")
         while step < steps:
             torch.manual_seed(update_seed(cfg.seed, step, dist.rank))  # dropout: the same on a resume

@@ -63,7 +63,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -168,6 +168,7 @@ class PretrainConfig:
     precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
+    prefetch: int = opt(-1, PREFETCH_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, FSDP_HELP)
@@ -520,7 +521,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     step, done_here = state.step, 0
     t0 = time.perf_counter()
     # On a GPU drawn ahead in a thread and pinned there: the host collates while the device computes.
-    with progress(disable=None if dist.main else True) as bar, feed(update_batches(step), device) as updates:
+    with progress(disable=None if dist.main else True) as bar, feed(update_batches(step), device, cfg.prefetch) as updates:
         task = bar.add_task("pre-train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
             source, micro, pos = next(updates)  # host batches: everything the step needs to know is read here

@@ -145,16 +145,17 @@ class Prefetcher(Generic[T]):
         self.close()
 
 
-def feed(items: Iterator[T], device: torch.device) -> Prefetcher[T]:
-    """How a training loop draws its batches on `device`. On a GPU: two updates ahead in a thread, pinned
-    there, for every stream a run reads (the captions' DataLoader, the mixed text-only and image-only
-    sources, the shards), with or without DataLoader workers. On a CPU: when asked, in the loop's thread.
-    The device is the CPU there: a thread collating beside the 2 compute threads of one process on 2 cores
-    made the demo's pre-training 1.45-1.52x slower (150 updates: 12.8 / 13.0 s inline, 18.6 / 19.8 s
-    threaded; the same weights either way)."""
-    if device.type == "cuda":
-        return Prefetcher(items, prepare=pinned, depth=2, cuda=device)
-    return Prefetcher(items, depth=0)
+def feed(items: Iterator[T], device: torch.device, depth: int = -1) -> Prefetcher[T]:
+    """How a training loop draws its batches on `device` (`--prefetch`): `depth` updates ahead in a thread,
+    pinned there on a GPU, for every stream a run reads (the captions' DataLoader, the mixed text-only
+    and image-only sources, the shards), with or without DataLoader workers; 0: when asked, in the loop's
+    thread. -1 picks: 2 on a GPU, 0 on a CPU. On a CPU the device is the CPU itself: a thread collating
+    beside the 2 compute threads of one process on 2 cores made the demo's pre-training 1.45-1.52x slower
+    (150 updates: 12.8 / 13.0 s inline, 18.6 / 19.8 s threaded; the same weights either way)."""
+    cuda = device if device.type == "cuda" else None
+    if depth < 0:
+        depth = 2 if cuda is not None else 0
+    return Prefetcher(items, prepare=pinned if cuda is not None else None, depth=depth, cuda=cuda)
 
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> torch.Tensor:
@@ -171,11 +172,11 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     return norm.detach()
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile"),
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile", "prefetch"),
                    write: bool = True) -> None:
     """A resumed run must use the settings it started with (except how long this invocation runs, and
-    whether it shards or compiles the model: FSDP checkpoints are whole models, the same as unsharded
-    ones, and compiling changes no weight or name)."""
+    whether it shards or compiles the model or draws its batches ahead: FSDP checkpoints are whole
+    models, the same as unsharded ones, compiling changes no weight or name, and prefetching no batch)."""
     path = out / "run_config.json"
     if path.is_file():
         before = {k: v for k, v in read_json(path).items() if k not in ignore}
