@@ -74,7 +74,8 @@ def test_prefetching_keeps_the_order_and_prepares_each_item_in_its_thread():
     assert [(b, p) for b, p, _ in got] == expected  # same batches, each with its own position
     assert {tag for *_, tag in got} == {"prepared"}
     assert set(threads) == {"vlberts-prefetch"}
-    assert list(Prefetcher(iter(range(5)))) == [0, 1, 2, 3, 4]  # a finite stream ends
+    ended = Prefetcher(iter(range(5)))
+    assert list(ended) == [0, 1, 2, 3, 4] and list(ended) == []  # a finite stream ends, and stays ended
 
 
 def test_an_error_while_drawing_is_raised_at_the_item_it_replaced():
@@ -87,6 +88,8 @@ def test_an_error_while_drawing_is_raised_at_the_item_it_replaced():
     with pytest.raises(VlbertsError, match="^shard-000.tar: record img7: bad record$"):
         next(ahead)
     assert not ahead._thread.is_alive()
+    with pytest.raises(StopIteration):  # nothing after the error, and no wait for it
+        next(ahead)
 
 
 def test_closing_stops_the_thread_after_drawing_at_most_depth_ahead():

@@ -125,11 +125,14 @@ class Prefetcher(Generic[T]):
     def __next__(self) -> T:
         if self._thread is None:
             return self._prepare(next(self._items))
+        if self._stop.is_set():  # closed, ended or failed: nothing more will come
+            raise StopIteration
         item, err = self._queue.get()
         if err is not None:
             self.close()
             raise err
         if item is _END:
+            self.close()
             raise StopIteration
         return item
 
