@@ -84,16 +84,18 @@ def test_losses_and_gradients_on_cuda_equal_the_cpus(tiny_world, arch):
 
 
 def test_the_prefetched_pretraining_batches_are_pinned(tiny_world):
-    """Drawn through the recipes' `Prefetcher(prepare=pinned)` on a GPU, every tensor of a batch, nested ones
-    included, arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the GPU's work."""
+    """Drawn through the recipes' `feed` on a GPU (a thread, with the GPU current there), every tensor of a
+    batch, nested ones included, arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the
+    GPU's work."""
     from test_pretrain_archs import _tensors
 
     from vlberts.data.sampling import Position
-    from vlberts.training.loop import Prefetcher, batches, pinned
+    from vlberts.training.loop import batches, feed
 
     data, tok = _data(tiny_world, "wvisualbert")
     collate = lambda examples: collate_pretrain(examples, pad_id=tok.pad_id)  # noqa: E731
-    with Prefetcher(batches(data, collate, batch_size=4, seed=0, start=Position()), prepare=pinned) as ahead:
+    with feed(batches(data, collate, batch_size=4, seed=0, start=Position()), CUDA) as ahead:
+        assert ahead._thread is not None  # drawn ahead by default on a GPU
         batch, _ = next(ahead)
     tensors = _tensors(batch)
     assert len(tensors) > 15 and all(t.is_pinned() for t in tensors)

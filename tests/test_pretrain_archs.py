@@ -268,7 +268,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypatch):
-    """On a GPU the recipes draw each update's micro-batches through `Prefetcher(prepare=pinned)`: every
+    """On a GPU the recipes draw each update's micro-batches through `feed`, which pins them (`pinned`): every
     tensor of every batch (W-VisualBERT's: regions, tags, masked-word indices nested inside) must be pinned,
     the position passed through. (A `DataLoader(pin_memory=True)` pins an object only through its own
     `pin_memory` method, so typed batches need one: `data.batch.Batch`.) Pinning needs a GPU

@@ -122,3 +122,22 @@ def test_the_thread_makes_the_loops_gpu_current_before_drawing(monkeypatch):
     assert list(Prefetcher(iter(range(3)), cuda=torch.device("cuda"))) == [0, 1, 2]  # the caller's current one
     assert list(Prefetcher(iter(range(3)))) == [0, 1, 2]
     assert made_current == [1, 3]
+
+
+def test_feed_draws_inline_on_a_cpu_and_ahead_pinned_on_a_gpu(monkeypatch):
+    """`--prefetch=-1` (the default): inline on a CPU, 2 ahead and pinned on a GPU; N > 0 a thread anywhere.
+    The CUDA calls and `Tensor.pin_memory` are replaced here (no GPU needed)."""
+    import torch
+
+    from vlberts.training.loop import feed
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self + 100)
+    items = [torch.tensor(i) for i in range(3)]
+    cpu = feed(iter(items), torch.device("cpu"))
+    assert cpu._thread is None and [int(t) for t in cpu] == [0, 1, 2]  # not pinned on a CPU
+    threaded = feed(iter(items), torch.device("cpu"), 3)
+    assert threaded._thread is not None and [int(t) for t in threaded] == [0, 1, 2]
+    gpu = feed(iter(items), torch.device("cuda", 0))
+    assert gpu._thread is not None and gpu._queue.maxsize == 2 and [int(t) for t in gpu] == [100, 101, 102]
+    assert [int(t) for t in feed(iter(items), torch.device("cuda", 0), 0)] == [100, 101, 102]  # inline, pinned
