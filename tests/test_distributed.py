@@ -17,6 +17,7 @@ from vlberts.data.batch import VLInputs
 from vlberts.models.builders import build_pretraining_model, model_config
 from vlberts.training.distributed import (
     DistInfo,
+    GradientSync,
     broadcast_parameters,
     free_port,
     init_distributed,
@@ -95,6 +96,90 @@ def test_summed_gradient_of_shares_equals_the_single_process_gradient(tmp_path):
     assert unused and {n for n, g in ddp.items() if g is None} == unused
     for n in ref.keys() - unused:
         torch.testing.assert_close(ddp[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _micro_losses(model, rank: int, world: int, device: str = "cpu") -> list[torch.Tensor]:
+    """Rank `rank`'s two micro-batches of the global batch, each loss weighted by its share of the update.
+    Rank 0's first micro-batch also trains the match head and the pooler, which then have a gradient on
+    rank 0 from an earlier micro-batch but none in its last backward, and none at all on rank 1."""
+    inputs, labels = _global_batch(B=8)
+    info = DistInfo(rank, world, rank)
+    keys = rank_slice(list(range(labels.shape[0])), info)
+    micro = [keys[:3], keys[3:]]  # 3 + 1 rows
+    counts = [{"mlm": float((labels[k] != -100).sum()), "match": 4.0 * (rank == 0 and j == 0)} for j, k in enumerate(micro)]
+    counts_all = [[{"mlm": float((labels[k] != -100).sum()), "match": 4.0 * (r == 0 and j == 0)}
+                   for j, k in enumerate((ks[:3], ks[3:]))]
+                  for r in range(world) for ks in [rank_slice(list(range(labels.shape[0])), DistInfo(r, world, r))]]
+    totals = {name: sum(c[name] for rank_counts in counts_all for c in rank_counts) for name in ("mlm", "match")}
+    losses = []
+    for j, (k, c) in enumerate(zip(micro, counts)):
+        part = VLInputs(**{n: (v[k] if isinstance(v, torch.Tensor) else v) for n, v in vars(inputs).items()})
+        out = model(part.to(device))
+        targets = labels[k].flatten().to(device)
+        loss = torch.nn.functional.cross_entropy(out.mlm_logits.flatten(0, 1), targets) * c["mlm"] / totals["mlm"]
+        if c["match"]:
+            target = torch.ones(len(k), dtype=torch.long, device=device)
+            loss = loss + torch.nn.functional.cross_entropy(out.match_logits, target) * c["match"] / totals["match"]
+        losses.append(loss)
+    return losses
+
+
+def _overlap_worker(rank: int, world: int, init_file: str, out: str, device: str = "cpu", backend: str = "gloo") -> None:
+    """Two updates of 2 micro-batches each, with `GradientSync` overlapping and not; rank 0 saves the
+    gradients and how many buckets were being summed near the end of each last backward. Also run on
+    CUDA by tests/test_gpu.py (`device` cuda:N, NCCL or gloo)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    info = init_distributed("cpu")
+    results = {}
+    for overlap in (True, False):
+        model = _model().to(device)
+        # Buckets being summed when the word embeddings' gradient is final, near the end of backward (this
+        # hook runs before the sync's own on that tensor: registered first).
+        launched = []
+        words = model.bert.embeddings.word_embeddings.weight
+        words.register_post_accumulate_grad_hook(lambda _: launched.append(sync.launched) if sync._armed else None)
+        sync = GradientSync(model, info, bucket_mb=0.002, overlap=overlap)  # 2 KiB: a bucket per few tensors
+        for update in range(2):  # the second update: hooks re-armed, gradients of the first cleared
+            model.zero_grad(set_to_none=True)
+            losses = _micro_losses(model, rank, world, device)
+            for j, loss in enumerate(losses):
+                sync.backward(loss, last=j == len(losses) - 1)
+            sync.finish()
+        grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+        results[overlap] = (grads, launched, len(sync.buckets))
+    if info.main:
+        torch.save(results, out)
+    leave_process_group()
+
+
+def check_overlapped_sums(results: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """`_overlap_worker`'s gradients equal one process's, overlapped or not, and the overlapped updates
+    were summing most buckets before backward ended."""
+    model = _model()
+    for rank in range(2):  # every rank's micro-batches in one process: the update's gradient
+        for loss in _micro_losses(model, rank, 2):
+            loss.backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None for g in ref.values())  # the match head and pooler too (rank 0's first micro-batch)
+    for overlap, (grads, launched, n_buckets) in results.items():
+        assert grads.keys() == ref.keys()
+        for n in ref:
+            torch.testing.assert_close(grads[n], ref[n], rtol=rtol, atol=atol, msg=f"{n} (overlap={overlap})")
+        if overlap:  # in both updates, most buckets were being summed while backward still ran
+            assert n_buckets > 10 and len(launched) == 2 and all(n_buckets // 2 < k < n_buckets for k in launched), (
+                launched, n_buckets)
+        else:
+            assert launched == []
+
+
+def test_overlapped_sums_equal_one_process_with_accumulation_and_heads_used_on_one_rank(tmp_path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_overlap_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    check_overlapped_sums(torch.load(out, weights_only=True))
 
 
 def test_rank_slices_cover_every_key_once_and_short_batches_reach_every_rank():

@@ -8,6 +8,8 @@
   interrupted CUDA run resumes to the uninterrupted run's log and weights.
 - `--compile=true` on CUDA trains the eager model's numbers; fine-tuning and the grounding analysis run there.
 - The pre-training loader hands over batches in pinned memory (every tensor, nested batches included).
+- Gradient sums overlapped with backward on CUDA tensors equal one process's (2 processes: NCCL on 2 GPUs,
+  gloo on the one GPU both share otherwise).
 
 Run them with `pytest -m gpu` on a machine with a GPU.
 """
@@ -18,7 +20,9 @@ import json
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from test_distributed import _overlap_worker, check_overlapped_sums
 from test_finetune_vqa import vqa_cfg
 from test_pretrain import cfg_for
 from test_pretrain_archs import _data, tiny_model_and_batch
@@ -224,3 +228,14 @@ def test_torchrun_on_two_gpus_trains_logs_once_and_resumes(tiny_world, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for a, b in zip(log, MetricsLog.read(run / "metrics.jsonl"), strict=True):
         assert b["mlm_loss"] == pytest.approx(a["mlm_loss"], rel=1e-3), a["step"]
+
+
+def test_gradient_sums_overlapped_with_backward_on_cuda_equal_one_process(tmp_path):
+    two = torch.cuda.device_count() >= 2  # NCCL needs a GPU per rank (the recipes' backends); one GPU: gloo
+    out = tmp_path / "grads.pt"
+    mp.spawn(_overlap_cuda, args=(str(tmp_path / "init"), str(out), two), nprocs=2, join=True)
+    check_overlapped_sums(torch.load(out, weights_only=True), rtol=1e-4, atol=1e-6)
+
+
+def _overlap_cuda(rank: int, init_file: str, out: str, two: bool) -> None:
+    _overlap_worker(rank, 2, init_file, out, device=f"cuda:{rank if two else 0}", backend="cpu:gloo,cuda:nccl" if two else "gloo")

@@ -41,13 +41,13 @@ from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
 from vlberts.training.distributed import (
     DistInfo,
+    GradientSync,
     broadcast_parameters,
     gather_for_inference,
     init_distributed,
     local_device,
     shard_model,
     sum_over_ranks,
-    sync_gradients,
 )
 from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
@@ -161,6 +161,7 @@ def finetune_loop(
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
     broadcast_parameters(model, dist)
+    grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
     stream = batches(
         data, collate, batch_size=cfg.batch_size, seed=cfg.seed, start=Position.from_dict(state.data),
         num_workers=cfg.num_workers,
@@ -183,13 +184,13 @@ def finetune_loop(
             # Each micro-batch's mean loss weighs by its share of the update's examples on every rank,
             # so the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
-            for batch, share in zip(micro, shares):
+            for i, (batch, share) in enumerate(zip(micro, shares)):
                 batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
                     value = loss(batch).float() * share["loss"]
-                value.backward()
+                grads.backward(value, last=i == len(micro) - 1)
                 total = total + value.detach()
-            sync_gradients(model, dist)
+            grads.finish()
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1

@@ -76,6 +76,7 @@ from vlberts.training.checkpoint import (
 )
 from vlberts.training.distributed import (
     DistInfo,
+    GradientSync,
     barrier,
     broadcast_parameters,
     init_distributed,
@@ -83,7 +84,6 @@ from vlberts.training.distributed import (
     merge_over_ranks,
     shard_model,
     sum_over_ranks,
-    sync_gradients,
 )
 from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
@@ -479,6 +479,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
     broadcast_parameters(model, dist)
+    grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
     collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights)
     if streamed:  # each rank its own stream of chunks, resumed at its own position
         stream = stream_batches(stream_examples(
@@ -535,15 +536,15 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
             # the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
-            for batch, share in zip(micro, shares):
+            for i, (batch, share) in enumerate(zip(micro, shares)):
                 batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
-                total_loss(losses, step_weights).backward()
+                grads.backward(total_loss(losses, step_weights), last=i == len(micro) - 1)
                 for k, v in losses.items():
                     totals[k] = totals[k] + v.detach()
-            sync_gradients(model, dist)
+            grads.finish()
             grad_norm = update(model, optimizer, scheduler, cfg.clip)
             step += 1
             done_here += 1

@@ -7,9 +7,9 @@ Launch a training recipe with torchrun; nothing in the recipe changes:
              --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 .venv/bin/vlberts pretrain ...
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `init_distributed` joins the process group (gloo on
-CPU, NCCL on GPU); every rank starts from rank 0's weights and sums its gradients with the others' in
-one all-reduce per update (`sync_gradients`: the arithmetic of DistributedDataParallel, why not its
-wrapper is said there). The batch order stays the single-process one: every rank walks the same global
+CPU, NCCL on GPU); every rank starts from rank 0's weights and sums its gradients with the others' every
+update (`GradientSync`: DistributedDataParallel's bucketed all-reduces, overlapped with backward on GPUs,
+with the arithmetic below; why not DDP's wrapper is said there). The batch order stays the single-process one: every rank walks the same global
 batches (`data.sampling`) and keeps its slice `keys[rank::world]`, so positions, checkpoints and
 resuming are the same as without distribution, and a run may resume on another number of processes.
 Each rank weighs its loss by its share of the update's loss terms (`training.loop.loss_shares`: e.g.
@@ -20,7 +20,7 @@ checkpoints and the final model; logged losses are the update's, summed over the
 
 With `--fsdp=true` (`shard_model`) each rank keeps a shard of every parameter, gradient and optimizer
 state instead of a whole copy (PyTorch's FSDP2); the same batches, shares and sums, the gradients
-reduce-scattered by FSDP instead of `sync_gradients`; checkpoints are gathered whole (training/checkpoint.py),
+reduce-scattered by FSDP instead of all-reduced; checkpoints are gathered whole (training/checkpoint.py),
 so they are the same files with or without FSDP. tests/test_fsdp.py checks both, and torchrun's in-place
 restart (`--max-restarts`) after a killed rank (`_elastic_store`).
 """
@@ -35,10 +35,11 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -116,49 +117,153 @@ def broadcast_parameters(model: nn.Module, info: DistInfo) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def sync_gradients(model: nn.Module, info: DistInfo) -> None:
-    """Sum the gradients over the ranks, after backward and before the optimizer step. Each rank's loss
-    is already weighted by its share of the update (`training.loop.loss_shares`), so the sum is the
-    gradient of the update's loss, the same as one process would compute on the whole global batch.
+# DistributedDataParallel's default bucket size: big enough that each all-reduce moves data at full speed,
+# small enough that the first ones start while most of backward is still to run.
+BUCKET_MB = 25.0
 
-    One all-reduce of all gradients flattened together, and one of a number per parameter, 1 if it got a
-    gradient on this rank, kept on the host (gloo, also on GPUs: "cpu:gloo,cuda:nccl") so that reading
-    it back does not wait for the GPU. A parameter that got no gradient on a rank (a head that sat out the update:
-    VL-BERT's pooler, W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were
-    all mismatched) counts as zero there, so every rank always joins the same collective; one that got
-    none on any rank gets its `grad` set back to None, as one process would leave it, so AdamW neither
-    moves it nor decays it. This is DDP's arithmetic without its hooks: DDP's `find_unused_parameters`
-    cannot see through our typed (dataclass) model outputs, and an unused head would stall it.
 
-    Under FSDP the gradients were already summed by its reduce-scatter (`shard_model`), which hands back
-    a zero gradient for a parameter no rank used; here one all-reduce of a flag per parameter (1 if this
-    rank's shard of its gradient is not all zeros) finds those and sets their `grad` back to None too.
-    The one case told apart differently: a parameter some rank used whose summed gradient is exactly zero
-    in every element (one process would step it with a zero gradient, this skips it).
+class GradientSync:
+    """Sums the gradients over the ranks while backward runs, before the optimizer step: DDP's overlap of
+    communication with computation, with the arithmetic below. Each rank's loss is already weighted by its
+    share of the update (`training.loop.loss_shares`), so the sum is the gradient of the update's loss,
+    the same as one process would compute on the whole global batch.
+
+        sync = GradientSync(model, dist)
+        for i, batch in enumerate(micro):            # the update's micro-batches (gradient accumulation)
+            sync.backward(loss(batch), last=i == len(micro) - 1)
+        sync.finish()                               # every rank's gradients are now the sums
+
+    The parameters are split into buckets of about `bucket_mb` MiB in reverse order of `model.parameters()`
+    (about the order backward finishes them: heads and last layers first). In the last backward a hook on
+    each parameter (`register_post_accumulate_grad_hook`, run once its gradient for the whole update is
+    accumulated) marks it ready, and each bucket whose parameters are all ready is flattened and
+    all-reduced asynchronously, in bucket order only, so that every rank issues the same collectives in
+    the same order. A parameter the last loss does not reach (found by walking its autograd graph, as
+    DDP's `find_unused_parameters` does) is ready from the start: its gradient is already final.
+    `finish` launches what is left, waits, and hands each parameter a view of its bucket's summed buffer
+    as its gradient. `overlap=False` launches everything in `finish`: the same sums.
+
+    `overlap=None` (the recipes') overlaps on GPUs only. There the sums run on the interconnect and NCCL's
+    own stream while the GPU computes; on a CPU gloo adds and copies on the same cores backward is using:
+    `benchmarks/ddp_overlap.py` (VisualBERT-base, 2 processes x 1 thread on 2 cores, 4 examples each)
+    measured 1.70 s a step overlapped against 1.47 s summing after backward (0.87x): the wait after
+    backward fell from 0.47 to 0.20 s, but backward grew by 0.5 s.
+
+    A parameter that got no gradient on a rank (a head that sat out the update: VL-BERT's pooler,
+    W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were all mismatched)
+    counts as zero there, so every rank always joins the same collectives; one that got none on any rank
+    gets its `grad` set back to None, as one process would leave it, so AdamW neither moves nor decays it.
+    Which parameters got one is summed in one more all-reduce of a number per parameter, on the host (gloo,
+    also on GPUs: "cpu:gloo,cuda:nccl"), so that reading it back does not wait for the GPU. This is DDP's
+    arithmetic without its wrapper: DDP's `find_unused_parameters` cannot see through our typed
+    (dataclass) model outputs, and an unused head would stall it.
+
+    Under FSDP the gradients were already summed by its reduce-scatter (`shard_model`), which hands back a
+    zero gradient for a parameter no rank used; `finish` then all-reduces a flag per parameter (1 if this
+    rank's shard of its gradient is not all zeros) and sets those gradients back to None too. The one case
+    told apart differently: a parameter some rank used whose summed gradient is exactly zero in every
+    element (one process would step it with a zero gradient, this skips it). One process: plain backward.
     """
-    if not info.enabled:
-        return
-    if is_sharded(model):
-        _drop_unused_sharded_grads(model)
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        return
-    used = torch.tensor([float(p.grad is not None) for p in params])  # (P,), on the host
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
-    dist.all_reduce(flat)
-    dist.all_reduce(used)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
-    for p, any_rank in zip(params, used.tolist()):
-        if any_rank == 0:
-            p.grad = None
+
+    def __init__(self, model: nn.Module, info: DistInfo, bucket_mb: float = BUCKET_MB, overlap: bool | None = None):
+        self.model, self.info = model, info
+        self.sharded = info.enabled and is_sharded(model)
+        params = [p for p in model.parameters() if p.requires_grad] if info.enabled and not self.sharded else []
+        if overlap is None:
+            overlap = any(p.device.type == "cuda" for p in params)
+        self.buckets: list[list[nn.Parameter]] = []
+        size, cap = 0, bucket_mb * 2**20
+        for p in reversed(params):
+            if not self.buckets or size + p.numel() * p.element_size() > cap:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._overlap = overlap and bool(params)
+        self._armed = False
+        self._pending: list[set[int]] = []  # per bucket: ids of its parameters not yet ready in this backward
+        self._launched: list[tuple[Tensor, Any, list[bool]]] = []  # per bucket: (flat buffer, work, got a grad)
+        if self._overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    @property
+    def launched(self) -> int:
+        """How many buckets of this update are being summed so far."""
+        return len(self._launched)
+
+    def backward(self, loss: Tensor, last: bool = True) -> None:
+        """`loss.backward()`; for the update's `last` micro-batch, with each bucket's all-reduce started as
+        soon as its gradients are final."""
+        if last and self._overlap:
+            reached = _reached_parameters(loss)
+            self._pending = [{id(p) for p in bucket if id(p) in reached} for bucket in self.buckets]
+            self._launched = []
+            self._armed = True
+            self._launch_ready()  # buckets the loss does not reach at all
+        loss.backward()
+
+    def _ready(self, p: Tensor) -> None:
+        if self._armed:  # else an earlier micro-batch's: its gradient is not the update's yet
+            self._pending[self._bucket_of[id(p)]].discard(id(p))
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while len(self._launched) < len(self.buckets) and not self._pending[len(self._launched)]:
+            self._launch()
+
+    def _launch(self) -> None:
+        bucket = self.buckets[len(self._launched)]
+        used = [p.grad is not None for p in bucket]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        self._launched.append((flat, dist.all_reduce(flat, async_op=True), used))
+
+    def finish(self) -> None:
+        """Complete the sums (every rank calls it once per update, after the last backward)."""
+        if not self.info.enabled:
+            return
+        if self.sharded:
+            _drop_unused_sharded_grads(self.model)
+            return
+        if not self._armed:  # no overlap (or no backward in this update): everything from here
+            self._launched = []
+        self._armed = False
+        while len(self._launched) < len(self.buckets):
+            self._launch()
+        used = torch.tensor([float(u) for _, _, flags in self._launched for u in flags])  # (P,), on the host
+        if len(used):
+            dist.all_reduce(used)
+        any_rank = iter(used.tolist())
+        for bucket, (flat, work, _) in zip(self.buckets, self._launched):
+            work.wait()
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p) if next(any_rank) else None
+                offset += n
+        self._launched = []
+
+
+def _reached_parameters(loss: Tensor) -> set[int]:
+    """ids of the leaf tensors `loss.backward()` will accumulate a gradient into (its graph's
+    AccumulateGrad nodes)."""
+    reached, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None:
+            reached.add(id(leaf))
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return reached
+
+
+def sync_gradients(model: nn.Module, info: DistInfo) -> None:
+    """Sum the gradients over the ranks after backward (`GradientSync` without overlap)."""
+    GradientSync(model, info, overlap=False).finish()
 
 
 def _drop_unused_sharded_grads(model: nn.Module) -> None:
@@ -187,10 +292,10 @@ def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
     The arithmetic stays ours: each rank's loss is already weighted by its share of the update
     (`training.loop.loss_shares`), so the update's gradient is the SUM over ranks. FSDP divides by the
     world size by default; a gradient divide factor of 1 with sum-only collectives makes it reduce-scatter
-    a plain sum, the same additions `sync_gradients` makes, so no factor is applied at all. (Scaling the
+    a plain sum, the same additions `GradientSync` makes, so no factor is applied at all. (Scaling the
     loss by the world size instead would multiply then divide, exact only for powers of two.) A parameter
     that got no gradient on a rank (a head that sat out) counts as zero there, so every rank joins the same
-    reduce-scatter; one that got none on any rank comes back with a zero gradient, which `sync_gradients`
+    reduce-scatter; one that got none on any rank comes back with a zero gradient, which `GradientSync.finish`
     (called as without FSDP) sets back to None, so AdamW skips it as one process would.
     """
     if not info.enabled:  # nothing to shard: say so and train as usual (a run may resume on any number of ranks)

@@ -215,7 +215,7 @@ def loss_shares(counts: list[dict[str, float]], dist: DistInfo = DistInfo()) -> 
 
     `counts[i][name]` is the number of terms loss `name` averages over in micro-batch i (its
     denominator, e.g. masked words). Weighting each micro-batch mean by its share and summing (over
-    micro-batches by backward, over ranks by `sync_gradients`) gives the mean over the whole update: the
+    micro-batches by backward, over ranks by `GradientSync`) gives the mean over the whole update: the
     same update for 1 x 4, 4 x 1 or 2 ranks x 2. A loss with no terms anywhere gets weight 0.
     """
     totals = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}

@@ -1,0 +1,102 @@
+"""Data-parallel training step with the gradient all-reduce overlapped with backward, against the same step
+summing all gradients after backward, in one run (issue 6; `training.distributed.GradientSync`).
+
+    .venv/bin/python benchmarks/ddp_overlap.py [--arch visualbert|lxmert] [--procs 2] [--repeats 8]
+
+Launches itself with torchrun (`--procs` processes, the cores split between them; gloo on CPU). Each rank
+holds its share of the issue's batch (8 x (20 tokens + 36 regions of 2048-d), split over the ranks) for
+the base model and runs training steps (forward, backward, the gradient sum over the ranks, fused AdamW),
+alternating the two ways of summing, and prints rank 0's medians and their ratio, with the time a step
+spends after backward waiting for the sums. Both ways compute the same sums (tests/test_distributed.py);
+the difference is only when the all-reduces run. Absolute times on shared machines are noise; the ratio,
+measured in one run, is the claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_hf import B, batch, lxmert_our_step, visualbert_our_step  # noqa: E402  (the same batch and losses)
+
+from vlberts.models.builders import build_pretraining_model, model_config  # noqa: E402
+from vlberts.training.distributed import GradientSync, init_distributed, leave_process_group  # noqa: E402
+from vlberts.training.optim import build_optimizer  # noqa: E402
+
+ARCHS = {
+    "visualbert": ("visualbert-base", {}, visualbert_our_step),
+    "lxmert": ("lxmert-base", {}, lxmert_our_step),
+}
+
+
+def worker(args: argparse.Namespace) -> None:
+    info = init_distributed("cpu")
+    torch.set_num_threads(args.threads)
+    name, overrides, loss_fn = ARCHS[args.arch]
+    torch.manual_seed(0)
+    model = build_pretraining_model(model_config(name, **overrides))
+    model.train()
+    optimizer = build_optimizer(model, 1e-5, 0.01)
+    data = batch(seed=info.rank, b=B // info.world)  # this rank's share of the global batch
+    ways = {"overlapped": GradientSync(model, info, overlap=True), "after backward": GradientSync(model, info, overlap=False)}
+    step_s: dict[str, list[float]] = {k: [] for k in ways}
+    wait_s: dict[str, list[float]] = {k: [] for k in ways}
+    for i in range(args.warmup + args.repeats):
+        for way, sync in ways.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            sync.backward(loss_fn(model, data))
+            t1 = time.perf_counter()
+            sync.finish()
+            t2 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            if i >= args.warmup:
+                step_s[way].append(t3 - t0)
+                wait_s[way].append(t2 - t1)
+    if info.main:
+        params = sum(p.numel() for p in model.parameters())
+        sync = ways["overlapped"]
+        print(f"{name} ({params / 1e6:.1f}M parameters, {len(sync.buckets)} buckets of <= 25 MiB), "
+              f"{info.world} processes x {args.threads} thread(s), {B // info.world} examples each, "
+              f"median of {args.repeats} interleaved steps")
+        print(f"{'gradient sum':<18}{'step (s)':>10}{'wait after backward (s)':>26}")
+        for way in ways:
+            print(f"{way:<18}{statistics.median(step_s[way]):>10.3f}{statistics.median(wait_s[way]):>26.3f}")
+        ratio = statistics.median(step_s["after backward"]) / statistics.median(step_s["overlapped"])
+        print(f"ratio (after backward / overlapped): {ratio:.2f}x")
+    leave_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="visualbert")
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="per process (default: the cores / --procs)")
+    args = ap.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = args.threads or max(1, cores // args.procs)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={args.procs}", __file__, f"--arch={args.arch}",
+           f"--procs={args.procs}", f"--repeats={args.repeats}", f"--warmup={args.warmup}", f"--threads={threads}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    sys.exit(subprocess.run(cmd, env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()
