@@ -145,9 +145,9 @@ class GradientSync:
 
     `overlap=None` (the recipes') overlaps on GPUs only. There the sums run on the interconnect and NCCL's
     own stream while the GPU computes; on a CPU gloo adds and copies on the same cores backward is using:
-    `benchmarks/ddp_overlap.py` (VisualBERT-base, 2 processes x 1 thread on 2 cores, 4 examples each)
-    measured 1.70 s a step overlapped against 1.47 s summing after backward (0.87x): the wait after
-    backward fell from 0.47 to 0.20 s, but backward grew by 0.5 s.
+    `benchmarks/ddp_overlap.py` (base models, 2 processes x 1 thread on 2 cores, 4 examples each) measured
+    the overlapped step at 0.82-0.90x the speed of summing after backward for VisualBERT and 0.91x for
+    LXMERT: the wait after backward fell (LXMERT 0.88 -> 0.09 s), but backward grew by more (README).
 
     A parameter that got no gradient on a rank (a head that sat out the update: VL-BERT's pooler,
     W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were all mismatched)
@@ -202,7 +202,11 @@ class GradientSync:
             self._launched = []
             self._armed = True
             self._launch_ready()  # buckets the loss does not reach at all
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException:
+            self._armed = False  # a later backward must not launch from this one's partial state
+            raise
 
     def _ready(self, p: Tensor) -> None:
         if self._armed:  # else an earlier micro-batch's: its gradient is not the update's yet
