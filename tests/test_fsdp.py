@@ -33,6 +33,7 @@ from test_distributed import (
 from vlberts.data.batch import VLInputs
 from vlberts.models.builders import build_pretraining_model, model_config
 from vlberts.training.checkpoint import TrainState, restore_checkpoint, save_checkpoint
+import vlberts.training.distributed as distributed
 from vlberts.training.distributed import (
     free_port,
     full_tensor,
@@ -41,8 +42,8 @@ from vlberts.training.distributed import (
     is_sharded,
     leave_process_group,
     rank_slice,
+    GradientSync,
     shard_model,
-    sync_gradients,
 )
 from vlberts.training.loop import loss_shares, update
 from vlberts.training.metrics import MetricsLog
@@ -65,6 +66,9 @@ def _trainer(model):
     return optimizer, linear_warmup_decay(optimizer, 1, 10)
 
 
+_SYNCS: dict[torch.nn.Module, GradientSync] = {}  # one per model, as a recipe keeps one
+
+
 def _step(model, optimizer, scheduler, info) -> None:
     """One update on this rank's slice of the global batch, loss weighted by its share; clip at 1 (the
     tiny model's gradient norm is ~3: clipping acts and needs the global norm)."""
@@ -72,8 +76,15 @@ def _step(model, optimizer, scheduler, info) -> None:
     keys = rank_slice(list(range(labels.shape[0])), info)
     part = VLInputs(**{k: (v[keys] if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
     (share,) = loss_shares([{"mlm": float((labels[keys] != -100).sum())}], info)
-    (_loss(model, part, labels[keys]) * share["mlm"]).backward()
-    sync_gradients(model, info)  # sharded: FSDP reduce-scattered the sums; unused parameters back to None
+    if model not in _SYNCS:
+        _SYNCS[model] = GradientSync(model, info)
+    sync = _SYNCS[model]
+    sync.backward(_loss(model, part, labels[keys]) * share["mlm"])
+    sync.finish()  # sharded: FSDP reduce-scattered the sums; parameters no rank reached back to None
+
+
+def _no_read_back(model) -> None:
+    raise AssertionError("the flags of the parameters a sharded update used were read off the device")
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -84,6 +95,9 @@ def _fsdp_worker(rank: int, world: int, tmp: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    # Every gathered copy the graphs hold maps to its sharded parameter: the used-parameter flags come
+    # from the host, never from the gradients (the fallback that reads them off the device must not run).
+    distributed._drop_unused_sharded_grads = _no_read_back
     _fsdp_work(rank, tmp)
     leave_process_group()  # the sharded models are out of scope now (see leave_process_group)
 
@@ -161,7 +175,7 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
 
     # FSDP summed the rank gradients (no averaging): the single-process gradient; the global norm clips.
     # Parameters no rank used (the match head, the pooler: this loss is MLM only) have no gradient, as
-    # with one process, so AdamW neither moves nor decays them (`sync_gradients` on a sharded model).
+    # with one process, so AdamW neither moves nor decays them (`GradientSync.finish` on a sharded model).
     assert found["no_grad"] == one["no_grad"] and len(one["no_grad"]) >= 2
     assert found["grads"].keys() == one["grads"].keys() and len(one["grads"]) > 10
     for n in one["grads"]:

@@ -159,10 +159,14 @@ class GradientSync:
     (dataclass) model outputs, and an unused head would stall it.
 
     Under FSDP the gradients were already summed by its reduce-scatter (`shard_model`), which hands back a
-    zero gradient for a parameter no rank used; `finish` then all-reduces a flag per parameter (1 if this
-    rank's shard of its gradient is not all zeros) and sets those gradients back to None too. The one case
-    told apart differently: a parameter some rank used whose summed gradient is exactly zero in every
-    element (one process would step it with a zero gradient, this skips it). One process: plain backward.
+    zero gradient for a parameter no rank used. Its forward reads gathered (unsharded) copies of the
+    parameters, so the autograd graph's leaves are those copies; `GradientSync` maps each copy to its
+    sharded parameter once (gathering one FSDP unit at a time), `backward` walks every micro-batch's graph
+    and `finish` all-reduces a flag per parameter, 1 if some micro-batch of this rank reached it, on the
+    host as above, and sets the gradients of those no rank reached back to None. Should a leaf not map (an
+    FSDP that gathers into new tensors each time), `finish` falls back to a flag read off the device: 1 if
+    this rank's shard of the gradient is not all zeros (which skips a parameter some rank used whose summed
+    gradient is exactly zero in every element; one process would step it). One process: plain backward.
     """
 
     def __init__(self, model: nn.Module, info: DistInfo, bucket_mb: float = BUCKET_MB, overlap: bool | None = None):
@@ -180,8 +184,14 @@ class GradientSync:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        # FSDP: the sharded parameters, which of them this update reached on this rank (None: unknown), and
+        # the gathered copies the graphs hold, by id, -> their index.
+        self._sharded_params = list(model.parameters()) if self.sharded else []
+        self._reached: set[int] | None = None
+        self._copies = _gathered_copies(model) if self.sharded else {}
         self._overlap = overlap and bool(params)
         self._armed = False
+        self._started = False  # a micro-batch of this update went through `backward`
         self._pending: list[set[int]] = []  # per bucket: ids of its parameters not yet ready in this backward
         self._launched: list[tuple[Tensor, Any, list[bool]]] = []  # per bucket: (flat buffer, work, got a grad)
         if self._overlap:
@@ -196,6 +206,13 @@ class GradientSync:
     def backward(self, loss: Tensor, last: bool = True) -> None:
         """`loss.backward()`; for the update's `last` micro-batch, with each bucket's all-reduce started as
         soon as its gradients are final."""
+        if self.sharded:  # which parameters this micro-batch reaches, for `finish`
+            found = [self._copies.get(i) for i in _reached_parameters(loss)]
+            if None in found:  # a leaf that is not a known gathered copy: read the flags off the device
+                self._reached = None
+            elif self._reached is not None or not self._started:
+                self._reached = (self._reached or set()) | set(found)
+            self._started = True
         if last and self._overlap:
             reached = _reached_parameters(loss)
             self._pending = [{id(p) for p in bucket if id(p) in reached} for bucket in self.buckets]
@@ -228,7 +245,16 @@ class GradientSync:
         if not self.info.enabled:
             return
         if self.sharded:
-            _drop_unused_sharded_grads(self.model)
+            if self._started and self._reached is not None:
+                used = torch.zeros(len(self._sharded_params))  # (P,), on the host
+                used[sorted(self._reached)] = 1.0
+                dist.all_reduce(used)
+                for p, any_rank in zip(self._sharded_params, used.tolist()):
+                    if any_rank == 0:
+                        p.grad = None
+            else:
+                _drop_unused_sharded_grads(self.model)
+            self._started, self._reached = False, None
             return
         if not self._armed:  # no overlap (or no backward in this update): everything from here
             self._launched = []
@@ -263,6 +289,25 @@ def _reached_parameters(loss: Tensor) -> set[int]:
             reached.add(id(leaf))
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return reached
+
+
+def _gathered_copies(model: nn.Module) -> dict[int, int]:
+    """FSDP2: id of each parameter's gathered copy (what forward reads and autograd accumulates into) ->
+    the parameter's index in `model.parameters()`. Gathers one FSDP unit at a time and reshards it."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    copies = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            for name, p in module.named_parameters():
+                full = f"{prefix}.{name}" if prefix else name
+                if not isinstance(p, DTensor) and full in index:
+                    copies[id(p)] = index[full]
+            module.reshard()
+    return copies
 
 
 def sync_gradients(model: nn.Module, info: DistInfo) -> None:
