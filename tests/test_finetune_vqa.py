@@ -12,6 +12,7 @@ import pytest
 
 from vlberts.errors import VlbertsError
 from vlberts.recipes.finetune_vqa import VQA_MODELS, FinetuneVQAConfig, finetune_vqa, load_vqa_model
+from vlberts.training import loop
 from vlberts.training.metrics import MetricsLog
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
@@ -61,6 +62,20 @@ def test_finetune_resume_equals_uninterrupted(tiny_world, tiny_pretrained, tmp_p
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run"))
     a, b = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl"), MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert json.loads((tmp_path / "ref" / "metrics.json").read_text())["accuracy"] == \
+        json.loads((tmp_path / "run" / "metrics.json").read_text())["accuracy"]
+
+
+def test_fp16_fine_tuning_scales_its_loss_and_resumes_exactly(tiny_world, tiny_pretrained, tmp_path, monkeypatch):
+    """Every task's loop (`finetune_loop`) under `--precision=fp16`: the first updates overflow with this first
+    scale and are skipped, halving it; interrupted after that, the run resumes with the checkpoint's scale."""
+    monkeypatch.setattr(loop, "FP16_INIT_SCALE", 2.0**30)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref", precision="fp16"))
+    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", precision="fp16", stop_after=3)) is None
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", precision="fp16"))
+    a, b = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl"), MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
+    assert a[0]["loss_scale"] < 2.0**30 and a[1]["loss_scale"] < a[0]["loss_scale"]  # skipped, halved
+    assert [(r["loss"], r["loss_scale"]) for r in a] == [(r["loss"], r["loss_scale"]) for r in b]
     assert json.loads((tmp_path / "ref" / "metrics.json").read_text())["accuracy"] == \
         json.loads((tmp_path / "run" / "metrics.json").read_text())["accuracy"]
 

@@ -4,8 +4,8 @@
   bf16's rounding under the bf16 autocast the recipes use there.
 - Our attention runs on PyTorch's fused SDPA kernels with the additive masks the models build (no silent
   fallback to the math kernel), and each fused kernel agrees with the explicit softmax path.
-- `vlberts pretrain` trains every architecture on CUDA in bf16 with fp32 master weights (MLM falls), and an
-  interrupted CUDA run resumes to the uninterrupted run's log and weights.
+- `vlberts pretrain` trains every architecture on CUDA in bf16 with fp32 master weights (MLM falls), and in fp16
+  with loss scaling; an interrupted CUDA run resumes to the uninterrupted run's log and weights.
 - `--compile=true` on CUDA trains the eager model's numbers; fine-tuning and the grounding analysis run there.
 - The pre-training loader hands over batches in pinned memory (every tensor, nested batches included).
 - Gradient sums overlapped with backward on CUDA tensors equal one process's (2 processes: NCCL on 2 GPUs,
@@ -169,6 +169,19 @@ def test_pretraining_on_cuda_in_bf16_learns(tiny_world, tmp_path, model):
     assert all(w.dtype == torch.float32 for w in weights.values())  # fp32 master weights, bf16 only in autocast
     loaded, _, _ = load_pretraining_model(final)  # a CUDA run's model loads on the CPU
     assert next(loaded.parameters()).device.type == "cpu"
+
+
+def test_fp16_pretraining_on_cuda_learns_with_loss_scaling(tiny_world, tmp_path):
+    """`--precision=fp16` (GPUs without bf16): fp16 autocast, the loss scaled; MLM falls, the scale is logged,
+    the weights stay fp32."""
+    out = tmp_path / "fp16"
+    final = pretrain(cfg_for(tiny_world, out, steps=30, batch_size=8, lr=2e-3, ckpt_every=100, device="cuda",
+                             precision="fp16"))
+    log = MetricsLog.read(out / "metrics.jsonl")
+    assert all(r["loss_scale"] > 0 for r in log) and all(torch.isfinite(torch.tensor(r["mlm_loss"])) for r in log)
+    mlm = [r["mlm_loss"] for r in log]
+    assert sum(mlm[-4:]) < sum(mlm[:4])
+    assert all(w.dtype == torch.float32 for w in load_file(final / "model.safetensors").values())
 
 
 def test_interrupted_cuda_run_resumes_to_the_same_run(tiny_world, tmp_path):

@@ -14,8 +14,11 @@ from safetensors.torch import load_file
 
 from vlberts.errors import VlbertsError
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.training import loop
 from vlberts.training.checkpoint import latest_checkpoint, load_pretraining_model
+from vlberts.training.loop import loss_scaler, scaler_state, update
 from vlberts.training.metrics import MetricsLog
+from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
@@ -167,3 +170,52 @@ def test_length_grouped_run_resumes_exactly(tiny_world, tmp_path):
     assert [r["mlm_loss"] for r in a] == [r["mlm_loss"] for r in b]
     plain = MetricsLog.read(Path(pretrain(cfg_for(tiny_world, tmp_path / "plain"))).parent / "metrics.jsonl")
     assert [r["mlm_loss"] for r in plain] != [r["mlm_loss"] for r in a]  # grouping changed the batches
+
+
+def test_fp16_skips_overflowing_updates_and_resumes_exactly(tiny_world, tmp_path, monkeypatch):
+    """`--precision=fp16`: autocast to fp16 with dynamic loss scaling. With a first scale too large for fp16,
+    the first updates overflow: each is skipped (the weights stay, its gradient norm is not finite) and
+    halves the scale, until updates go through. A run interrupted after the scale changed resumes with the
+    checkpoint's scale: the same log and weights as the uninterrupted run."""
+    monkeypatch.setattr(loop, "FP16_INIT_SCALE", 2.0**24)
+    ref = tmp_path / "ref"
+    pretrain(cfg_for(tiny_world, ref, steps=12, precision="fp16"))
+    log = MetricsLog.read(ref / "metrics.jsonl")
+    scales = [r["loss_scale"] for r in log]
+    skipped = [r["grad_norm"] is None for r in log]  # a NaN norm is written as null
+    assert scales[0] == 2.0**23 and skipped[0] and not skipped[-1]
+    assert all(b == a / 2 if s else b == a for a, b, s in zip([2.0**24, *scales], scales, skipped))
+    assert sum(skipped) >= 3 and scales[2] < 2.0**22  # the checkpoint at update 3 holds a changed scale
+    # The same arithmetic as fp32 up to fp16's rounding: the first update's loss (same weights, same batch).
+    fp32 = tmp_path / "fp32"
+    pretrain(cfg_for(tiny_world, fp32, steps=1))
+    assert log[0]["mlm_loss"] == pytest.approx(MetricsLog.read(fp32 / "metrics.jsonl")[0]["mlm_loss"], rel=1e-3)
+
+    run = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, run, steps=12, precision="fp16", stop_after=5)) is None
+    assert pretrain(cfg_for(tiny_world, run, steps=12, precision="fp16")) == run / "model"
+    again = MetricsLog.read(run / "metrics.jsonl")
+    assert [(r["loss_scale"], r["mlm_loss"]) for r in again] == [(r["loss_scale"], r["mlm_loss"]) for r in log]
+    wa, wb = load_file(str(ref / "model" / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_skipped_fp16_update_leaves_the_weights_and_halves_the_scale():
+    model = torch.nn.Linear(4, 2)
+    optimizer = build_optimizer(model, 1e-2)
+    scheduler = linear_warmup_decay(optimizer, 0, 10)
+    scaler = loss_scaler(torch.device("cpu"), "fp16")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    update(model, optimizer, scheduler, clip=1.0, scaler=scaler)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert scaler.get_scale() == loop.FP16_INIT_SCALE / 2
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    update(model, optimizer, scheduler, clip=1.0, scaler=scaler)
+    assert not torch.equal(model.weight, before["weight"]) and scaler.get_scale() == loop.FP16_INIT_SCALE / 2
+    # Other precisions: a disabled scaler, nothing kept in checkpoints; FSDP refuses fp16 in one line.
+    assert not loss_scaler(torch.device("cpu"), "bf16").is_enabled()
+    assert scaler_state(loss_scaler(torch.device("cpu"), "fp32")) == {}
+    with pytest.raises(VlbertsError, match="fp16 with --fsdp=true is not supported"):
+        loss_scaler(torch.device("cpu"), "fp16", sharded=True)

@@ -28,10 +28,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISION_HELP = ("auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16, or fp16 (autocast with dynamic loss "
+                  "scaling, for GPUs without bf16)")
+
+
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast on CUDA when asked (or 'auto'); full fp32 on CPU unless bf16 is forced."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise VlbertsError(f"precision must be auto, fp32 or bf16, got {precision!r}")
+    """bf16 autocast on CUDA when asked (or 'auto'); fp16 autocast when asked (training scales the loss:
+    `training.loop.loss_scaler`); full fp32 on CPU unless bf16 or fp16 is forced."""
+    if precision not in PRECISIONS:
+        raise VlbertsError(f"precision must be {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}, got {precision!r}")
+    if precision == "fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     if not use_bf16:
         return contextlib.nullcontext()

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -45,11 +45,12 @@ from vlberts.training.distributed import (
     broadcast_parameters,
     gather_for_inference,
     init_distributed,
+    is_sharded,
     local_device,
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
+from vlberts.training.loop import batches, feed, loss_scaler, loss_shares, scaler_state, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -73,7 +74,7 @@ class FinetuneConfig:
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(500, "updates between checkpoints")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    precision: str = opt("auto", PRECISION_HELP)
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     prefetch: int = opt(-1, PREFETCH_HELP)
@@ -158,7 +159,11 @@ def finetune_loop(
         optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
 
+    scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
+
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    if "grad_scaler" in state.extra:
+        scaler.load_state_dict(state.extra["grad_scaler"])
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
@@ -188,10 +193,10 @@ def finetune_loop(
                 batch = batch.to(device, non_blocking=True)
                 with autocast(device, cfg.precision):
                     value = loss(batch).float() * share["loss"]
-                grads.backward(value, last=i == len(micro) - 1)
+                grads.backward(scaler.scale(value), last=i == len(micro) - 1)
                 total = total + value.detach()
             grads.finish()
-            grad_norm = update(model, optimizer, scheduler, cfg.clip)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler)
             step += 1
             done_here += 1
             bar.update(bar_task, completed=step)
@@ -199,11 +204,13 @@ def finetune_loop(
                 total = sum_over_ranks({"loss": float(total)}, dist)["loss"]
                 bar.update(bar_task, info=f"loss {total:.3f}")
                 if log is not None:
+                    scale = {"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}
                     log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                               "seconds": round(time.perf_counter() - t0, 3)})
+                               **scale, "seconds": round(time.perf_counter() - t0, 3)})
             if step % cfg.ckpt_every == 0 or step == steps:  # every rank: a sharded model is gathered; rank 0 writes
                 save_checkpoint(out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                                state=TrainState(step=step, data=pos.to_dict(), extra={}), model_extra=extra or {},
+                                state=TrainState(step=step, data=pos.to_dict(), extra=scaler_state(scaler)),
+                                model_extra=extra or {},
                                 write=dist.main)
             if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
                 return None

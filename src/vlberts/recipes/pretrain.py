@@ -63,7 +63,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -80,12 +80,13 @@ from vlberts.training.distributed import (
     barrier,
     broadcast_parameters,
     init_distributed,
+    is_sharded,
     local_device,
     merge_over_ranks,
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import batches, feed, loss_shares, start_or_resume, update
+from vlberts.training.loop import batches, feed, loss_scaler, loss_shares, scaler_state, start_or_resume, update
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -165,7 +166,7 @@ class PretrainConfig:
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(200, "updates between checkpoints")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32 or bf16")
+    precision: str = opt("auto", PRECISION_HELP)
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     prefetch: int = opt(-1, PREFETCH_HELP)
@@ -476,7 +477,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
 
+    scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
+
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
+    if "grad_scaler" in state.extra:
+        scaler.load_state_dict(state.extra["grad_scaler"])
     log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
@@ -541,11 +546,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
-                grads.backward(total_loss(losses, step_weights), last=i == len(micro) - 1)
+                grads.backward(scaler.scale(total_loss(losses, step_weights)), last=i == len(micro) - 1)
                 for k, v in losses.items():
                     totals[k] = totals[k] + v.detach()
             grads.finish()
-            grad_norm = update(model, optimizer, scheduler, cfg.clip)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler)
             step += 1
             done_here += 1
             bar.update(task, completed=step)
@@ -557,6 +562,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 record.update({f"{k}_loss": v for k, v in totals.items()})
                 if source is not None:
                     record["source"] = source
+                if scaler.is_enabled():
+                    record["loss_scale"] = scaler.get_scale()
                 log.write({**record, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                            "seconds": round(time.perf_counter() - t0, 3)})
             if step % cfg.ckpt_every == 0 or step == cfg.steps:
@@ -564,7 +571,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 position = stream_state(pos, dist) if streamed else pos.to_dict()
                 save_checkpoint(  # every rank: a sharded model is gathered; rank 0 writes
                     out, model=model, cfg=model_cfg, optimizer=optimizer, scheduler=scheduler,
-                    state=TrainState(step=step, data=position, extra={}), write=dist.main,
+                    state=TrainState(step=step, data=position, extra=scaler_state(scaler)), write=dist.main,
                 )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
                 return None

@@ -161,15 +161,51 @@ def feed(items: Iterator[T], device: torch.device, depth: int = -1) -> Prefetche
     return Prefetcher(items, prepare=pinned if cuda is not None else None, depth=depth, cuda=cuda)
 
 
-def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float) -> torch.Tensor:
+FP16_INIT_SCALE = 2.0**16  # the first loss scale of an fp16 run (PyTorch's default)
+
+
+def loss_scaler(device: torch.device, precision: str, sharded: bool = False) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for `--precision=fp16` (SPEC §6: "fp16 with scaler"), disabled (every call a
+    no-op, `state_dict()` empty) for the other precisions: bf16 has fp32's exponent range and needs none.
+
+    fp16's smallest normal number is 6e-5, so small gradients of an fp16 backward underflow to zero; the
+    loss is multiplied by a scale (`FP16_INIT_SCALE` to start) before backward, the gradients divided by it before
+    clipping, and an update whose gradients hold an inf or NaN is skipped with the scale halved (doubled
+    again after 2,000 clean updates). Replicated ranks hold the same summed gradients, so they skip the
+    same updates; FSDP's ranks each see their own shards and would not, hence the error."""
+    if precision == "fp16" and sharded:
+        raise VlbertsError("--precision=fp16 with --fsdp=true is not supported (each rank would check only its own "
+                           "gradient shards for overflow); use --precision=bf16, or train replicated")
+    return torch.amp.GradScaler(device.type, init_scale=FP16_INIT_SCALE, enabled=precision == "fp16")
+
+
+def scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """What a checkpoint's `TrainState.extra` keeps of the loss scaler (nothing when it is disabled): its
+    scale and clean-update count, so that a resumed fp16 run skips the same updates as the uninterrupted one."""
+    return {"grad_scaler": scaler.state_dict()} if scaler.is_enabled() else {}
+
+
+def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float,
+           scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
     """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm, a
     0-d tensor on the parameters' device (`float()` it where it is logged, not every update).
+
+    With an enabled `scaler` (fp16) the gradients are unscaled first, and an update with an inf or NaN
+    among them leaves the weights as they were (the fused AdamW reads the overflow flag on the device, so
+    nothing is read back); the schedule steps either way, so the learning rate of update k is the same
+    in every run.
 
     Under FSDP the gradients are shards (DTensors): `clip_grad_norm_` reduces their squared norms over the
     ranks, so the norm and the clipping are the global ones (summed in another order than one process
     sums them: equal to float rounding, ~1e-7 relative)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.detach()
