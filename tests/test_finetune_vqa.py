@@ -70,7 +70,8 @@ def test_fp16_fine_tuning_scales_its_loss_and_resumes_exactly(tiny_world, tiny_p
     """Every task's loop (`finetune_loop`) under `--precision=fp16`: the first updates overflow with this first
     scale and are skipped, halving it; interrupted after that, the run resumes with the checkpoint's scale."""
     monkeypatch.setattr(loop, "FP16_INIT_SCALE", 2.0**30)
-    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref", precision="fp16"))
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref", precision="fp16", tensorboard=True))
+    assert len(list((tmp_path / "ref" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # fine-tuning's log too
     assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", precision="fp16", stop_after=3)) is None
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", precision="fp16"))
     a, b = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl"), MetricsLog.read(tmp_path / "run" / "metrics.jsonl")

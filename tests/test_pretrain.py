@@ -219,3 +219,35 @@ def test_a_skipped_fp16_update_leaves_the_weights_and_halves_the_scale():
     assert scaler_state(loss_scaler(torch.device("cpu"), "fp32")) == {}
     with pytest.raises(VlbertsError, match="fp16 with --fsdp=true is not supported"):
         loss_scaler(torch.device("cpu"), "fp16", sharded=True)
+
+
+def test_tensorboard_mirrors_the_log_and_a_resumed_run_purges_the_redone_steps(tiny_world, tmp_path):
+    """`--tensorboard=true`: every numeric field of the JSONL log as a scalar at its step. Interrupted after
+    update 5 (checkpoint at 3) and resumed, TensorBoard shows each update once, with the resumed values,
+    as the JSONL log does."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, run, stop_after=5, tensorboard=True)) is None
+    pretrain(cfg_for(tiny_world, run, tensorboard=True))
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per invocation
+    board = EventAccumulator(str(run / "tensorboard"))
+    board.Reload()
+    log = MetricsLog.read(run / "metrics.jsonl")
+    assert {"loss", "mlm_loss", "match_loss", "lr", "grad_norm", "seconds"} <= set(board.Tags()["scalars"])
+    for key in ("mlm_loss", "lr", "grad_norm"):
+        events = board.Scalars(key)
+        assert [e.step for e in events] == [r["step"] for r in log] == list(range(1, 9))
+        assert [e.value for e in events] == pytest.approx([r[key] for r in log], rel=1e-6)  # stored as float32
+    # A fresh run (no checkpoint in its --out) starts a fresh board, as it starts a fresh JSONL log.
+    fresh = tmp_path / "fresh"
+    (fresh / "tensorboard").mkdir(parents=True)
+    (fresh / "tensorboard" / "events.out.tfevents.0.stale").write_bytes(b"")
+    pretrain(cfg_for(tiny_world, fresh, steps=2, tensorboard=True))
+    assert [p.name for p in (fresh / "tensorboard").iterdir()] != [] and not (fresh / "tensorboard" / "events.out.tfevents.0.stale").exists()
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(tiny_world, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(VlbertsError, match=r"needs the tensorboard package: pip install 'vlberts\[tensorboard\]'"):
+        pretrain(cfg_for(tiny_world, tmp_path / "run", tensorboard=True))

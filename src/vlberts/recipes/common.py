@@ -101,5 +101,7 @@ FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state ov
 PREFETCH_HELP = ("updates whose batches a thread draws ahead (and pins, on a GPU) while the device runs the current "
                  "one; 0: drawn in the loop; -1: 2 on a GPU, 0 on a CPU (a thread beside the compute threads slows a "
                  "small CPU). Results are the same either way")
+TENSORBOARD_HELP = ("also write the metrics log as TensorBoard event files in OUT/tensorboard (needs the "
+                    "tensorboard package: pip install 'vlberts[tensorboard]')")
 COMPILE_HELP = ("torch.compile the model in place (inductor): the first updates wait for the compiler, "
                 "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")

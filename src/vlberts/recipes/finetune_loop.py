@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -78,6 +78,7 @@ class FinetuneConfig:
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     prefetch: int = opt(-1, PREFETCH_HELP)
+    tensorboard: bool = opt(False, TENSORBOARD_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
     fsdp: bool = opt(False, FSDP_HELP)
@@ -164,7 +165,8 @@ def finetune_loop(
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     if "grad_scaler" in state.extra:
         scaler.load_state_dict(state.extra["grad_scaler"])
-    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    log = (MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None, tensorboard=cfg.tensorboard)
+           if dist.main else None)
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
     stream = batches(
@@ -213,7 +215,11 @@ def finetune_loop(
                                 model_extra=extra or {},
                                 write=dist.main)
             if cfg.stop_after and done_here >= cfg.stop_after and step < steps:
-                return None
+                break
+    if log is not None:
+        log.close()
+    if step < steps:  # stopped by --stop_after, as if interrupted
+        return None
     final = out / "model"
     save_model_dir(final, model, model_cfg, extra=extra, write=dist.main)
     if dist.main and tokenizer is not None:

@@ -63,7 +63,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -170,6 +170,7 @@ class PretrainConfig:
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
     num_workers: int = opt(0, "DataLoader worker processes")
     prefetch: int = opt(-1, PREFETCH_HELP)
+    tensorboard: bool = opt(False, TENSORBOARD_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, FSDP_HELP)
@@ -482,7 +483,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     state, resumed = start_or_resume(out, cfg, model, optimizer, scheduler, write=dist.main)
     if "grad_scaler" in state.extra:
         scaler.load_state_dict(state.extra["grad_scaler"])
-    log = MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None) if dist.main else None
+    log = (MetricsLog(out / "metrics.jsonl", resume_step=state.step if resumed else None, tensorboard=cfg.tensorboard)
+           if dist.main else None)
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
     collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights)
@@ -574,7 +576,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                     state=TrainState(step=step, data=position, extra=scaler_state(scaler)), write=dist.main,
                 )
             if cfg.stop_after and done_here >= cfg.stop_after and step < cfg.steps:
-                return None
+                break
+    if log is not None:
+        log.close()
+    if step < cfg.steps:  # stopped by --stop_after, as if interrupted
+        return None
 
     final = out / "model"
     extra = {"trained_by": "pretrain", "steps": step}

@@ -211,11 +211,12 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     return norm.detach()
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile", "prefetch"),
+def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile", "prefetch", "tensorboard"),
                    write: bool = True) -> None:
-    """A resumed run must use the settings it started with (except how long this invocation runs, and
-    whether it shards or compiles the model or draws its batches ahead: FSDP checkpoints are whole
-    models, the same as unsharded ones, compiling changes no weight or name, and prefetching no batch)."""
+    """A resumed run must use the settings it started with (except how long this invocation runs, whether
+    it shards or compiles the model or draws its batches ahead, and whether it mirrors its log to
+    TensorBoard: FSDP checkpoints are whole models, the same as unsharded ones, compiling changes no weight
+    or name, prefetching no batch, and TensorBoard no number)."""
     path = out / "run_config.json"
     if path.is_file():
         before = {k: v for k, v in read_json(path).items() if k not in ignore}

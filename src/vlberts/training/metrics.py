@@ -1,21 +1,32 @@
-"""JSON-lines metrics log that stays consistent with checkpoints.
+"""JSON-lines metrics log that stays consistent with checkpoints, optionally mirrored to TensorBoard.
 
 Each line is one record with a `step`. On resume, records after the checkpoint's step are dropped
 (their steps will be run again), so the log of a resumed run equals the log of an uninterrupted one.
+
+With `tensorboard=True` (the recipes' `--tensorboard=true`; SPEC §6 "TensorBoard optional") every numeric
+field of every record is also written as a TensorBoard scalar under its JSONL name, at the record's step,
+into event files in `tensorboard/` beside the log (`tensorboard --logdir RUN/tensorboard`). A resumed run
+starts its event file with a purge at the checkpoint's step + 1, so TensorBoard drops what the interrupted
+run logged after its checkpoint, as the JSONL log does. Needs the `tensorboard` package (the extra
+`vlberts[tensorboard]`, in the test extras too).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
+from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open
+
+TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path, resume_step: int | None = None):
+    def __init__(self, path: str | Path, resume_step: int | None = None, tensorboard: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
@@ -24,11 +35,21 @@ class MetricsLog:
             kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             with atomic_open(self.path) as f:
                 f.writelines(line + "\n" for line in kept)
+        self.board = _summary_writer(self.path.parent / TENSORBOARD_DIR, resume_step) if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(clean) + "\n")
+        if self.board is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.board.add_scalar(key, value, global_step=clean["step"])
+            self.board.flush()  # a record every --log_every updates: visible while the run goes on
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     @staticmethod
     def read(path: str | Path) -> list[dict[str, Any]]:
@@ -36,3 +57,15 @@ class MetricsLog:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _summary_writer(directory: Path, resume_step: int | None) -> Any:
+    """A TensorBoard writer in `directory`: a fresh run (`resume_step` None) first removes the event files of
+    an earlier run there, as it removes its JSONL log; a resumed one purges the steps after `resume_step`."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise VlbertsError("--tensorboard=true needs the tensorboard package: pip install 'vlberts[tensorboard]'") from None
+    if resume_step is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    return SummaryWriter(str(directory), purge_step=None if resume_step is None else resume_step + 1)
