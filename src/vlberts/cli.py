@@ -69,18 +69,30 @@ class FeatureFormat(str, Enum):
     lxmert_tsv = "lxmert-tsv"
 
 
+class ImportFormat(str, Enum):
+    """Feature file formats the store imports from (vlberts.features.importers.IMPORT_FORMATS)."""
+
+    butd_tsv = "butd-tsv"
+    lxmert_tsv = "lxmert-tsv"
+    vlbert_json = "vlbert-json"
+    vilbert_lmdb = "vilbert-lmdb"
+    ban_h5 = "ban-h5"
+
+
 @features_app.command("import")
 def features_import(
-    src: Path = typer.Argument(..., help="The feature file to import."),
-    format: FeatureFormat = typer.Option(..., "--format", help="butd-tsv (6 fields) or lxmert-tsv (10 fields)."),
+    src: Path = typer.Argument(..., help="The feature file (or VL-BERT's directory / zip of per-image JSON) to import."),
+    format: ImportFormat = typer.Option(..., "--format", help="butd-tsv (6 fields), lxmert-tsv (10 fields), "
+                                        "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's LMDB), ban-h5 (BAN's HDF5)."),
     out: Path = typer.Option(..., help="The store (.h5) to write."),
+    ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
     float16: bool = typer.Option(False, "--float16", help="Store features as float16 (half the size)."),
     extractor: str = typer.Option("unknown", help="Name of the extractor that produced SRC, saved in the store."),
     classes: Optional[Path] = typer.Option(None, help="Object vocabulary (objects_vocab.txt) that objects_id indexes."),
     attributes: Optional[Path] = typer.Option(None, help="Attribute vocabulary (attributes_vocab.txt)."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once the import has succeeded)."),
 ) -> None:
-    """Stream a BUTD or LXMERT TSV into a region store; a bad line leaves no store behind."""
+    """Stream a feature file into a region store, one image at a time; a bad record leaves no store behind."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -107,6 +119,7 @@ def features_import(
             metadata=meta,
             overwrite=overwrite,
             progress=lambda n: bar.advance(task, n),
+            ids=ids,
         )
     with RegionStore(out) as store:
         info = store.info()

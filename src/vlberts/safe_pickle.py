@@ -13,6 +13,13 @@ never reach `find_class`; sets, frozensets, bytearrays and complex numbers do (t
 more: Python 3 writes ``bytes`` at protocols 0-2 as ``_codecs.encode(text, "latin1")``; that name is
 answered with a function that does exactly that conversion and refuses any other codec.
 Persistent ids (PERSID) are refused too: there is nothing they could legitimately refer to.
+
+With ``numpy=True`` (ViLBERT's LMDB feature records pickle numpy arrays; formats-and-metrics.md §1.3) the
+names numpy's own pickles use are admitted as well, and nothing else: ``numpy.dtype``, ``numpy.ndarray``,
+``numpy(._)core.multiarray._reconstruct`` (accepted only with ``numpy.ndarray`` as the type to build)
+and ``.scalar``, and protocol 5's ``numpy(._)core.numeric._frombuffer`` (an array over a byte string). Their state (shape, dtype, raw bytes) is set by ``__setstate__``, which runs no
+code from the file, and whatever an array of Python objects holds is unpickled through the same
+restricted lookup.
 """
 
 from __future__ import annotations
@@ -44,31 +51,59 @@ def _latin1_bytes(text: str, encoding: str) -> bytes:
     return text.encode("latin1")
 
 
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    """The globals numpy's pickles of arrays, dtypes and scalars name (both module spellings: numpy 1 and 2)."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray, numeric
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray, numeric
+
+    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
+        if subtype is not np.ndarray:
+            raise pickle.UnpicklingError(f"forbidden array type {subtype!r}: only numpy.ndarray is allowed")
+        return multiarray._reconstruct(subtype, shape, dtype)
+
+    found: dict[tuple[str, str], Any] = {("numpy", "dtype"): np.dtype, ("numpy", "ndarray"): np.ndarray}
+    for core in ("numpy.core", "numpy._core"):
+        found[(f"{core}.multiarray", "_reconstruct")] = reconstruct
+        found[(f"{core}.multiarray", "scalar")] = multiarray.scalar
+        found[(f"{core}.numeric", "_frombuffer")] = numeric._frombuffer  # protocol 5: bytes, dtype, shape, order
+    return found
+
+
 class _PlainDataUnpickler(pickle.Unpickler):
-    """An unpickler that can build builtin containers and scalars and nothing else."""
+    """An unpickler that can build builtin containers and scalars and nothing else (and, with `numpy`,
+    numpy arrays, dtypes and scalars)."""
+
+    def __init__(self, file: Any, *, encoding: str, numpy: bool = False):
+        super().__init__(file, encoding=encoding)
+        self._numpy = _numpy_globals() if numpy else {}
 
     def find_class(self, module: str, name: str) -> Any:
         if module in _BUILTIN_MODULES and name in _ALLOWED_NAMES:
             return getattr(builtins, _ALLOWED_NAMES[name])
         if (module, name) == ("_codecs", "encode"):
             return _latin1_bytes
-        raise pickle.UnpicklingError(
-            f"forbidden global {module}.{name}: only builtin containers and scalars are allowed"
-        )
+        if (module, name) in self._numpy:
+            return self._numpy[(module, name)]
+        allowed = "builtin containers and scalars" + (" and numpy arrays" if self._numpy else "")
+        raise pickle.UnpicklingError(f"forbidden global {module}.{name}: only {allowed} are allowed")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("forbidden persistent id: only builtin containers and scalars are allowed")
 
 
-def safe_loads(data: bytes, *, source: str | Path = "<bytes>", encoding: str = "utf-8") -> Any:
-    """Unpickle `data`, allowing only builtin containers and scalars.
+def safe_loads(data: bytes, *, source: str | Path = "<bytes>", encoding: str = "utf-8", numpy: bool = False) -> Any:
+    """Unpickle `data`, allowing only builtin containers and scalars (and numpy arrays with `numpy`).
 
     `encoding` decodes Python 2 ``str`` objects (byte strings); the released refs files store UTF-8
     text in them. Any failure -- a forbidden global, a truncated stream, undecodable text -- raises a
     one-line `VlbertsError` naming `source`.
     """
     try:
-        return _PlainDataUnpickler(io.BytesIO(data), encoding=encoding).load()
+        return _PlainDataUnpickler(io.BytesIO(data), encoding=encoding, numpy=numpy).load()
     except pickle.UnpicklingError as e:
         if "truncated" in str(e):  # the C unpickler's word for running out of data mid-opcode
             raise VlbertsError("truncated pickle (ends before its STOP opcode)", path=source) from None
@@ -82,9 +117,9 @@ def safe_loads(data: bytes, *, source: str | Path = "<bytes>", encoding: str = "
         raise VlbertsError(f"malformed pickle: {type(e).__name__}: {e}", path=source) from None
 
 
-def safe_load(path: str | Path, *, encoding: str = "utf-8") -> Any:
+def safe_load(path: str | Path, *, encoding: str = "utf-8", numpy: bool = False) -> Any:
     """Read a pickle file holding plain data only (see `safe_loads`); a missing file is a `VlbertsError`."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
-    return safe_loads(path.read_bytes(), source=path, encoding=encoding)
+    return safe_loads(path.read_bytes(), source=path, encoding=encoding, numpy=numpy)

@@ -1,9 +1,13 @@
 """Import existing feature files into the canonical store, and export a store back to them.
 
-`import_features` streams: one TSV line is decoded and appended at a time, so a 20 GB COCO TSV needs
-the memory of one image plus the writer's 32 MB buffer. The store is written atomically: a bad line
-anywhere (even the last, truncated one) leaves no output file behind, and an existing store under
-the same name stays as it was.
+Formats (SPEC §2; formats-and-metrics.md §1): the BUTD 6-field and LXMERT 10-field TSVs (`tsv.py`), and
+the files the other original code bases wrote (`foreign.py`): VL-BERT's per-image JSON (a directory or
+a zip), ViLBERT's LMDB, BAN's HDF5 (with its `imgid2idx.pkl`).
+
+`import_features` streams: one record is decoded and appended at a time, so a 20 GB COCO TSV needs the
+memory of one image plus the writer's 32 MB buffer. The store is written atomically: a bad record
+anywhere (even the last, truncated one) leaves no output file behind, and an existing store under the
+same name stays as it was.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from vlberts.errors import VlbertsError
-from vlberts.features.record import StoreMetadata
+from vlberts.features.foreign import read_ban_h5, read_vilbert_lmdb, read_vlbert_json
+from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
 
-IMPORT_FORMATS = tuple(TSV_FORMATS)  # ("butd-tsv", "lxmert-tsv")
+FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5")
+IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
 
 
 def read_vocab(path: str | Path) -> list[str]:
@@ -37,6 +43,27 @@ def read_vocab(path: str | Path) -> list[str]:
     return names
 
 
+def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+    fmt = get_format(format)
+    for lineno, line in iter_tsv_lines(src):
+        yield f"line {lineno}", line, parse_tsv_line(fmt, line, path=src, lineno=lineno)
+
+
+def read_records(src: Path, format: str, ids: str | Path | None = None) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+    """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`."""
+    if format in TSV_FORMATS:
+        return _tsv_records(src, format)
+    if format == "vlbert-json":
+        return read_vlbert_json(src)
+    if format == "vilbert-lmdb":
+        return read_vilbert_lmdb(src)
+    if format == "ban-h5":
+        if ids is None:
+            raise VlbertsError("ban-h5 needs --ids, the {split}_imgid2idx.pkl written beside the .hdf5")
+        return read_ban_h5(src, ids)
+    raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
+
+
 def import_features(
     src: str | Path,
     format: str,
@@ -46,38 +73,39 @@ def import_features(
     metadata: StoreMetadata | dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    ids: str | Path | None = None,
 ) -> Path:
-    """Stream a BUTD ("butd-tsv") or LXMERT ("lxmert-tsv") TSV into a new store at `out`.
+    """Stream a feature file in one of `IMPORT_FORMATS` into a new store at `out` (`ids`: BAN's
+    imgid2idx pickle).
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
-    (format, absolute file path, bytes, sha256 of the file, lines). `progress` is called with the
-    number of bytes consumed after each line. Every bad line raises `VlbertsError(path=src,
-    record="line L (image ID)")`; a duplicate id names the line it first appeared on.
+    (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
+    others). `progress` is called with the number of bytes consumed after each record. Every bad
+    record raises `VlbertsError(path=src, record="line L (image ID)")` (or "file F", "key K", ...); a
+    duplicate id names where it first appeared.
     """
-    fmt = get_format(format)
     src, out = Path(src), Path(out)
+    if format not in IMPORT_FORMATS:
+        raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
     if out.exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=out)
     meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
     sha = hashlib.sha256()
-    n_bytes = 0
-    first_line: dict[str, int] = {}
-    lineno = 0
+    n_bytes = n_items = 0
+    first_seen: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         writer: RegionStoreWriter | None = None
-        for lineno, line in iter_tsv_lines(src):
-            sha.update(line)
-            n_bytes += len(line)
-            rec = parse_tsv_line(fmt, line, path=src, lineno=lineno)
+        for at, raw, rec in read_records(src, format, ids):
+            sha.update(raw)
+            n_bytes += len(raw)
+            n_items += 1
             if rec is not None:
-                where = f"line {lineno} (image {rec.image_id})"
-                if rec.image_id in first_line:
+                where = f"{at} (image {rec.image_id})"
+                if rec.image_id in first_seen:
                     raise VlbertsError(
-                        f"duplicate image id {rec.image_id} (first on line {first_line[rec.image_id]})",
-                        path=src,
-                        record=where,
+                        f"duplicate image id {rec.image_id} (first on {first_seen[rec.image_id]})", path=src, record=where
                     )
-                first_line[rec.image_id] = lineno
+                first_seen[rec.image_id] = at
                 if writer is None:
                     if rec.num_boxes == 0:
                         raise VlbertsError("the first image has no boxes, so the feature width is unknown", path=src, record=where)
@@ -89,18 +117,20 @@ def import_features(
                             metadata=meta,
                             with_objects=rec.has_objects,
                             with_attrs=rec.has_attrs,
+                            with_cls_prob=None if rec.cls_prob is None else rec.cls_prob.shape[1],
                         )
                     )
                 try:
                     writer.add(rec)
                 except VlbertsError as e:
-                    hint = " (truncated line?)" if "feature width" in e.message else ""
+                    hint = " (truncated line?)" if "feature width" in e.message and format in TSV_FORMATS else ""
                     raise VlbertsError(e.message + hint, path=src, record=where) from None
             if progress is not None:
-                progress(len(line))
+                progress(len(raw))
         if writer is None:
             raise VlbertsError(f"no records in this {format} file", path=src)
-        source = {"format": format, "file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), "lines": lineno}
+        count = {"lines": n_items} if format in TSV_FORMATS else {"records": n_items}
+        source = {"format": format, "file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), **count}
         writer.metadata = dataclasses.replace(meta, source=source)
     return out
 

@@ -66,7 +66,7 @@ def _b64_decode(raw: bytes, name: str, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).astype(dtype.newbyteorder("="), copy=True)
 
 
-def _b64_rows(raw: bytes, name: str, dtype: np.dtype, n: int, width: int | None) -> np.ndarray:
+def b64_rows(raw: bytes, name: str, dtype: np.dtype, n: int, width: int | None) -> np.ndarray:
     """base64 field -> (n, width); width None means infer it (the feature width D)."""
     a = _b64_decode(raw, name, dtype)
     if width is None:
@@ -100,8 +100,8 @@ def _parse_butd(parts: list[bytes]) -> RegionRecord:
     w = _int_field(parts[1], "image_w", 1)
     h = _int_field(parts[2], "image_h", 1)
     n = _int_field(parts[3], "num_boxes", 0)
-    boxes = _b64_rows(parts[4], "boxes", _F32, n, 4)
-    feats = _b64_rows(parts[5], "features", _F32, n, None)
+    boxes = b64_rows(parts[4], "boxes", _F32, n, 4)
+    feats = b64_rows(parts[5], "features", _F32, n, None)
     return RegionRecord(image_id=image_id, image_w=w, image_h=h, boxes=boxes, features=feats)
 
 
@@ -114,8 +114,8 @@ def _parse_lxmert(parts: list[bytes]) -> RegionRecord:
         image_id=image_id,
         image_w=w,
         image_h=h,
-        boxes=_b64_rows(parts[8], "boxes", _F32, n, 4),
-        features=_b64_rows(parts[9], "features", _F32, n, None),
+        boxes=b64_rows(parts[8], "boxes", _F32, n, 4),
+        features=b64_rows(parts[9], "features", _F32, n, None),
         obj_id=_b64_vector(parts[3], "objects_id", _I64, n),
         obj_conf=_b64_vector(parts[4], "objects_conf", _F32, n),
         attr_id=_b64_vector(parts[5], "attrs_id", _I64, n),

@@ -1,0 +1,227 @@
+"""Readers of the region-feature files the original code bases wrote, beside the BUTD and LXMERT TSVs
+(`tsv.py`): VL-BERT's per-image JSON, ViLBERT's LMDB and BAN's HDF5 (SPEC §2; formats-and-metrics.md
+§1.3-1.5). Each reader yields `(where, raw, record)`: where the record sits in the source ("file
+000042.json", "key b'42'", "image 3"), the raw bytes it came from (for the importer's content hash and
+progress) and the `RegionRecord`; `importers.import_features` streams them into a store.
+
+Conventions the records follow (`record.py`): boxes are (x1, y1, x2, y2) in pixels of the original image;
+where a file holds the detector's full class distribution (VL-BERT's `classes`, 1601 columns with the
+background first), it becomes `cls_prob` as written, and `obj_id` / `obj_conf` are derived from it as
+LXMERT's extractor derives them: the arg-max and max over the non-background columns, 0-based
+(formats §1.2); the same for `attrs` into `attr_id` / `attr_conf`.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord
+from vlberts.features.tsv import b64_rows
+from vlberts.safe_pickle import safe_load, safe_loads
+
+Source = Iterator[tuple[str, bytes, RegionRecord]]
+_F32 = np.dtype("<f4")
+
+
+def _best_non_background(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, 1 + C) scores with the background first -> (arg-max over the C classes, 0-based; that max)."""
+    rest = scores[:, 1:]
+    if rest.shape[1] == 0:
+        raise VlbertsError(f"a class distribution needs the background and at least one class, got {scores.shape[1]} columns")
+    return rest.argmax(1).astype(np.int64), rest.max(1).astype(np.float32)
+
+
+def _positive_int(obj: dict[str, Any], key: str, minimum: int = 1) -> int:
+    v = obj.get(key)
+    if isinstance(v, str) and v.isdigit():  # vilbert_beta's records are TSV rows of strings
+        v = int(v)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise VlbertsError(f"{key} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _missing(obj: dict[str, Any], keys: tuple[str, ...]) -> None:
+    absent = [k for k in keys if k not in obj]
+    if absent:
+        raise VlbertsError(f"missing field(s) {', '.join(absent)} (has {', '.join(sorted(map(str, obj))) or 'none'})")
+
+
+def _b64_or_array(value: Any, name: str, n: int, width: int | None) -> np.ndarray:
+    """A field stored base64 (float32, as the BUTD-derived writers do) or as a numpy array -> (n, width)."""
+    if isinstance(value, (str, bytes)):
+        return b64_rows(value.encode("ascii") if isinstance(value, str) else value, name, _F32, n, width)
+    a = np.asarray(value)
+    if a.dtype == object or a.ndim != 2 or a.shape[0] != n or (width is not None and a.shape[1] != width):
+        want = f"({n}, {width if width is not None else 'D'})"
+        raise VlbertsError(f"{name} must be an array of shape {want}, got {a.dtype} {a.shape}")
+    return a.astype(np.float32, copy=False)
+
+
+def _record(obj: Any, fields: dict[str, str]) -> RegionRecord:
+    """A VL-BERT / ViLBERT per-image dict -> record. `fields` maps our names to the file's keys."""
+    if not isinstance(obj, dict):
+        raise VlbertsError(f"expected an object with the image's fields, got {type(obj).__name__}")
+    _missing(obj, tuple(fields[k] for k in ("image_id", "image_w", "image_h", "num_boxes", "boxes", "features")))
+    n = _positive_int(obj, fields["num_boxes"], 0)
+    rec: dict[str, Any] = dict(
+        image_id=obj[fields["image_id"]],
+        image_w=_positive_int(obj, fields["image_w"]),
+        image_h=_positive_int(obj, fields["image_h"]),
+        boxes=_b64_or_array(obj[fields["boxes"]], "boxes", n, 4),
+        features=_b64_or_array(obj[fields["features"]], "features", n, None),
+    )
+    if isinstance(rec["image_id"], str) and rec["image_id"].isdigit():  # a TSV row of strings: numeric ids as ints
+        rec["image_id"] = int(rec["image_id"])
+    if fields.get("cls_prob") in obj:
+        rec["cls_prob"] = _b64_or_array(obj[fields["cls_prob"]], fields["cls_prob"], n, None)
+        rec["obj_id"], rec["obj_conf"] = _best_non_background(rec["cls_prob"]) if n else (np.zeros(0), np.zeros(0))
+    if fields.get("attrs") in obj:
+        attrs = _b64_or_array(obj[fields["attrs"]], fields["attrs"], n, None)
+        rec["attr_id"], rec["attr_conf"] = _best_non_background(attrs) if n else (np.zeros(0), np.zeros(0))
+    return RegionRecord(**rec)
+
+
+# --------------------------------------------------------------------------- VL-BERT per-image JSON (§1.4)
+
+VLBERT_FIELDS = {"image_id": "image_id", "image_w": "image_w", "image_h": "image_h", "num_boxes": "num_boxes",
+                 "boxes": "boxes", "features": "features", "cls_prob": "classes", "attrs": "attrs"}
+
+
+def _json_files(src: Path) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of every *.json in a directory, or in a zip (VL-BERT's `*.zip@/...` layout), by name."""
+    if src.is_dir():
+        for path in sorted(src.glob("*.json")):
+            yield path.name, path.read_bytes()
+    elif zipfile.is_zipfile(src):
+        with zipfile.ZipFile(src) as z:
+            for name in sorted(n for n in z.namelist() if n.endswith(".json")):
+                yield name, z.read(name)
+    elif src.exists():
+        raise VlbertsError("vlbert-json reads a directory of per-image .json files, or a .zip of them", path=src)
+    else:
+        raise VlbertsError("not found", path=src)
+
+
+def read_vlbert_json(src: str | Path) -> Source:
+    """VL-BERT's precomputed features: one JSON object per image (`{image_id}.json`, keys image_id,
+    image_w, image_h, num_boxes, and base64 float32 boxes (N, 4), features (N, D), optionally classes
+    (N, 1601) and attrs), in a directory or a zip."""
+    src = Path(src)
+    for name, data in _json_files(src):
+        try:
+            obj = json.loads(data)
+            yield f"file {name}", data, _record(obj, VLBERT_FIELDS)
+        except json.JSONDecodeError as e:
+            raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=src,
+                               record=f"file {name}") from None
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=src, record=f"file {name}") from None
+
+
+# --------------------------------------------------------------------------- ViLBERT LMDB (§1.3)
+
+VILBERT_FIELDS = {"image_id": "image_id", "image_w": "image_w", "image_h": "image_h", "num_boxes": "num_boxes",
+                  "boxes": "boxes", "features": "features", "cls_prob": "cls_prob"}
+
+
+def read_vilbert_lmdb(src: str | Path) -> Source:
+    """ViLBERT's fine-tuning LMDB: each value a pickled dict (image_id, image_h, image_w, num_boxes, boxes,
+    features) with numpy arrays (vilbert-multi-task) or base64 strings (vilbert_beta, which may add
+    cls_prob); the key `b"keys"` a pickled list of every image's key, in the order read here (without it,
+    the database's own key order). Pickles go through the restricted unpickler (`safe_pickle`, numpy arrays
+    allowed). Needs the `lmdb` package (`pip install 'vlberts[lmdb]'`)."""
+    src = Path(src)
+    try:
+        import lmdb
+    except ImportError:
+        raise VlbertsError("vilbert-lmdb needs the lmdb package: pip install 'vlberts[lmdb]'") from None
+    if not src.exists():
+        raise VlbertsError("not found", path=src)
+    try:
+        env = lmdb.open(str(src), readonly=True, lock=False, readahead=False, subdir=src.is_dir())
+    except lmdb.Error as e:
+        raise VlbertsError(f"cannot open as LMDB ({e})", path=src) from None
+    with env, env.begin() as txn:
+        listed = txn.get(b"keys")
+        if listed is not None:
+            keys = safe_loads(listed, source=f"{src} (key b'keys')", numpy=True)
+            if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
+                raise VlbertsError("the b'keys' entry is not a list of byte strings", path=src, record="key b'keys'")
+        else:
+            keys = [k for k, _ in txn.cursor()]
+        for key in keys:
+            where = f"key {key[:40]!r}"
+            value = txn.get(key)
+            if value is None:
+                raise VlbertsError("listed in b'keys' but not in the database", path=src, record=where)
+            try:
+                yield where, value, _record(safe_loads(value, source=src, numpy=True), VILBERT_FIELDS)
+            except VlbertsError as e:
+                raise VlbertsError(e.message, path=src, record=where) from None
+
+
+# --------------------------------------------------------------------------- BAN HDF5 (§1.5)
+
+def read_ban_h5(src: str | Path, ids: str | Path) -> Source:
+    """BAN's HDF5 (jnhwkim/ban-vqa `adaptive_detection_features_converter.py`; VisualBERT's Flickr30K
+    features): `image_features` (sum N, D), `image_bb` (sum N, 4) xyxy pixels, `spatial_features`
+    (sum N, 6) = (x1/W, y1/H, x2/W, y2/H, w/W, h/H), `pos_boxes` (images, 2) each image's [start, end)
+    rows; `ids` the `{split}_imgid2idx.pkl` beside it, {image id: row of pos_boxes} (restricted unpickler).
+
+    The file holds no image size: W and H come back from the boxes and their normalised coordinates
+    (W = x2 / (x2 / W) for the box reaching furthest right; every box must agree to within a pixel)."""
+    import h5py
+
+    src = Path(src)
+    index = safe_load(ids)
+    if not isinstance(index, dict):
+        raise VlbertsError(f"expected a dict of image id -> index, got {type(index).__name__}", path=ids)
+    try:
+        f = h5py.File(src, "r")
+    except OSError as e:
+        raise VlbertsError(f"cannot open as HDF5 ({e})", path=src) from None
+    with f:
+        missing = [k for k in ("image_features", "image_bb", "spatial_features", "pos_boxes") if k not in f]
+        if missing:
+            raise VlbertsError(f"not a BAN feature file: no dataset(s) {', '.join(missing)}", path=src)
+        pos = f["pos_boxes"][:]
+        for image_id, i in sorted(index.items(), key=lambda item: item[1]):
+            where = f"image {image_id} (index {i})"
+            if not isinstance(i, int) or not 0 <= i < len(pos):
+                raise VlbertsError(f"index {i!r} outside pos_boxes' {len(pos)} rows", path=ids, record=where)
+            a, b = (int(v) for v in pos[i])
+            boxes = f["image_bb"][a:b].astype(np.float32)
+            feats = f["image_features"][a:b].astype(np.float32)
+            spatial = f["spatial_features"][a:b].astype(np.float64)
+            try:
+                w, h = _image_size(boxes, spatial)
+                rec = RegionRecord(image_id=image_id, image_w=w, image_h=h, boxes=boxes, features=feats)
+            except VlbertsError as e:
+                raise VlbertsError(e.message, path=src, record=where) from None
+            yield where, boxes.tobytes() + feats.tobytes(), rec
+
+
+def _image_size(boxes: np.ndarray, spatial: np.ndarray) -> tuple[int, int]:
+    """(W, H) from pixel boxes (N, 4) and BAN's (x1/W, y1/H, x2/W, y2/H, ...) (N, 6)."""
+    if len(boxes) == 0:
+        raise VlbertsError("no boxes: the image size cannot be recovered")
+    if spatial.shape != (len(boxes), 6):
+        raise VlbertsError(f"spatial_features must be ({len(boxes)}, 6), got {spatial.shape}")
+    sizes = []
+    for axis, col in ((2, 2), (3, 3)):  # x2 / (x2 / W), y2 / (y2 / H)
+        j = int(np.argmax(boxes[:, axis]))
+        if spatial[j, col] <= 0:
+            raise VlbertsError("boxes at the image's corner only: the image size cannot be recovered")
+        size = boxes[j, axis] / spatial[j, col]
+        implied = boxes[:, axis] / np.where(spatial[:, col] > 0, spatial[:, col], np.nan)
+        if np.nanmax(np.abs(implied - size)) > 1.0:
+            raise VlbertsError("boxes and spatial_features disagree on the image size")
+        sizes.append(int(round(float(size))))
+    return sizes[0], sizes[1]

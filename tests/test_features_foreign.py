@@ -1,0 +1,228 @@
+"""Importing the region features the other original code bases wrote (`features/foreign.py`): VL-BERT's
+per-image JSON (directory and zip), ViLBERT's LMDB (vilbert-multi-task's numpy records and vilbert_beta's
+base64 strings, through the restricted unpickler) and BAN's HDF5 with its imgid2idx pickle. Fixtures are
+written here to the layouts in formats-and-metrics.md §1.3-1.5; every bad record is a one-line error
+naming the file and the record, and leaves no store behind."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from vlberts.errors import VlbertsError
+from vlberts.features.importers import import_features
+from vlberts.features.store import RegionStore
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+RNG = np.random.default_rng(0)
+
+
+def _images(n_images: int = 3, dim: int = 6, classes: int = 5) -> list[dict]:
+    """Per image: id, size, pixel boxes inside it, features, a class distribution with the background first."""
+    out = []
+    for i in range(n_images):
+        w, h, n = 640 - 10 * i, 480 + 7 * i, 4 + i
+        x1, y1 = RNG.uniform(0, w / 2, n), RNG.uniform(0, h / 2, n)
+        boxes = np.stack([x1, y1, x1 + RNG.uniform(5, w / 2, n), y1 + RNG.uniform(5, h / 2, n)], 1).astype(np.float32)
+        probs = RNG.dirichlet(np.ones(classes), n).astype(np.float32)
+        out.append({"id": 100 + i, "w": w, "h": h, "boxes": boxes, "features": RNG.normal(size=(n, dim)).astype(np.float32),
+                    "cls_prob": probs})
+    return out
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=np.float32).tobytes()).decode("ascii")
+
+
+def _check_store(path: Path, images: list[dict], with_cls_prob: bool) -> None:
+    with RegionStore(path) as store:
+        assert store.ids() == [str(im["id"]) for im in images]
+        for im in images:
+            rec = store.get(str(im["id"]))
+            assert (rec.image_w, rec.image_h) == (im["w"], im["h"])
+            np.testing.assert_array_equal(rec.boxes, im["boxes"])
+            np.testing.assert_array_equal(rec.features, im["features"])
+            if with_cls_prob:
+                np.testing.assert_array_equal(rec.cls_prob, im["cls_prob"])
+                # LXMERT's convention: arg-max over the classes after the background, 0-based
+                np.testing.assert_array_equal(rec.obj_id, im["cls_prob"][:, 1:].argmax(1))
+                np.testing.assert_array_equal(rec.obj_conf, im["cls_prob"][:, 1:].max(1))
+
+
+# --------------------------------------------------------------------------- VL-BERT per-image JSON
+
+def _vlbert_obj(im: dict) -> dict:
+    return {"image_id": im["id"], "image_h": im["h"], "image_w": im["w"], "num_boxes": len(im["boxes"]),
+            "boxes": _b64(im["boxes"]), "features": _b64(im["features"]), "classes": _b64(im["cls_prob"])}
+
+
+def test_vlbert_json_directory_and_zip(tmp_path):
+    images = _images()
+    folder = tmp_path / "vgbua_res101_precomputed"
+    folder.mkdir()
+    for im in images:
+        (folder / f"{im['id']}.json").write_text(json.dumps(_vlbert_obj(im)))
+    import_features(folder, "vlbert-json", tmp_path / "dir.h5")
+    _check_store(tmp_path / "dir.h5", images, with_cls_prob=True)
+    with RegionStore(tmp_path / "dir.h5") as store:
+        source = store.metadata.source
+    assert (source["format"], source["records"]) == ("vlbert-json", 3)
+
+    with zipfile.ZipFile(tmp_path / "train_frcnn.zip", "w") as z:  # VL-BERT's `file.zip@/...` layout
+        for im in images:
+            z.writestr(f"train_frcnn/{im['id']}.json", json.dumps(_vlbert_obj(im)))
+    import_features(tmp_path / "train_frcnn.zip", "vlbert-json", tmp_path / "zip.h5")
+    _check_store(tmp_path / "zip.h5", images, with_cls_prob=True)
+
+
+@pytest.mark.parametrize("breaker, message", [
+    (lambda o: "{not json", "malformed JSON at line 1 column 2"),
+    (lambda o: {k: v for k, v in o.items() if k != "features"}, "missing field(s) features"),
+    (lambda o: {**o, "num_boxes": o["num_boxes"] + 1}, "num_boxes=7 but boxes holds 6 boxes"),
+    (lambda o: {**o, "boxes": o["boxes"][:-8] + "!!!!!!!!"}, "boxes is not valid base64"),
+    (lambda o: {**o, "image_w": 0}, "image_w must be an integer >= 1, got 0"),
+])
+def test_vlbert_json_bad_records_name_the_file(tmp_path, breaker, message):
+    images = _images()
+    for i, im in enumerate(images):
+        obj = _vlbert_obj(im)
+        obj = breaker(obj) if i == 2 else obj
+        (tmp_path / f"{im['id']}.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    with pytest.raises(VlbertsError) as err:
+        import_features(tmp_path, "vlbert-json", tmp_path / "out.h5")
+    assert message in err.value.message and err.value.record.startswith("file 102.json")
+    assert not (tmp_path / "out.h5").exists()
+
+
+# --------------------------------------------------------------------------- ViLBERT LMDB
+
+def _write_lmdb(path: Path, values: dict[bytes, bytes], keys: list[bytes] | None) -> None:
+    import lmdb
+
+    env = lmdb.open(str(path), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for k, v in values.items():
+            txn.put(k, v)
+        if keys is not None:
+            txn.put(b"keys", pickle.dumps(keys))
+    env.close()
+
+
+def _multitask_value(im: dict) -> bytes:
+    """vilbert-multi-task `convert_to_lmdb.py`: numpy arrays (and numpy scalars, as np.load gives them)."""
+    return pickle.dumps({"image_id": im["id"], "image_h": np.int64(im["h"]), "image_w": np.int64(im["w"]),
+                         "num_boxes": len(im["boxes"]), "boxes": im["boxes"], "features": im["features"]})
+
+
+def test_vilbert_lmdb_multitask_and_beta_records(tmp_path):
+    pytest.importorskip("lmdb")
+    images = _images()
+    keys = [str(im["id"]).encode() for im in images]
+    _write_lmdb(tmp_path / "multitask.lmdb", {k: _multitask_value(im) for k, im in zip(keys, images)}, keys)
+    import_features(tmp_path / "multitask.lmdb", "vilbert-lmdb", tmp_path / "mt.h5")
+    _check_store(tmp_path / "mt.h5", images, with_cls_prob=False)
+
+    # vilbert_beta: the raw TSV row, strings and base64, with the detector's class distribution
+    beta = {k: pickle.dumps({"image_id": str(im["id"]), "image_w": str(im["w"]), "image_h": str(im["h"]),
+                             "num_boxes": str(len(im["boxes"])), "boxes": _b64(im["boxes"]).encode(),
+                             "features": _b64(im["features"]).encode(), "cls_prob": _b64(im["cls_prob"]).encode()})
+            for k, im in zip(keys, images)}
+    _write_lmdb(tmp_path / "beta.lmdb", beta, keys=None)  # no b"keys": the database's own order
+    import_features(tmp_path / "beta.lmdb", "vilbert-lmdb", tmp_path / "beta.h5")
+    _check_store(tmp_path / "beta.h5", images, with_cls_prob=True)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+def test_vilbert_lmdb_refuses_code_in_its_pickles_and_names_the_key(tmp_path):
+    pytest.importorskip("lmdb")
+    images = _images()
+    keys = [str(im["id"]).encode() for im in images]
+    values = {k: _multitask_value(im) for k, im in zip(keys, images)}
+    values[keys[1]] = pickle.dumps({"image_id": 101, "boxes": _RunsCode()})
+    _write_lmdb(tmp_path / "evil.lmdb", values, keys)
+    with pytest.raises(VlbertsError, match=r"record key b'101'.*forbidden global posix\.system"):
+        import_features(tmp_path / "evil.lmdb", "vilbert-lmdb", tmp_path / "out.h5")
+    assert not (tmp_path / "out.h5").exists()
+
+    _write_lmdb(tmp_path / "short.lmdb", {keys[0]: values[keys[0]]}, [keys[0], b"999"])
+    with pytest.raises(VlbertsError, match=r"record key b'999': listed in b'keys' but not in the database"):
+        import_features(tmp_path / "short.lmdb", "vilbert-lmdb", tmp_path / "out.h5")
+
+
+# --------------------------------------------------------------------------- BAN HDF5
+
+def _write_ban(path: Path, images: list[dict]) -> dict[int, int]:
+    """jnhwkim/ban-vqa adaptive_detection_features_converter.py: all boxes stacked, pos_boxes per image."""
+    boxes = np.concatenate([im["boxes"] for im in images])
+    spatial = np.concatenate([np.stack([
+        im["boxes"][:, 0] / im["w"], im["boxes"][:, 1] / im["h"], im["boxes"][:, 2] / im["w"], im["boxes"][:, 3] / im["h"],
+        (im["boxes"][:, 2] - im["boxes"][:, 0]) / im["w"], (im["boxes"][:, 3] - im["boxes"][:, 1]) / im["h"]], 1)
+        for im in images])
+    ends = np.cumsum([len(im["boxes"]) for im in images])
+    with h5py.File(path, "w") as f:
+        f["image_features"] = np.concatenate([im["features"] for im in images])
+        f["image_bb"] = boxes
+        f["spatial_features"] = spatial.astype(np.float32)
+        f["pos_boxes"] = np.stack([ends - [len(im["boxes"]) for im in images], ends], 1)
+    return {im["id"]: i for i, im in enumerate(images)}
+
+
+def test_ban_h5_recovers_each_image_size(tmp_path):
+    images = _images(4)
+    ids = _write_ban(tmp_path / "test36.hdf5", images)
+    (tmp_path / "test36_imgid2idx.pkl").write_bytes(pickle.dumps(ids, protocol=2))
+    import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "ban.h5", ids=tmp_path / "test36_imgid2idx.pkl")
+    _check_store(tmp_path / "ban.h5", images, with_cls_prob=False)
+
+    with pytest.raises(VlbertsError, match="ban-h5 needs --ids"):
+        import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "x.h5")
+    with h5py.File(tmp_path / "test36.hdf5", "a") as f:  # two of image 101's boxes normalised by another width
+        spatial = f["spatial_features"][...]
+        spatial[4:6, 2] *= 0.5
+        f["spatial_features"][...] = spatial
+    with pytest.raises(VlbertsError, match=r"record image 101 \(index 1\): boxes and spatial_features disagree"):
+        import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "x.h5", ids=tmp_path / "test36_imgid2idx.pkl")
+
+
+def test_cli_imports_vlbert_json_and_reports_bad_input_in_one_line(tmp_path):
+    images = _images(2)
+    for im in images:
+        (tmp_path / f"{im['id']}.json").write_text(json.dumps(_vlbert_obj(im)))
+    run = subprocess.run([str(VLBERTS), "features", "import", str(tmp_path), "--format", "vlbert-json",
+                          "--out", str(tmp_path / "s.h5")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "wrote" in run.stdout and "2 images, 9 boxes, 6-d float32 features" in run.stdout
+    (tmp_path / "101.json").write_text("{")
+    run = subprocess.run([str(VLBERTS), "features", "import", str(tmp_path), "--format", "vlbert-json",
+                          "--out", str(tmp_path / "t.h5")], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "record file 101.json" in run.stderr
+
+
+def test_the_restricted_unpickler_admits_numpy_arrays_only_when_asked():
+    from vlberts.safe_pickle import safe_loads
+
+    data = {"boxes": np.arange(8, dtype=np.float32).reshape(2, 4), "h": np.int64(480), "names": np.array(["a", 1], dtype=object)}
+    for protocol in (0, 2, 4, 5):
+        out = safe_loads(pickle.dumps(data, protocol=protocol), numpy=True)
+        np.testing.assert_array_equal(out["boxes"], data["boxes"])
+        assert out["h"] == 480 and list(out["names"]) == ["a", 1]
+    with pytest.raises(VlbertsError, match="forbidden global numpy"):  # plain-data callers stay plain data
+        safe_loads(pickle.dumps(data))
+    with pytest.raises(VlbertsError, match="forbidden global numpy.ma.core._mareconstruct"):  # no other array types
+        safe_loads(pickle.dumps(np.ma.array([1, 2])), numpy=True)
+    with pytest.raises(VlbertsError, match="forbidden global posix.system"):  # nor code, inside an object array too
+        safe_loads(pickle.dumps(np.array([_RunsCode()], dtype=object)), numpy=True)
