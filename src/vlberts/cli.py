@@ -79,6 +79,18 @@ class ImportFormat(str, Enum):
     ban_h5 = "ban-h5"
 
 
+def _echo_store_written(out: Path) -> None:
+    """The one line `features import` and `features extract` end with."""
+    from vlberts.features.store import RegionStore
+
+    with RegionStore(out) as store:
+        info = store.info()
+    typer.echo(
+        f"wrote {out}: {info['num_images']} images, {info['num_boxes']} boxes, "
+        f"{info['feature_dim']}-d {info['dtype']} features, fields {', '.join(info['fields'])}"
+    )
+
+
 @features_app.command("import")
 def features_import(
     src: Path = typer.Argument(..., help="The feature file (or VL-BERT's directory / zip of per-image JSON) to import."),
@@ -98,7 +110,6 @@ def features_import(
 
     from vlberts.features.importers import import_features, read_vocab
     from vlberts.features.record import StoreMetadata
-    from vlberts.features.store import RegionStore
 
     meta = StoreMetadata(
         extractor=extractor,
@@ -121,12 +132,45 @@ def features_import(
             progress=lambda n: bar.advance(task, n),
             ids=ids,
         )
-    with RegionStore(out) as store:
-        info = store.info()
-    typer.echo(
-        f"wrote {out}: {info['num_images']} images, {info['num_boxes']} boxes, "
-        f"{info['feature_dim']}-d {info['dtype']} features, fields {', '.join(info['fields'])}"
-    )
+    _echo_store_written(out)
+
+
+@features_app.command("extract")
+def features_extract(
+    images: Path = typer.Option(..., help="Directory of images (.jpg, .jpeg, .png, .bmp, .webp); ids are the file stems."),
+    weights: Path = typer.Option(..., help="torchvision Faster R-CNN ResNet-50 FPN (v1 or v2) weights (.pth/.safetensors)."),
+    out: Path = typer.Option(..., help="The region store (.h5) to write."),
+    classes: Optional[Path] = typer.Option(None, help="The detector's class names, one per line (background first, or without it)."),
+    min_size: int = typer.Option(800, help="Resize each image's shorter side to this (torchvision's min_size) ..."),
+    max_size: int = typer.Option(1333, help="... unless the longer side would exceed this."),
+    proposals: int = typer.Option(1000, help="Region proposals per image after the RPN's NMS."),
+    min_boxes: int = typer.Option(10, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
+    max_boxes: int = typer.Option(36, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
+    conf_thresh: float = typer.Option(0.2, help="Keep boxes whose best class score after per-class NMS reaches this."),
+    nms: float = typer.Option(0.3, help="Per-class NMS IoU threshold of the box selection."),
+    order: str = typer.Option("confidence", help="Kept boxes by confidence, or 'butd': proposal order between min and max."),
+    float16: bool = typer.Option(False, "--float16", help="Store features and cls_prob as float16."),
+    batch_images: int = typer.Option(2, help="Images per detector pass."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
+) -> None:
+    """Detect regions in a folder of images with a torchvision Faster R-CNN (your weights file) and store
+    their features, boxes and class distributions, selected as BUTD selects them."""
+    from vlberts.features.frcnn import DetectorSettings, extract_folder, image_files
+    from vlberts.features.importers import read_vocab
+    from vlberts.features.selection import SelectionConfig
+    from vlberts.recipes.common import progress, resolve_device, set_threads
+
+    set_threads()
+    selection = SelectionConfig(conf_thresh=conf_thresh, min_boxes=min_boxes, max_boxes=max_boxes, nms=nms, order=order)
+    with progress() as bar:
+        task = bar.add_task("extract", total=len(image_files(images)))
+        extract_folder(images, weights, out, selection=selection,
+                       settings=DetectorSettings(min_size=min_size, max_size=max_size, proposals=proposals),
+                       dtype="float16" if float16 else "float32", classes=None if classes is None else read_vocab(classes),
+                       batch_images=batch_images, device=resolve_device(device), overwrite=overwrite,
+                       progress=lambda n: bar.advance(task, n))
+    _echo_store_written(out)
 
 
 @features_app.command("info")
