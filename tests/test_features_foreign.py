@@ -226,3 +226,49 @@ def test_the_restricted_unpickler_admits_numpy_arrays_only_when_asked():
         safe_loads(pickle.dumps(np.ma.array([1, 2])), numpy=True)
     with pytest.raises(VlbertsError, match="forbidden global posix.system"):  # nor code, inside an object array too
         safe_loads(pickle.dumps(np.array([_RunsCode()], dtype=object)), numpy=True)
+
+
+# --------------------------------------------------------------------------- VisualBERT Detectron .th / .npz
+
+def _visualbert_images(tmp_path: Path, images: list[dict]) -> Path:
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for im in images:
+        Image.new("RGB", (im["w"], im["h"])).save(folder / f"dev-{im['id']}-0-img0.png")
+    return folder
+
+
+def test_visualbert_th_giant_file_and_npz_directory_read_sizes_from_the_images(tmp_path):
+    import torch
+
+    images = _images()
+    folder = _visualbert_images(tmp_path, images)
+    giant = {f"dev-{im['id']}-0-img0.png": (torch.from_numpy(im["features"]), torch.from_numpy(im["boxes"]),
+                                            torch.from_numpy(im["cls_prob"].max(1))) for im in images}
+    torch.save(giant, tmp_path / "features_dev_150.th")
+    import_features(tmp_path / "features_dev_150.th", "visualbert-th", tmp_path / "th.h5", images=folder)
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    for name, (f, b, c) in giant.items():
+        np.savez(npz / f"{name}.npz", box_features=f.numpy(), cls_boxes=b.numpy(), max_conf=c.numpy())
+    import_features(npz, "visualbert-th", tmp_path / "npz.h5", images=folder)
+    for store in ("th.h5", "npz.h5"):
+        with RegionStore(tmp_path / store) as s:
+            assert s.ids() == [f"dev-{im['id']}-0-img0" for im in images]
+            for im in images:
+                rec = s.get(f"dev-{im['id']}-0-img0")
+                assert (rec.image_w, rec.image_h) == (im["w"], im["h"])
+                np.testing.assert_array_equal(rec.boxes, im["boxes"])
+                np.testing.assert_array_equal(rec.features, im["features"])
+
+    (folder / "dev-101-0-img0.png").unlink()
+    with pytest.raises(VlbertsError, match=r"record image dev-101-0-img0.png: no image dev-101-0-img0.png in"):
+        import_features(tmp_path / "features_dev_150.th", "visualbert-th", tmp_path / "x.h5", images=folder)
+    with pytest.raises(VlbertsError, match="visualbert-th needs --images"):
+        import_features(tmp_path / "features_dev_150.th", "visualbert-th", tmp_path / "x.h5")
+    torch.save({"dev-100-0-img0.png": _RunsCode()}, tmp_path / "evil.th")
+    with pytest.raises(VlbertsError, match="cannot read as a torch.save file of tensors"):
+        import_features(tmp_path / "evil.th", "visualbert-th", tmp_path / "x.h5", images=folder)
+    assert not (tmp_path / "x.h5").exists()

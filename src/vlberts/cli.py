@@ -77,6 +77,7 @@ class ImportFormat(str, Enum):
     vlbert_json = "vlbert-json"
     vilbert_lmdb = "vilbert-lmdb"
     ban_h5 = "ban-h5"
+    visualbert_th = "visualbert-th"
 
 
 def _echo_store_written(out: Path) -> None:
@@ -95,9 +96,11 @@ def _echo_store_written(out: Path) -> None:
 def features_import(
     src: Path = typer.Argument(..., help="The feature file (or VL-BERT's directory / zip of per-image JSON) to import."),
     format: ImportFormat = typer.Option(..., "--format", help="butd-tsv (6 fields), lxmert-tsv (10 fields), "
-                                        "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's LMDB), ban-h5 (BAN's HDF5)."),
+                                        "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's LMDB), ban-h5 (BAN's HDF5), "
+                                        "visualbert-th (VisualBERT's Detectron .th, or a directory of .npz)."),
     out: Path = typer.Option(..., help="The store (.h5) to write."),
     ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
+    images: Optional[Path] = typer.Option(None, help="visualbert-th only: the images, whose sizes the file does not hold."),
     float16: bool = typer.Option(False, "--float16", help="Store features as float16 (half the size)."),
     extractor: str = typer.Option("unknown", help="Name of the extractor that produced SRC, saved in the store."),
     classes: Optional[Path] = typer.Option(None, help="Object vocabulary (objects_vocab.txt) that objects_id indexes."),
@@ -131,6 +134,7 @@ def features_import(
             overwrite=overwrite,
             progress=lambda n: bar.advance(task, n),
             ids=ids,
+            images=images,
         )
     _echo_store_written(out)
 

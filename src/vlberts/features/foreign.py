@@ -1,6 +1,6 @@
 """Readers of the region-feature files the original code bases wrote, beside the BUTD and LXMERT TSVs
-(`tsv.py`): VL-BERT's per-image JSON, ViLBERT's LMDB and BAN's HDF5 (SPEC §2; formats-and-metrics.md
-§1.3-1.5). Each reader yields `(where, raw, record)`: where the record sits in the source ("file
+(`tsv.py`): VL-BERT's per-image JSON, ViLBERT's LMDB, BAN's HDF5 and VisualBERT's Detectron `.th` / `.npz`
+files (SPEC §2; formats-and-metrics.md §1.3-1.5). Each reader yields `(where, raw, record)`: where the record sits in the source ("file
 000042.json", "key b'42'", "image 3"), the raw bytes it came from (for the importer's content hash and
 progress) and the `RegionRecord`; `importers.import_features` streams them into a store.
 
@@ -225,3 +225,61 @@ def _image_size(boxes: np.ndarray, spatial: np.ndarray) -> tuple[int, int]:
             raise VlbertsError("boxes and spatial_features disagree on the image size")
         sizes.append(int(round(float(size))))
     return sizes[0], sizes[1]
+
+
+# --------------------------------------------------------------------------- VisualBERT Detectron .th / .npz (§1.5)
+
+def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
+    """VisualBERT's Detectron features (`utils/get_image_features/extract_image_features_nlvr.py`; NLVR2 and
+    COCO-for-NLVR2): one `torch.save`d dict {image file name: (box_features (N, D), cls_boxes (N, 4) xyxy
+    pixels, max_conf (N,))} (`--one_giant_file X.th`, read with `weights_only=True`), or a directory of
+    per-image `<image file name>.npz` files with those three arrays (read without pickles). Neither holds
+    the image size, so it is read from the header of the image of that name in `images`; the id is the
+    image file's stem. `max_conf` comes without the class it belongs to, so it is not kept (the store's
+    object confidences go with class ids); boxes stay in the file's order."""
+    import torch
+    from PIL import Image, UnidentifiedImageError
+
+    src, images = Path(src), Path(images)
+    if not images.is_dir():
+        raise VlbertsError("not a directory of images (visualbert-th reads the image sizes from them)", path=images)
+
+    def size(name: str, where: str) -> tuple[int, int]:
+        path = images / name
+        try:
+            with Image.open(path) as im:
+                return im.size
+        except FileNotFoundError:
+            raise VlbertsError(f"no image {name} in {images} to read its size from", path=src, record=where) from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise VlbertsError(f"cannot read as an image ({str(e).splitlines()[0]})", path=path) from None
+
+    def items() -> Iterator[tuple[str, Any]]:
+        if src.is_dir():
+            for path in sorted(src.glob("*.npz")):
+                try:
+                    with np.load(path, allow_pickle=False) as z:
+                        yield path.name.removesuffix(".npz"), tuple(z[k] for k in ("box_features", "cls_boxes", "max_conf"))
+                except (KeyError, ValueError, OSError) as e:
+                    raise VlbertsError(f"not a VisualBERT feature .npz (box_features, cls_boxes, max_conf): {e}",
+                                       path=path) from None
+        else:
+            try:
+                data = torch.load(src, map_location="cpu", weights_only=True)
+            except Exception as e:  # a corrupt file, or a pickle with anything but tensors and containers
+                raise VlbertsError(f"cannot read as a torch.save file of tensors ({str(e).splitlines()[0]})", path=src) from None
+            if not isinstance(data, dict):
+                raise VlbertsError(f"expected a dict of image file name -> features, got {type(data).__name__}", path=src)
+            yield from sorted(data.items())
+
+    for name, value in items():
+        where = f"image {name}"
+        try:
+            if not isinstance(value, (tuple, list)) or len(value) != 3:
+                raise VlbertsError("expected (box_features, cls_boxes, max_conf)")
+            feats, boxes = (np.asarray(v.numpy() if hasattr(v, "numpy") else v, dtype=np.float32) for v in value[:2])
+            w, h = size(name, where)
+            rec = RegionRecord(image_id=Path(name).stem, image_w=w, image_h=h, boxes=boxes, features=feats)
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=e.path or src, record=e.record or where) from None
+        yield where, boxes.tobytes() + feats.tobytes(), rec

@@ -2,7 +2,8 @@
 
 Formats (SPEC §2; formats-and-metrics.md §1): the BUTD 6-field and LXMERT 10-field TSVs (`tsv.py`), and
 the files the other original code bases wrote (`foreign.py`): VL-BERT's per-image JSON (a directory or
-a zip), ViLBERT's LMDB, BAN's HDF5 (with its `imgid2idx.pkl`).
+a zip), ViLBERT's LMDB, BAN's HDF5 (with its `imgid2idx.pkl`), VisualBERT's Detectron `.th` (or `.npz`
+directory, with the images for their sizes).
 
 `import_features` streams: one record is decoded and appended at a time, so a 20 GB COCO TSV needs the
 memory of one image plus the writer's 32 MB buffer. The store is written atomically: a bad record
@@ -20,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import VlbertsError
-from vlberts.features.foreign import read_ban_h5, read_vilbert_lmdb, read_vlbert_json
+from vlberts.features.foreign import read_ban_h5, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
 
-FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5")
+FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5", "visualbert-th")
 IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
 
 
@@ -49,7 +50,8 @@ def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRec
         yield f"line {lineno}", line, parse_tsv_line(fmt, line, path=src, lineno=lineno)
 
 
-def read_records(src: Path, format: str, ids: str | Path | None = None) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None
+                 ) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
     """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`."""
     if format in TSV_FORMATS:
         return _tsv_records(src, format)
@@ -61,6 +63,10 @@ def read_records(src: Path, format: str, ids: str | Path | None = None) -> Itera
         if ids is None:
             raise VlbertsError("ban-h5 needs --ids, the {split}_imgid2idx.pkl written beside the .hdf5")
         return read_ban_h5(src, ids)
+    if format == "visualbert-th":
+        if images is None:
+            raise VlbertsError("visualbert-th needs --images, the directory of the images (their sizes are not in the file)")
+        return read_visualbert_th(src, images)
     raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
 
 
@@ -74,9 +80,10 @@ def import_features(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     ids: str | Path | None = None,
+    images: str | Path | None = None,
 ) -> Path:
     """Stream a feature file in one of `IMPORT_FORMATS` into a new store at `out` (`ids`: BAN's
-    imgid2idx pickle).
+    imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from).
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
     (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
@@ -95,7 +102,7 @@ def import_features(
     first_seen: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         writer: RegionStoreWriter | None = None
-        for at, raw, rec in read_records(src, format, ids):
+        for at, raw, rec in read_records(src, format, ids, images):
             sha.update(raw)
             n_bytes += len(raw)
             n_items += 1
