@@ -56,9 +56,10 @@ def _missing(obj: dict[str, Any], keys: tuple[str, ...]) -> None:
 def _b64_or_array(value: Any, name: str, n: int, width: int | None) -> np.ndarray:
     """A field stored base64 (float32, as the BUTD-derived writers do) or as a numpy array -> (n, width)."""
     if isinstance(value, (str, bytes)):
-        return b64_rows(value.encode("ascii") if isinstance(value, str) else value, name, _F32, n, width)
+        # a non-ASCII character becomes "?", which the base64 check then rejects with the field's name
+        return b64_rows(value.encode("ascii", "replace") if isinstance(value, str) else value, name, _F32, n, width)
     a = np.asarray(value)
-    if a.dtype == object or a.ndim != 2 or a.shape[0] != n or (width is not None and a.shape[1] != width):
+    if a.dtype.kind not in "fiu" or a.ndim != 2 or a.shape[0] != n or (width is not None and a.shape[1] != width):
         want = f"({n}, {width if width is not None else 'D'})"
         raise VlbertsError(f"{name} must be an array of shape {want}, got {a.dtype} {a.shape}")
     return a.astype(np.float32, copy=False)
