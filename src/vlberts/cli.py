@@ -158,8 +158,7 @@ def features_extract(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
 ) -> None:
-    """Detect regions in a folder of images with a torchvision Faster R-CNN (your weights file) and store
-    their features, boxes and class distributions, selected as BUTD selects them."""
+    """Detect and describe the regions of a folder of images with a torchvision Faster R-CNN (your weights)."""
     from vlberts.features.frcnn import DetectorSettings, extract_folder, image_files
     from vlberts.features.importers import read_vocab
     from vlberts.features.selection import SelectionConfig
