@@ -7,13 +7,16 @@
 #      (CUDA graphs) modes (base-size MFU against the measured bf16 matmul peak, ratio against Hugging Face
 #      on the same GPU, and a profile of each model's step: host vs kernel time, operator tables in
 #      OUTDIR/profiles.tgz), then at batch 64 (host-bound on the H200), eager and with CUDA graphs;
-#   3. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
+#   3. the real pre-training loop (`vlberts pretrain`, visualbert-small on a small world, batch 256: the
+#      host collates a lot per update) with its batches drawn in the loop (`--prefetch=0`) and drawn ahead in
+#      a thread and pinned (the GPU default), interleaved, updates per second and their ratio;
+#   4. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; MODES="default" compiles one
-# mode only. Each compile of a base model took 45-60 s on the H200, so (estimated, not yet run) step 1
-# takes about 1.5 min, the batch-256 run 5, the batch-64 run 3: with a 10-minute limit per call, run
-# `B64=0 ... OUTDIR` first and `TESTS=0 B256=0 ... OUTDIR2` second.
+# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3; MODES="default"
+# compiles one mode only. Each compile of a base model took 45-60 s on the H200, so (estimated, not yet run)
+# step 1 takes about 1.5 min, the batch-256 run 5, the batch-64 run 3, step 3 about 2: with a 10-minute
+# limit per call, run `B64=0 LOOP=0 ... OUTDIR` first and `TESTS=0 B256=0 ... OUTDIR2` second.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -51,6 +54,26 @@ timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 -
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
 fi
 
+if [ "${LOOP:-1}" = 1 ]; then
+  stamp "pre-training loop: batches drawn in the loop (--prefetch=0) against drawn ahead (the default)"
+  w="$out/loop"
+  { $py -m vlberts.cli world build --out "$w/world" --images "${LOOP_IMAGES:-1000}" --seed 0 &&
+    $py -m vlberts.cli extract --world "$w/world" --out "$w/features.h5"; } > "$out/loop.log" 2>&1
+  for rep in 1 2; do
+    for pf in 0 -1; do
+      rm -rf "$w/pt$pf"
+      timeout "${LOOP_S:-120}" $py -m vlberts.cli pretrain --captions="$w/world/annotations/captions_train.json" \
+        --features="$w/features.h5" --out="$w/pt$pf" --model=visualbert-small --steps="${LOOP_STEPS:-300}" \
+        --batch_size="${LOOP_BATCH:-256}" --log_every=50 --ckpt_every=100000 --preload_features=true \
+        --prefetch="$pf" >> "$out/loop.log" 2>&1
+      $py -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])][-1]
+print(f'run {sys.argv[3]}, --prefetch={sys.argv[2]}: {r[\"step\"]} updates in {r[\"seconds\"]:.1f} s, '
+      f'{r[\"step\"] / r[\"seconds\"]:.2f} updates/s')" "$w/pt$pf/metrics.jsonl" "$pf" "$rep" | tee -a "$out/loop.txt"
+    done
+  done
+  rm -rf "$w"
+fi
+
 if [ -n "${SUITE:-}" ]; then
   stamp "with the GPU visible to every test: $SUITE"
   # Each test has --timeout (pytest-timeout) so that the session ends and prints every failure's cause
@@ -75,3 +98,4 @@ if [ "${THROUGHPUT:-1}" = 1 ]; then
   [ -f "$out/gpu_b256.log" ] && { echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -36; }
   [ -f "$out/gpu_b64.log" ] && { echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28; }
 fi
+[ -f "$out/loop.txt" ] && { echo "== pre-training loop"; cat "$out/loop.txt"; }
