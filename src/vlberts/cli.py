@@ -31,11 +31,13 @@ features_app = typer.Typer(help="Region-feature stores: import existing feature 
 finetune_app = typer.Typer(help="Fine-tune a pre-trained model on a downstream task.", no_args_is_help=True)
 evaluate_app = typer.Typer(help="Score predictions with a task's official metric.", no_args_is_help=True)
 analyze_app = typer.Typer(help="Look inside a model: attention-head grounding analysis.", no_args_is_help=True)
+predict_app = typer.Typer(help="Answer a questions file with a fine-tuned model (plain inference).", no_args_is_help=True)
 app.add_typer(world_app, name="world")
 app.add_typer(features_app, name="features")
 app.add_typer(finetune_app, name="finetune")
 app.add_typer(evaluate_app, name="evaluate")
 app.add_typer(analyze_app, name="analyze")
+app.add_typer(predict_app, name="predict")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -291,6 +293,36 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
     cfg = _run_config(recipe, ctx, config)
     _report_finetune(cfg.out, recipe.finetune_vqa(cfg), _qa_lines("VQA"), "predictions.json")
+
+
+def _predict(task: str, ctx: typer.Context, config: Optional[Path]) -> None:
+    from vlberts.recipes import predict_qa as recipe
+
+    cfg = _run_config(recipe, ctx, config)
+    path = recipe.predict_file(cfg, task)
+    typer.echo(f"wrote {path} and {path.with_name('predict.json')}")
+
+
+@predict_app.command("vqa", context_settings=OVERRIDES)
+def predict_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Answer a VQA v2 questions file (answers not needed: test-dev, test-std) with a fine-tuned VQA model;
+    writes OUT/predictions.json in the official results format. Score it with `vlberts evaluate vqa`.
+
+    Example: vlberts predict vqa --model=runs/vqa/model --questions=Q.json --features=F.h5 --out=runs/testdev
+
+    Run `vlberts show-config predict` for every setting.
+    """
+    _predict("vqa", ctx, config)
+
+
+@predict_app.command("gqa", context_settings=OVERRIDES)
+def predict_gqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Answer a GQA questions file with a fine-tuned GQA model; writes OUT/predictions.json in the official
+    results format ([{questionId, prediction}]). Score it with `vlberts evaluate gqa`.
+
+    Run `vlberts show-config predict` for every setting.
+    """
+    _predict("gqa", ctx, config)
 
 
 @finetune_app.command("gqa", context_settings=OVERRIDES)
@@ -614,6 +646,7 @@ SHOW = {
     "finetune-flickr-entities": "vlberts.recipes.finetune_flickr_entities",
     "finetune-nlvr2": "vlberts.recipes.finetune_nlvr2",
     "finetune-vcr": "vlberts.recipes.finetune_vcr",
+    "predict": "vlberts.recipes.predict_qa",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
     "analyze-representations": "vlberts.recipes.analyze_representations",
     "analyze-attention-graphs": "vlberts.recipes.analyze_attention_graphs",

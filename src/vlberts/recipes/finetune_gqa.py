@@ -51,7 +51,7 @@ def _read(cfg: FinetuneGQAConfig, bad: BadRecords) -> tuple[list[GQAExample], li
 
 GQA = QATask(
     name="gqa", required=("train_questions",), answers_field="train_questions", read=_read,
-    answer_vocab=build_answer_vocab, target=gqa_target, metrics=gqa_metrics, write_predictions=write_predictions,
+    read_questions=lambda path, bad: read_gqa(path, bad=bad), answer_vocab=build_answer_vocab, target=gqa_target, metrics=gqa_metrics, write_predictions=write_predictions,
 )
 
 

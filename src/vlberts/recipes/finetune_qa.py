@@ -98,6 +98,7 @@ class QATask:
     required: tuple[str, ...]  # run-config fields that must be set
     answers_field: str  # the run-config field naming the file with the training answers (for errors)
     read: Callable[[Any, BadRecords], tuple[list, list]]  # run config, bad-record policy -> (train, eval examples)
+    read_questions: Callable[[str, BadRecords], list]  # a questions file, answers optional -> examples (to predict)
     answer_vocab: Callable[[Sequence, int], AnswerVocab]  # training examples, min_answer_count -> classes
     target: Target  # an annotated example, the classes -> its target scores
     metrics: Callable[[Mapping, Sequence, Sequence], dict]  # predictions, eval, train -> metric + baseline

@@ -65,7 +65,7 @@ def _metrics(preds: dict[int, str], eval_examples: list[VQAExample], train: list
 
 VQA = QATask(
     name="vqa", required=("train_questions", "train_annotations"), answers_field="train_annotations", read=_read,
-    answer_vocab=build_answer_vocab, target=vqa_soft_target, metrics=_metrics, write_predictions=write_predictions,
+    read_questions=lambda path, bad: read_vqa(path, None, bad), answer_vocab=build_answer_vocab, target=vqa_soft_target, metrics=_metrics, write_predictions=write_predictions,
 )
 
 

@@ -1,0 +1,100 @@
+"""Plain inference with a fine-tuned VQA or GQA model (SPEC §9: "hard to run ... for plain inference").
+
+    vlberts predict vqa --model=RUN/model --questions=Q.json --features=F.h5 --out=DIR
+
+answers every question of a questions file, with or without its answers (VQA's test-dev and test-std
+have none), and writes
+
+    DIR/predictions.json   the task's official results format: VQA [{question_id, answer}] (EvalAI's),
+                           GQA [{questionId, prediction}]
+    DIR/predict.json       what was read: the model, the questions, how many were answered, skipped records
+
+with the same layout of the question, answer head and prediction code (`finetune_qa.predict_qa`) as the
+predictions a fine-tuning run writes for its evaluation questions, so the two agree question for question
+(tests/test_predict_qa.py). Scoring stays one mechanism: `vlberts evaluate vqa|gqa` on the predictions.
+The question length and regions per image default to the fine-tuning run's own (RUN/run_config.json
+beside RUN/model), else 32 and 36.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlberts.config import apply_overrides, from_dict
+from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import read_json, write_json
+from vlberts.recipes.common import opt, resolve_device, set_threads
+from vlberts.recipes.finetune_gqa import GQA
+from vlberts.recipes.finetune_qa import QATask, _with_features, load_qa_model, predict_qa
+from vlberts.recipes.finetune_vqa import VQA
+
+TASKS: dict[str, QATask] = {"vqa": VQA, "gqa": GQA}
+
+
+@dataclass(frozen=True)
+class PredictQAConfig:
+    model: str = opt("", "fine-tuned model directory (a `vlberts finetune vqa|gqa` run's RUN/model)")
+    questions: str = opt("", "questions json to answer (VQA v2 or GQA format; answers not needed)")
+    features: str = opt("", "region store holding every question's image")
+    out: str = opt("runs/predict", "directory for predictions.json and predict.json")
+    max_text_len: int = opt(0, "question tokens (0: the fine-tuning run's, from RUN/run_config.json; else 32)")
+    max_regions: int = opt(0, "regions per image (0: the fine-tuning run's; else 36)")
+    batch_size: int = opt(256, "questions per prediction batch")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32, bf16 or fp16")
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
+    skip_bad: bool = opt(False, "drop malformed questions and questions whose image is not in the store, counting "
+                                "them in predict.json, instead of stopping at the first")
+
+
+CONFIG_CLASS = PredictQAConfig
+
+
+def _run_setting(model_dir: Path, key: str, default: int) -> int:
+    run_config = model_dir.parent / "run_config.json"
+    value = read_json(run_config).get(key) if run_config.is_file() else None
+    return int(value) if isinstance(value, int) and value > 0 else default
+
+
+def predict_file(cfg: PredictQAConfig, task: str) -> Path:
+    """Answer every question of `cfg.questions` with the fine-tuned model; returns OUT/predictions.json."""
+    if task not in TASKS:
+        raise VlbertsError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    for key in ("model", "questions", "features"):
+        if not getattr(cfg, key):
+            raise VlbertsError(f"predict {task} needs --{key}")
+    set_threads()
+    qa = TASKS[task]
+    model_dir, out = Path(cfg.model), Path(cfg.out)
+    model, vocab, tok = load_qa_model(model_dir, qa.name)
+    bad = BadRecords(skip=cfg.skip_bad)
+    examples = qa.read_questions(cfg.questions, bad)
+    store = RegionStore(cfg.features)
+    if cfg.preload_features:
+        store.preload()
+    if model.cfg.visual_dim != store.feature_dim:
+        raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects {model.cfg.visual_dim}-d",
+                           path=cfg.features)
+    examples = _with_features(examples, cfg.questions, store, cfg.features, bad)
+    if bad.total:
+        print(bad.warning(), file=sys.stderr)
+    max_text_len = cfg.max_text_len or _run_setting(model_dir, "max_text_len", 32)
+    max_regions = cfg.max_regions or _run_setting(model_dir, "max_regions", 36)
+    preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,
+                       batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "predictions.json"
+    qa.write_predictions(path, ((ex.question_id, preds[ex.question_id]) for ex in examples))
+    write_json(out / "predict.json", {
+        "task": qa.name, "model": str(model_dir), "questions": str(cfg.questions), "features": str(cfg.features),
+        "answered": len(examples), "answer_classes": len(vocab), "max_text_len": max_text_len,
+        "max_regions": max_regions, "skipped_records": bad.to_dict(),
+    })
+    return path
+
+
+def config_from_args(args: list[str], base: dict | None = None) -> PredictQAConfig:
+    return apply_overrides(from_dict(PredictQAConfig, base or {}), args)
