@@ -10,10 +10,13 @@
 #   3. the real pre-training loop (`vlberts pretrain`, visualbert-small on a small world, batch 256: the
 #      host collates a lot per update) with its batches drawn in the loop (`--prefetch=0`) and drawn ahead in
 #      a thread and pinned (the GPU default), interleaved, updates per second and their ratio;
-#   4. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
+#   4. `vlberts features extract` (torchvision Faster R-CNN, randomly initialised weights written here) over
+#      EXTRACT_IMAGES synthetic 640 x 480 JPEGs: images per second at the default settings on the GPU;
+#   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3; MODES="default"
+# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3; EXTRACT=0
+# step 4; MODES="default"
 # compiles one mode only. Each compile of a base model took 45-60 s on the H200, so (estimated, not yet run)
 # step 1 takes about 1.5 min, the batch-256 run 5, the batch-64 run 3, step 3 about 2: with a 10-minute
 # limit per call, run `B64=0 LOOP=0 ... OUTDIR` first and `TESTS=0 B256=0 ... OUTDIR2` second.
@@ -74,6 +77,30 @@ print(f'run {sys.argv[3]}, --prefetch={sys.argv[2]}: {r[\"step\"]} updates in {r
   rm -rf "$w"
 fi
 
+if [ "${EXTRACT:-1}" = 1 ]; then
+  stamp "feature extraction from images: torchvision Faster R-CNN, default settings"
+  e="$out/extract"
+  mkdir -p "$e/images"
+  $py -c "
+import sys, numpy as np, torch
+from PIL import Image
+from torchvision.models.detection import fasterrcnn_resnet50_fpn
+torch.manual_seed(0)
+torch.save(fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91).state_dict(), sys.argv[1] + '/w.pth')
+rng = np.random.default_rng(0)
+for i in range(int(sys.argv[2])):
+    Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(f'{sys.argv[1]}/images/{i:012d}.jpg')
+" "$e" "${EXTRACT_IMAGES:-64}"
+  s0=$(date +%s.%N)
+  timeout "${EXTRACT_S:-180}" $py -m vlberts.cli features extract --images "$e/images" --weights "$e/w.pth" \
+    --out "$e/f.h5" --batch-images "${EXTRACT_BATCH:-8}" > "$out/extract.log" 2>&1
+  s1=$(date +%s.%N)
+  $py -c "import sys; n, t = int(sys.argv[1]), float(sys.argv[3]) - float(sys.argv[2]); print(f'{n} images of 640 x 480 in {t:.1f} s (start-up included): {n / t:.1f} images/s')" \
+    "${EXTRACT_IMAGES:-64}" "$s0" "$s1" | tee "$out/extract.txt"
+  tail -1 "$out/extract.log"
+  rm -rf "$e"
+fi
+
 if [ -n "${SUITE:-}" ]; then
   stamp "with the GPU visible to every test: $SUITE"
   # Each test has --timeout (pytest-timeout) so that the session ends and prints every failure's cause
@@ -99,3 +126,4 @@ if [ "${THROUGHPUT:-1}" = 1 ]; then
   [ -f "$out/gpu_b64.log" ] && { echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28; }
 fi
 [ -f "$out/loop.txt" ] && { echo "== pre-training loop"; cat "$out/loop.txt"; }
+[ -f "$out/extract.txt" ] && { echo "== feature extraction"; cat "$out/extract.txt"; }
