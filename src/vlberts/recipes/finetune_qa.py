@@ -196,7 +196,7 @@ def predict_qa(
     return merge_over_ranks(preds, dist)
 
 
-def _with_features(examples: list, path: str, store: RegionStore, features: str, bad: BadRecords) -> list:
+def examples_with_features(examples: list, path: str, store: RegionStore, features: str, bad: BadRecords) -> list:
     """The examples whose image is in the store; a missing one is an error naming the store and the image,
     or, when skipping bad records, dropped and counted ("missing features")."""
     missing = [ex.image_id for ex in examples if ex.image_id not in store]
@@ -227,7 +227,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         store.preload()
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
-    train, eval_examples = (_with_features(examples, path, store, cfg.features, bad)
+    train, eval_examples = (examples_with_features(examples, path, store, cfg.features, bad)
                             for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)))
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)

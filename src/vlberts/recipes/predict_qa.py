@@ -28,7 +28,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.recipes.common import opt, resolve_device, set_threads
 from vlberts.recipes.finetune_gqa import GQA
-from vlberts.recipes.finetune_qa import QATask, _with_features, load_qa_model, predict_qa
+from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
 
 TASKS: dict[str, QATask] = {"vqa": VQA, "gqa": GQA}
@@ -78,7 +78,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     if model.cfg.visual_dim != store.feature_dim:
         raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects {model.cfg.visual_dim}-d",
                            path=cfg.features)
-    examples = _with_features(examples, cfg.questions, store, cfg.features, bad)
+    examples = examples_with_features(examples, cfg.questions, store, cfg.features, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
     max_text_len = cfg.max_text_len or _run_setting(model_dir, "max_text_len", 32)
