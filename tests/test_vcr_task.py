@@ -209,8 +209,8 @@ def test_finetune_vcr_writes_metrics_predictions_and_reloads(tiny_world, tiny_pr
     assert all(len(p) == 4 and abs(sum(p) - 1) < 1e-5 for p in preds.values())
     right = sum(int(np.argmax(preds[ex.annot_id])) == ex.answer_label for ex in val)
     assert m["q2a"] == pytest.approx(100.0 * right / len(val))
-    model, mode, tok = load_vcr_model(out / "model")
-    assert mode == "qa" and model.arch == "visualbert"
+    model, meta, tok = load_vcr_model(out / "model")
+    assert meta["mode"] == "qa" and meta["object_regions"] == "iou" and model.arch == "visualbert"
     # QA->R: the rationale model; `evaluate vcr` combines both predictions files
     finetune_vcr(vcr_cfg(tiny_world, tiny_pretrained, tmp_path / "qar", mode="qar", epochs=0.3))
     mr = json.loads((tmp_path / "qar" / "metrics.json").read_text())

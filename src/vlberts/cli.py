@@ -296,10 +296,11 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
 
 
 def _predict(task: str, ctx: typer.Context, config: Optional[Path]) -> None:
-    from vlberts.recipes import predict_qa as recipe
+    import importlib
 
+    recipe = importlib.import_module(SHOW[f"predict-{task}"])
     cfg = _run_config(recipe, ctx, config)
-    path = recipe.predict_file(cfg, task)
+    path = recipe.predict_file(cfg, task) if task in ("vqa", "gqa") else recipe.predict_file(cfg)
     typer.echo(f"wrote {path} and {path.with_name('predict.json')}")
 
 
@@ -310,7 +311,7 @@ def predict_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) 
 
     Example: vlberts predict vqa --model=runs/vqa/model --questions=Q.json --features=F.h5 --out=runs/testdev
 
-    Run `vlberts show-config predict` for every setting.
+    Run `vlberts show-config predict-vqa` for every setting.
     """
     _predict("vqa", ctx, config)
 
@@ -320,9 +321,37 @@ def predict_gqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) 
     """Answer a GQA questions file with a fine-tuned GQA model; writes OUT/predictions.json in the official
     results format ([{questionId, prediction}]). Score it with `vlberts evaluate gqa`.
 
-    Run `vlberts show-config predict` for every setting.
+    Run `vlberts show-config predict-gqa` for every setting.
     """
     _predict("gqa", ctx, config)
+
+
+@predict_app.command("nlvr2", context_settings=OVERRIDES)
+def predict_nlvr2_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Label an NLVR2 statements file (labels not needed: the hidden test2) with a fine-tuned NLVR2 model;
+    writes OUT/predictions.csv in the official format (identifier,True|False). Score it with
+    `vlberts evaluate nlvr2`.
+
+    Example: vlberts predict nlvr2 --model=runs/nlvr2/model --statements=WORLD/nlvr2/test1.json
+    --image_map=WORLD/nlvr2/images.json --features=F.h5 --out=runs/nlvr2_test1
+
+    Run `vlberts show-config predict-nlvr2` for every setting.
+    """
+    _predict("nlvr2", ctx, config)
+
+
+@predict_app.command("vcr", context_settings=OVERRIDES)
+def predict_vcr_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> None:
+    """Score a VCR jsonl file (labels not needed: test.jsonl) with a fine-tuned Q->A and a fine-tuned QA->R
+    model; writes OUT/submission.csv, the leaderboard's file (the answers' scores and the rationales' scores
+    conditioned on each of the 4 answers). Score it with `vlberts evaluate vcr --submission`.
+
+    Example: vlberts predict vcr --qa_model=runs/vcr_qa/model --qar_model=runs/vcr_qar/model
+    --questions=WORLD/vcr/test.jsonl --features=F.h5 --out=runs/vcr_test
+
+    Run `vlberts show-config predict-vcr` for every setting.
+    """
+    _predict("vcr", ctx, config)
 
 
 @finetune_app.command("gqa", context_settings=OVERRIDES)
@@ -646,7 +675,10 @@ SHOW = {
     "finetune-flickr-entities": "vlberts.recipes.finetune_flickr_entities",
     "finetune-nlvr2": "vlberts.recipes.finetune_nlvr2",
     "finetune-vcr": "vlberts.recipes.finetune_vcr",
-    "predict": "vlberts.recipes.predict_qa",
+    "predict-vqa": "vlberts.recipes.predict_qa",
+    "predict-gqa": "vlberts.recipes.predict_qa",
+    "predict-nlvr2": "vlberts.recipes.predict_nlvr2",
+    "predict-vcr": "vlberts.recipes.predict_vcr",
     "analyze-grounding": "vlberts.recipes.analyze_grounding",
     "analyze-representations": "vlberts.recipes.analyze_representations",
     "analyze-attention-graphs": "vlberts.recipes.analyze_attention_graphs",
@@ -726,15 +758,26 @@ def evaluate_gqa(
 @evaluate_app.command("vcr")
 def evaluate_vcr_cmd(
     annotations: Path = typer.Option(..., help="VCR jsonl with labels (e.g. WORLD/vcr/val.jsonl)."),
-    qa: Path = typer.Option(..., help="Q->A predictions.json of `vlberts finetune vcr --mode=qa` (annot_id -> 4 scores)."),
-    qar: Path = typer.Option(..., help="QA->R predictions.json of `vlberts finetune vcr --mode=qar`."),
+    qa: Optional[Path] = typer.Option(None, help="Q->A predictions.json of `vlberts finetune vcr --mode=qa` (annot_id -> 4 scores)."),
+    qar: Optional[Path] = typer.Option(None, help="QA->R predictions.json of `vlberts finetune vcr --mode=qar`."),
+    submission: Optional[Path] = typer.Option(None, help="Instead of --qa and --qar: a leaderboard submission CSV "
+                                                         "(`vlberts predict vcr`'s submission.csv)."),
 ) -> None:
-    """Score a Q->A and a QA->R predictions file: Q->A, QA->R and Q->AR accuracy (both right); prints JSON."""
+    """Score a Q->A and a QA->R predictions file, or a leaderboard submission CSV: Q->A, QA->R and Q->AR
+    accuracy (both right); prints JSON."""
     import json
 
-    from vlberts.recipes.finetune_vcr import evaluate_vcr
+    from vlberts.recipes.finetune_vcr import evaluate_vcr, evaluate_vcr_submission
 
-    typer.echo(json.dumps(evaluate_vcr(annotations, qa, qar), indent=2))
+    if submission is not None and (qa is not None or qar is not None):
+        raise VlbertsError("give either --submission or --qa and --qar, not both")
+    if submission is not None:
+        scores = evaluate_vcr_submission(annotations, submission)
+    elif qa is not None and qar is not None:
+        scores = evaluate_vcr(annotations, qa, qar)
+    else:
+        raise VlbertsError("evaluate vcr needs --qa and --qar (two predictions.json files) or --submission (a CSV)")
+    typer.echo(json.dumps(scores, indent=2))
 
 
 @evaluate_app.command("refcoco")

@@ -91,6 +91,17 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
         f.write("\n")
 
 
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
+
+
 def read_json(path: str | Path) -> Any:
     """Read a JSON file; a missing or malformed file is a one-line `VlbertsError` naming it."""
     path = Path(path)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
+from vlberts.io import read_text
 
 N_COLUMNS = 10
 
@@ -140,11 +141,4 @@ def parse_conllu(text: str, path: str | Path = "<string>") -> dict[str, ConlluSe
 
 def read_conllu(path: str | Path) -> dict[str, ConlluSentence]:
     """Read a CoNLL-U file -> {sent_id: sentence}, in file order."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
-    return parse_conllu(text, path)
+    return parse_conllu(read_text(path), path)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
+from vlberts.io import read_text
 
 Box = tuple[float, float, float, float]
 SPLITS = ("train", "val", "test")
@@ -158,13 +159,7 @@ def parse_entity_sentence(line: str, *, path: str | Path = "<string>", record: o
 
 def read_entity_sentences(path: str | Path) -> list[EntitySentence]:
     """All captions of one Sentences/<id>.txt file (blank lines skipped), in file order."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
+    lines = read_text(path).split("\n")
     return [parse_entity_sentence(line, path=path, record=f"line {k}")
             for k, line in enumerate(lines, 1) if line.strip()]
 

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_open
+from vlberts.io import atomic_open, read_json
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,6 +63,15 @@ def set_threads() -> None:
 def save_run_config(out: Path, cfg: Any, name: str = "run_config.yaml") -> None:
     with atomic_open(out / name) as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def fine_tuning_setting(model_dir: str | Path, key: str, default: int) -> int:
+    """A positive integer setting (max_text_len, max_regions) of the fine-tuning run that wrote `model_dir`
+    (RUN/run_config.json beside RUN/model), or `default` when the run's config is not there: what plain
+    inference (`vlberts predict`) lays its inputs out with unless told otherwise."""
+    run_config = Path(model_dir).parent / "run_config.json"
+    value = read_json(run_config).get(key) if run_config.is_file() else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
 def progress(disable: bool | None = None) -> Progress:

@@ -4,7 +4,8 @@ VisualBERT §4.2, VL-BERT §4.2.1 and ViLBERT §4 fine-tune Q->A and QA->R as tw
 same recipe: each question's 4 choices are 4 sequences scored by a linear layer on the pooled output,
 trained with softmax cross-entropy over the 4 (`models.vcr`). QA->R reads the question followed by the
 *right* answer, in training and in evaluation (formats §2.5; `data.vcr.rationale_context`); Q->AR, both
-right, comes from combining the two models' predictions (`vlberts evaluate vcr`, `evaluate_vcr`).
+right, comes from combining the two models' predictions (`vlberts evaluate vcr`, `evaluate_vcr`). For the
+unlabelled test split, `vlberts predict vcr` (`recipes.predict_vcr`) writes the leaderboard's file.
 
     vlberts finetune vcr --mode=qa --init=runs/pt/model --features=F.h5 --out=runs/vcr_qa
         --train_file=WORLD/vcr/train.jsonl --eval_file=WORLD/vcr/val.jsonl
@@ -40,7 +41,7 @@ from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.predictions import choose
-from vlberts.tasks.vcr import CHANCE, score_logits
+from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
 from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
@@ -106,23 +107,23 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
     return out
 
 
-def _usable(examples: list[VCRExample], path: str, cfg: FinetuneVCRConfig, store: RegionStore, metadata_dir: Path,
-            bad: BadRecords) -> list[VCRExample]:
-    """The examples whose image is in the store and whose objects have regions ("missing features"), or
-    whose metadata file gives a box per object ("bad metadata")."""
+def usable_examples(examples: list[VCRExample], path: str, store: RegionStore, features: str, object_regions: str,
+                    metadata_dir: Path, bad: BadRecords) -> list[VCRExample]:
+    """The examples whose image is in the store (`features`) and whose objects have regions ("missing
+    features"), or whose metadata file gives a box per object ("bad metadata")."""
     keep = []
     for ex in examples:
         try:
             if ex.img_id not in store:
-                raise VlbertsError(f"image id {ex.img_id} of {path} not in store", path=cfg.features, record=ex.annot_id)
-            if cfg.object_regions == "gold" and store.num_boxes(ex.img_id) != len(ex.objects):
+                raise VlbertsError(f"image id {ex.img_id} of {path} not in store", path=features, record=ex.annot_id)
+            if object_regions == "gold" and store.num_boxes(ex.img_id) != len(ex.objects):
                 raise VlbertsError(f"object_regions=gold needs one stored region per object: image {ex.img_id} has "
-                                   f"{store.num_boxes(ex.img_id)} for {len(ex.objects)} objects", path=cfg.features,
+                                   f"{store.num_boxes(ex.img_id)} for {len(ex.objects)} objects", path=features,
                                    record=ex.annot_id)
         except VlbertsError as err:
             bad.handle(err, "missing features")
             continue
-        if cfg.object_regions == "iou":
+        if object_regions == "iou":
             try:
                 meta = read_vcr_metadata(metadata_dir / ex.metadata_fn)
                 if len(meta.boxes) != len(ex.objects):
@@ -146,20 +147,21 @@ def pretrained_vcr_model(init: str | Path) -> tuple[VCRModel, object]:
     return model, model_cfg
 
 
-def load_vcr_model(directory: str | Path) -> tuple[VCRModel, str, TextTokenizer]:
-    """A model directory written by `finetune_vcr`: (model, mode, tokenizer)."""
+def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer]:
+    """A model directory written by `finetune_vcr`: (model, its config.json (mode, object_regions, alignment,
+    ...), tokenizer)."""
     model_cfg, meta = read_task_model(directory, "vcr", "VCR")
     model = load_task_weights(VCRModel(model_cfg), directory)
     model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
-    return model, meta["mode"], TextTokenizer.load(directory)
+    return model, meta, TextTokenizer.load(directory)
 
 
-def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer,
-             cfg: FinetuneVCRConfig, metadata_dir: Path) -> VCRData:
+def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer, *,
+             max_text_len: int, object_regions: str, metadata_dir: Path) -> VCRData:
     """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
-    return VCRData(examples, mode, store, tok, join=model.join, max_text_len=cfg.max_text_len,
-                   feature_dim=model.cfg.visual_dim, object_regions=cfg.object_regions, metadata_dir=metadata_dir,
+    return VCRData(examples, mode, store, tok, join=model.join, max_text_len=max_text_len,
+                   feature_dim=model.cfg.visual_dim, object_regions=object_regions, metadata_dir=metadata_dir,
                    tag_subwords=tags)
 
 
@@ -200,8 +202,8 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
         store.preload()
     train = read_vcr_file(cfg.train_file, bad, require_labels=True)
     evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
-    train = _usable(train, cfg.train_file, cfg, store, metadata_dir, bad)
-    evaluation = _usable(evaluation, cfg.eval_file, cfg, store, metadata_dir, bad)
+    train = usable_examples(train, cfg.train_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
+    evaluation = usable_examples(evaluation, cfg.eval_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
     if not train:
         raise VlbertsError("no usable training questions", path=cfg.train_file)
     if bad.total and dist.main:
@@ -215,7 +217,8 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     model.uses_alignment = model.uses_alignment and cfg.alignment
-    data = vcr_data(model, train, cfg.mode, store, tok, cfg, metadata_dir)
+    layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
+    data = vcr_data(model, train, cfg.mode, store, tok, **layout)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "join": model.join,
              "object_regions": cfg.object_regions, "alignment": model.uses_alignment}
     final = finetune_loop(
@@ -233,7 +236,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
                      "train_questions": len(train), "steps": num_updates(cfg, len(data)),
                      "skipped_records": bad.to_dict()}
     if cfg.eval_file:
-        preds = predict_vcr(model, vcr_data(model, evaluation, cfg.mode, store, tok, cfg, metadata_dir),
+        preds = predict_vcr(model, vcr_data(model, evaluation, cfg.mode, store, tok, **layout),
                             batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)
         if dist.main:
             write_json(out / "predictions.json", {ex.annot_id: preds[ex.annot_id] for ex in evaluation}, indent=None)
@@ -264,12 +267,17 @@ def read_vcr_predictions(path: str | Path) -> dict[str, list[float]]:
     return data
 
 
-def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predictions: str | Path) -> dict:
-    """Q->A, QA->R and Q->AR accuracy (percent) of a Q->A and a QA->R predictions file on a labelled VCR
-    jsonl file (`tasks.vcr.score_logits`: Q->AR = both argmaxes right), with chance levels."""
+def _labelled(annotations: str | Path) -> list[VCRExample]:
     examples = read_vcr(annotations, require_labels=True)
     if not examples:
         raise VlbertsError("no questions", path=annotations)
+    return examples
+
+
+def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predictions: str | Path) -> dict:
+    """Q->A, QA->R and Q->AR accuracy (percent) of a Q->A and a QA->R predictions file on a labelled VCR
+    jsonl file (`tasks.vcr.score_logits`: Q->AR = both argmaxes right), with chance levels."""
+    examples = _labelled(annotations)
     qa, qar = read_vcr_predictions(qa_predictions), read_vcr_predictions(qar_predictions)
     for path, preds in ((qa_predictions, qa), (qar_predictions, qar)):
         missing = [ex.annot_id for ex in examples if ex.annot_id not in preds]
@@ -278,6 +286,14 @@ def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predic
                                path=path, record=missing[0])
     scores = score_logits(qa, qar, examples)
     return {**scores.to_dict(), "chance": dict(CHANCE)}
+
+
+def evaluate_vcr_submission(annotations: str | Path, submission: str | Path) -> dict:
+    """The same scores of a leaderboard submission CSV (`vlberts predict vcr`'s submission.csv), read as the
+    leaderboard reads it: QA->R from the rationales conditioned on each question's gold answer."""
+    examples = _labelled(annotations)
+    rows = read_submission(submission, [ex.annot_id for ex in examples])
+    return {**score_submission(rows, examples).to_dict(), "chance": dict(CHANCE)}
 
 
 def config_from_args(args: list[str], base: dict | None = None) -> FinetuneVCRConfig:

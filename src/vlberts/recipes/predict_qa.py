@@ -25,8 +25,8 @@ from pathlib import Path
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import read_json, write_json
-from vlberts.recipes.common import opt, resolve_device, set_threads
+from vlberts.io import write_json
+from vlberts.recipes.common import fine_tuning_setting, opt, resolve_device, set_threads
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -53,12 +53,6 @@ class PredictQAConfig:
 CONFIG_CLASS = PredictQAConfig
 
 
-def _run_setting(model_dir: Path, key: str, default: int) -> int:
-    run_config = model_dir.parent / "run_config.json"
-    value = read_json(run_config).get(key) if run_config.is_file() else None
-    return int(value) if isinstance(value, int) and value > 0 else default
-
-
 def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     """Answer every question of `cfg.questions` with the fine-tuned model; returns OUT/predictions.json."""
     if task not in TASKS:
@@ -81,8 +75,8 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     examples = examples_with_features(examples, cfg.questions, store, cfg.features, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
-    max_text_len = cfg.max_text_len or _run_setting(model_dir, "max_text_len", 32)
-    max_regions = cfg.max_regions or _run_setting(model_dir, "max_regions", 36)
+    max_text_len = cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 32)
+    max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
     preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,
                        batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
     out.mkdir(parents=True, exist_ok=True)

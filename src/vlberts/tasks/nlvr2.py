@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vlberts.data.nlvr2 import NLVR2Example, read_nlvr2
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_open
+from vlberts.io import atomic_open, read_text
 from vlberts.tasks.predictions import require_complete, unique_rows
 
 
@@ -77,15 +77,9 @@ def read_predictions(path: str | Path, identifiers: Sequence[str]) -> dict[str, 
     Each of `identifiers` needs exactly one prediction. A malformed line, an unknown or duplicate
     identifier, or a missing one is a one-line `VlbertsError` naming the file and the line/identifier.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
     known = set(identifiers)
     preds: dict[str, bool] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
+    lines = read_text(path).splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
