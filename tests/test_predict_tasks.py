@@ -103,6 +103,9 @@ def test_nlvr2_bad_input_is_one_line_or_counted(tiny_world, nlvr2_run, tiny_pret
     assert summary["predicted"] == len(lines) - 3
     code, _, err = run_cli(["predict", "nlvr2", f"--statements={statements}"], capsys)
     assert code == 2 and "needs --model" in err
+    (tmp_path / "empty.json").write_text("\n")
+    with pytest.raises(VlbertsError, match="no statement to label"):
+        predict_nlvr2_file(PredictNLVR2Config(**{**base, "statements": str(tmp_path / "empty.json")}))
 
 
 # --------------------------------------------------------------------------- VCR

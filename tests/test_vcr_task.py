@@ -339,4 +339,8 @@ def test_evaluate_vcr_hand_made_fixture(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({**qa, "val-1": [0.5, 0.5]}))
     code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'qa.json'}",
                             f"--qar={tmp_path / 'bad.json'}"], capsys)
-    assert code == 2 and "expected 4 numbers" in err and "val-1" in err
+    assert code == 2 and "expected 4 finite numbers" in err and "val-1" in err
+    (tmp_path / "nan.json").write_text(json.dumps({**qa, "val-2": [float("nan"), 0.5, 0.2, 0.3]}))  # JSON's NaN
+    code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'nan.json'}",
+                            f"--qar={tmp_path / 'qar.json'}"], capsys)
+    assert code == 2 and "expected 4 finite numbers" in err and "val-2" in err

@@ -290,6 +290,14 @@ def test_build_is_atomic_and_refuses_to_overwrite(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
     build_world(out, n_images=10, seed=SEED, overwrite=True)
     assert len(list((out / "images").iterdir())) == 10
+    # --overwrite replaces a world, never a file or someone's folder
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me")
+    (tmp_path / "file.txt").write_text("keep me too")
+    for path in (tmp_path / "notes", tmp_path / "file.txt"):
+        with pytest.raises(VlbertsError, match="not a world directory"):
+            build_world(path, n_images=5, seed=SEED, overwrite=True)
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me" and (tmp_path / "file.txt").is_file()
 
 
 def test_splits_partition_the_images():

@@ -47,11 +47,11 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 @world_app.command("build")
 def world_build(
     out: Path = typer.Option(..., help="Directory to write the world into."),
-    images: int = typer.Option(1000, help="Number of images."),
+    images: int = typer.Option(1000, min=1, help="Number of images."),
     seed: int = typer.Option(0, help="Random seed; the same seed gives the same world."),
-    image_size: int = typer.Option(128, help="Image width and height in pixels."),
+    image_size: int = typer.Option(128, min=64, max=4096, help="Image width and height in pixels."),
     overwrite: bool = typer.Option(False, help="Replace an existing non-empty OUT."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes (default: CPU count); the output does not depend on it."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Worker processes (default: CPU count); the output does not depend on it."),
     referring: str = typer.Option("explicit", help="Captions name colour and shape always (explicit) or the fewest modifiers (minimal)."),
 ) -> None:
     """Generate images, captions with entities and parses, and VQA questions; export the real formats."""
@@ -147,16 +147,16 @@ def features_extract(
     weights: Path = typer.Option(..., help="torchvision Faster R-CNN ResNet-50 FPN (v1 or v2) weights (.pth/.safetensors)."),
     out: Path = typer.Option(..., help="The region store (.h5) to write."),
     classes: Optional[Path] = typer.Option(None, help="The detector's class names, one per line (background first, or without it)."),
-    min_size: int = typer.Option(800, help="Resize each image's shorter side to this (torchvision's min_size) ..."),
-    max_size: int = typer.Option(1333, help="... unless the longer side would exceed this."),
-    proposals: int = typer.Option(1000, help="Region proposals per image after the RPN's NMS."),
-    min_boxes: int = typer.Option(10, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
-    max_boxes: int = typer.Option(36, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
-    conf_thresh: float = typer.Option(0.2, help="Keep boxes whose best class score after per-class NMS reaches this."),
-    nms: float = typer.Option(0.3, help="Per-class NMS IoU threshold of the box selection."),
+    min_size: int = typer.Option(800, min=32, help="Resize each image's shorter side to this (torchvision's min_size) ..."),
+    max_size: int = typer.Option(1333, min=32, help="... unless the longer side would exceed this."),
+    proposals: int = typer.Option(1000, min=1, help="Region proposals per image after the RPN's NMS."),
+    min_boxes: int = typer.Option(10, min=0, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
+    max_boxes: int = typer.Option(36, min=1, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
+    conf_thresh: float = typer.Option(0.2, min=0.0, max=1.0, help="Keep boxes whose best class score after per-class NMS reaches this."),
+    nms: float = typer.Option(0.3, min=0.0, max=1.0, help="Per-class NMS IoU threshold of the box selection."),
     order: str = typer.Option("confidence", help="Kept boxes by confidence, or 'butd': proposal order between min and max."),
     float16: bool = typer.Option(False, "--float16", help="Store features and cls_prob as float16."),
-    batch_images: int = typer.Option(2, help="Images per detector pass."),
+    batch_images: int = typer.Option(2, min=1, help="Images per detector pass."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
 ) -> None:
@@ -212,13 +212,13 @@ def extract(
     tsv: bool = typer.Option(False, "--tsv", help="Also write OUT-stem.butd.tsv (6 fields) and OUT-stem.lxmert.tsv (10 fields)."),
     detector: Optional[Path] = typer.Option(None, help="Load these world-detector weights (.safetensors + .json) instead of training."),
     float16: bool = typer.Option(False, "--float16", help="Store features and cls_prob as float16."),
-    min_boxes: int = typer.Option(10, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
-    max_boxes: int = typer.Option(36, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
-    conf_thresh: float = typer.Option(0.2, help="Keep boxes whose max class confidence after NMS reaches this."),
-    feature_dim: Optional[int] = typer.Option(None, help="Region-feature width of a trained detector (default 128; a loaded one keeps its own)."),
+    min_boxes: int = typer.Option(10, min=0, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
+    max_boxes: int = typer.Option(36, min=1, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
+    conf_thresh: float = typer.Option(0.2, min=0.0, max=1.0, help="Keep boxes whose max class confidence after NMS reaches this."),
+    feature_dim: Optional[int] = typer.Option(None, min=1, help="Region-feature width of a trained detector (default 128; a loaded one keeps its own)."),
     order: str = typer.Option("confidence", help="Kept boxes by confidence, or 'butd': RoI order between min and max boxes."),
     seed: int = typer.Option(0, help="Seed of detector training and proposals."),
-    epochs: int = typer.Option(3, help="Detector training epochs over the train split."),
+    epochs: int = typer.Option(3, min=1, help="Detector training epochs over the train split."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
     boxes: str = typer.Option("detected", help="detected: proposals after box selection; gold: exactly the world's "
                                                "object boxes (RefCOCO+'s ground-truth regions; pass --detector)."),
@@ -805,7 +805,7 @@ def evaluate_flickr_entities(
     split: str = typer.Option("test", help="Split to score (rows of other splits are ignored)."),
     features: Optional[Path] = typer.Option(None, help="The region store the candidates came from: adds the upper "
                                                        "bound and the detector-confidence baseline."),
-    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", help="Candidate regions per image (with --features)."),
+    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", min=1, help="Candidate regions per image (with --features)."),
     iou_rule: str = typer.Option("any", "--iou_rule", "--iou-rule", help="any: IoU >= 0.5 with any gold box of the "
                                                                          "chain; union: with their union box."),
 ) -> None:
@@ -848,11 +848,11 @@ def evaluate_retrieval_cmd(
     features: Optional[Path] = typer.Option(None, help="Region store holding the evaluation images."),
     split_file: Optional[Path] = typer.Option(None, "--split_file", "--split-file", help="Karpathy split json (dataset_flickr30k.json)."),
     split: str = typer.Option("test", help="Split to rank."),
-    eval_images: int = typer.Option(0, "--eval_images", "--eval-images", help="Rank only the first N images and their captions (0: all)."),
+    eval_images: int = typer.Option(0, "--eval_images", "--eval-images", min=0, help="Rank only the first N images and their captions (0: all)."),
     out: Path = typer.Option(..., help="Directory to write metrics.json (and scores.npy) into."),
-    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", help="Regions per image."),
-    max_text_len: int = typer.Option(32, "--max_text_len", "--max-text-len", help="Caption tokens incl. special tokens."),
-    batch_size: int = typer.Option(256, "--batch_size", "--batch-size", help="Pairs per scoring batch."),
+    max_regions: int = typer.Option(36, "--max_regions", "--max-regions", min=1, help="Regions per image."),
+    max_text_len: int = typer.Option(32, "--max_text_len", "--max-text-len", min=8, help="Caption tokens incl. special tokens."),
+    batch_size: int = typer.Option(256, "--batch_size", "--batch-size", min=1, help="Pairs per scoring batch."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     skip_bad: bool = typer.Option(False, "--skip_bad", "--skip-bad", help="Drop and count malformed records and images missing from the store."),
 ) -> None:
@@ -890,16 +890,52 @@ def _leave_process_group(ok: bool) -> None:
     leave_process_group(ok)
 
 
+def _flags_with_values(argv: list[str]) -> list[str]:
+    """Let the on/off options of the commands that are not run configs (`--quick`, `--tsv`, `--overwrite`,
+    ...) also be written as settings are, `--quick=true` / `--quick=false`: rewritten to the bare flag or
+    dropped. Run-config commands take `--key=value` as they are, so only a command's own flags change."""
+    command = typer.main.get_command(app)
+    rest = list(argv)
+    while rest and rest[0] in getattr(command, "commands", {}):  # groups (world, finetune, ...) and commands
+        command = command.commands[rest.pop(0)]
+    flags = {name for p in command.params if getattr(p, "is_flag", False) for name in p.opts}
+    out = argv[: len(argv) - len(rest)]
+    for arg in rest:
+        name, eq, value = arg.partition("=")
+        if eq and name in flags and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            if value.lower() in ("true", "1", "yes", "on"):
+                out.append(name)
+            continue
+        out.append(arg)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: run the app, turning `VlbertsError` into one line and exit code 2."""
     ok = False
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=_flags_with_values(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except SystemExit as e:
         ok = e.code in (0, None)
         raise
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    except typer.TyperException as e:  # a command-line usage error (unknown option, missing value, ...): one line
+        if not hasattr(e, "format_message"):
+            raise
+        ctx = getattr(e, "ctx", None)
+        where = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+        typer.echo(f"error: {e.format_message()}{where}", err=True)
+        sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
     except VlbertsError as e:
         typer.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # a path the user gave is of the wrong kind (an output directory that is a file, ...): their fix too
+        where = e.filename if e.filename is not None else "a path"
+        typer.echo(f"error: {where}: {e.strerror or e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     finally:
         _leave_process_group(ok)

@@ -7,6 +7,7 @@ keys are errors that list the valid ones, so a typo never silently falls back to
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -109,16 +110,58 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# The allowed range of a run setting, by its name: every recipe names a setting the same way, so one table
+# serves them all. (low, high, low excluded); None: unbounded. A value equal to the field's default is
+# always allowed (0 is the "off" / "the run's own" / "all" default of several of them), and a float
+# setting must be finite.
+_COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckpt_every", "log_every", "grad_accum",
+           "iterations", "max_steps", "pretrain_batch", "vqa_batch", "procs", "per_class", "classes", "top_k",
+           "steps", "pretrain_steps", "images", "max_boxes", "min_answer_count", "qa_min_answer_count",
+           "detector_epochs", "detector_steps", "shuffle_buffer", "vocab_size", "max_regions", "eval_images",
+           "max_images", "length_group", "stop_after", "feature_dim")
+_FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "warmup", "text_ratio",
+              "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
+SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    **{name: (1, None, False) for name in _COUNTS},
+    **{name: (0, 1, False) for name in _FRACTIONS},
+    **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",
+                                           "vqa_epochs")},
+    **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "num_workers", "min_boxes",
+                                           "figures", "qualitative", "explorer_examples", "hard_negatives")},
+    "epochs": (0, None, True),
+    "max_text_len": (8, None, False),  # [CLS], a few subwords, [SEP] (and an answer slot)
+    "pixel_size": (16, None, False),
+    "prefetch": (-1, None, False),
+}
+
+
+def _check_range(name: str, value: Any, default: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise VlbertsError(f"{where}: must be a finite number, got {value}")
+    if name not in SETTING_RANGES or value == default:
+        return
+    low, high, open_low = SETTING_RANGES[name]
+    if low is not None and (value <= low if open_low else value < low):
+        raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise VlbertsError(f"{where}: must be at most {high:g}, got {value:g}")
+
+
 def from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
-    """Build the dataclass `cls` from `data`; unknown keys and bad values are `VlbertsError`s."""
+    """Build the dataclass `cls` from `data`; unknown keys, bad values and values outside a setting's range
+    (`SETTING_RANGES`) are `VlbertsError`s."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise VlbertsError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}"
+            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(fields))}"
         )
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    for k, v in kwargs.items():
+        _check_range(k, v, fields[k].default, f"{where}.{k}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:

@@ -91,11 +91,20 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
         f.write("\n")
 
 
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`."""
+def require_file(path: str | Path) -> Path:
+    """`path` as a Path when it is a file; a missing path, or a directory where a file is expected, is a
+    one-line `VlbertsError` naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise VlbertsError("is a directory, expected a file", path=path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
+    return path
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`."""
+    path = require_file(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -104,9 +113,7 @@ def read_text(path: str | Path) -> str:
 
 def read_json(path: str | Path) -> Any:
     """Read a JSON file; a missing or malformed file is a one-line `VlbertsError` naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -120,9 +127,7 @@ def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tupl
     """(line number, parsed record) for each non-blank line of a JSON-lines file; a malformed or truncated
     line, or bytes that are not UTF-8, is an error naming the file and the line. With `bad` a malformed
     line goes to it instead (raised, or with --skip_bad dropped and counted)."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     lineno = 0
     try:
         with open(path, encoding="utf-8") as f:
@@ -132,7 +137,8 @@ def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tupl
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    error = VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=f"line {lineno}")
+                    error = VlbertsError(f"malformed JSON line: {e.msg} (column {e.colno})", path=path,
+                                         record=f"line {lineno}")
                     if bad is None:
                         raise error from None
                     bad.handle(error)

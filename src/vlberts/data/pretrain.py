@@ -32,6 +32,7 @@ from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, V
 from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
+from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.objectives.matching import drop_unmatched, sample_qa_target
 from vlberts.objectives.regions import RegionMaskRule, mask_regions, mask_tags_jointly
@@ -105,7 +106,7 @@ class CaptionPretrainData:
         pixels: Any = None,
     ):
         if not captions:
-            raise ValueError("no captions to pre-train on")
+            raise VlbertsError("no captions to pre-train on")
         self.captions = captions
         self.regions = regions
         self.tok = tokenizer
@@ -126,7 +127,7 @@ class CaptionPretrainData:
         self.mismatch_prob = mismatch_prob
         self.setup = region_setup
         if (pairs or mismatch_prob > 0) and len(self.by_image) < 2:
-            raise ValueError("sentence-image prediction needs captions of at least two images")
+            raise VlbertsError("sentence-image prediction needs captions of at least two images")
         # LXMERT image QA (data/pretrain_qa.py): per sentence, its target over the answer table (no labels
         # for captions); None: no example carries a QA target.
         if qa_targets is not None and (pairs or len(qa_targets) != len(captions)):

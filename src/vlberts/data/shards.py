@@ -140,6 +140,7 @@ def write_shards(
     prefix: str = "shard",
     image_only: bool = False,
     documents: Iterable[str] = (),
+    overwrite: bool = False,
 ) -> Path:
     """Pack a region store and its captions (and optionally text-only documents) into tar shards.
 
@@ -150,6 +151,7 @@ def write_shards(
     image_only: also write the store's images that have no caption, as "image" samples (otherwise they
         are left out: a Karpathy split's captions name only that split's images).
     documents: text-only samples, written after the images.
+    overwrite: replace a shard set of the same prefix in `out_dir` (otherwise an error).
     Returns the index json `<out_dir>/<prefix>-index.json`.
     """
     if shard_size < 1:
@@ -157,6 +159,8 @@ def write_shards(
     if not _SAFE_KEY.fullmatch(prefix):
         raise VlbertsError(f"shard prefix {prefix!r} must be letters, digits, '_' or '-'")
     out_dir = Path(out_dir)
+    if (out_dir / f"{prefix}-index.json").exists() and not overwrite:
+        raise VlbertsError(f"a shard set {prefix}-* is already there (pass --overwrite to replace it)", path=out_dir)
     if isinstance(store, (str, Path)):
         store = RegionStore(store, upcast=False)
     refs = read_caption_refs(captions) if isinstance(captions, (str, Path)) else captions
@@ -472,11 +476,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     ap.add_argument("--prefix", default="shard")
     ap.add_argument("--image-only", action="store_true", help="also write uncaptioned images as image-only samples")
+    ap.add_argument("--overwrite", action="store_true", help="replace a shard set of the same prefix in --out")
     args = ap.parse_args(argv)
     try:
         refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
-                             image_only=args.image_only)
+                             image_only=args.image_only, overwrite=args.overwrite)
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

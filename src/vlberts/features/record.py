@@ -90,6 +90,8 @@ class RegionRecord:
         feats = _array(feats, np.float16 if feats.dtype == np.float16 else np.float32, "features", image_id)
         if feats.ndim != 2 or feats.shape[0] != n:
             raise VlbertsError(f"features must have shape ({n}, D) for {n} boxes, got {feats.shape}", record=image_id)
+        if not np.isfinite(feats).all():  # a NaN would reach every loss and answer it touches
+            raise VlbertsError("features hold NaN or inf", record=image_id)
         set_(self, "features", feats)
 
         if self.cls_prob is not None:
@@ -97,6 +99,8 @@ class RegionRecord:
             cp = _array(cp, np.float16 if cp.dtype == np.float16 else np.float32, "cls_prob", image_id)
             if cp.ndim != 2 or cp.shape[0] != n:
                 raise VlbertsError(f"cls_prob must have shape ({n}, C) for {n} boxes, got {cp.shape}", record=image_id)
+            if not np.isfinite(cp).all():
+                raise VlbertsError("cls_prob holds NaN or inf", record=image_id)
             set_(self, "cls_prob", cp)
 
         for ids, conf in (("obj_id", "obj_conf"), ("attr_id", "attr_conf")):

@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -335,8 +336,38 @@ class RegionStore:
         except KeyError as e:
             self.close()
             raise VlbertsError(f"damaged store: missing dataset ({e})", path=self.path) from None
+        problem = self._index_problem(f)
+        if problem:
+            self.close()
+            raise VlbertsError(f"damaged store: {problem}", path=self.path)
         self._index = {image_id: i for i, image_id in enumerate(self._ids)}
         self._cache: dict[str, RegionRecord] | None = None
+
+    def _index_problem(self, f: h5py.File) -> str | None:
+        """What is wrong with the per-image index, or None: every image's rows must be the next `count` rows
+        of the per-box arrays (as the writer lays them out), so no image can read another's regions."""
+        for name in ("boxes", "features"):
+            if name not in f:
+                return f"missing dataset '{name}'"
+        n = len(self._ids)
+        if any(len(a) != n for a in (self._w, self._h, self._offset, self._count)):
+            return f"the index arrays (image_w, image_h, offset, count) do not all have {n} entries, one per image id"
+        rows = len(f["boxes"])
+        if len(f["features"]) != rows or any(len(f[name]) != rows for name in self.fields):
+            return "the per-box arrays do not all have the same number of rows"
+        count = np.asarray(self._count, dtype=np.int64)
+        expected = np.concatenate([[0], np.cumsum(count)[:-1]]) if n else count
+        bad = np.flatnonzero((count < 0) | (np.asarray(self._offset, dtype=np.int64) != expected))
+        if bad.size:
+            i = int(bad[0])
+            return (f"image {self._ids[i]}: offset {int(self._offset[i])} and count {int(count[i])} do not follow "
+                    "the images before it")
+        if n and int(count.sum()) != rows:
+            return f"the counts add up to {int(count.sum())} boxes but the store holds {rows}"
+        if len(set(self._ids)) != n:
+            dup = next(i for i, c in Counter(self._ids).items() if c > 1)
+            return f"image id {dup} appears more than once"
+        return None
 
     def preload(self) -> RegionStore:
         """Read every record into memory once (block reads), so `get` no longer touches the file.
@@ -413,13 +444,20 @@ class RegionStore:
         i = self._row(image_id)
         return int(self._w[i]), int(self._h[i])
 
-    def _read(self, i: int, start: int, n: int) -> RegionRecord:
-        arrays = {name: self._dataset(name)[start : start + n] for name in self.fields}
+    def _record(self, i: int, arrays: dict[str, np.ndarray]) -> RegionRecord:
+        """Image i's record from its rows; a record the checks refuse (NaN features, reversed boxes, ...) is
+        an error naming the store as well as the image."""
         if self.upcast:
             for name in ("features", "cls_prob"):
                 if name in arrays and arrays[name].dtype == np.float16:
                     arrays[name] = arrays[name].astype(np.float32)
-        return RegionRecord(image_id=self._ids[i], image_w=int(self._w[i]), image_h=int(self._h[i]), **arrays)
+        try:
+            return RegionRecord(image_id=self._ids[i], image_w=int(self._w[i]), image_h=int(self._h[i]), **arrays)
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=self.path, record=f"image {self._ids[i]}") from None
+
+    def _read(self, i: int, start: int, n: int) -> RegionRecord:
+        return self._record(i, {name: self._dataset(name)[start : start + n] for name in self.fields})
 
     def get(self, image_id: str | int) -> RegionRecord:
         """The record of one image; a missing id is a `VlbertsError` naming the store and the id."""
@@ -444,12 +482,7 @@ class RegionStore:
             block = {name: self._dataset(name)[start : start + rows] for name in self.fields}
             for k in range(i, j):
                 s, n = int(self._offset[k]) - start, int(self._count[k])
-                arrays = {name: a[s : s + n] for name, a in block.items()}
-                if self.upcast:
-                    for name in ("features", "cls_prob"):
-                        if name in arrays and arrays[name].dtype == np.float16:
-                            arrays[name] = arrays[name].astype(np.float32)
-                yield RegionRecord(image_id=self._ids[k], image_w=int(self._w[k]), image_h=int(self._h[k]), **arrays)
+                yield self._record(k, {name: a[s : s + n] for name, a in block.items()})
             i = j
 
     def info(self) -> dict[str, Any]:

@@ -32,12 +32,24 @@ def find_weights(path: str | Path) -> Path:
     return path
 
 
+def read_safetensors(path: str | Path) -> dict[str, Tensor]:
+    """A safetensors file as name -> tensor (on CPU); a missing, truncated or corrupt file is a one-line
+    `VlbertsError` naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("weights file not found", path=path)
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors' own errors: bad header, truncated data, ...
+        raise VlbertsError(f"cannot read weights: {str(e).splitlines()[0]}", path=path) from None
+
+
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Read a safetensors or PyTorch weights file into a flat name -> tensor dict (on CPU)."""
     path = find_weights(path)
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
     try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, pickle with arbitrary objects, ...
         raise VlbertsError(f"cannot read weights: {str(e).splitlines()[0]}", path=path) from None

@@ -26,6 +26,8 @@ A batch may mix pairs with text-only samples (VL-BERT §3.3, `--text_corpus`) an
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -163,6 +165,9 @@ def parse_objectives(spec: str, recipe: ArchRecipe, model_cfg: Any) -> dict[str,
             weights[name] = float(value) if eq else 1.0
         except ValueError:
             raise VlbertsError(f"objective {name}: weight {value!r} is not a number") from None
+        if not math.isfinite(weights[name]) or weights[name] < 0:
+            raise VlbertsError(f"objective {name}: weight {value!r} must be a finite number >= 0 "
+                               "(a negative weight would maximise the loss)")
     return weights
 
 

@@ -32,6 +32,7 @@ overlaps best at IoU >= 0.5.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -226,6 +227,9 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
         "parser_alignment_failures": dict(list(parse_failed.items())[:20]),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if skipped:  # on stderr as well as in attention_graphs.json
+        print("warning: skipped " + ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+              + "; counts in attention_graphs.json", file=sys.stderr)
     out = Path(cfg.out)
     paths = {"json": out / "attention_graphs.json", "markdown": out / "attention_graphs.md"}
     nx, pv = pos["best_next"], pos["best_previous"]

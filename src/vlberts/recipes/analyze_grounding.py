@@ -44,6 +44,7 @@ syntactic ones in `vlberts.analysis.syntactic`).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,6 +271,12 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     maps = f"{maps}; {L} layers x {H} heads"
 
     syntactic = syn.result() if syn is not None else None
+    if syn is not None and syn.skipped:  # on stderr as well as in grounding.json: parses the user gave
+        first = next(iter(syn.skipped_examples.items()), ("", []))
+        print(f"warning: syntactic grounding skipped {sum(syn.skipped.values())} captions ("
+              + ", ".join(f"{k}: {v}" for k, v in sorted(syn.skipped.items()))
+              + (f"; first: {first[1][0]}, {first[0]}" if first[1] else "") + "); counts in grounding.json",
+              file=sys.stderr)
 
     paths = {"json": out / "grounding.json", "figure": out / "entity_grounding.png", "markdown": out / "grounding.md"}
     if syntactic is not None and syntactic.relations:
@@ -284,6 +291,10 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
+        absent = [r for r in relations if r not in syntactic.relations and r not in syntactic.by_direction]
+        if absent:
+            print(f"warning: --relations: no arc labelled {', '.join(absent)} was analysed (valid here: "
+                  f"{', '.join(sorted(syntactic.relations))})", file=sys.stderr)
         save_syntactic_grounding_figure(syntactic, paths["syntactic_figure"], relations=relations)
     if "explorer" in paths:
         write_explorer(paths["explorer"], shown, explorer_info, max_examples=cfg.explorer_examples)

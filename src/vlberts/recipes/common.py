@@ -21,11 +21,21 @@ from vlberts.io import atomic_open, read_json
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto` (CUDA when there is a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`; anything else, or CUDA
+    on a machine without it, is a one-line error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise VlbertsError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise VlbertsError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise VlbertsError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

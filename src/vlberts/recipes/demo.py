@@ -186,7 +186,8 @@ def model_name(cfg: DemoConfig) -> str:
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
     set_threads()
-    model_name(cfg)  # an unknown architecture or vocabulary fails before any work
+    model_config(model_name(cfg))  # an unknown architecture, model, vocabulary or device fails before any work
+    resolve_device(cfg.device)
     out = Path(cfg.out)
     pretrain_tokenizer(cfg, out / "world")
     resumed = prepare_out(out, run_settings(cfg, "demo"), cfg.resume)

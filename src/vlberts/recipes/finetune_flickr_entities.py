@@ -224,6 +224,9 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
         skipped: Counter = Counter()
         captions = phrase_captions(images, tok, cfg.max_text_len, skipped)
         if not captions:
+            if dist.main:
+                print(f"warning: {Path(cfg.entities) / f'{split}.txt'}: no phrase to evaluate in split {split!r} "
+                      f"({len(images)} images); it is not scored", file=sys.stderr)
             continue
         scores = predict_flickr_entities(model, tok, captions, store, max_regions=cfg.max_regions,
                                          batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision,

@@ -24,6 +24,7 @@ A task recipe reads top to bottom as
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ from vlberts.training.distributed import (
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import batches, feed, loss_scaler, loss_shares, scaler_state, start_or_resume, update
+from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state,
+                                   start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -96,6 +98,17 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
     return Path(cfg.out), device, dist
+
+
+def all_labelled(examples: Sequence[Any], labelled: Callable[[Any], bool], path: str, dist: DistInfo | None = None) -> bool:
+    """Whether the evaluation examples can be scored: all of them carry labels. A file without labels (a
+    hidden test split) is predicted only, silently; one where only some lack labels is predicted and not
+    scored, with a warning line naming the file (rank 0), rather than scoring a part of it."""
+    missing = sum(1 for ex in examples if not labelled(ex))
+    if missing and missing < len(examples) and (dist is None or dist.main):
+        print(f"warning: {path}: {missing} of {len(examples)} evaluation examples have no label: predictions "
+              "written, not scored", file=sys.stderr)
+    return bool(examples) and not missing
 
 
 def read_task_model(directory: str | Path, task: str, name: str, hint: str = "") -> tuple[Any, dict]:
@@ -202,10 +215,12 @@ def finetune_loop(
             step += 1
             done_here += 1
             bar.update(bar_task, completed=step)
-            if step % cfg.log_every == 0 or step == steps:  # the update's loss: the ranks' shares summed
+            log_step = step % cfg.log_every == 0 or step == steps
+            if log_step or step % cfg.ckpt_every == 0:  # the update's loss: the ranks' shares summed
                 total = sum_over_ranks({"loss": float(total)}, dist)["loss"]
+                require_finite({"loss": total}, step, scaler)  # never checkpoint a diverged model
                 bar.update(bar_task, info=f"loss {total:.3f}")
-                if log is not None:
+                if log is not None and log_step:
                     scale = {"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {}
                     log.write({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                                **scale, "seconds": round(time.perf_counter() - t0, 3)})

@@ -42,7 +42,8 @@ from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+                                           read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -206,7 +207,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
                               precision=cfg.precision, dist=dist)
         if dist.main:
             write_predictions(out / "predictions.csv", ((ex.identifier, preds[ex.identifier]) for ex in evals))
-        if all(ex.label is not None for ex in evals):
+        if all_labelled(evals, lambda ex: ex.label is not None, cfg.eval_statements, dist):
             metrics.update(nlvr2_metrics(preds, evals, train))
     if dist.main:
         write_json(out / "metrics.json", metrics)

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from vlberts.data.regions import RegionSource
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
@@ -44,10 +43,11 @@ from vlberts.models.lxmert import LxmertForVQA
 from vlberts.models.vilbert import ViLBertForVQA
 from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import VLBertForVQA
-from vlberts.models.weights import load_into
+from vlberts.models.weights import load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+                                           read_task_model, start_finetune)
 from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -118,7 +118,7 @@ def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = Tr
     other pre-training heads are left behind."""
     model_cfg, meta = read_model_config(init)
     model = qa_model(model_cfg, len(vocab))
-    sd = load_file(str(Path(init) / "model.safetensors"))
+    sd = read_safetensors(Path(init) / "model.safetensors")
     prefix = model.encoder_name + "."
     load_into(
         model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=init,
@@ -258,7 +258,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                            precision=cfg.precision, dist=dist)
         if dist.main:
             task.write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in eval_examples))
-        if eval_examples and all(ex.annotated for ex in eval_examples):
+        if all_labelled(eval_examples, lambda ex: ex.annotated, cfg.eval_questions, dist):
             metrics.update(task.metrics(preds, eval_examples, train))
             # Questions none of whose answers is a class: always wrong (no class can score them).
             metrics["eval_questions_without_target"] = sum(1 for ex in eval_examples if not task.target(ex, vocab).labels)

@@ -23,6 +23,7 @@ reads a store holding exactly the objects' boxes (``vlberts extract --boxes=gold
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,8 @@ from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+                                           read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
 from vlberts.text.tokenizer import TextTokenizer
@@ -241,7 +243,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
         if dist.main:
             write_json(out / "predictions.json", {ex.annot_id: preds[ex.annot_id] for ex in evaluation}, indent=None)
         metrics["eval_questions"] = len(evaluation)
-        if evaluation and all(ex.annotated for ex in evaluation):
+        if all_labelled(evaluation, lambda ex: ex.annotated, cfg.eval_file, dist):
             label = (lambda ex: ex.answer_label) if cfg.mode == "qa" else (lambda ex: ex.rationale_label)
             right = sum(1 for ex in evaluation if choose(preds[ex.annot_id]) == label(ex))
             metrics[metric] = 100.0 * right / len(evaluation)
@@ -262,8 +264,9 @@ def read_vcr_predictions(path: str | Path) -> dict[str, list[float]]:
         raise VlbertsError("expected an object mapping annot_id to 4 scores", path=path)
     for annot_id, scores in data.items():
         if (not isinstance(scores, list) or len(scores) != 4
-                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
-            raise VlbertsError(f"expected 4 numbers, got {scores!r}", path=path, record=annot_id)
+                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                           for s in scores)):
+            raise VlbertsError(f"expected 4 finite numbers, got {scores!r}", path=path, record=annot_id)
     return data
 
 

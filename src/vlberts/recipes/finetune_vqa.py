@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.errors import BadRecords
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.data.vqa import VQAExample, read_vqa
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
@@ -53,6 +53,8 @@ CONFIG_CLASS = FinetuneVQAConfig
 
 
 def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], list[VQAExample]]:
+    if cfg.eval_annotations and not cfg.eval_questions:
+        raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
     train = read_vqa(cfg.train_questions, cfg.train_annotations, bad)
     return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
 

@@ -72,6 +72,8 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
     statements, images = resolve_images(statements, cfg.statements, store, cfg.features, image_map, cfg.image_map, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
+    if not statements:
+        raise VlbertsError("no statement to label", path=cfg.statements)
     max_text_len = cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 40)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
     preds = predict_nlvr2(model, tok, statements, images, store, max_regions=max_regions, max_text_len=max_text_len,

@@ -75,6 +75,8 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     examples = examples_with_features(examples, cfg.questions, store, cfg.features, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
+    if not examples:
+        raise VlbertsError("no question to answer", path=cfg.questions)
     max_text_len = cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 32)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
     preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,

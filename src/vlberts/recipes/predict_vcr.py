@@ -91,6 +91,8 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
         examples = usable_examples(examples, cfg.questions, store, cfg.features, rule, metadata_dir, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
+    if not examples:
+        raise VlbertsError("no question to predict", path=cfg.questions)
 
     def scores(mode: str, questions: list) -> dict[str, list[float]]:
         model, meta, tok = runs[mode]

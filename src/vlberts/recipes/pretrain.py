@@ -25,6 +25,7 @@ classification targets. The model zeroes the pixels of the masked RoIs itself (Â
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -86,7 +87,8 @@ from vlberts.training.distributed import (
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import batches, feed, loss_scaler, loss_shares, scaler_state, start_or_resume, update
+from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state,
+                                   start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
 
@@ -389,6 +391,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
     arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
+    default_model = next(f.default for f in dataclasses.fields(PretrainConfig) if f.name == "model")
+    if cfg.init and cfg.model != default_model and arch_of(model_config(cfg.model)) != arch:
+        raise VlbertsError(f"--model={cfg.model} is a {arch_of(model_config(cfg.model))} model but --init holds a "
+                           f"{arch} model; with --init the model is --init's, so leave --model out", path=cfg.init)
     if cfg.roi_target not in ("soft", "hard"):
         raise VlbertsError(f"--roi_target must be soft or hard, got {cfg.roi_target!r}")
     recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
@@ -403,6 +409,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
     else:
         captions = read_caption_refs(cfg.captions, split=cfg.split)
+        if not captions:
+            raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
+                               path=cfg.captions)
         store = RegionStore(cfg.features)
     # H-VisualBERT: the image-only set's captions are withheld (recipes/pretrain_mix.py).
     captions, image_only = withhold_captions(cfg, captions, store) if not streamed else (captions, [])
@@ -556,10 +565,12 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             step += 1
             done_here += 1
             bar.update(task, completed=step)
-            if step % cfg.log_every == 0 or step == cfg.steps:  # the update's losses: the ranks' shares summed
+            log_step = step % cfg.log_every == 0 or step == cfg.steps
+            if log_step or step % cfg.ckpt_every == 0:  # the update's losses: the ranks' shares summed
                 totals = sum_over_ranks({k: float(v) for k, v in totals.items()}, dist)
+                require_finite({f"{k} loss": v for k, v in totals.items()}, step, scaler)  # never checkpoint a diverged model
                 bar.update(task, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
-            if log is not None and (step % cfg.log_every == 0 or step == cfg.steps):
+            if log is not None and log_step:
                 record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
                 record.update({f"{k}_loss": v for k, v in totals.items()})
                 if source is not None:

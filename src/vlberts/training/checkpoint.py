@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
-from vlberts.models.weights import load_into, tied_aliases
+from vlberts.models.weights import load_into, read_safetensors, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
 FORMAT = "vlberts/1"
@@ -70,7 +70,12 @@ def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
     meta = read_json(directory / "config.json")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise VlbertsError(f"not a vlberts model directory (config.json format is not {FORMAT!r})", path=directory / "config.json")
-    return config_from_dict(meta["arch"], meta["config"]), meta
+    if not isinstance(meta.get("arch"), str) or not isinstance(meta.get("config"), dict):
+        raise VlbertsError("config.json needs \"arch\" (a name) and \"config\" (an object)", path=directory / "config.json")
+    try:
+        return config_from_dict(meta["arch"], meta["config"]), meta
+    except VlbertsError as e:
+        raise VlbertsError(e.message, path=directory / "config.json") from None
 
 
 def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -78,7 +83,7 @@ def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[
     directory = Path(directory)
     cfg, meta = read_model_config(directory)
     model = build_pretraining_model(cfg)
-    load_into(model, load_file(str(directory / "model.safetensors")), source=directory / "model.safetensors")
+    load_into(model, read_safetensors(directory / "model.safetensors"), source=directory / "model.safetensors")
     return model, cfg, meta
 
 
@@ -212,13 +217,13 @@ def restore_checkpoint(
     """Load weights, optimizer, scheduler and RNG states from a training checkpoint directory. A sharded
     model (and its optimizer) takes this rank's shards of the whole tensors every rank reads."""
     path = Path(path)
-    weights = load_file(str(path / "model.safetensors"))
+    weights = read_safetensors(path / "model.safetensors")
     if is_sharded(model):
         own = model.state_dict()
         weights = {k: shard_like(v, own[k]) if k in own and own[k].shape == v.shape else v for k, v in weights.items()}
     load_into(model, weights, source=path / "model.safetensors")
     meta = read_json(path / "state.json")
-    tensors = load_file(str(path / "optimizer.safetensors"))
+    tensors = read_safetensors(path / "optimizer.safetensors")
     opt_tensors = {k: v for k, v in tensors.items() if k.startswith("state.")}
     opt_state = _unflatten_optimizer(opt_tensors, meta["optimizer"])
     if is_sharded(model):  # each parameter's moments laid out as the parameter (indices: param_groups order)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -209,6 +210,20 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.detach()
+
+
+def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradScaler) -> None:
+    """Stop a run whose logged loss is NaN or inf (the same on every rank: the ranks' summed shares) with a
+    one-line error, before the update is checkpointed, instead of training on: the newest checkpoint is
+    then one from before the divergence. Under fp16 loss scaling an overflowing update is expected and
+    skipped by the scaler, so this check is off there."""
+    if scaler.is_enabled():
+        return
+    bad = {k: v for k, v in losses.items() if not math.isfinite(v)}
+    if bad:
+        name, value = next(iter(bad.items()))
+        raise VlbertsError(f"training diverged at update {step}: the {name} is {value}; lower --lr, or look for "
+                           "NaN or inf in the inputs or the initial weights (the newest checkpoint predates it)")
 
 
 def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile", "prefetch", "tensorboard"),

@@ -278,6 +278,11 @@ def build_world(
     splits = assign_splits(n_images, seed, cfg.split_fractions)
     items = [(i, splits[i]) for i in range(1, n_images + 1)]
 
+    out_path = Path(out)
+    if overwrite and out_path.exists() and not (out_path.is_dir() and (
+            not any(out_path.iterdir()) or (out_path / "world.json").is_file())):
+        # --overwrite replaces an earlier world, never a file or a folder of something else
+        raise VlbertsError("exists and is not a world directory (no world.json); refusing to replace it", path=out_path)
     with atomic_dir(out, overwrite=overwrite) as root:
         for sub in ("images", "annotations", "vqa", "gqa", "refcoco+", "parses", "flickr30k_entities/Sentences",
                     "flickr30k_entities/Annotations", "vcr/metadata"):

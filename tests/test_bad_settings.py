@@ -1,0 +1,201 @@
+"""Bad settings and damaged inputs found by a sweep of the command line: each is a one-line error (exit 2),
+never a traceback and never a run that goes on with a silently wrong result. Settings outside their range
+(`config.SETTING_RANGES`), negative objective weights, unknown devices, damaged model directories and
+checkpoints, region stores with NaN features or an index that points into other images' rows, a training
+loss that turns NaN (stopped before it is checkpointed), an output directory that is a file, a partly
+labelled evaluation file, and `--flag=true` for the on/off options of the commands that are not run configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_nlvr2_task import nlvr2_cfg, nlvr2_file
+from test_pretrain import cfg_for
+
+from vlberts.cli import _flags_with_values, main
+from vlberts.config import apply_overrides
+from vlberts.data.shards import write_shards
+from vlberts.errors import VlbertsError
+from vlberts.features.store import RegionStore
+from vlberts.io import read_json
+from vlberts.objectives.recipe import RECIPES, parse_objectives
+from vlberts.recipes.common import resolve_device
+from vlberts.recipes.finetune_nlvr2 import finetune_nlvr2
+from vlberts.recipes.finetune_vqa import FinetuneVQAConfig
+from vlberts.recipes.predict_qa import PredictQAConfig
+from vlberts.recipes.pretrain import pretrain
+from vlberts.training.checkpoint import load_pretraining_model, read_model_config
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--batch_size=0", "batch_size: must be at least 1, got 0"),
+    ("--grad_accum=0", "grad_accum: must be at least 1"),
+    ("--log_every=0", "log_every: must be at least 1"),
+    ("--ckpt_every=-5", "ckpt_every: must be at least 1"),
+    ("--lr=-1", "lr: must be more than 0, got -1"),
+    ("--lr=nan", "lr: must be a finite number, got nan"),
+    ("--epochs=inf", "epochs: must be a finite number"),
+    ("--epochs=0", "epochs: must be more than 0"),
+    ("--warmup=2", "warmup: must be at most 1, got 2"),
+    ("--max_text_len=1", "max_text_len: must be at least 8"),
+    ("--num_workers=-1", "num_workers: must be at least 0"),
+    ("--clip=-1", "clip: must be at least 0"),
+])
+def test_settings_outside_their_range_are_one_line_errors(override, message):
+    with pytest.raises(VlbertsError, match=message.replace("(", r"\(")):
+        apply_overrides(FinetuneVQAConfig(), [override])
+
+
+def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
+    cfg = apply_overrides(PredictQAConfig(), ["--max_text_len=0", "--max_regions=0", "--batch_size=8"])
+    assert (cfg.max_text_len, cfg.max_regions, cfg.batch_size) == (0, 0, 8)
+    with pytest.raises(VlbertsError, match="max_regions: must be at least 1, got -1"):
+        apply_overrides(PredictQAConfig(), ["--max_regions=-1"])
+    assert apply_overrides(FinetuneVQAConfig(), ["--warmup=0", "--clip=0", "--lr=3e-5"]).lr == 3e-5
+
+
+def test_the_command_line_reports_a_bad_setting_in_one_line(tiny_world, tiny_pretrained, tmp_path, capsys):
+    code, _, err = run_cli(["finetune", "vqa", f"--init={tiny_pretrained}", f"--features={tiny_world.store}",
+                            f"--out={tmp_path / 'run'}", "--batch_size=0"], capsys)
+    assert code == 2 and "batch_size: must be at least 1, got 0" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_negative_objective_weights_and_unknown_devices_are_refused(tiny_pretrained):
+    model_cfg, _ = read_model_config(tiny_pretrained)
+    with pytest.raises(VlbertsError, match="weight '-1' must be a finite number >= 0"):
+        parse_objectives("mlm=-1", RECIPES["visualbert"], model_cfg)
+    with pytest.raises(VlbertsError, match="weight 'nan'"):
+        parse_objectives("mlm=nan", RECIPES["visualbert"], model_cfg)
+    with pytest.raises(VlbertsError, match="unknown device 'tpu'; valid: auto, cpu, cuda, cuda:N"):
+        resolve_device("tpu")
+    assert resolve_device("cpu").type == "cpu"
+
+
+def test_damaged_model_directories_name_the_file(tiny_pretrained, tmp_path):
+    missing = shutil.copytree(tiny_pretrained, tmp_path / "missing")
+    (missing / "model.safetensors").unlink()
+    with pytest.raises(VlbertsError, match="weights file not found") as e:
+        load_pretraining_model(missing)
+    assert str(missing / "model.safetensors") in str(e.value)
+    cut = shutil.copytree(tiny_pretrained, tmp_path / "cut")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(VlbertsError, match="cannot read weights"):
+        load_pretraining_model(cut)
+    null = shutil.copytree(tiny_pretrained, tmp_path / "null")
+    meta = json.loads((null / "config.json").read_text())
+    (null / "config.json").write_text(json.dumps({**meta, "config": None}))
+    with pytest.raises(VlbertsError, match='config.json needs "arch"'):
+        read_model_config(null)
+
+
+def _copy_store(src: Path, dst: Path, edit) -> Path:
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        edit(f)
+    return dst
+
+
+def test_region_stores_with_nan_features_or_a_bad_index_are_refused(tiny_world, tmp_path):
+    store = RegionStore(tiny_world.store)
+    first = store.ids()[0]
+
+    def nan_row(f):
+        f["features"][3] = np.nan  # image 0's fourth region (every world image has more than 3)
+    nan_store = RegionStore(_copy_store(tiny_world.store, tmp_path / "nan.h5", nan_row))
+    with pytest.raises(VlbertsError, match=f"record image {first}: features hold NaN or inf") as e:
+        nan_store.get(first)
+    assert str(tmp_path / "nan.h5") in str(e.value)
+    assert nan_store.get(store.ids()[1]).num_boxes == store.num_boxes(store.ids()[1])  # the others read
+
+    def count_999(f):
+        f["count"][0] = 999  # image 0 would read the next images' regions
+    with pytest.raises(VlbertsError, match=f"damaged store: image {store.ids()[1]}: offset"):
+        RegionStore(_copy_store(tiny_world.store, tmp_path / "count.h5", count_999))
+
+    def no_features(f):
+        del f["features"]
+    with pytest.raises(VlbertsError, match="damaged store: missing dataset 'features'"):
+        RegionStore(_copy_store(tiny_world.store, tmp_path / "nofeat.h5", no_features))
+
+    def duplicate(f):
+        ids = f["image_ids"].asstr()[()].tolist()
+        ids[1] = ids[0]
+        del f["image_ids"]
+        f["image_ids"] = np.array(ids, dtype=h5py.string_dtype())
+    with pytest.raises(VlbertsError, match=f"image id {first} appears more than once"):
+        RegionStore(_copy_store(tiny_world.store, tmp_path / "dup.h5", duplicate))
+
+
+def test_a_loss_that_turns_nan_stops_the_run_before_it_is_checkpointed(tiny_world, tiny_pretrained, tmp_path):
+    bad = shutil.copytree(tiny_pretrained, tmp_path / "nan_init")
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "run"
+    with pytest.raises(VlbertsError, match="training diverged at update 1: the mlm loss is nan"):
+        pretrain(cfg_for(tiny_world, out, init=str(bad), model="visualbert-small", log_every=5, ckpt_every=1))
+    assert not list((out / "checkpoints").glob("step_*")) if (out / "checkpoints").exists() else True
+    assert not (out / "model").exists()
+
+
+def test_an_output_path_that_is_a_file_is_one_line(tiny_world, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    questions, annotations = tiny_world.vqa("test")
+    preds = tmp_path / "p.json"
+    preds.write_text(json.dumps([{"question_id": q["question_id"], "answer": "yes"}
+                                 for q in json.loads(questions.read_text())["questions"]]))
+    code, _, err = run_cli(["evaluate", "vqa", f"--predictions={preds}", f"--questions={questions}",
+                            f"--annotations={annotations}", f"--out={tmp_path / 'taken'}"], capsys)
+    assert code == 2 and str(tmp_path / "taken") in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_partly_labelled_evaluation_file_is_predicted_with_a_warning(tiny_world, tiny_pretrained, tmp_path, capsys):
+    lines = nlvr2_file(tiny_world, "test1").read_text().splitlines()
+    partly = tmp_path / "test1.json"
+    rec = json.loads(lines[0])
+    rec.pop("label")
+    partly.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    out = tmp_path / "run"
+    finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, out, eval_statements=str(partly), epochs=0.05))
+    err = capsys.readouterr().err
+    assert f"warning: {partly}: 1 of {len(lines)} evaluation examples have no label" in err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert "accuracy" not in metrics and len((out / "predictions.csv").read_text().splitlines()) == len(lines)
+
+
+def test_on_off_options_also_take_a_value():
+    assert _flags_with_values(["demo", "--quick=true", "--seed=1", "--vqa_epochs=2"]) == [
+        "demo", "--quick", "--seed=1", "--vqa_epochs=2"]
+    assert _flags_with_values(["demo", "--quick=false", "--out=x"]) == ["demo", "--out=x"]
+    assert _flags_with_values(["world", "build", "--overwrite=yes", "--out=w"]) == ["world", "build", "--overwrite", "--out=w"]
+    # run configs take --key=value as it is
+    assert _flags_with_values(["finetune", "vqa", "--skip_bad=true"]) == ["finetune", "vqa", "--skip_bad=true"]
+
+
+def test_a_shard_set_is_not_replaced_unless_asked_and_a_directory_is_not_a_file(tiny_world, tmp_path):
+    index = write_shards(tiny_world.store, tiny_world.captions_train, tmp_path / "shards", shard_size=50)
+    before = index.read_text()
+    with pytest.raises(VlbertsError, match=r"a shard set shard-\* is already there \(pass --overwrite"):
+        write_shards(tiny_world.store, None, tmp_path / "shards", shard_size=50)
+    assert index.read_text() == before
+    assert write_shards(tiny_world.store, None, tmp_path / "shards", shard_size=50, overwrite=True) == index
+    with pytest.raises(VlbertsError, match="is a directory, expected a file"):
+        read_json(tmp_path)
+
