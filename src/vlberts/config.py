@@ -118,7 +118,7 @@ _COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckp
            "iterations", "max_steps", "pretrain_batch", "vqa_batch", "procs", "per_class", "classes", "top_k",
            "steps", "pretrain_steps", "images", "max_boxes", "min_answer_count", "qa_min_answer_count",
            "detector_epochs", "detector_steps", "shuffle_buffer", "vocab_size", "max_regions", "eval_images",
-           "max_images", "length_group", "stop_after", "feature_dim")
+           "max_images", "stop_after", "feature_dim")
 _FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "warmup", "text_ratio",
               "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
 SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
@@ -127,7 +127,8 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",
                                            "vqa_epochs")},
     **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "num_workers", "min_boxes",
-                                           "figures", "qualitative", "explorer_examples", "hard_negatives")},
+                                           "figures", "qualitative", "explorer_examples", "hard_negatives",
+                                           "length_group")},  # 0: none / off
     "epochs": (0, None, True),
     "max_text_len": (8, None, False),  # [CLS], a few subwords, [SEP] (and an answer slot)
     "pixel_size": (16, None, False),
