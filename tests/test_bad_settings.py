@@ -27,6 +27,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import read_json
 from vlberts.objectives.recipe import RECIPES, parse_objectives
 from vlberts.recipes.common import resolve_device
+from vlberts.recipes.demo import DemoConfig
 from vlberts.recipes.finetune_nlvr2 import finetune_nlvr2
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig
 from vlberts.recipes.predict_qa import PredictQAConfig
@@ -66,6 +67,7 @@ def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
     with pytest.raises(VlbertsError, match="max_regions: must be at least 1, got -1"):
         apply_overrides(PredictQAConfig(), ["--max_regions=-1"])
     assert apply_overrides(FinetuneVQAConfig(), ["--warmup=0", "--clip=0", "--lr=3e-5"]).lr == 3e-5
+    assert apply_overrides(DemoConfig(), ["--length_group=0"]).length_group == 0  # 0: off, where 16 is the default
 
 
 def test_the_command_line_reports_a_bad_setting_in_one_line(tiny_world, tiny_pretrained, tmp_path, capsys):
