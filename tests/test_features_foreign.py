@@ -303,3 +303,79 @@ def test_an_imported_store_pretrains_like_the_one_it_came_from(tiny_world, tmp_p
         pretrain(cfg_for(tiny_world, out, model="vlbert-tiny", steps=3, ckpt_every=100, features=str(features)))
         logs.append([(r["mlm_loss"], r["roi_cls_loss"]) for r in MetricsLog.read(out / "metrics.jsonl")])
     assert logs[0] == logs[1]
+
+
+# --------------------------------------------------------------------------- damaged files (a sweep of 330 cases)
+
+def test_damaged_foreign_files_are_one_line_errors_naming_the_file(tmp_path):
+    """A corrupt zip member, a cut-off .npz, an empty .th, overlapping BAN rows: each fails in one line that
+    names the file, with no store left behind (they used to be tracebacks, or a store with another
+    image's boxes copied in)."""
+    images = _images()
+    # a zip member whose bytes no longer match its CRC
+    with zipfile.ZipFile(tmp_path / "feats.zip", "w", compression=zipfile.ZIP_STORED) as z:
+        for im in images:
+            z.writestr(f"feats/{im['id']}.json", json.dumps(_vlbert_obj(im)))
+    data = bytearray((tmp_path / "feats.zip").read_bytes())
+    k = data.index(b'"image_h"', data.index(b"feats/102.json"))
+    data[k + 1] = ord("X")
+    (tmp_path / "feats.zip").write_bytes(bytes(data))
+    # a .npz directory whose second file is cut in half
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    for im in images:
+        np.savez(npz / f"dev-{im['id']}-0-img0.png.npz", box_features=im["features"], cls_boxes=im["boxes"],
+                 max_conf=im["cls_prob"].max(1))
+    cut = npz / "dev-101-0-img0.png.npz"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    (tmp_path / "empty.th").write_bytes(b"")
+    ids = _write_ban(tmp_path / "ban.hdf5", images)
+    (tmp_path / "ban_imgid2idx.pkl").write_bytes(pickle.dumps(ids, protocol=2))
+    with h5py.File(tmp_path / "ban.hdf5", "a") as f:
+        pos = f["pos_boxes"][...]
+        pos[1, 0] -= 2  # image 101 would also read image 100's last two boxes
+        f["pos_boxes"][...] = pos
+    folder = _visualbert_images(tmp_path, images)
+    cases = [
+        (tmp_path / "feats.zip", "vlbert-json", {}, "cannot read this vlbert-json file: BadZipFile: Bad CRC-32"),
+        (npz, "visualbert-th", {"images": folder}, "not a VisualBERT feature .npz"),
+        (tmp_path / "empty.th", "visualbert-th", {"images": folder}, "cannot read as a torch.save file of tensors"),
+        (tmp_path / "ban.hdf5", "ban-h5", {"ids": tmp_path / "ban_imgid2idx.pkl"}, "pos_boxes rows overlap"),
+    ]
+    for src, fmt, extra, message in cases:
+        with pytest.raises(VlbertsError) as err:
+            import_features(src, fmt, tmp_path / "out.h5", **extra)
+        assert message in str(err.value) and "\n" not in str(err.value), (fmt, str(err.value))
+        assert str(src) in str(err.value)  # the file (for the .npz directory: the cut file inside it)
+        assert not (tmp_path / "out.h5").exists()
+
+
+def test_visualbert_th_takes_tensors_with_grad_bf16_or_sparse_and_vlbert_json_an_image_without_boxes(tmp_path):
+    import torch
+
+    images = _images()
+    folder = _visualbert_images(tmp_path, images)
+    odd = {
+        f"dev-{images[0]['id']}-0-img0.png": (torch.from_numpy(images[0]["features"]).requires_grad_(),
+                                              torch.from_numpy(images[0]["boxes"]), torch.ones(4)),
+        f"dev-{images[1]['id']}-0-img0.png": (torch.from_numpy(images[1]["features"]).bfloat16(),
+                                              torch.from_numpy(images[1]["boxes"]).to_sparse(), torch.ones(5)),
+    }
+    torch.save(odd, tmp_path / "odd.th")
+    import_features(tmp_path / "odd.th", "visualbert-th", tmp_path / "odd.h5", images=folder)
+    with RegionStore(tmp_path / "odd.h5") as s:
+        np.testing.assert_array_equal(s.get(f"dev-{images[0]['id']}-0-img0").features, images[0]["features"])
+        np.testing.assert_allclose(s.get(f"dev-{images[1]['id']}-0-img0").features, images[1]["features"], rtol=1e-2)
+        np.testing.assert_array_equal(s.get(f"dev-{images[1]['id']}-0-img0").boxes, images[1]["boxes"])
+    # VL-BERT JSON: an image with no boxes (its classes an empty list) between two with boxes
+    folder_json = tmp_path / "json"
+    folder_json.mkdir()
+    for k, im in enumerate(images):
+        obj = _vlbert_obj(im)
+        if k == 1:
+            obj.update(num_boxes=0, boxes=_b64(np.zeros((0, 4))), features=_b64(np.zeros((0, 6))), classes="")
+        (folder_json / f"{im['id']}.json").write_text(json.dumps(obj))
+    import_features(folder_json, "vlbert-json", tmp_path / "json.h5")
+    with RegionStore(tmp_path / "json.h5") as s:
+        assert [s.num_boxes(str(im["id"])) for im in images] == [len(images[0]["boxes"]), 0, len(images[2]["boxes"])]
+        assert s.get(str(images[2]["id"])).cls_prob.shape == images[2]["cls_prob"].shape

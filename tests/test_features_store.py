@@ -77,7 +77,16 @@ def test_record_ids_are_strings_and_arrays_are_coerced():
         ({"image_w": 0}, "image_w must be a positive integer"),
         ({"image_h": 1.5}, "image_h must be a positive integer"),
         ({"image_id": True}, "image id must be a string or an integer"),
-        ({"image_id": "a\tb"}, "tab/newline"),
+        ({"image_id": "a\tb"}, "tab, newline or other control character"),
+        ({"image_id": "a\x00b"}, "tab, newline or other control character"),  # HDF5 strings cannot hold NUL
+        ({"features": np.full((2, 6), np.nan)}, "features hold NaN or inf"),
+        ({"cls_prob": np.array([[0.5, np.inf], [0.5, 0.5]])}, "cls_prob holds NaN, inf or a negative value"),
+        ({"cls_prob": np.array([[1.5, -0.5], [0.5, 0.5]])}, "cls_prob holds NaN, inf or a negative value"),
+        ({"obj_id": np.zeros(2), "obj_conf": np.array([0.5, np.nan])}, "obj_conf must be confidences in [0, 1]"),
+        ({"attr_id": np.zeros(2), "attr_conf": np.array([0.5, 7.5])}, "attr_conf must be confidences in [0, 1]"),
+        ({"obj_id": np.array([-1, 0]), "obj_conf": np.ones(2)}, "obj_id holds a negative class index (-1)"),
+        ({"boxes": np.array([[0, 0, 5, 5], [500, 5, 540, 9]])}, "box 1 [500.0, 5.0, 540.0, 9.0] lies outside the 10x10"),
+        ({"boxes": np.array([[-3, 0, 5, 5], [0, 0, 1, 1]])}, "box 0 [-3.0, 0.0, 5.0, 5.0] lies outside"),
     ],
 )
 def test_record_validation_is_one_line(change, words):

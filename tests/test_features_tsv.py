@@ -36,11 +36,12 @@ def b64(a: np.ndarray) -> str:
     return base64.b64encode(a.tobytes()).decode()
 
 
-def arrays(n: int, seed: int) -> dict[str, np.ndarray]:
+def arrays(n: int, seed: int, w: int = 640, h: int = 480) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    xy = rng.uniform(0, 300, (n, 2)).astype(np.float32)
+    half = np.array([w / 2, h / 2])
+    xy = (rng.uniform(0, 1, (n, 2)) * half).astype(np.float32)  # boxes inside the w x h image
     return {
-        "boxes": np.concatenate([xy, xy + rng.uniform(1, 100, (n, 2)).astype(np.float32)], 1),
+        "boxes": np.concatenate([xy, xy + (rng.uniform(0.01, 1, (n, 2)) * half).astype(np.float32)], 1),
         "features": rng.random((n, D), dtype=np.float32) * 4,
         "objects_id": rng.integers(0, 1600, n).astype(np.int64),
         "objects_conf": rng.random(n, dtype=np.float32),
@@ -74,11 +75,12 @@ def write_lxmert_like_extract(path: Path, items: list[tuple[str, int, int, dict]
             )
 
 
-BUTD_ITEMS = [(42, 640, 480, arrays(3, 0)), (9, 500, 375, arrays(36, 1)), (131089, 427, 640, arrays(10, 2))]
+BUTD_ITEMS = [(42, 640, 480, arrays(3, 0, 640, 480)), (9, 500, 375, arrays(36, 1, 500, 375)),
+              (131089, 427, 640, arrays(10, 2, 427, 640))]
 LXMERT_ITEMS = [
-    ("COCO_val2014_000000131089", 640, 480, arrays(36, 3)),
-    ("dev-850-0-img0", 300, 200, arrays(5, 4)),
-    ("00042", 64, 32, arrays(1, 5)),
+    ("COCO_val2014_000000131089", 640, 480, arrays(36, 3, 640, 480)),
+    ("dev-850-0-img0", 300, 200, arrays(5, 4, 300, 200)),
+    ("00042", 64, 32, arrays(1, 5, 64, 32)),
 ]
 
 
@@ -144,7 +146,7 @@ def test_our_lxmert_file_reads_with_the_original_loader(tmp_path):
 
 def test_blank_lines_and_zero_box_images(tmp_path):
     src = tmp_path / "b.tsv"
-    write_butd_like_generate_tsv(src, [BUTD_ITEMS[0], (7, 10, 10, arrays(0, 0))])
+    write_butd_like_generate_tsv(src, [BUTD_ITEMS[0], (7, 10, 10, arrays(0, 0, 10, 10))])
     src.write_bytes(src.read_bytes() + b"\r\n")
     recs = list(read_butd_tsv(src))
     assert [r.num_boxes for r in recs] == [3, 0]

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import first_line, VlbertsError
 
 C = TypeVar("C")
 
@@ -177,7 +177,7 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise VlbertsError(f"malformed YAML: {str(e).splitlines()[0]}", path=path) from None
+        raise VlbertsError(f"malformed YAML: {first_line(e)}", path=path) from None
     return from_dict(cls, data, where=str(path))
 
 

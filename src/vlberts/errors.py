@@ -14,6 +14,12 @@ from pathlib import Path
 EXIT_BAD_INPUT = 2
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type name when the message is empty."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 class VlbertsError(Exception):
     """An error the user can fix: bad input, a missing file, an impossible setting.
 

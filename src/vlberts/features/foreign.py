@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import first_line, VlbertsError
 from vlberts.features.record import RegionRecord
 from vlberts.features.tsv import b64_rows
 from vlberts.safe_pickle import safe_load, safe_loads
@@ -53,6 +54,21 @@ def _missing(obj: dict[str, Any], keys: tuple[str, ...]) -> None:
         raise VlbertsError(f"missing field(s) {', '.join(absent)} (has {', '.join(sorted(map(str, obj))) or 'none'})")
 
 
+def _float_array(value: Any, name: str) -> np.ndarray:
+    """A tensor (any dtype or layout, with or without grad) or an array-like of numbers -> float32 array."""
+    if hasattr(value, "detach") and hasattr(value, "is_sparse"):  # a torch tensor (torch is imported lazily)
+        value = value.detach()
+        if value.is_sparse:
+            value = value.to_dense()
+        value = value.float().numpy()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            a = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise VlbertsError(f"{name} must hold numbers, got {type(value).__name__}") from None
+    return a
+
+
 def _b64_or_array(value: Any, name: str, n: int, width: int | None) -> np.ndarray:
     """A field stored base64 (float32, as the BUTD-derived writers do) or as a numpy array -> (n, width)."""
     if isinstance(value, (str, bytes)):
@@ -62,7 +78,8 @@ def _b64_or_array(value: Any, name: str, n: int, width: int | None) -> np.ndarra
     if a.dtype.kind not in "fiu" or a.ndim != 2 or a.shape[0] != n or (width is not None and a.shape[1] != width):
         want = f"({n}, {width if width is not None else 'D'})"
         raise VlbertsError(f"{name} must be an array of shape {want}, got {a.dtype} {a.shape}")
-    return a.astype(np.float32, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):  # too big for float32: inf, refused by the record
+        return a.astype(np.float32, copy=False)
 
 
 def _record(obj: Any, fields: dict[str, str]) -> RegionRecord:
@@ -192,11 +209,26 @@ def read_ban_h5(src: str | Path, ids: str | Path) -> Source:
         missing = [k for k in ("image_features", "image_bb", "spatial_features", "pos_boxes") if k not in f]
         if missing:
             raise VlbertsError(f"not a BAN feature file: no dataset(s) {', '.join(missing)}", path=src)
-        pos = f["pos_boxes"][:]
+        pos = f["pos_boxes"][:] if isinstance(f["pos_boxes"], h5py.Dataset) else None
+        rows = len(f["image_bb"]) if isinstance(f["image_bb"], h5py.Dataset) else -1
+        if pos is None or pos.ndim != 2 or pos.shape[1] != 2 or pos.dtype.kind not in "iu":
+            raise VlbertsError("pos_boxes must be an (images, 2) integer dataset of [start, end) rows", path=src)
+        # each image's rows: inside the per-box datasets, in order, never shared with another image
+        starts, ends = pos[:, 0].astype(np.int64), pos[:, 1].astype(np.int64)
+        if len(pos) and ((starts < 0).any() or (ends < starts).any() or (ends > rows).any()
+                         or (starts[1:] < ends[:-1]).any()):
+            raise VlbertsError(f"pos_boxes rows overlap, run backwards or leave the {rows} box rows", path=src)
+        for name in ("image_features", "image_bb", "spatial_features"):
+            if not isinstance(f[name], h5py.Dataset) or f[name].ndim != 2 or len(f[name]) != rows:
+                raise VlbertsError(f"{name} must be a 2-d dataset with a row per box ({rows})", path=src)
+        bad_index = [(k, i) for k, i in index.items() if not isinstance(i, int) or isinstance(i, bool)
+                     or not 0 <= i < len(pos)]
+        if bad_index:
+            k, i = bad_index[0]
+            raise VlbertsError(f"index {i!r} is not a row of pos_boxes (0..{len(pos) - 1})", path=ids,
+                               record=f"image {k}")
         for image_id, i in sorted(index.items(), key=lambda item: item[1]):
             where = f"image {image_id} (index {i})"
-            if not isinstance(i, int) or not 0 <= i < len(pos):
-                raise VlbertsError(f"index {i!r} outside pos_boxes' {len(pos)} rows", path=ids, record=where)
             a, b = (int(v) for v in pos[i])
             boxes = f["image_bb"][a:b].astype(np.float32)
             feats = f["image_features"][a:b].astype(np.float32)
@@ -253,7 +285,7 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
         except FileNotFoundError:
             raise VlbertsError(f"no image {name} in {images} to read its size from", path=src, record=where) from None
         except (UnidentifiedImageError, OSError) as e:
-            raise VlbertsError(f"cannot read as an image ({str(e).splitlines()[0]})", path=path) from None
+            raise VlbertsError(f"cannot read as an image ({first_line(e)})", path=path) from None
 
     def items() -> Iterator[tuple[str, Any]]:
         if src.is_dir():
@@ -261,14 +293,14 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
                 try:
                     with np.load(path, allow_pickle=False) as z:
                         yield path.name.removesuffix(".npz"), tuple(z[k] for k in ("box_features", "cls_boxes", "max_conf"))
-                except (KeyError, ValueError, OSError) as e:
-                    raise VlbertsError(f"not a VisualBERT feature .npz (box_features, cls_boxes, max_conf): {e}",
-                                       path=path) from None
+                except (KeyError, ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+                    raise VlbertsError("not a VisualBERT feature .npz (box_features, cls_boxes, max_conf): "
+                                       f"{type(e).__name__}: {first_line(e)}", path=path) from None
         else:
             try:
                 data = torch.load(src, map_location="cpu", weights_only=True)
             except Exception as e:  # a corrupt file, or a pickle with anything but tensors and containers
-                raise VlbertsError(f"cannot read as a torch.save file of tensors ({str(e).splitlines()[0]})", path=src) from None
+                raise VlbertsError(f"cannot read as a torch.save file of tensors ({first_line(e)})", path=src) from None
             if not isinstance(data, dict):
                 raise VlbertsError(f"expected a dict of image file name -> features, got {type(data).__name__}", path=src)
             yield from sorted(data.items())
@@ -278,7 +310,7 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
         try:
             if not isinstance(value, (tuple, list)) or len(value) != 3:
                 raise VlbertsError("expected (box_features, cls_boxes, max_conf)")
-            feats, boxes = (np.asarray(v.numpy() if hasattr(v, "numpy") else v, dtype=np.float32) for v in value[:2])
+            feats, boxes = (_float_array(v, name) for name, v in zip(("box_features", "cls_boxes"), value[:2]))
             w, h = size(name, where)
             rec = RegionRecord(image_id=Path(name).stem, image_w=w, image_h=h, boxes=boxes, features=feats)
         except VlbertsError as e:

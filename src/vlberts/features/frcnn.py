@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import first_line, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.selection import SelectionConfig, select_boxes
 from vlberts.features.store import RegionStoreWriter
@@ -94,7 +94,7 @@ def read_image(path: Path) -> torch.Tensor:
         with Image.open(path) as im:
             rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise VlbertsError(f"cannot read as an image ({str(e).splitlines()[0]})", path=path) from None
+        raise VlbertsError(f"cannot read as an image ({first_line(e)})", path=path) from None
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1).float().div_(255.0)
 
 

@@ -16,15 +16,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import pickle
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import first_line, VlbertsError
 from vlberts.features.foreign import read_ban_h5, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
+from vlberts.io import read_text
 
 FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5", "visualbert-th")
 IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
@@ -33,10 +37,7 @@ IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then 
 def read_vocab(path: str | Path) -> list[str]:
     """A vocabulary file (objects_vocab.txt, attributes_vocab.txt): one entry per line, synonyms
     ("gray,grey") kept as written. Line i is class/attribute id i (LXMERT's 0-based ids)."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("vocabulary file not found", path=path)
-    names = path.read_text(encoding="utf-8").splitlines()
+    names = read_text(path).splitlines()
     while names and not names[-1].strip():
         names.pop()
     if not names:
@@ -68,6 +69,32 @@ def read_records(src: Path, format: str, ids: str | Path | None = None, images: 
             raise VlbertsError("visualbert-th needs --images, the directory of the images (their sizes are not in the file)")
         return read_visualbert_th(src, images)
     raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
+
+
+# What a damaged foreign file can raise while it is decoded (a bad zip member, a truncated .npz, bytes that are
+# not UTF-8, a ragged list, a tensor numpy cannot take, ...): every one of them is the file's fault.
+_DECODE_ERRORS = (ValueError, TypeError, IndexError, KeyError, AttributeError, OSError, EOFError, RuntimeError,
+                  OverflowError, zlib.error, zipfile.BadZipFile, pickle.UnpicklingError)
+
+
+def _guarded(records: Iterator[tuple[str, bytes, RegionRecord | None]], src: Path, format: str
+             ) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+    """The records of a feature file, with any decoding failure turned into a one-line `VlbertsError`
+    naming the file and the last record read (the readers name the record themselves where they can)."""
+    at = "the first record"
+    it = iter(records)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=e.path or src, record=e.record or f"after {at}") from None
+        except _DECODE_ERRORS as e:
+            raise VlbertsError(f"cannot read this {format} file: {type(e).__name__}: {first_line(e)}", path=src,
+                               record=f"after {at}") from None
+        at = item[0]
+        yield item
 
 
 def import_features(
@@ -102,7 +129,7 @@ def import_features(
     first_seen: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         writer: RegionStoreWriter | None = None
-        for at, raw, rec in read_records(src, format, ids, images):
+        for at, raw, rec in _guarded(read_records(src, format, ids, images), src, format):
             sha.update(raw)
             n_bytes += len(raw)
             n_items += 1
@@ -150,6 +177,8 @@ def export_tsv(
     BUTD needs integer image ids; LXMERT needs objects (and attributes, unless `zero_missing_attrs`).
     """
     get_format(format)
+    if Path(path).is_dir():
+        raise VlbertsError("is a directory; name the .tsv file to write", path=path)
     if isinstance(store, RegionStore):
         return write_tsv(path, store.records(), format, zero_missing_attrs)
     with RegionStore(store) as s:

@@ -32,14 +32,15 @@ def canonical_image_id(image_id: object) -> str:
         return str(int(image_id))
     if not isinstance(image_id, str):
         raise VlbertsError(f"image id must be a string or an integer, got {type(image_id).__name__}")
-    if not image_id or any(c in image_id for c in _BAD_ID_CHARS):
-        raise VlbertsError(f"image id {image_id!r} is empty or holds a tab/newline")
+    if not image_id or any(c in image_id for c in _BAD_ID_CHARS) or not image_id.isprintable():
+        raise VlbertsError(f"image id {image_id!r} is empty or holds a tab, newline or other control character")
     return image_id
 
 
 def _array(value: Any, dtype: Any, name: str, image_id: str) -> np.ndarray:
     try:
-        return np.asarray(value, dtype=dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # a value too big becomes inf: refused by name below
+            return np.asarray(value, dtype=dtype)
     except (TypeError, ValueError) as e:
         raise VlbertsError(f"{name} cannot be read as {np.dtype(dtype).name}: {e}", record=image_id) from None
 
@@ -84,6 +85,14 @@ class RegionRecord:
         # xyxy, not xywh: a file in the wrong convention usually trips this.
         if n and ((boxes[:, 2] < boxes[:, 0]).any() or (boxes[:, 3] < boxes[:, 1]).any()):
             raise VlbertsError("boxes must be (x1, y1, x2, y2) with x2 >= x1 and y2 >= y1", record=image_id)
+        # Inside the image (a pixel of slack for rounding): a box far outside is a file for another image
+        # size, or boxes in another unit, and would give normalised coordinates outside [0, 1].
+        if n and ((boxes[:, :2] < -1).any() or (boxes[:, 2] > self.image_w + 1).any()
+                  or (boxes[:, 3] > self.image_h + 1).any()):
+            k = int(np.flatnonzero((boxes[:, :2] < -1).any(1) | (boxes[:, 2] > self.image_w + 1)
+                                   | (boxes[:, 3] > self.image_h + 1))[0])
+            raise VlbertsError(f"box {k} {boxes[k].tolist()} lies outside the {self.image_w}x{self.image_h} image",
+                               record=image_id)
         set_(self, "boxes", boxes)
 
         feats = np.asarray(self.features)
@@ -99,8 +108,8 @@ class RegionRecord:
             cp = _array(cp, np.float16 if cp.dtype == np.float16 else np.float32, "cls_prob", image_id)
             if cp.ndim != 2 or cp.shape[0] != n:
                 raise VlbertsError(f"cls_prob must have shape ({n}, C) for {n} boxes, got {cp.shape}", record=image_id)
-            if not np.isfinite(cp).all():
-                raise VlbertsError("cls_prob holds NaN or inf", record=image_id)
+            if not np.isfinite(cp).all() or (cp < 0).any():
+                raise VlbertsError("cls_prob holds NaN, inf or a negative value", record=image_id)
             set_(self, "cls_prob", cp)
 
         for ids, conf in (("obj_id", "obj_conf"), ("attr_id", "attr_conf")):
@@ -116,6 +125,10 @@ class RegionRecord:
                     f"{ids} and {conf} must have shape ({n},) for {n} boxes, got {i.shape} and {c.shape}",
                     record=image_id,
                 )
+            if (i < 0).any():
+                raise VlbertsError(f"{ids} holds a negative class index ({int(i.min())})", record=image_id)
+            if not np.isfinite(c).all() or (c < 0).any() or (c > 1 + 1e-3).any():
+                raise VlbertsError(f"{conf} must be confidences in [0, 1] (no NaN or inf)", record=image_id)
             set_(self, ids, i)
             set_(self, conf, c)
 

@@ -171,7 +171,7 @@ class RegionStoreWriter:
         arrays = {
             "boxes": rec.boxes,
             "features": rec.features.reshape(n, self.feature_dim),  # a 0-box record may arrive as (0, 0)
-            "cls_prob": rec.cls_prob,
+            "cls_prob": None if rec.cls_prob is None else rec.cls_prob.reshape(n, -1 if n else self.num_classes),
             "obj_id": rec.obj_id,
             "obj_conf": rec.obj_conf,
             "attr_id": rec.attr_id,
@@ -205,7 +205,7 @@ class RegionStoreWriter:
                 has = "has" if present[name] else "lacks"
                 holds = "holds" if wanted[name] else "does not hold"
                 raise VlbertsError(f"record {has} {name} but the store {holds} them", path=self.path, record=rec.image_id)
-        if rec.cls_prob is not None and rec.cls_prob.shape[1] != self.num_classes:
+        if rec.cls_prob is not None and rec.cls_prob.shape[1] != self.num_classes and rec.num_boxes:
             raise VlbertsError(
                 f"cls_prob has {rec.cls_prob.shape[1]} classes but the store holds {self.num_classes}",
                 path=self.path,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import first_line, VlbertsError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -41,7 +41,7 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors' own errors: bad header, truncated data, ...
-        raise VlbertsError(f"cannot read weights: {str(e).splitlines()[0]}", path=path) from None
+        raise VlbertsError(f"cannot read weights: {first_line(e)}", path=path) from None
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
@@ -52,7 +52,7 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, pickle with arbitrary objects, ...
-        raise VlbertsError(f"cannot read weights: {str(e).splitlines()[0]}", path=path) from None
+        raise VlbertsError(f"cannot read weights: {first_line(e)}", path=path) from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]  # common training-checkpoint wrapper
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
