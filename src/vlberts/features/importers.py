@@ -81,7 +81,7 @@ def _guarded(records: Iterator[tuple[str, bytes, RegionRecord | None]], src: Pat
              ) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
     """The records of a feature file, with any decoding failure turned into a one-line `VlbertsError`
     naming the file and the last record read (the readers name the record themselves where they can)."""
-    at = "the first record"
+    at: str | None = None
     it = iter(records)
     while True:
         try:
@@ -89,10 +89,11 @@ def _guarded(records: Iterator[tuple[str, bytes, RegionRecord | None]], src: Pat
         except StopIteration:
             return
         except VlbertsError as e:
-            raise VlbertsError(e.message, path=e.path or src, record=e.record or f"after {at}") from None
+            raise VlbertsError(e.message, path=e.path or src,
+                               record=e.record or (f"after {at}" if at else "the first")) from None
         except _DECODE_ERRORS as e:
             raise VlbertsError(f"cannot read this {format} file: {type(e).__name__}: {first_line(e)}", path=src,
-                               record=f"after {at}") from None
+                               record=f"after {at}" if at else "the first") from None
         at = item[0]
         yield item
 
