@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,12 @@ TENSORBOARD_HELP = ("also write the metrics log as TensorBoard event files in OU
                     "tensorboard package: pip install 'vlberts[tensorboard]')")
 COMPILE_HELP = ("torch.compile the model in place (inductor): the first updates wait for the compiler, "
                 "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """The settings every plain-inference recipe (`vlberts predict TASK`) shares; each task adds its files."""
+
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    precision: str = opt("auto", PRECISION_HELP)
+    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")

@@ -26,13 +26,13 @@ from vlberts.data.nlvr2 import read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PRECISION_HELP, fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, read_image_map, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
 
 
 @dataclass(frozen=True)
-class PredictNLVR2Config:
+class PredictNLVR2Config(PredictConfig):
     model: str = opt("", "fine-tuned model directory (a `vlberts finetune nlvr2` run's RUN/model)")
     statements: str = opt("", "NLVR2 statements to label (JSON lines; labels not needed: test2.json)")
     features: str = opt("", "region store holding both images of every statement")
@@ -42,9 +42,6 @@ class PredictNLVR2Config:
     max_text_len: int = opt(0, "statement tokens (0: the fine-tuning run's, from RUN/run_config.json; else 40)")
     max_regions: int = opt(0, "regions per image (0: the fine-tuning run's; else 36)")
     batch_size: int = opt(128, "statements per prediction batch")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", PRECISION_HELP)
-    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     skip_bad: bool = opt(False, "drop malformed statement lines and statements whose images are not in the image "
                                 "map or the store, counting them in predict.json, instead of stopping at the first")
 

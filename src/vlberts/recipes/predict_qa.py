@@ -26,7 +26,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -35,7 +35,7 @@ TASKS: dict[str, QATask] = {"vqa": VQA, "gqa": GQA}
 
 
 @dataclass(frozen=True)
-class PredictQAConfig:
+class PredictQAConfig(PredictConfig):
     model: str = opt("", "fine-tuned model directory (a `vlberts finetune vqa|gqa` run's RUN/model)")
     questions: str = opt("", "questions json to answer (VQA v2 or GQA format; answers not needed)")
     features: str = opt("", "region store holding every question's image")
@@ -43,9 +43,6 @@ class PredictQAConfig:
     max_text_len: int = opt(0, "question tokens (0: the fine-tuning run's, from RUN/run_config.json; else 32)")
     max_regions: int = opt(0, "regions per image (0: the fine-tuning run's; else 36)")
     batch_size: int = opt(256, "questions per prediction batch")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", "auto (bf16 autocast on CUDA), fp32, bf16 or fp16")
-    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     skip_bad: bool = opt(False, "drop malformed questions and questions whose image is not in the store, counting "
                                 "them in predict.json, instead of stopping at the first")
 

@@ -33,13 +33,13 @@ from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PRECISION_HELP, fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
 from vlberts.tasks.vcr import SubmissionRow, write_submission
 
 
 @dataclass(frozen=True)
-class PredictVCRConfig:
+class PredictVCRConfig(PredictConfig):
     qa_model: str = opt("", "fine-tuned Q->A model directory (a `vlberts finetune vcr --mode=qa` run's RUN/model)")
     qar_model: str = opt("", "fine-tuned QA->R model directory (a `vlberts finetune vcr --mode=qar` run's RUN/model)")
     questions: str = opt("", "VCR jsonl to predict (labels not needed: test.jsonl)")
@@ -48,9 +48,6 @@ class PredictVCRConfig:
     out: str = opt("runs/predict_vcr", "directory for submission.csv and predict.json")
     max_text_len: int = opt(0, "subwords per sequence (0: each fine-tuning run's, from RUN/run_config.json; else 80)")
     batch_size: int = opt(64, "questions per prediction batch (x4 sequences)")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
-    precision: str = opt("auto", PRECISION_HELP)
-    preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
     skip_bad: bool = opt(False, "drop malformed records and questions whose image is not in the store or whose "
                                 "objects have no boxes, counting them in predict.json, instead of stopping at the first")
 
