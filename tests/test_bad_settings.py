@@ -157,6 +157,38 @@ def test_a_loss_that_turns_nan_stops_the_run_before_it_is_checkpointed(tiny_worl
     assert not (out / "model").exists()
 
 
+def test_resuming_from_a_checkpoint_with_nan_names_the_tensor_and_the_earlier_checkpoint(tiny_world, tmp_path):
+    out = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, out, stop_after=7)) is None  # checkpoints at updates 3 and 6
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000003", "step_00000006"]
+    damaged = ckpts / "step_00000006" / "model.safetensors"
+    weights = load_file(str(damaged))
+    name = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[name][3, 0] = float("inf")
+    save_file(weights, str(damaged), metadata={"format": "pt"})
+    with pytest.raises(VlbertsError) as err:
+        pretrain(cfg_for(tiny_world, out))
+    assert str(err.value) == (f"{damaged}: tensor {name} holds NaN or inf (a damaged checkpoint); "
+                              "write step_00000003 into checkpoints/latest to resume from it")
+    (ckpts / "latest").write_text("step_00000003\n")  # the advice works: the run resumes and finishes
+    assert pretrain(cfg_for(tiny_world, out)) == out / "model"
+
+
+def test_a_vocabulary_longer_than_the_word_embeddings_is_refused(tiny_pretrained, tmp_path):
+    model = shutil.copytree(tiny_pretrained, tmp_path / "model")
+    tokens = (model / "vocab.txt").read_text().splitlines()
+    size = read_json(model / "config.json")["config"]["vocab_size"]
+    assert len(tokens) == size
+    (model / "vocab.txt").write_text("\n".join(tokens[:-3]) + "\n")  # fewer: a padded table, allowed
+    assert read_model_config(model)[0].vocab_size == size
+    (model / "vocab.txt").write_text("\n".join([*tokens, "zebra"]) + "\n")
+    with pytest.raises(VlbertsError) as err:
+        load_pretraining_model(model)
+    assert str(err.value) == (f"{model / 'vocab.txt'}: holds {size + 1} tokens but the model in config.json has "
+                              f"{size} word embeddings (a vocabulary from another model?)")
+
+
 def test_an_output_path_that_is_a_file_is_one_line(tiny_world, tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
     questions, annotations = tiny_world.vqa("test")

@@ -422,3 +422,55 @@ def test_safe_pickle_truncated_and_missing(tmp_path):
         safe_load(path)
     with pytest.raises(VlbertsError, match="file not found"):
         safe_load(tmp_path / "nope.p")
+
+
+# --------------------------------------------------------------------------- blank text, every reader
+
+
+def _blank_text_cases(tmp_path):
+    """(reader call, expected message) for each format with one blank question, statement or caption."""
+    from vlberts.data.coco import read_coco_captions, read_karpathy
+    from vlberts.data.vqa import read_vqa
+
+    def write(name, obj):
+        p = tmp_path / name
+        p.write_text(json.dumps(obj))
+        return p
+
+    vqa = write("vqa_q.json", {"questions": [{"question_id": 1, "image_id": 5, "question": "What colour?"},
+                                             {"question_id": 2, "image_id": 5, "question": " "}]})
+    gqa = write("gqa.json", {"7": {"imageId": "1", "question": "", "answer": "no"}})
+    nlvr2 = _write_jsonl(tmp_path / "nlvr2.json", [_nlvr2_row("dev-850-0-0", "True"),
+                                                   _nlvr2_row("dev-850-1-0", "False", sentence="\t")])
+    coco = write("captions.json", {"images": [{"id": 5, "file_name": "5.jpg"}],
+                                   "annotations": [{"id": 1, "image_id": 5, "caption": "  "}]})
+    karpathy = write("karpathy.json", {"images": [{"filename": "5.jpg", "split": "train", "sentences": [
+        {"raw": "", "tokens": []}]}]})
+    refs = tmp_path / "refs.p"
+    refs.write_bytes(pickle.dumps([REFS[0], dict(REFS[1], sentences=[dict(REFS[1]["sentences"][0], sent="")])],
+                                  protocol=2))
+    return [
+        (lambda: read_vqa(vqa), r"vqa_q\.json: record questions\[1\]: field question is empty"),
+        (lambda: read_gqa(gqa), r"gqa\.json: record question 7: field question is empty"),
+        (lambda: read_nlvr2(nlvr2), r"nlvr2\.json: record line 2: field sentence is empty"),
+        (lambda: read_coco_captions(coco), r"captions\.json: record annotations\[0\]: field caption is empty"),
+        (lambda: read_karpathy(karpathy), r"karpathy\.json: record images\[0\]\.sentences\[0\]: field raw is empty"),
+        (lambda: read_refs(refs), r"refs\.p: record refs\[1\] \(ref_id 1\) sentences\[0\]: field sent is empty"),
+    ]
+
+
+def test_blank_question_statement_or_caption_is_a_bad_record(tmp_path):
+    # A blank text would reach the model as [CLS] [SEP] alone: trained or scored on nothing, silently.
+    for read, message in _blank_text_cases(tmp_path):
+        with pytest.raises(VlbertsError, match=message):
+            read()
+
+
+def test_blank_question_is_skipped_and_counted_with_skip_bad(tmp_path):
+    from vlberts.data.vqa import read_vqa
+    from vlberts.errors import BadRecords
+
+    _blank_text_cases(tmp_path)
+    bad = BadRecords(skip=True)
+    (kept,) = read_vqa(tmp_path / "vqa_q.json", bad=bad)
+    assert kept.question_id == 1 and bad.total == 1

@@ -153,6 +153,16 @@ def read_jsonl(path: str | Path) -> list[Any]:
     return [rec for _, rec in iter_jsonl(path)]
 
 
+def require_text(value: Any, field: str, *, path: str | Path, record: object) -> str:
+    """The text a model reads (a question, a caption, a statement): a string with at least one
+    non-blank character. A blank one would reach the model as `[CLS] [SEP]` and train or score on nothing."""
+    if not isinstance(value, str):
+        raise VlbertsError(f"field {field} must be a string, got {type(value).__name__}", path=path, record=record)
+    if not value.strip():
+        raise VlbertsError(f"field {field} is empty", path=path, record=record)
+    return value
+
+
 def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: object) -> None:
     """Fail with a one-line error when a JSON record is not a dict holding `keys`."""
     if not isinstance(obj, dict):

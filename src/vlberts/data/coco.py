@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys
+from vlberts.io import read_json, require_keys, require_text
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 
@@ -129,9 +129,7 @@ def _coco_from(obj: Any, path: Path) -> CocoCaptions:
     for k, rec in enumerate(_list_field(obj, "annotations", path=path, record="top level")):
         where = f"annotations[{k}]"
         require_keys(rec, ("id", "image_id", "caption"), path=path, record=where)
-        if not isinstance(rec["caption"], str):
-            got = type(rec["caption"]).__name__
-            raise VlbertsError(f"caption must be a string, got {got}", path=path, record=where)
+        require_text(rec["caption"], "caption", path=path, record=where)
         if not _is_id(rec["id"]):
             raise VlbertsError(f"id must be an integer or a string, got {rec['id']!r}", path=path, record=where)
         if rec["image_id"] not in images:
@@ -172,9 +170,9 @@ def _karpathy_image(rec: Any, where: str, path: Path, merge_restval: bool) -> Ka
     for j, s in enumerate(_list_field(rec, "sentences", path=path, record=where)):
         swhere = f"{where}.sentences[{j}]"
         require_keys(s, ("raw", "tokens"), path=path, record=swhere)
-        if not isinstance(s["raw"], str) or not isinstance(s["tokens"], list) \
-                or not all(isinstance(t, str) for t in s["tokens"]):
-            raise VlbertsError("raw must be a string and tokens a list of strings", path=path, record=swhere)
+        if not isinstance(s["tokens"], list) or not all(isinstance(t, str) for t in s["tokens"]):
+            raise VlbertsError("tokens must be a list of strings", path=path, record=swhere)
+        require_text(s["raw"], "raw", path=path, record=swhere)
         sentid = _opt_int(s, "sentid", path=path, record=swhere)
         sentences.append(KarpathySentence(sentid, tuple(s["tokens"]), s["raw"]))
     return KarpathyImage(

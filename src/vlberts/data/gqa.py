@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys
+from vlberts.io import read_json, require_keys, require_text
 
 _REQUIRED = ("imageId", "question")
 
@@ -75,9 +75,7 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
         image_id = str(image_id)  # tolerate numeric ids; the released files use strings
     if not isinstance(image_id, str) or not image_id:
         raise VlbertsError(f"imageId must be a non-empty string, got {image_id!r}", path=path, record=record)
-    question = rec["question"]
-    if not isinstance(question, str):
-        raise VlbertsError(f"field question must be a string, got {type(question).__name__}", path=path, record=record)
+    question = require_text(rec["question"], "question", path=path, record=record)
     is_balanced = rec.get("isBalanced")
     if is_balanced is not None and not isinstance(is_balanced, bool):
         raise VlbertsError(f"isBalanced must be true or false, got {is_balanced!r}", path=path, record=record)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import iter_jsonl, require_keys
+from vlberts.io import iter_jsonl, require_keys, require_text
 
 LABEL_STRINGS = {"True": True, "False": False}
 
@@ -94,8 +94,7 @@ def parse_nlvr2_record(rec: Any, *, path: Path, record: str) -> NLVR2Example:
     identifier, sentence = rec["identifier"], rec["sentence"]
     if not isinstance(identifier, str):
         raise VlbertsError(f"identifier must be a string, got {identifier!r}", path=path, record=record)
-    if not isinstance(sentence, str):
-        raise VlbertsError(f"sentence must be a string, got {type(sentence).__name__}", path=path, record=record)
+    require_text(sentence, "sentence", path=path, record=record)
     try:
         ident = parse_identifier(identifier)
         label = parse_label(rec["label"]) if rec.get("label") is not None else None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys, write_json
+from vlberts.io import read_json, require_keys, require_text, write_json
 from vlberts.safe_pickle import safe_load
 
 Box = tuple[float, float, float, float]
@@ -178,7 +178,7 @@ def _parse_ref(rec: Any, *, path: Path, record: str) -> Ref:
     for j, s in enumerate(sentences):
         where = f"{record} sentences[{j}]"
         require_keys(s, _SENT_KEYS, path=path, record=where)
-        sent = _str(s["sent"], "sent", path=path, record=where)
+        sent = require_text(s["sent"], "sent", path=path, record=where)
         tokens = s.get("tokens", sent.split())
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise VlbertsError("tokens must be a list of strings", path=path, record=where)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys
+from vlberts.io import read_json, require_keys, require_text
 
 # Every VQA v1/v2 question was answered by 10 workers; the official accuracy (a 10-choose-9 average)
 # and the 0.3-step soft scores are defined for exactly that many.
@@ -106,7 +106,7 @@ def _read_questions(path: Path, bad: BadRecords) -> tuple[list[VQAExample], dict
             require_keys(rec, _QUESTION_KEYS, path=path, record=where)
             qid = _check_question_id(rec, path=path, record=where)
             image_id = _check_image_id(rec, path=path, record=where)
-            question = _check_str(rec, "question", path=path, record=where)
+            question = require_text(rec["question"], "question", path=path, record=where)
             if qid in index:
                 raise VlbertsError(f"duplicate question_id {qid} (first at questions[{first_at[qid]}])", path=path, record=where)
         except VlbertsError as err:

@@ -73,9 +73,24 @@ def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
     if not isinstance(meta.get("arch"), str) or not isinstance(meta.get("config"), dict):
         raise VlbertsError("config.json needs \"arch\" (a name) and \"config\" (an object)", path=directory / "config.json")
     try:
-        return config_from_dict(meta["arch"], meta["config"]), meta
+        cfg = config_from_dict(meta["arch"], meta["config"])
     except VlbertsError as e:
         raise VlbertsError(e.message, path=directory / "config.json") from None
+    _require_vocab_fits(directory / "vocab.txt", cfg)
+    return cfg, meta
+
+
+def _require_vocab_fits(vocab: Path, cfg: Any) -> None:
+    """A vocab.txt with more tokens than the model has word embeddings is another model's vocabulary: its
+    extra tokens would index past the table. Fewer is allowed (tables padded to a multiple of 8 or 64)."""
+    size = getattr(cfg, "vocab_size", None)
+    if size is None or not vocab.is_file():
+        return
+    with open(vocab, "rb") as f:
+        tokens = sum(1 for _ in f)
+    if tokens > size:
+        raise VlbertsError(f"holds {tokens} tokens but the model in config.json has {size} word embeddings "
+                           "(a vocabulary from another model?)", path=vocab)
 
 
 def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -211,6 +226,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
+def _require_finite_tensors(tensors: dict[str, torch.Tensor], *, path: Path) -> None:
+    """A checkpoint is written only after its update's losses were checked, so NaN or inf in it means a
+    damaged file; resuming from it would fail only at the next log step, blaming the learning rate."""
+    for key, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            earlier = sorted(q.name for q in path.parent.parent.glob("step_*") if q.name < path.parent.name)
+            hint = f"write {earlier[-1]} into checkpoints/latest to resume from it" if earlier else "start a new run"
+            raise VlbertsError(f"tensor {key} holds NaN or inf (a damaged checkpoint); {hint}", path=path)
+
+
 def restore_checkpoint(
     path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> TrainState:
@@ -218,12 +243,14 @@ def restore_checkpoint(
     model (and its optimizer) takes this rank's shards of the whole tensors every rank reads."""
     path = Path(path)
     weights = read_safetensors(path / "model.safetensors")
+    tensors = read_safetensors(path / "optimizer.safetensors")
+    for name, stored in (("model.safetensors", weights), ("optimizer.safetensors", tensors)):
+        _require_finite_tensors(stored, path=path / name)
     if is_sharded(model):
         own = model.state_dict()
         weights = {k: shard_like(v, own[k]) if k in own and own[k].shape == v.shape else v for k, v in weights.items()}
     load_into(model, weights, source=path / "model.safetensors")
     meta = read_json(path / "state.json")
-    tensors = read_safetensors(path / "optimizer.safetensors")
     opt_tensors = {k: v for k, v in tensors.items() if k.startswith("state.")}
     opt_state = _unflatten_optimizer(opt_tensors, meta["optimizer"])
     if is_sharded(model):  # each parameter's moments laid out as the parameter (indices: param_groups order)
