@@ -37,6 +37,7 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
         assert step in summary["timings"]
     html = (out / "report.html").read_text()
     assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
+    assert "<h1>vlberts demo: VisualBERT on the embedded world</h1>" in html
     assert "http://" not in html and "https://" not in html  # self-contained
     assert "entity grounding" in proc.stdout and "report:" in proc.stdout
     # The direction-word probe counts every left/right/above/below of the test captions.
@@ -108,5 +109,7 @@ def test_demo_runs_every_architecture_with_the_same_summary(tmp_path, arch):
     summary = json.loads((out / "summary.json").read_text())
     assert KEYS <= set(summary)
     assert summary["arch"] == arch and summary["model"] == f"{arch}-small"
+    title = {"vilbert": "ViLBERT", "vlbert": "VL-BERT", "lxmert": "LXMERT", "wvisualbert": "W-VisualBERT"}[arch]
+    assert f"<h1>vlberts demo: {title} on the embedded world</h1>" in (out / "report.html").read_text()
     maps = json.loads((out / "grounding" / "grounding.json").read_text())["attention_maps"]
     assert ("text-to-vision" in maps) == (arch in ("vilbert", "lxmert")), maps  # two-stream: cross-attention

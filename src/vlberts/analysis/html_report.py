@@ -34,6 +34,11 @@ CHECKS = (
 )
 
 
+# How the papers write the architectures' names (the report's title; `summary.json` holds the key).
+PAPER_NAMES = {"visualbert": "VisualBERT", "vilbert": "ViLBERT", "vlbert": "VL-BERT", "lxmert": "LXMERT",
+               "wvisualbert": "W-VisualBERT"}
+
+
 def phenomena(summary: dict[str, Any]) -> list[tuple[str, bool]]:
     """Each check's wording and whether the summary passes it."""
     return [(text, bool(test(summary))) for text, test in CHECKS]
@@ -73,7 +78,7 @@ table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}.pass{color:#1a7f37}.fail{color:#c62828}
 img{max-width:100%}code{background:#f3f3f3;padding:0 .2em}
 </style></head><body>
-<h1>vlberts demo: VisualBERT on the embedded world</h1>
+<h1>vlberts demo: {{ paper_name }} on the embedded world</h1>
 <p>{{ s.images }} images (seed {{ s.seed }}), model <code>{{ s.model }}</code> ({{ s.num_layers }} layers &times; {{ s.num_heads }} heads);
 {{ '%.0f' % s.seconds }} s in all{% if s.quick %}; <b>quick mode</b>: a smoke test, not expected to show the phenomena{% endif %}. Generated {{ when }}.</p>
 
@@ -158,6 +163,7 @@ def write_demo_report(
     ]
     html = _TEMPLATE.render(
         s=summary,
+        paper_name=PAPER_NAMES.get(summary.get("arch", "visualbert"), summary.get("arch", "")),
         when=time.strftime("%Y-%m-%d %H:%M"),
         checks=phenomena(summary),
         loss_png=_png_data_uri(_loss_figure(records)) if records else "",
