@@ -8,6 +8,7 @@ labelled evaluation file, and `--flag=true` for the on/off options of the comman
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -187,6 +188,58 @@ def test_a_vocabulary_longer_than_the_word_embeddings_is_refused(tiny_pretrained
         load_pretraining_model(model)
     assert str(err.value) == (f"{model / 'vocab.txt'}: holds {size + 1} tokens but the model in config.json has "
                               f"{size} word embeddings (a vocabulary from another model?)")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no directory can be made")
+def test_an_output_directory_that_cannot_be_made_is_one_line(tiny_world, capsys):
+    out = "/proc/vlberts_cannot_make_this"
+    code, _, err = run_cli(["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+                            "--model=visualbert-tiny", "--steps=2", "--batch_size=4", f"--out={out}"], capsys)
+    assert code == 2 and err.strip() == f"error: {out}: No such file or directory", err
+
+
+def test_an_evaluation_file_with_nothing_to_evaluate_is_an_error_before_training(tiny_world, tiny_pretrained,
+                                                                                tmp_path, capsys):
+    questions, annotations = tiny_world.vqa("train")
+    empty_q, empty_a = tmp_path / "q.json", tmp_path / "a.json"
+    empty_q.write_text(json.dumps({"questions": []}))
+    empty_a.write_text(json.dumps({"annotations": []}))
+    out = tmp_path / "run"
+    code, _, err = run_cli(["finetune", "vqa", f"--init={tiny_pretrained}", f"--features={tiny_world.store}",
+                            f"--train_questions={questions}", f"--train_annotations={annotations}",
+                            f"--eval_questions={empty_q}", f"--eval_annotations={empty_a}", "--min_answer_count=1",
+                            "--epochs=0.05", "--batch_size=4", f"--out={out}"], capsys)
+    assert code == 2 and err.strip() == (f"error: {empty_q}: no example to evaluate (the file holds none, or "
+                                         "--skip_bad dropped them all)")
+    assert not (out / "model").exists()  # refused before any training
+
+
+def test_stopping_before_the_first_checkpoint_does_not_promise_a_resume(tiny_world, tmp_path, capsys):
+    args = ["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+            "--model=visualbert-tiny", "--vocab_size=200", "--steps=8", "--batch_size=4", "--ckpt_every=3"]
+    code, out, _ = run_cli([*args, "--stop_after=2", f"--out={tmp_path / 'a'}"], capsys)
+    assert code == 0 and out.strip() == (f"stopped early at --stop_after, before the first checkpoint (--ckpt_every): "
+                                         f"nothing was saved, so running again starts over ({tmp_path / 'a'})")
+    code, out, _ = run_cli([*args, "--stop_after=4", f"--out={tmp_path / 'b'}"], capsys)
+    assert code == 0 and out.strip() == f"stopped early at --stop_after; run again to resume ({tmp_path / 'b'})"
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(tiny_world, tmp_path, capsys):
+    # Two jobs on one --out (a scheduler's retry while the first still runs) interleaved their checkpoints and
+    # log records; the directory is now taken for the run's lifetime (here by this test, as another job would).
+    from vlberts.io import lock_run_directory
+
+    out = tmp_path / "run"
+    args = ["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+            "--model=visualbert-tiny", "--vocab_size=200", "--steps=2", "--batch_size=4", f"--out={out}"]
+    held = lock_run_directory(out)
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and err.strip() == (f"error: {out}: another vlberts run (pid {os.getpid()}) is using this "
+                                         "directory; wait for it to end or pick another --out")
+    assert not (out / "model").exists()
+    held.release()  # the first job ended: the directory is free again, and released after each command
+    assert run_cli(args, capsys)[0] == 0 and (out / "model").is_dir()
+    assert run_cli(args, capsys)[0] == 0  # the same process again: the first command let the directory go
 
 
 def test_an_output_path_that_is_a_file_is_one_line(tiny_world, tmp_path, capsys):

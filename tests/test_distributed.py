@@ -205,6 +205,22 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_the_peers_of_a_rank_that_failed_say_so_in_one_line(tiny_world, tmp_path):
+    # Rank 0 alone writes the run's vocabulary and fails on a path that is a file; rank 1, waiting for it
+    # in a collective, used to die with a 40-line gloo traceback that buried rank 0's error.
+    taken = tmp_path / "run"
+    taken.mkdir()
+    (taken / "tokenizer").write_text("a file")
+    proc = _torchrun(_pretrain_args(tiny_world, taken))
+    worker_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert f"error: {taken / 'tokenizer'}: File exists" in worker_lines, proc.stderr[-3000:]
+    # Rank 1 says so in one line (torchrun may also stop it first, with SIGTERM: then it says nothing).
+    assert "[rank1]: Traceback" not in proc.stderr and "Connection closed by peer" not in proc.stderr
+    assert set(worker_lines) <= {f"error: {taken / 'tokenizer'}: File exists",
+                                 "error: rank 1 stopped: another rank failed (its error is above)"}
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_torchrun_pretrain_logs_once_and_resumes_exactly(tiny_world, tmp_path):
     ref = tmp_path / "ref"
     proc = _torchrun(_pretrain_args(tiny_world, ref))

@@ -191,7 +191,7 @@ def test_writer_errors_name_the_record_and_leave_nothing(tmp_path, bad, words):
 
 def test_vocabulary_range_is_checked(tmp_path):
     rec = make_record("a", 4, objects=True)  # obj_id in [0, 20)
-    with pytest.raises(VlbertsError, match="obj_id outside the 3-entry vocabulary"):
+    with pytest.raises(VlbertsError, match="obj_id outside the store's 3-entry vocabulary"):
         write_store_records(tmp_path / "s.h5", [rec], metadata={"classes": ["a", "b", "c"]})
 
 

@@ -213,3 +213,73 @@ def test_webdataset_reads_our_shards(tiny_world, shard_sets):
         for name in fields:
             a = np.load(io.BytesIO(t[f"{name}.npy"]))
             assert a.dtype == s[name].dtype and np.array_equal(a, s[name]), name
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _load(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def test_sample_records_are_checked_against_their_index(shard_sets, tmp_path):
+    # The index describes the corpus as a region store's datasets and metadata do; a sample that does not
+    # fit it (or whose json lacks what its kind needs) is one line naming the shard file and the key,
+    # where these used to end in a KeyError, an IndexError in LXMERT's loss, or a numpy broadcast error.
+    from vlberts.data.pretrain_stream import ShardCorpus
+
+    index = shard_sets["it"]
+    shards = shards_of_index(index)
+    victim_shard = shards[1]  # not the first: the corpus reads the cls_prob width off the first sample
+    victim = _key(next(iter(read_shard(victim_shard))))
+
+    def corpus_with(edit) -> tuple[ShardCorpus, Path]:
+        d = tmp_path / f"set{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / index.name).write_bytes(index.read_bytes())
+        for s in shards:
+            if s == victim_shard:
+                _rewrite(s, d / s.name, lambda n, b: edit(n, b) if n.startswith(f"{victim}.") else b)
+            else:
+                (d / s.name).write_bytes(s.read_bytes())
+        return ShardCorpus(d / index.name), d / victim_shard.name
+
+    def error(edit) -> str:
+        corpus, shard = corpus_with(edit)
+        with pytest.raises(VlbertsError) as e:
+            for sample in read_shard(shard):
+                corpus.record(sample)
+        msg = str(e.value)
+        assert msg.startswith(f"{shard}: record key {victim}: ") and "\n" not in msg
+        return msg.split(": ", 2)[2]
+
+    def json_edit(change):
+        return lambda n, b: json.dumps(change(json.loads(b))).encode() if n.endswith(".json") else b
+
+    def array_edit(field, change):
+        return lambda n, b: _npy(change(_load(b))) if n == f"{victim}.{field}.npy" else b
+
+    n_classes = len(ShardCorpus(index).metadata.classes)
+    assert error(json_edit(lambda m: {k: v for k, v in m.items() if k != "captions"})) == \
+        f"{victim}.json (image-text) has no captions"
+    assert error(json_edit(lambda m: {**m, "captions": ["  "]})) == "field captions[0] is empty"
+    assert error(array_edit("obj_id", lambda a: np.full_like(a, n_classes))) == \
+        f"obj_id outside the shard set's {n_classes}-entry vocabulary (range {n_classes}..{n_classes})"
+    assert error(array_edit("obj_id", lambda a: a.astype(np.float32) + 0.5)).startswith(
+        "obj_id holds a fractional class index")
+    assert error(array_edit("cls_prob", lambda a: a[:, :3])).startswith("cls_prob has 3 classes but the shard set")
+    assert error(array_edit("features", lambda a: a[:, :-1])).startswith("features are")
+    # A key written twice in one shard (its members apart): the reader refuses the second.
+    corpus, shard = corpus_with(lambda n, b: b)
+    doubled = tmp_path / "doubled.tar"
+    with tarfile.open(shard) as tin, tarfile.open(doubled, "w", format=tarfile.USTAR_FORMAT) as tout:
+        members = [(info, tin.extractfile(info).read()) for info in tin]
+        for info, data in [*members, *[(i, d) for i, d in members if i.name.startswith(f"{victim}.")]]:
+            tout.addfile(info, io.BytesIO(data))
+    with pytest.raises(VlbertsError, match=f"doubled.tar: record key {victim}: sample key {victim} appears twice"):
+        list(read_shard(doubled))
+    # The untouched copy reads through.
+    assert all(corpus.record(s) is not None for s in read_shard(shard))

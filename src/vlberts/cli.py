@@ -7,6 +7,7 @@ line (`error: <file>: record <r>: <what>`) and turns into exit code 2.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -245,12 +246,20 @@ def extract(
 
 # --------------------------------------------------------------------------- run-config commands
 
-def _run_config(recipe_module, ctx: typer.Context, config: Optional[Path]):
-    """The recipe's typed run config from an optional YAML file plus `--key=value` overrides."""
+_RUN_LOCKS: list = []  # run directories this process holds (`io.lock_run_directory`), released when `main` ends
+
+
+def _run_config(recipe_module, ctx: typer.Context, config: Optional[Path], *, training_run: bool = False):
+    """The recipe's typed run config from an optional YAML file plus `--key=value` overrides. A training run
+    (pretrain, finetune) takes its --out for this process first (rank 0 under torchrun: the one that writes)."""
     from vlberts.config import load_yaml, to_dict
+    from vlberts.io import lock_run_directory
 
     base = to_dict(load_yaml(recipe_module.CONFIG_CLASS, config)) if config else None
-    return recipe_module.config_from_args(list(ctx.args), base)
+    cfg = recipe_module.config_from_args(list(ctx.args), base)
+    if training_run and cfg.out and os.environ.get("RANK", "0") == "0":
+        _RUN_LOCKS.append(lock_run_directory(cfg.out))
+    return cfg
 
 
 CONFIG_OPTION = typer.Option(None, "--config", help="YAML file with settings; --key=value flags override it.")
@@ -270,10 +279,10 @@ def pretrain_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION) -> 
     """
     from vlberts.recipes import pretrain as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     final = recipe.pretrain(cfg)
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
-        typer.echo(f"stopped early at --stop_after; run again to resume ({cfg.out})" if final is None else f"wrote {final}")
+        typer.echo(_stopped_early(cfg.out) if final is None else f"wrote {final}")
 
 
 @finetune_app.command("vqa", context_settings=OVERRIDES)
@@ -291,7 +300,7 @@ def finetune_vqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     """
     from vlberts.recipes import finetune_vqa as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_vqa(cfg), _qa_lines("VQA"), "predictions.json")
 
 
@@ -369,7 +378,7 @@ def finetune_gqa_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     """
     from vlberts.recipes import finetune_gqa as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_gqa(cfg), _qa_lines("GQA"), "predictions.json")
 
 
@@ -389,7 +398,7 @@ def finetune_vcr_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTION)
     """
     from vlberts.recipes import finetune_vcr as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_vcr(cfg), lambda m: [
         f"VCR {name} accuracy {m[key]:.2f}% on {m['eval_questions']} questions (chance {m['chance']:.0f}%)"
         for key, name in (("q2a", "Q->A"), ("qa2r", "QA->R")) if key in m
@@ -412,7 +421,7 @@ def finetune_refcoco_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPT
     """
     from vlberts.recipes import finetune_refcoco as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_refcoco(cfg), lambda m: [
         f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions (upper bound "
         f"{r['upper_bound']:.2f}%" + (f", highest-confidence baseline {r['confidence_baseline']:.2f}%)"
@@ -437,7 +446,7 @@ def finetune_flickr_entities_cmd(ctx: typer.Context, config: Optional[Path] = CO
     """
     from vlberts.recipes import finetune_flickr_entities as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_flickr_entities(cfg), lambda m: [
         _flickr_entities_line(split, r) for split, r in m["splits"].items()], "predictions.json")
 
@@ -470,7 +479,7 @@ def finetune_nlvr2_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OPTIO
     """
     from vlberts.recipes import finetune_nlvr2 as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_nlvr2(cfg), lambda m: [
         f"NLVR2 accuracy {m['accuracy']:.2f}%, consistency {m['consistency']:.2f}% on {m['num_examples']} examples "
         f"(majority baseline {m['majority_baseline']:.2f}%, {m['majority_baseline_consistency']:.2f}%)"
@@ -492,7 +501,7 @@ def finetune_retrieval_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_O
     """
     from vlberts.recipes import finetune_retrieval as recipe
 
-    cfg = _run_config(recipe, ctx, config)
+    cfg = _run_config(recipe, ctx, config, training_run=True)
     _report_finetune(cfg.out, recipe.finetune_retrieval(cfg), _retrieval_lines, "scores.npy")
 
 
@@ -523,7 +532,7 @@ def _report_finetune(out: str, final: Optional[Path], lines: Callable[[dict], li
     if os.environ.get("RANK", "0") != "0":
         return
     if final is None:
-        typer.echo(f"stopped early at --stop_after; run again to resume ({out})")
+        typer.echo(_stopped_early(out))
         return
     for line in lines(read_json(Path(out) / "metrics.json")):
         typer.echo(line)
@@ -879,6 +888,28 @@ def evaluate_retrieval_cmd(
     typer.echo(f"wrote {out / 'metrics.json'}")
 
 
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+# How gloo and NCCL report that a peer process went away in the middle of a collective.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _peer_failed(err: RuntimeError) -> bool:
+    """A collective failed because another torchrun rank exited (after printing its own error): this rank's
+    traceback would only bury that error. True only inside a process group."""
+    td = sys.modules.get("torch.distributed")
+    if td is None or not td.is_available() or not td.is_initialized():
+        return False
+    return isinstance(err, getattr(td, "DistNetworkError", ())) or any(m in str(err) for m in _PEER_GONE)
+
+
+def _stopped_early(out: str | Path) -> str:
+    """What a run stopped by --stop_after left: a checkpoint to resume from, or nothing yet."""
+    if (Path(out) / "checkpoints" / "latest").is_file():
+        return f"stopped early at --stop_after; run again to resume ({out})"
+    return (f"stopped early at --stop_after, before the first checkpoint (--ckpt_every): nothing was saved, "
+            f"so running again starts over ({out})")
+
+
 def _leave_process_group(ok: bool) -> None:
     """Under torchrun, leave the process group before exiting (`training.distributed.leave_process_group`);
     nothing, and no torch import, when the command never joined one."""
@@ -932,13 +963,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     except VlbertsError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        # a path the user gave is of the wrong kind (an output directory that is a file, ...): their fix too
-        where = e.filename if e.filename is not None else "a path"
-        typer.echo(f"error: {where}: {e.strerror or e}", err=True)
+    except OSError as e:
+        # A path the user gave that cannot be made or written (an output directory that is a file, under a
+        # missing or read-only folder, ...) or a full disk: their fix too, in one line. Anything else is a bug.
+        if e.filename is None and e.errno not in _DISK_ERRNOS:
+            raise
+        where = f"{e.filename}: " if e.filename is not None else ""
+        typer.echo(f"error: {where}{e.strerror or e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except RuntimeError as e:
+        if not _peer_failed(e):
+            raise
+        rank = os.environ.get("RANK", "?")
+        typer.echo(f"error: rank {rank} stopped: another rank failed (its error is above)", err=True)
         sys.exit(EXIT_BAD_INPUT)
     finally:
         _leave_process_group(ok)
+        while _RUN_LOCKS:
+            lock = _RUN_LOCKS.pop()
+            if lock is not None:
+                lock.release()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from vlberts.errors import BadRecords, VlbertsError
 
@@ -54,6 +54,53 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+
+LOCK_NAME = ".vlberts.lock"
+
+
+class RunLock:
+    """An exclusive lock on DIR/.vlberts.lock (`lock_run_directory`), held until `release`."""
+
+    def __init__(self, directory: Path, file: IO[str], made: bool):
+        self.directory, self.file, self.made = directory, file, made
+
+    def release(self) -> None:
+        """Let the directory go. One this lock made and nothing else filled (a run refused at its start)
+        is removed again, so that a failed command leaves no trace."""
+        lock_file = self.directory / LOCK_NAME
+        if self.made and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
+            lock_file.unlink(missing_ok=True)
+            self.directory.rmdir()
+        self.file.close()
+
+
+def lock_run_directory(directory: str | Path) -> RunLock | None:
+    """Take the run directory for this process (made if missing): an exclusive lock on DIR/.vlberts.lock,
+    held until released. A second run started on the same --out while the first is alive (a scheduler's
+    retry) would interleave checkpoints and log records; it is refused in one line. No lock where the
+    system has no `fcntl` (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    directory = Path(directory)
+    made = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    f = open(directory / LOCK_NAME, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise VlbertsError(f"another vlberts run (pid {holder}) is using this directory; wait for it to end or "
+                           "pick another --out", path=directory) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return RunLock(directory, f, made)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.shards import ShardStream, sample_record, shards_of_index
+from vlberts.data.shards import ShardStream, check_sample_record, sample_record, shards_of_index
 from vlberts.errors import VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.io import read_json
@@ -79,6 +79,14 @@ class ShardCorpus:
             self._cls_prob = int(sample["cls_prob"].shape[1])
         return {"num_classes_cls_prob": self._cls_prob}
 
+    def record(self, sample: dict[str, Any]) -> RegionRecord:
+        """A sample's regions, checked against this index (`shards.check_sample_record`)."""
+        info = self.info()
+        return check_sample_record(
+            sample, sample_record(sample), feature_dim=self.feature_dim, fields=self.fields,
+            cls_prob_width=info["num_classes_cls_prob"], classes=self.metadata.classes,
+            attributes=self.metadata.attributes)
+
 
 class ChunkRegions:
     """The region records of one chunk's images, as a region source (`data.regions.RegionSource`)."""
@@ -121,7 +129,7 @@ def stream_examples(
             s = next(samples)
             if s["image_id"] in records:
                 continue
-            records[s["image_id"]] = sample_record(s) if chunk >= start.chunk else None
+            records[s["image_id"]] = corpus.record(s) if chunk >= start.chunk else None
             captions.extend(CaptionRef(s["image_id"], c) for c in s["captions"])
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1

@@ -47,9 +47,9 @@ from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
-from vlberts.features.record import RegionRecord
+from vlberts.features.record import RegionRecord, record_misfit
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_path, read_json, write_json
+from vlberts.io import atomic_path, read_json, require_text, write_json
 from vlberts.training.distributed import DistInfo
 
 SHARD_FORMAT = "vlberts-shards"
@@ -235,6 +235,25 @@ def _load_npy(data: bytearray) -> np.ndarray:
     return a.reshape(shape, order="F" if fortran else "C")
 
 
+def _check_meta(meta: dict[str, Any], name: str, *, shard: Path, record: str) -> None:
+    """What each kind's json must hold (what `write_shards` writes): the text a model reads is never blank."""
+    need = {"image-text": ("image_id", "image_w", "image_h", "captions"), "image": ("image_id", "image_w", "image_h"),
+            "text": ("text",)}[meta["kind"]]
+    missing = [k for k in need if k not in meta]
+    if missing:
+        raise VlbertsError(f"{name} ({meta['kind']}) has no {', '.join(missing)}", path=shard, record=record)
+    if meta["kind"] == "text":
+        require_text(meta["text"], "text", path=shard, record=record)
+    if meta["kind"] == "image-text":
+        captions = meta["captions"]
+        if not isinstance(captions, list) or not captions:
+            raise VlbertsError(f"{name}: captions must be a non-empty list", path=shard, record=record)
+        for j, caption in enumerate(captions):
+            require_text(caption, f"captions[{j}]", path=shard, record=record)
+    if not isinstance(meta.get("fields", []), list):
+        raise VlbertsError(f"{name}: fields must be a list of region field names", path=shard, record=record)
+
+
 def _decode(shard: Path, key: str, members: dict[str, bytearray]) -> dict[str, Any]:
     """One sample's members -> a dict of the json's entries and the region arrays by field name."""
     if "json" not in members:
@@ -245,7 +264,8 @@ def _decode(shard: Path, key: str, members: dict[str, bytearray]) -> dict[str, A
         raise VlbertsError(f"{key}.json is not valid JSON ({e})", path=shard, record=f"key {key}") from None
     if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
         raise VlbertsError(f"{key}.json has no kind in {', '.join(KINDS)}", path=shard, record=f"key {key}")
-    sample: dict[str, Any] = {"__key__": key, "__shard__": shard.name, **meta}
+    _check_meta(meta, f"{key}.json", shard=shard, record=f"key {key}")
+    sample: dict[str, Any] = {"__key__": key, "__shard__": shard.name, "__path__": str(shard), **meta}
     for field in meta.get("fields", []):
         data = members.get(f"{field}.npy")
         if data is None:
@@ -267,6 +287,7 @@ def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
     shard = Path(shard)
     key: str | None = None
     members: dict[str, bytearray] = {}
+    seen: set[str] = set()
     try:
         size = shard.stat().st_size
         with tarfile.open(shard, "r:") as tar:
@@ -280,6 +301,9 @@ def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
                 if k != key:
                     if key is not None:
                         yield _decode(shard, key, members)
+                    if k in seen:  # a writer puts a sample's members together, once
+                        raise VlbertsError(f"sample key {k} appears twice in the shard", path=shard, record=f"key {k}")
+                    seen.add(k)
                     key, members = k, {}
                 if ext in members:
                     raise VlbertsError(f"member {info.name} appears twice", path=shard, record=f"key {k}")
@@ -302,9 +326,35 @@ def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def sample_record(sample: dict[str, Any]) -> RegionRecord:
-    """The `RegionRecord` of an image sample (validated as any record is)."""
+    """The `RegionRecord` of an image sample, validated as any record is; an error names the shard and key."""
     fields = {name: sample[name] for name in REGION_FIELDS if name in sample}
-    return RegionRecord(image_id=sample["image_id"], image_w=sample["image_w"], image_h=sample["image_h"], **fields)
+    try:
+        return RegionRecord(image_id=sample["image_id"], image_w=sample["image_w"], image_h=sample["image_h"],
+                            **fields)
+    except VlbertsError as e:
+        raise _sample_error(sample, e.message) from None
+
+
+def _sample_error(sample: dict[str, Any], message: str) -> VlbertsError:
+    return VlbertsError(message, path=sample.get("__path__", sample.get("__shard__")), record=f"key {sample.get('__key__')}")
+
+
+def check_sample_record(sample: dict[str, Any], rec: RegionRecord, *, feature_dim: int, fields: Sequence[str],
+                        cls_prob_width: int | None, classes: list[str] | None,
+                        attributes: list[str] | None) -> RegionRecord:
+    """A sample's record against the corpus its index describes, as a region store's fixed dataset shapes
+    and metadata hold its records (`record_misfit`): every field the index lists, the feature width, the
+    cls_prob width (read off the first sample: the index does not state it), the class and attribute ids."""
+    missing = [f for f in fields if getattr(rec, f, None) is None]
+    if missing:
+        raise _sample_error(sample, f"has no {', '.join(missing)}, which the index lists for every sample")
+    if rec.features.shape[1] != feature_dim:
+        raise _sample_error(sample, f"features are {rec.features.shape[1]}-d, the index says {feature_dim}")
+    misfit = record_misfit(rec, cls_prob_width=cls_prob_width, classes=classes, attributes=attributes,
+                           holder="shard set")
+    if misfit:
+        raise _sample_error(sample, misfit)
+    return rec
 
 
 class _OneRecord:

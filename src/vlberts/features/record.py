@@ -45,6 +45,21 @@ def _array(value: Any, dtype: Any, name: str, image_id: str) -> np.ndarray:
         raise VlbertsError(f"{name} cannot be read as {np.dtype(dtype).name}: {e}", record=image_id) from None
 
 
+def record_misfit(rec: "RegionRecord", *, cls_prob_width: int | None, classes: list[str] | None,
+                  attributes: list[str] | None, holder: str = "store") -> str | None:
+    """What a valid record breaks of the corpus it belongs to (a store's fixed dataset shapes and metadata,
+    or the index of a shard set): its cls_prob width, and class / attribute ids inside the vocabularies.
+    None when it fits. One check for the store writer and the shard reader."""
+    if (cls_prob_width is not None and rec.cls_prob is not None and rec.num_boxes
+            and rec.cls_prob.shape[1] != cls_prob_width):
+        return f"cls_prob has {rec.cls_prob.shape[1]} classes but the {holder} holds {cls_prob_width}"
+    for ids, vocab in (("obj_id", classes), ("attr_id", attributes)):
+        a = getattr(rec, ids)
+        if a is not None and vocab is not None and a.size and (a.min() < 0 or a.max() >= len(vocab)):
+            return f"{ids} outside the {holder}'s {len(vocab)}-entry vocabulary (range {a.min()}..{a.max()})"
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class RegionRecord:
     """Detected regions of one image.
@@ -118,6 +133,11 @@ class RegionRecord:
                 raise VlbertsError(f"{ids} and {conf} must be given together", record=image_id)
             if i is None:
                 continue
+            raw = np.asarray(i)
+            if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.floor(raw)):
+                # a class index stored as a float must be a whole number; truncating 2.7 to 2 is another class
+                raise VlbertsError(f"{ids} holds a fractional class index ({float(raw[raw != np.floor(raw)][0])})",
+                                   record=image_id)
             i = _array(i, np.int64, ids, image_id)
             c = _array(c, np.float32, conf, image_id)
             if i.shape != (n,) or c.shape != (n,):

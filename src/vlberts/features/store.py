@@ -35,7 +35,7 @@ import h5py
 import numpy as np
 
 from vlberts.errors import VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id
+from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id, record_misfit
 from vlberts.io import atomic_path
 
 STORE_FORMAT = "vlberts-region-store"
@@ -205,20 +205,10 @@ class RegionStoreWriter:
                 has = "has" if present[name] else "lacks"
                 holds = "holds" if wanted[name] else "does not hold"
                 raise VlbertsError(f"record {has} {name} but the store {holds} them", path=self.path, record=rec.image_id)
-        if rec.cls_prob is not None and rec.cls_prob.shape[1] != self.num_classes and rec.num_boxes:
-            raise VlbertsError(
-                f"cls_prob has {rec.cls_prob.shape[1]} classes but the store holds {self.num_classes}",
-                path=self.path,
-                record=rec.image_id,
-            )
-        for ids, vocab in (("obj_id", self.metadata.classes), ("attr_id", self.metadata.attributes)):
-            a = getattr(rec, ids)
-            if a is not None and vocab is not None and a.size and (a.min() < 0 or a.max() >= len(vocab)):
-                raise VlbertsError(
-                    f"{ids} outside the {len(vocab)}-entry vocabulary (range {a.min()}..{a.max()})",
-                    path=self.path,
-                    record=rec.image_id,
-                )
+        misfit = record_misfit(rec, cls_prob_width=self.num_classes, classes=self.metadata.classes,
+                               attributes=self.metadata.attributes)
+        if misfit:
+            raise VlbertsError(misfit, path=self.path, record=rec.image_id)
 
     def _flush(self) -> None:
         if not self._buf_bytes and all(not v for v in self._buf.values()):

@@ -100,6 +100,13 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
     return Path(cfg.out), device, dist
 
 
+def require_eval_examples(examples: Sequence[Any], path: str) -> None:
+    """An evaluation file given but nothing left to evaluate (an empty file, or every record skipped) is an
+    error before training, not a run that ends without a score."""
+    if path and not examples:
+        raise VlbertsError("no example to evaluate (the file holds none, or --skip_bad dropped them all)", path=path)
+
+
 def all_labelled(examples: Sequence[Any], labelled: Callable[[Any], bool], path: str, dist: DistInfo | None = None) -> bool:
     """Whether the evaluation examples can be scored: all of them carry labels. A file without labels (a
     hidden test split) is predicted only, silently; one where only some lack labels is predicted and not

@@ -42,7 +42,7 @@ from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -169,6 +169,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
         store.preload()
     train, train_images = resolve_images(train, cfg.train_statements, store, cfg.features, image_map, cfg.image_map, bad)
     evals, eval_images = resolve_images(evals, cfg.eval_statements, store, cfg.features, image_map, cfg.image_map, bad)
+    require_eval_examples(evals, cfg.eval_statements)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
     if not train:

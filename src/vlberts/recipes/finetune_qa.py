@@ -46,7 +46,7 @@ from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
@@ -229,6 +229,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     seed_everything(cfg.seed)
     train, eval_examples = (examples_with_features(examples, path, store, cfg.features, bad)
                             for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)))
+    require_eval_examples(eval_examples, cfg.eval_questions)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
     model, model_cfg, copied = build_qa_model(cfg.init, vocab, cfg.qa_head_init)

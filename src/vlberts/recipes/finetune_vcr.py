@@ -40,7 +40,7 @@ from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
@@ -206,6 +206,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
     train = usable_examples(train, cfg.train_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
     evaluation = usable_examples(evaluation, cfg.eval_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
+    require_eval_examples(evaluation, cfg.eval_file)
     if not train:
         raise VlbertsError("no usable training questions", path=cfg.train_file)
     if bad.total and dist.main:
