@@ -55,7 +55,7 @@ def record_misfit(rec: "RegionRecord", *, cls_prob_width: int | None, classes: l
         return f"cls_prob has {rec.cls_prob.shape[1]} classes but the {holder} holds {cls_prob_width}"
     for ids, vocab in (("obj_id", classes), ("attr_id", attributes)):
         a = getattr(rec, ids)
-        if a is not None and vocab is not None and a.size and (a.min() < 0 or a.max() >= len(vocab)):
+        if a is not None and vocab is not None and a.size and a.max() >= len(vocab):  # (< 0: the record refuses)
             return f"{ids} outside the {holder}'s {len(vocab)}-entry vocabulary (range {a.min()}..{a.max()})"
     return None
 
