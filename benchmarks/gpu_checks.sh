@@ -17,9 +17,13 @@
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
 # THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3; EXTRACT=0
 # step 4; MODES="default"
-# compiles one mode only. Each compile of a base model took 45-60 s on the H200, so (estimated, not yet run)
-# step 1 takes about 1.5 min, the batch-256 run 5, the batch-64 run 3, step 3 about 2: with a 10-minute
-# limit per call, run `B64=0 LOOP=0 ... OUTDIR` first and `TESTS=0 B256=0 ... OUTDIR2` second.
+# compiles one mode only; SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one
+# attention kernel each (efficient, math: cuDNN's, PyTorch's choice there, took 13-22% of the kernel time).
+# Measured on a lent H200 (2026-11-26, second run, logs in benchmarks/results/h200-2026-11-26-run2): step 1
+# 127 s, the batch-256 run with both compile modes and the profile 255 s, steps 3 + 4 (LOOP_STEPS=200) 204 s;
+# the machine's start came on top. With a 10-minute limit per call and 15 minutes of device time, run
+# `B64=0 LOOP=0 EXTRACT=0 ... OUTDIR` first and `TESTS=0 B256=0 B64=0 LOOP_STEPS=200 ... OUTDIR2` at once after
+# (a warm machine is given back after 30 s idle).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -39,7 +43,7 @@ $py -c "import sys, torch, transformers; print('python', sys.version.split()[0],
 
 if [ "${TESTS:-1}" = 1 ]; then
 stamp "GPU tests"
-timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x 2>&1 \
+timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfE 2>&1 \
   | tee "$out/gpu_tests.log" | tail -25
 fi
 
@@ -47,7 +51,7 @@ if [ "${THROUGHPUT:-1}" = 1 ] && [ "${B256:-1}" = 1 ]; then
 modes=${MODES:-default,reduce-overhead}
 stamp "throughput, batch 256, compiled: $modes"
 timeout "${B256_S:-420}" $py benchmarks/gpu_throughput.py --batch 256 --steps 20 --compile-modes "$modes" \
-  --profile "$out/profile" --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
+  --sdpa-backends "${SDPA_BACKENDS-efficient,math}" --profile "$out/profile" --json "$out/gpu_b256.json" > "$out/gpu_b256.log" 2>&1
 # the operator tables in one file (a lent machine sends back few files)
 [ -d "$out/profile" ] && tar -czf "$out/profiles.tgz" -C "$out" profile && rm -r "$out/profile"
 fi

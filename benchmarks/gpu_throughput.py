@@ -3,7 +3,8 @@ the device's measured bf16 matrix-multiply peak, and the throughput ratio agains
 the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
-        [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--device cuda|cpu] [--smoke]
+        [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
+        [--device cuda|cpu] [--smoke]
         [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
@@ -303,6 +304,16 @@ class Result:
     first_step_s: float  # includes compilation for the compiled model
 
 
+def kernel_time_us(events) -> float:
+    """The kernels' time in profiler events, as the table's footer counts it: the device's own events only.
+    An operator's row also carries its kernels' time (and a compiled graph's annotation its whole graph's),
+    so summing every row counted each kernel twice (the H200 run of 2026-11-26 printed 2x the footer)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+
+
 def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -> dict[str, Any]:
     """Where a training step's time goes: `torch.profiler` over `steps` steps. Returns the per-step host
     (CPU) and device (CUDA kernel) time and the operators' table sorted by device time (CPU time on a
@@ -317,7 +328,7 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
         wall = sum(step_seconds(fn, device) for _ in range(steps)) / steps
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    kernel_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    kernel_us = kernel_time_us(events) if cuda else 0.0
     host_us = sum(e.self_cpu_time_total for e in events)
     return {
         "wall_ms": wall * 1e3,
@@ -325,6 +336,25 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
         "kernel_ms": kernel_us / steps / 1e3,  # sum of kernel times per step (0 on a CPU run)
         "table": events.table(sort_by=sort, row_limit=30),
     }
+
+
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def only_sdpa(backend: str, loss: Callable) -> Callable:
+    """`loss` with `F.scaled_dot_product_attention` held to one kernel (an unsupported input raises
+    "No available kernel" instead of falling back). On the H200 run of 2026-11-26, PyTorch chose cuDNN's
+    fused attention, which took 133 us forward and 154 us backward per call for 256 x 12 heads x 56
+    tokens: 13% of VisualBERT's kernel time and 22% of LXMERT's, for a small share of their FLOPs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def restricted(model, data):
+        with sdpa_kernel([kernel]):
+            return loss(model, data)
+    return restricted
 
 
 def compiled_key(mode: str) -> str:
@@ -348,16 +378,27 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
         compiled = copy.deepcopy(ours)
         compiled.compile(mode=mode)  # in place, as `pretrain --compile`
         entries[compiled_key(mode)] = (compiled, arch.our_step, ours_count)
+    for backend in args.sdpa_backends:  # eager copies whose attention may use this one kernel only
+        entries[f"ours_sdpa_{backend}"] = (copy.deepcopy(ours), only_sdpa(backend, arch.our_step), ours_count)
 
     fns, first, mem = {}, {}, {}
-    for key, (model, loss, _) in entries.items():
+    for key, (model, loss, _) in list(entries.items()):
         if device.type == "cuda":
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         model.to(device).train()
         fns[key] = train_fn(model, bf16_step(loss, device), build_optimizer(model, lr=1e-5), host)
-        first[key] = step_seconds(fns[key], device)  # compilation happens here for the compiled model
+        try:
+            first[key] = step_seconds(fns[key], device)  # compilation happens here for the compiled model
+        except RuntimeError as e:
+            if "No available kernel" not in str(e):
+                raise
+            print(f"{arch.name}: {key}: no kernel of that kind takes these inputs (additive mask, dropout); "
+                  "not timed")
+            del fns[key], entries[key]
+            model.to("cpu")
+            continue
         for _ in range(args.warmup - 1):
             step_seconds(fns[key], device)
         mem[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
@@ -380,7 +421,8 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
             profiles[key] = p
 
     labels = {"hf": "Hugging Face", "ours": "vlberts",
-              **{compiled_key(m): "vlberts compiled" + ("" if m == "default" else f" ({m})") for m in args.compile_modes}}
+              **{compiled_key(m): "vlberts compiled" + ("" if m == "default" else f" ({m})") for m in args.compile_modes},
+              **{f"ours_sdpa_{b}": f"vlberts, attention: {b} only" for b in args.sdpa_backends}}
     results = {}
     for key, (_, _, flops) in entries.items():
         s = statistics.median(times[key])
@@ -441,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-modes", default="",
                     help="comma-separated torch.compile modes to time, one compiled copy each "
                          "(default, reduce-overhead, max-autotune, ...); --compile adds default")
+    ap.add_argument("--sdpa-backends", default="",
+                    help=f"comma-separated attention kernels ({', '.join(SDPA_BACKENDS)}): also time an eager "
+                         "copy of our model whose attention may use that kernel only, one row each")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
@@ -452,6 +497,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.compile_modes.split(",") if m.strip()]
     args.compile_modes = list(dict.fromkeys((["default"] if args.compile else []) + modes))
+    args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
+    if unknown := [b for b in args.sdpa_backends if b not in SDPA_BACKENDS]:
+        ap.error(f"--sdpa-backends: unknown {', '.join(unknown)} (choose from {', '.join(SDPA_BACKENDS)})")
     if args.threads:
         torch.set_num_threads(args.threads)
     vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar

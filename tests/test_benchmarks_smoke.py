@@ -85,3 +85,20 @@ def test_profile_steps_splits_a_step_into_host_and_kernel_time():
     out = gpu_throughput.profile_steps(lambda: a @ a, torch.device("cpu"), steps=2)
     assert out["wall_ms"] > 0 and out["host_ms"] > 0 and out["kernel_ms"] == 0.0  # no device on a CPU run
     assert "aten::mm" in out["table"]
+
+
+def test_profile_kernel_time_counts_each_kernel_once():
+    """An operator's row carries its kernels' time and a compiled graph's annotation its graph's: only the
+    device's own events count (the H200 profile of 2026-11-26 was printed at twice the footer's total)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
+
+    events = [event(DeviceType.CPU, 30.0),  # aten::mm, carrying its kernel's 30 us
+              event(DeviceType.CUDA, 30.0),  # the kernel
+              event(DeviceType.CUDA, 50.0, annotation=True),  # "## Call CompiledFxGraph ..." over its kernels
+              event(DeviceType.CUDA, 20.0)]
+    assert gpu_throughput.kernel_time_us(events) == 50.0
