@@ -55,6 +55,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     ("--warmup=2", "warmup: must be at most 1, got 2"),
     ("--max_text_len=1", "max_text_len: must be at least 8"),
     ("--num_workers=-1", "num_workers: must be at least 0"),
+    ("--num_workers=1000", "num_workers: must be at most 128, got 1000"),
     ("--clip=-1", "clip: must be at least 0"),
 ])
 def test_settings_outside_their_range_are_one_line_errors(override, message):
@@ -86,7 +87,9 @@ def test_negative_objective_weights_and_unknown_devices_are_refused(tiny_pretrai
         parse_objectives("mlm=nan", RECIPES["visualbert"], model_cfg)
     with pytest.raises(VlbertsError, match="unknown device 'tpu'; valid: auto, cpu, cuda, cuda:N"):
         resolve_device("tpu")
-    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(VlbertsError, match="unknown device 'cpu:1'"):
+        resolve_device("cpu:1")
+    assert resolve_device("cpu").type == "cpu" and resolve_device("cpu:0").type == "cpu"
 
 
 def test_damaged_model_directories_name_the_file(tiny_pretrained, tmp_path):
@@ -286,3 +289,15 @@ def test_a_shard_set_is_not_replaced_unless_asked_and_a_directory_is_not_a_file(
     with pytest.raises(VlbertsError, match="is a directory, expected a file"):
         read_json(tmp_path)
 
+
+
+def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line(tiny_world, tiny_pretrained, tmp_path, monkeypatch):
+    """Inductor builds C++ on the CPU: with no compiler on PATH, pretrain and finetune say so before any
+    work (it used to be a page of InductorError from the first update)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools-here"))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(VlbertsError, match=r"--compile=true on the CPU needs a C\+\+ compiler"):
+        pretrain(cfg_for(tiny_world, tmp_path / "pt", compile=True))
+    with pytest.raises(VlbertsError, match=r"needs a C\+\+ compiler"):
+        finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True))
+    assert not (tmp_path / "pt").exists() and not (tmp_path / "ft").exists()

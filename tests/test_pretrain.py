@@ -59,8 +59,44 @@ def test_interrupted_run_resumes_exactly(tiny_world, tmp_path):
 def test_resume_refuses_changed_settings(tiny_world, tmp_path):
     run = tmp_path / "run"
     pretrain(cfg_for(tiny_world, run, stop_after=4))
-    with pytest.raises(VlbertsError, match="different settings.*lr"):
+    with pytest.raises(VlbertsError, match=r"different settings \(lr 0.001 -> 0.0005\)"):
         pretrain(cfg_for(tiny_world, run, lr=5e-4))
+    with pytest.raises(VlbertsError, match="different settings.*precision 'auto' -> 'bf16'"):
+        pretrain(cfg_for(tiny_world, run, precision="bf16"))  # auto is fp32 on the CPU: another arithmetic
+
+
+def test_resume_accepts_the_same_run_named_otherwise(tiny_world, tmp_path, monkeypatch):
+    """Settings that change no number may change on resume: the run directory named by a relative path
+    and then an absolute one, an input file through a link, --device=auto and the CPU it picks here,
+    --precision=auto and fp32, and the loader's worker processes (each example has its own random
+    stream). The resumed run equals the uninterrupted one bit for bit."""
+    ref = tmp_path / "ref"
+    pretrain(cfg_for(tiny_world, ref))
+    monkeypatch.chdir(tmp_path)
+    pretrain(cfg_for(tiny_world, Path("run"), stop_after=5, device="auto", precision="auto", num_workers=0))
+    (tmp_path / "captions.json").symlink_to(tiny_world.captions_train)
+    run = tmp_path / "run"
+    pretrain(cfg_for(tiny_world, run, captions=str(tmp_path / "captions.json"), device="cpu", precision="fp32",
+                     num_workers=2))
+    wa, wb = load_file(str(ref / "model" / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["mlm_loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == \
+        [r["mlm_loss"] for r in MetricsLog.read(ref / "metrics.jsonl")]
+
+
+def test_loader_workers_count_when_shards_are_split_among_them(tmp_path):
+    """Streamed shards are dealt out to the loader's workers, so their number changes the order."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Streamed:
+        shards: str = "shards/shard-index.json"
+        num_workers: int = 0
+
+    loop.check_same_run(tmp_path, Streamed())
+    loop.check_same_run(tmp_path, Streamed(num_workers=0))
+    with pytest.raises(VlbertsError, match="num_workers 0 -> 2"):
+        loop.check_same_run(tmp_path, Streamed(num_workers=2))
 
 
 def test_losses_fall_and_model_directory_loads(tiny_world, tmp_path):

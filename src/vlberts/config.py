@@ -126,13 +126,16 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     **{name: (0, 1, False) for name in _FRACTIONS},
     **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",
                                            "vqa_epochs")},
-    **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "num_workers", "min_boxes",
+    **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "min_boxes",
                                            "figures", "qualitative", "explorer_examples", "hard_negatives",
                                            "length_group")},  # 0: none / off
     "epochs": (0, None, True),
     "max_text_len": (8, None, False),  # [CLS], a few subwords, [SEP] (and an answer slot)
     "pixel_size": (16, None, False),
     "prefetch": (-1, None, False),
+    # loader processes, each with its own copy of the dataset's index: past this, a typo (1000) rather than
+    # a machine (torch itself warns above the CPU count)
+    "num_workers": (0, 128, False),
 }
 
 

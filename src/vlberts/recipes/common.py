@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +31,27 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    # The CPU is one device to torch: 'cpu:1' would run on it as 'cpu' does, so it names nothing that exists.
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
         raise VlbertsError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise VlbertsError(f"device {name!r} requested but CUDA is not available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise VlbertsError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def require_compiler(compile: bool, device: torch.device) -> None:
+    """`--compile=true` on the CPU: Inductor writes C++ and builds it, so on a machine without a C++
+    compiler the first update failed with a page of PyTorch's error, after the run directory was made. Say
+    so first, in one line, when none of $CXX, g++, clang++ and c++ is on PATH (on a GPU Inductor writes
+    Triton kernels and Python)."""
+    if not compile or device.type != "cpu":
+        return
+    if not any(name and shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "clang++", "c++")):
+        raise VlbertsError("--compile=true on the CPU needs a C++ compiler (torch.compile's Inductor builds C++ "
+                           "there): none of $CXX, g++, clang++, c++ is on PATH; install one (e.g. apt-get install "
+                           "g++) or leave --compile off")
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

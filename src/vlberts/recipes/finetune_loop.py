@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -92,6 +92,7 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
     rank's device), and a one-line error for each required setting left empty. Returns (out, device, dist)."""
     set_threads()
     device = resolve_device(cfg.device)
+    require_compiler(cfg.compile, device)
     dist = init_distributed(device.type)
     device = local_device(device, dist)
     for key in required:

@@ -64,7 +64,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -380,6 +380,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     set_threads()
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
+    require_compiler(cfg.compile, device)
     dist = init_distributed(device.type)  # torchrun: one process per rank (training/distributed.py)
     device = local_device(device, dist)
     streamed = bool(cfg.shards)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -226,25 +227,68 @@ def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradSc
                            "NaN or inf in the inputs or the initial weights (the newest checkpoint predates it)")
 
 
-def check_same_run(out: Path, cfg: Any, ignore: tuple[str, ...] = ("stop_after", "fsdp", "compile", "prefetch", "tensorboard"),
-                   write: bool = True) -> None:
-    """A resumed run must use the settings it started with (except how long this invocation runs, whether
-    it shards or compiles the model or draws its batches ahead, and whether it mirrors its log to
-    TensorBoard: FSDP checkpoints are whole models, the same as unsharded ones, compiling changes no weight
-    or name, prefetching no batch, and TensorBoard no number)."""
+# Settings a resumed run may change, because they change no number of it: how long this invocation runs,
+# whether it shards the model (FSDP checkpoints are whole models, as unsharded ones) or compiles it (no
+# weight or name changes), draws its batches ahead or mirrors its log to TensorBoard, and where its run
+# directory is (the record was found in it: a moved directory, or one named by another path, is the same
+# run). Loader workers join them where each example draws from its own random stream
+# (`data.sampling.example_rng`); streamed shards are split among the workers, so there they count.
+UNNUMBERED = ("stop_after", "fsdp", "compile", "prefetch", "tensorboard", "out")
+
+
+def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
+    """A resumed run must use the settings it started with, but for those in `UNNUMBERED`. A file named by
+    another path (relative against absolute, through a link) is the same setting; so are `--device=auto`
+    and the device it picks on this machine, and `--precision=auto` and the precision it picks there."""
     path = out / "run_config.json"
     if path.is_file():
+        ignore = UNNUMBERED + (() if getattr(cfg, "shards", "") else ("num_workers",))
         before = {k: v for k, v in read_json(path).items() if k not in ignore}
         now = {k: v for k, v in to_dict(cfg).items() if k not in ignore}
-        diff = changed_settings(before, now)
+        diff = [k for k in changed_settings(before, now) if not _same_setting(k, before, now)]
         if diff:
+            changes = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in diff)
             raise VlbertsError(
-                f"run directory holds a checkpoint of a run with different settings ({', '.join(diff)}); "
+                f"run directory holds a checkpoint of a run with different settings ({changes}); "
                 "use a new --out or the original settings",
                 path=path,
             )
     if write:
         write_json(path, to_dict(cfg))
+
+
+def _same_setting(key: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether two textually different values of setting `key` name the same thing (`check_same_run`)."""
+    a, b = before.get(key), now.get(key)
+    if key == "device":
+        return _device_kind(a) == _device_kind(b)
+    if key == "precision":
+        kind = _device_kind(now.get("device"))
+        return _precision_on(a, kind) == _precision_on(b, kind)
+    if isinstance(a, str) and isinstance(b, str) and a and b:
+        try:  # the same file or directory, named by another path
+            return os.path.samefile(a, b)
+        except OSError:  # one of them is not there (or not a path at all)
+            return False
+    return False
+
+
+def _device_kind(name: Any) -> Any:
+    """The kind of device a `--device` value runs on: 'auto' as this machine resolves it
+    (`recipes.common.resolve_device`); any GPU's index alike (`cuda`, `cuda:1`: the same arithmetic)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(name).type
+    except (RuntimeError, ValueError, TypeError):
+        return name
+
+
+def _precision_on(precision: Any, device_kind: Any) -> Any:
+    """'auto' as `recipes.common.autocast` reads it: bf16 on CUDA, fp32 on the CPU."""
+    if precision == "auto":
+        return "bf16" if device_kind == "cuda" else "fp32"
+    return precision
 
 
 def start_or_resume(
