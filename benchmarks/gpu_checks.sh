@@ -94,14 +94,14 @@ torch.save(fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_clas
 rng = np.random.default_rng(0)
 for i in range(int(sys.argv[2])):
     Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(f'{sys.argv[1]}/images/{i:012d}.jpg')
-" "$e" "${EXTRACT_IMAGES:-64}"
+" "$e" "${EXTRACT_IMAGES:-256}"
   s0=$(date +%s.%N)
   timeout "${EXTRACT_S:-180}" $py -m vlberts.cli features extract --images "$e/images" --weights "$e/w.pth" \
     --out "$e/f.h5" --batch-images "${EXTRACT_BATCH:-8}" > "$out/extract.log" 2>&1
   s1=$(date +%s.%N)
   $py -c "import sys; n, t = int(sys.argv[1]), float(sys.argv[3]) - float(sys.argv[2]); print(f'{n} images of 640 x 480 in {t:.1f} s (start-up included): {n / t:.1f} images/s')" \
-    "${EXTRACT_IMAGES:-64}" "$s0" "$s1" | tee "$out/extract.txt"
-  tail -1 "$out/extract.log"
+    "${EXTRACT_IMAGES:-256}" "$s0" "$s1" | tee "$out/extract.txt"
+  tail -1 "$out/extract.log" | tee -a "$out/extract.txt"
   rm -rf "$e"
 fi
 

@@ -8,6 +8,7 @@ their keys; bad weights and unreadable images are one-line errors that leave no 
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,7 @@ def test_cli_extracts_a_folder(weights, images, tmp_path):
                           "--min-boxes", "5", "--max-boxes", "20", "--device", "cpu"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "3 images" in run.stdout and "1024-d float32 features, fields boxes, features, cls_prob, obj_id, obj_conf" in run.stdout
+    assert re.search(r"extracted 3 images in [0-9.]+ s, [0-9.]+ images/s after the first pass", run.stdout), run.stdout
     run = subprocess.run([str(VLBERTS), "features", "extract", "--images", str(tmp_path / "none"), "--weights",
                           str(weights), "--out", str(tmp_path / "t.h5")], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip().endswith("not a directory of images")
