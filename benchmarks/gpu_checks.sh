@@ -15,7 +15,8 @@
 #   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3; EXTRACT=0
+# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3 (GRAPHS=0 its
+# last part: the loop with --static_shapes, eager and in CUDA graphs, not yet run on a GPU); EXTRACT=0
 # step 4; MODES="default"
 # compiles one mode only; SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one
 # attention kernel each (efficient, math: cuDNN's, PyTorch's choice there, took 13-22% of the kernel time).
@@ -61,23 +62,38 @@ timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 -
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
 fi
 
-if [ "${LOOP:-1}" = 1 ]; then
-  stamp "pre-training loop: batches drawn in the loop (--prefetch=0) against drawn ahead (the default)"
+# One `vlberts pretrain` run of the loop steps (visualbert-small, batch 256, the world's features in memory):
+# NAME, then its extra flags. Prints the updates per second over the whole run and over its last 50 updates
+# (after any compiling).
+loop_run() {
+  local name=$1; shift
+  rm -rf "$w/$name"
+  timeout "${LOOP_S:-120}" $py -m vlberts.cli pretrain --captions="$w/world/annotations/captions_train.json" \
+    --features="$w/features.h5" --out="$w/$name" --model=visualbert-small --steps="${LOOP_STEPS:-300}" \
+    --batch_size="${LOOP_BATCH:-256}" --log_every=50 --ckpt_every=100000 --preload_features=true "$@" >> "$out/loop.log" 2>&1
+  $py -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])]
+a, b = r[-2], r[-1]
+print(f'{sys.argv[2]}: {b[\"step\"]} updates in {b[\"seconds\"]:.1f} s, {b[\"step\"] / b[\"seconds\"]:.2f} updates/s; '
+      f'last {b[\"step\"] - a[\"step\"]}: {(b[\"step\"] - a[\"step\"]) / (b[\"seconds\"] - a[\"seconds\"]):.2f} updates/s')" \
+    "$w/$name/metrics.jsonl" "$name ($*)" | tee -a "$out/loop.txt"
+}
+
+if [ "${LOOP:-1}" = 1 ] || [ "${GRAPHS:-1}" = 1 ]; then
   w="$out/loop"
   { $py -m vlberts.cli world build --out "$w/world" --images "${LOOP_IMAGES:-1000}" --seed 0 &&
     $py -m vlberts.cli extract --world "$w/world" --out "$w/features.h5"; } > "$out/loop.log" 2>&1
-  for rep in 1 2; do
-    for pf in 0 -1; do
-      rm -rf "$w/pt$pf"
-      timeout "${LOOP_S:-120}" $py -m vlberts.cli pretrain --captions="$w/world/annotations/captions_train.json" \
-        --features="$w/features.h5" --out="$w/pt$pf" --model=visualbert-small --steps="${LOOP_STEPS:-300}" \
-        --batch_size="${LOOP_BATCH:-256}" --log_every=50 --ckpt_every=100000 --preload_features=true \
-        --prefetch="$pf" >> "$out/loop.log" 2>&1
-      $py -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])][-1]
-print(f'run {sys.argv[3]}, --prefetch={sys.argv[2]}: {r[\"step\"]} updates in {r[\"seconds\"]:.1f} s, '
-      f'{r[\"step\"] / r[\"seconds\"]:.2f} updates/s')" "$w/pt$pf/metrics.jsonl" "$pf" "$rep" | tee -a "$out/loop.txt"
+  if [ "${LOOP:-1}" = 1 ]; then
+    stamp "pre-training loop: batches drawn in the loop (--prefetch=0) against drawn ahead (the default)"
+    for rep in 1 2; do
+      loop_run "inline$rep" --prefetch=0
+      loop_run "ahead$rep" --prefetch=-1
     done
-  done
+  fi
+  if [ "${GRAPHS:-1}" = 1 ]; then
+    stamp "pre-training loop in CUDA graphs: --static_shapes eager against compiled in reduce-overhead mode"
+    loop_run static --static_shapes=true
+    loop_run graphs --static_shapes=true --compile=true --compile_mode=reduce-overhead
+  fi
   rm -rf "$w"
 fi
 

@@ -77,3 +77,24 @@ def test_compiled_finetuning_equals_eager(tiny_world, tiny_pretrained, tmp_path)
     assert len(logs["eager"]) >= 2
     for a, b in zip(logs["eager"], logs["compiled"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6), a["step"]
+
+
+def test_reduce_overhead_mode_with_static_shapes_equals_eager(tiny_world, tmp_path, monkeypatch):
+    """`--compile_mode=reduce-overhead --static_shapes` (CUDA graphs on a GPU; on a CPU the mode compiles
+    as the default one does) trains the eager run's model, and the step compiles a few graphs, not one per
+    batch: the shapes hold still."""
+    monkeypatch.setitem(builders.MODEL_CONFIGS, "visualbert-tiny-nodrop",
+                        lambda **kw: builders.visualbert_tiny(hidden_dropout=0.0, attention_dropout=0.0, **kw))
+    logs = {}
+    for name, compile_ in (("eager", False), ("compiled", True)):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        out = tmp_path / name
+        pretrain(cfg_for(tiny_world, out, model="visualbert-tiny-nodrop", steps=6, batch_size=16, ckpt_every=100,
+                         compile=compile_, compile_mode="reduce-overhead", static_shapes=True))
+        logs[name] = MetricsLog.read(out / "metrics.jsonl")
+        if compile_:
+            assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+    for a, b in zip(logs["eager"], logs["compiled"], strict=True):
+        for key in ("mlm_loss", "match_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -116,16 +116,34 @@ class TokenSelection(Batch):
     position: Tensor  # (N,) long: its text position t
     rows: Tensor  # (B, 1 + n) long: 0 ([CLS]), then example b's selected positions ascending, padded with 0
     slot: Tensor  # (N,) long: where token k sits in rows[:, 1:] (row b = example[k])
+    # How many of the N entries are selected tokens, when the lists are padded to a bucket size
+    # (`select_tokens(..., bucketed=True)`): the rest point at [CLS] of example 0, whose label is never set,
+    # so a loss over labels gathered at them ignores them. None: every entry is a selected token.
+    real: int | None = None
 
     @property
     def count(self) -> int:
-        """N, the number of selected tokens (a shape: reading it never waits for the device)."""
-        return self.example.shape[0]
+        """The number of selected tokens (known on the host: reading it never waits for the device)."""
+        return self.example.shape[0] if self.real is None else self.real
 
 
-def select_tokens(positions: Tensor) -> TokenSelection:
+def bucket(n: int) -> int:
+    """The smallest size of the form m * 2^k (m = 5..8) that holds n, and 8 for 1..8 (0 stays 0): at most a
+    quarter more than n, and one or two sizes for a count that varies a little from batch to batch, so
+    that a step padded to it keeps a few shapes (what CUDA graphs need: one graph per shape)."""
+    if n <= 8:
+        return 0 if n <= 0 else 8
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def select_tokens(positions: Tensor, bucketed: bool = False) -> TokenSelection:
     """positions (B, T) bool -> the `TokenSelection` of its True entries. Reads the mask's values (call it
-    where they are on the host); a mask with no columns (an image-only batch) is read from its shape."""
+    where they are on the host); a mask with no columns (an image-only batch) is read from its shape.
+
+    `bucketed`: the token lists padded to `bucket(N)` entries and the rows to `1 + bucket(n)`, so that
+    batches whose masked-word counts differ a little share their shapes (`data.pretrain.fixed_shapes`).
+    The padding entries point at [CLS] (position 0) of example 0."""
     B, T = positions.shape
     dev = positions.device
     if T == 0 or B == 0:
@@ -138,7 +156,13 @@ def select_tokens(positions: Tensor) -> TokenSelection:
     valid = torch.arange(n, device=dev) < counts[:, None]  # (B, n)
     rows = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), ordered.masked_fill(~valid, 0)], 1)
     slot = torch.arange(n, device=dev).expand(B, n)[valid]  # (N,): the rank of each token within its example
-    return TokenSelection(example, position, rows, slot)
+    if not bucketed:
+        return TokenSelection(example, position, rows, slot)
+    N = example.shape[0]
+    extra, wider = bucket(N) - N, bucket(n) - n
+    pad = torch.zeros(extra, dtype=torch.long, device=dev)
+    rows = torch.cat([rows, torch.zeros(B, wider, dtype=torch.long, device=dev)], 1)  # (B, 1 + bucket(n))
+    return TokenSelection(torch.cat([example, pad]), torch.cat([position, pad]), rows, torch.cat([slot, pad]), real=N)
 
 
 def as_selection(positions: Tensor | TokenSelection) -> TokenSelection:

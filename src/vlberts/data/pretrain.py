@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs, select_tokens
+from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs, bucket, select_tokens
 from vlberts.data.coco import CaptionRef
 from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
 from vlberts.data.sampling import example_rng
@@ -270,10 +271,62 @@ def _stack_pixels(examples: list[dict]) -> torch.Tensor | None:
     return torch.stack([torch.as_tensor(e["pixels"]) if "pixels" in e else torch.zeros_like(template) for e in examples])
 
 
-def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targets: bool = False) -> PretrainBatch:
+@dataclass(frozen=True)
+class FixedShapes:
+    """The shapes every pre-training batch is padded to (`vlberts pretrain --static_shapes`): T text tokens
+    and R regions (the run's --max_text_len and --max_regions), and the counts that vary with the masking
+    (masked words, their largest number in one example, tag subwords) rounded up to `batch.bucket` sizes.
+    A step whose tensors keep their shapes can run as a CUDA graph (torch.compile's reduce-overhead mode
+    records one per shape) and never recompiles for a new length."""
+
+    text_len: int
+    regions: int
+
+
+def _pad_to(t: Tensor | None, dim: int, size: int, value: Any) -> Tensor | None:
+    """`t` right-padded with `value` along `dim` to `size` (as it is when already that long)."""
+    if t is None or t.shape[dim] >= size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_full(shape, value)], dim)
+
+
+def fixed_shapes(batch: PretrainBatch, shapes: FixedShapes, pad_id: int) -> PretrainBatch:
+    """`batch` padded to `shapes`: padded tokens and regions are masked out of attention and carry no
+    label, so every loss is the same up to float rounding but the region losses that average over every
+    (example, region) slot (LXMERT's and W-VisualBERT's feature regression and detector labels, as LXMERT's
+    code does, whose images all have 36 boxes): with padding their slots are B x R in every batch instead
+    of B x the batch's largest region count."""
+    T, R = shapes.text_len, shapes.regions
+    x = batch.inputs
+    inputs = dataclasses.replace(
+        x, input_ids=_pad_to(x.input_ids, 1, T, pad_id), token_type_ids=_pad_to(x.token_type_ids, 1, T, 0),
+        attention_mask=_pad_to(x.attention_mask, 1, T, False), region_feats=_pad_to(x.region_feats, 1, R, 0.0),
+        region_boxes=_pad_to(x.region_boxes, 1, R, 0.0), region_mask=_pad_to(x.region_mask, 1, R, False),
+        region_type_ids=_pad_to(x.region_type_ids, 1, R, 0),
+    )
+    regions = batch.regions
+    if regions is not None:
+        pads = {"masked": False, "corrupted": False, "feats": 0.0, **LABEL_FIELDS}
+        regions = dataclasses.replace(regions, **{k: _pad_to(getattr(regions, k), 1, R, v) for k, v in pads.items()})
+    tags, tag_labels = batch.tags, batch.tag_labels
+    if tags is not None:
+        L = bucket(tags.tag_ids.shape[1])
+        tags = dataclasses.replace(tags, tag_ids=_pad_to(tags.tag_ids, 1, L, pad_id),
+                                   tag_region=_pad_to(tags.tag_region, 1, L, 0), tag_mask=_pad_to(tags.tag_mask, 1, L, False))
+        tag_labels = _pad_to(tag_labels, 1, L, IGNORE_INDEX)
+    mlm_labels = _pad_to(batch.mlm_labels, 1, T, IGNORE_INDEX)
+    return dataclasses.replace(batch, inputs=inputs, regions=regions, tags=tags, tag_labels=tag_labels,
+                               mlm_labels=mlm_labels, mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX, bucketed=True))
+
+
+def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targets: bool = False,
+                     shapes: FixedShapes | None = None) -> PretrainBatch:
     """Pad examples into a `PretrainBatch`. With `drop_unmatched_targets`, mismatched pairs keep no MLM or
     masked-region targets (ViLBERT's `--objective 1`; `objectives.matching.drop_unmatched`). Examples may mix
-    sources (`kind`: pairs, text-only, image-only; `data.text_corpus`)."""
+    sources (`kind`: pairs, text-only, image-only; `data.text_corpus`). With `shapes`, padded to them
+    (`fixed_shapes`)."""
     examples = _fill_region_side(examples)
     ids = pad_sequences([e["ids"] for e in examples], pad_id)  # (B, T)
     regions: list[Regions] = [e["regions"] for e in examples]
@@ -304,7 +357,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         tags = collate_tags([(e["tag_ids"], e["tag_region"]) for e in examples], pad_id)
         tag_labels = _pad_stack([e["tag_labels"] for e in examples], IGNORE_INDEX)  # (B, L)
     kind = torch.tensor([e.get("kind", PAIR) for e in examples], dtype=torch.long)  # (B,)
-    return PretrainBatch(
+    batch = PretrainBatch(
         inputs=inputs,
         mlm_labels=mlm_labels,
         match_labels=torch.tensor([e["match"] for e in examples], dtype=torch.long),
@@ -318,6 +371,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         nsp_labels=torch.tensor([e.get("nsp", -1) for e in examples], dtype=torch.long) if any("nsp" in e for e in examples) else None,
         mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX),
     )
+    return batch if shapes is None else fixed_shapes(batch, shapes, pad_id)
 
 
 def unpaired_view(batch: PretrainBatch, source: Source) -> PretrainBatch:

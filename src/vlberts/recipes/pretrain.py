@@ -32,14 +32,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.batch import PretrainBatch
 from vlberts.data.coco import CaptionRef, read_caption_refs
-from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, RegionSetup, collate_pretrain, unpaired_view
+from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, FixedShapes, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_batches, stream_examples
@@ -177,6 +177,14 @@ class PretrainConfig:
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
+        "default", "torch.compile's mode with --compile: reduce-overhead replays each step as a CUDA graph (on a GPU; "
+        "give it --static_shapes, since a graph is recorded per shape)")
+    static_shapes: bool = opt(False, "pad every batch to --max_text_len tokens and --max_regions regions, and the "
+                              "masked-word lists to a few bucket sizes, so that the step keeps its shapes (what CUDA "
+                              "graphs need; no recompiling for new lengths). Same losses up to rounding, except "
+                              "the region losses that average over every region slot (LXMERT, W-VisualBERT): "
+                              "B x max_regions slots then")
 
 
 CONFIG_CLASS = PretrainConfig
@@ -465,7 +473,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
         model = shard_model(model, dist)
     if cfg.compile:  # in place: the state dict keeps its names (no `_orig_mod.` prefix)
-        model.compile()
+        model.compile(mode=cfg.compile_mode)
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
@@ -497,7 +505,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
            if dist.main else None)
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
-    collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights)
+    collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights,
+                      shapes=FixedShapes(cfg.max_text_len, cfg.max_regions) if cfg.static_shapes else None)
     if streamed:  # each rank its own stream of chunks, resumed at its own position
         stream = stream_batches(stream_examples(
             store, lambda caps, regions, seed: make_data(caps, regions, seed=seed), seed=cfg.seed,
