@@ -84,6 +84,19 @@ def test_resume_accepts_the_same_run_named_otherwise(tiny_world, tmp_path, monke
         [r["mlm_loss"] for r in MetricsLog.read(ref / "metrics.jsonl")]
 
 
+def test_a_run_recorded_before_a_setting_existed_resumes_with_its_default(tiny_world, tmp_path):
+    """A run started by an older vlberts has no record of settings added since: their defaults are what
+    it ran with, so it resumes; another value is a change."""
+    run = tmp_path / "run"
+    pretrain(cfg_for(tiny_world, run, stop_after=4))
+    record = json.loads((run / "run_config.json").read_text())
+    del record["static_shapes"]
+    (run / "run_config.json").write_text(json.dumps(record))
+    with pytest.raises(VlbertsError, match="static_shapes None -> True"):
+        pretrain(cfg_for(tiny_world, run, static_shapes=True))
+    assert pretrain(cfg_for(tiny_world, run)) == run / "model"
+
+
 def test_loader_workers_count_when_shards_are_split_among_them(tmp_path):
     """Streamed shards are dealt out to the loader's workers, so their number changes the order."""
     from dataclasses import dataclass

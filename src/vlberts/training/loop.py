@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -245,7 +246,10 @@ def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
         ignore = UNNUMBERED + (() if getattr(cfg, "shards", "") else ("num_workers",))
         before = {k: v for k, v in read_json(path).items() if k not in ignore}
         now = {k: v for k, v in to_dict(cfg).items() if k not in ignore}
-        diff = [k for k in changed_settings(before, now) if not _same_setting(k, before, now)]
+        # A setting the record lacks was added to vlberts after the run started: its default is the old behaviour.
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        diff = [k for k in changed_settings(before, now)
+                if not (k not in before and now.get(k) == defaults.get(k)) and not _same_setting(k, before, now)]
         if diff:
             changes = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in diff)
             raise VlbertsError(
