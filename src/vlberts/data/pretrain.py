@@ -273,11 +273,13 @@ def _stack_pixels(examples: list[dict]) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class FixedShapes:
-    """The shapes every pre-training batch is padded to (`vlberts pretrain --static_shapes`): T text tokens
-    and R regions (the run's --max_text_len and --max_regions), and the counts that vary with the masking
-    (masked words, their largest number in one example, tag subwords) rounded up to `batch.bucket` sizes.
-    A step whose tensors keep their shapes can run as a CUDA graph (torch.compile's reduce-overhead mode
-    records one per shape) and never recompiles for a new length."""
+    """The shapes every pre-training batch is padded to (`vlberts pretrain --static_shapes`): R regions (the
+    run's --max_regions; LXMERT's images all have 36), and the counts that vary from batch to batch (the
+    text length, at most `text_len`; the masked words, their largest number in one example; the tag
+    subwords) rounded up to `batch.bucket` sizes. Padding the text to --max_text_len instead would make a
+    step on short captions do up to twice the work (48 tokens for 20). A step whose tensors keep their
+    shapes can run as a CUDA graph (torch.compile's reduce-overhead mode records one per shape) and never
+    recompiles for a new length."""
 
     text_len: int
     regions: int
@@ -298,8 +300,8 @@ def fixed_shapes(batch: PretrainBatch, shapes: FixedShapes, pad_id: int) -> Pret
     (example, region) slot (LXMERT's and W-VisualBERT's feature regression and detector labels, as LXMERT's
     code does, whose images all have 36 boxes): with padding their slots are B x R in every batch instead
     of B x the batch's largest region count."""
-    T, R = shapes.text_len, shapes.regions
     x = batch.inputs
+    T, R = min(bucket(x.input_ids.shape[1]), shapes.text_len), shapes.regions
     inputs = dataclasses.replace(
         x, input_ids=_pad_to(x.input_ids, 1, T, pad_id), token_type_ids=_pad_to(x.token_type_ids, 1, T, 0),
         attention_mask=_pad_to(x.attention_mask, 1, T, False), region_feats=_pad_to(x.region_feats, 1, R, 0.0),

@@ -180,9 +180,9 @@ class PretrainConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
         "default", "torch.compile's mode with --compile: reduce-overhead replays each step as a CUDA graph (on a GPU; "
         "give it --static_shapes, since a graph is recorded per shape)")
-    static_shapes: bool = opt(False, "pad every batch to --max_text_len tokens and --max_regions regions, and the "
-                              "masked-word lists to a few bucket sizes, so that the step keeps its shapes (what CUDA "
-                              "graphs need; no recompiling for new lengths). Same losses up to rounding, except "
+    static_shapes: bool = opt(False, "pad every batch to --max_regions regions, and its text length and masked-word "
+                              "lists to a few bucket sizes, so that the step keeps a few shapes (what CUDA graphs "
+                              "need; no recompiling for new lengths). Same losses up to rounding, except "
                               "the region losses that average over every region slot (LXMERT, W-VisualBERT): "
                               "B x max_regions slots then")
 
