@@ -245,6 +245,24 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tiny_world, tmp_path, cap
     assert run_cli(args, capsys)[0] == 0  # the same process again: the first command let the directory go
 
 
+def test_a_command_that_fails_before_training_leaves_no_run_directory(tiny_world, tmp_path, capsys):
+    """A setting found wrong after the tokenizer was written used to leave OUT with tokenizer/ and the lock
+    file. A directory the run made is removed when the run fails before any checkpoint or log record; one
+    the user made is theirs and stays; a run that trained keeps its checkpoints (tested with --stop_after
+    and resumes elsewhere)."""
+    out = tmp_path / "late"
+    args = ["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+            "--model=visualbert-tiny", "--vocab_size=200", "--steps=2", "--batch_size=4", f"--out={out}",
+            "--objectives=region_kl=1"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "no head for objective 'region_kl'" in err
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    assert run_cli(args, capsys)[0] == 2
+    assert (out / "notes.txt").read_text() == "the user's"
+
+
 def test_an_output_path_that_is_a_file_is_one_line(tiny_world, tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
     questions, annotations = tiny_world.vqa("test")

@@ -996,7 +996,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         while _RUN_LOCKS:
             lock = _RUN_LOCKS.pop()
             if lock is not None:
-                lock.release()
+                lock.release(failed=not ok)
 
 
 if __name__ == "__main__":

@@ -65,13 +65,14 @@ class RunLock:
     def __init__(self, directory: Path, file: IO[str], made: bool):
         self.directory, self.file, self.made = directory, file, made
 
-    def release(self) -> None:
-        """Let the directory go. One this lock made and nothing else filled (a run refused at its start)
-        is removed again, so that a failed command leaves no trace."""
-        lock_file = self.directory / LOCK_NAME
-        if self.made and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
-            lock_file.unlink(missing_ok=True)
-            self.directory.rmdir()
+    def release(self, failed: bool = False) -> None:
+        """Let the directory go. One this lock made is removed again when nothing else filled it (a run
+        refused at its start), or when the command `failed` before training wrote anything (no checkpoint,
+        no metrics record: a setting found wrong after the tokenizer was built), so that a failed command
+        leaves no half-made run directory. A run that trained keeps its checkpoints and its log."""
+        names = {p.name for p in self.directory.iterdir()} if self.directory.is_dir() else set()
+        if self.made and (names == {LOCK_NAME} or (failed and not names & {"checkpoints", "metrics.jsonl"})):
+            shutil.rmtree(self.directory, ignore_errors=True)
         self.file.close()
 
 
