@@ -5,6 +5,7 @@ same losses as unpadded batches; what CUDA graphs (`--compile_mode=reduce-overhe
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -125,3 +126,20 @@ def test_padded_batches_train_the_same_model(tiny_world, tmp_path, monkeypatch, 
     assert compared
     if not slot_averaged:
         assert all(torch.allclose(w_a[k], w_b[k], rtol=1e-4, atol=1e-5) for k in w_a)
+
+
+def test_compile_mode_reaches_torch_compile_in_pretraining_and_finetuning(tiny_world, tiny_pretrained, tmp_path,
+                                                                         monkeypatch):
+    """`--compile_mode` is passed to `torch.compile` by every training command (the compiling itself is
+    replaced here: `tests/test_compile.py` compiles for real)."""
+    from test_finetune_vqa import vqa_cfg
+
+    from vlberts.recipes.finetune_vqa import finetune_vqa
+
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw.get("mode")))
+    monkeypatch.setenv("CXX", sys.executable)  # nothing is built: the C++ compiler pre-check must not stop it
+    pretrain(cfg_for(tiny_world, tmp_path / "pt", steps=2, compile=True, compile_mode="max-autotune"))
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True, compile_mode="reduce-overhead",
+                         epochs=0.1))
+    assert modes == ["max-autotune", "reduce-overhead"]

@@ -10,7 +10,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -140,6 +140,10 @@ TENSORBOARD_HELP = ("also write the metrics log as TensorBoard event files in OU
                     "tensorboard package: pip install 'vlberts[tensorboard]')")
 COMPILE_HELP = ("torch.compile the model in place (inductor): the first updates wait for the compiler, "
                 "later ones run fused kernels; CPU needs a C++ compiler. Weights and checkpoints are unchanged")
+# torch.compile's modes (`--compile_mode`, with --compile)
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODE_HELP = ("torch.compile's mode with --compile: reduce-overhead replays each step as a CUDA graph (on a "
+                     "GPU), one recorded per shape (pre-training: give it --static_shapes)")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -64,7 +64,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import COMPILE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, autocast, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -177,9 +177,7 @@ class PretrainConfig:
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
-        "default", "torch.compile's mode with --compile: reduce-overhead replays each step as a CUDA graph (on a GPU; "
-        "give it --static_shapes, since a graph is recorded per shape)")
+    compile_mode: CompileMode = opt("default", COMPILE_MODE_HELP)
     static_shapes: bool = opt(False, "pad every batch to --max_regions regions, and its text length and masked-word "
                               "lists to a few bucket sizes, so that the step keeps a few shapes (what CUDA graphs "
                               "need; no recompiling for new lengths). Same losses up to rounding, except "
