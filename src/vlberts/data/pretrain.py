@@ -371,7 +371,7 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
         qa_targets=torch.tensor([e.get("qa_target", -1) for e in examples], dtype=torch.long) if "qa_target" in examples[0] else None,
         kind=kind if bool(kind.any()) else None,
         nsp_labels=torch.tensor([e.get("nsp", -1) for e in examples], dtype=torch.long) if any("nsp" in e for e in examples) else None,
-        mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX),
+        mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX) if shapes is None else None,  # fixed_shapes: bucketed
     )
     return batch if shapes is None else fixed_shapes(batch, shapes, pad_id)
 

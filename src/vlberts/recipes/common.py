@@ -20,13 +20,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json
+from vlberts.training.loop import auto_device_type, precision_in_effect
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` (CUDA when there is a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`; anything else, or CUDA
     on a machine without it, is a one-line error."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(auto_device_type())
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -66,8 +67,7 @@ def autocast(device: torch.device, precision: str):
         raise VlbertsError(f"precision must be {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}, got {precision!r}")
     if precision == "fp16":
         return torch.autocast(device_type=device.type, dtype=torch.float16)
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if not use_bf16:
+    if precision_in_effect(precision, device.type) != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

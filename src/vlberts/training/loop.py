@@ -268,7 +268,7 @@ def _same_setting(key: str, before: dict[str, Any], now: dict[str, Any]) -> bool
         return _device_kind(a) == _device_kind(b)
     if key == "precision":
         kind = _device_kind(now.get("device"))
-        return _precision_on(a, kind) == _precision_on(b, kind)
+        return precision_in_effect(a, kind) == precision_in_effect(b, kind)
     if isinstance(a, str) and isinstance(b, str) and a and b:
         try:  # the same file or directory, named by another path
             return os.path.samefile(a, b)
@@ -277,22 +277,28 @@ def _same_setting(key: str, before: dict[str, Any], now: dict[str, Any]) -> bool
     return False
 
 
+def auto_device_type() -> str:
+    """What `--device=auto` runs on here: CUDA when there is a GPU, else the CPU (`recipes.common.resolve_device`)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def precision_in_effect(precision: Any, device_type: Any) -> Any:
+    """The arithmetic a `--precision` value means on a device type: 'auto' is bf16 autocast on CUDA and fp32
+    on the CPU (`recipes.common.autocast` reads it from here)."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return precision
+
+
 def _device_kind(name: Any) -> Any:
-    """The kind of device a `--device` value runs on: 'auto' as this machine resolves it
-    (`recipes.common.resolve_device`); any GPU's index alike (`cuda`, `cuda:1`: the same arithmetic)."""
+    """The kind of device a `--device` value runs on: 'auto' as this machine resolves it; any GPU's index
+    alike (`cuda`, `cuda:1`: the same arithmetic)."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return auto_device_type()
     try:
         return torch.device(name).type
     except (RuntimeError, ValueError, TypeError):
         return name
-
-
-def _precision_on(precision: Any, device_kind: Any) -> Any:
-    """'auto' as `recipes.common.autocast` reads it: bf16 on CUDA, fp32 on the CPU."""
-    if precision == "auto":
-        return "bf16" if device_kind == "cuda" else "fp32"
-    return precision
 
 
 def start_or_resume(
