@@ -289,3 +289,51 @@ def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypa
         assert type(out) is type(batch) and len(before_t) == len(after_t) > 15
         assert all(a is not b and torch.equal(a, b) for a, b in zip(after_t, before_t))  # every one was copied
     assert len(seen) == sum(len(_tensors(b)) for b in micro)
+
+
+def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, monkeypatch):
+    """VL-BERT's MLM selects whole words (`random_word_wwm`): the subwords of a word are selected, and
+    [MASK]ed, together. The others select each subword on its own (BERT's `random_word`)."""
+    from vlberts.text.masking import word_ids_of
+
+    caps = read_caption_refs(str(tiny_world.captions_train))
+    store = RegionStore(tiny_world.store)
+    # A vocabulary of the characters and 10 words, so that most words are spelled in several subwords.
+    chars = {c for cap in caps for c in cap.text.lower() if not c.isspace()}
+    tok = TextTokenizer.train([c.text for c in caps], vocab_size=5 + 2 * len(chars) + 10)
+
+    def word_splits(whole_word: bool) -> tuple[int, int]:
+        """Over 300 examples: (words of several subwords selected whole, words selected only in part)."""
+        data = CaptionPretrainData(caps, store, tok, pairs=False, seed=2, whole_word=whole_word)
+        whole = partial = 0
+        for i in range(300):
+            ex = data[(i // len(data), i % len(data))]
+            sel = ex["labels"] != IGNORE_INDEX
+            ids = np.where(sel, ex["labels"], ex["ids"])  # the caption's own subwords
+            w = np.array([-1 if x is None else x for x in word_ids_of(ids.tolist(), tok.continuation_ids, tok.special_ids)])
+            for k in set(w[w >= 0].tolist()):
+                s = sel[w == k]
+                whole += bool(s.all() and len(s) > 1)
+                partial += bool(s.any() and not s.all())
+        return whole, partial
+
+    assert RECIPES["vlbert"].whole_word and not any(RECIPES[a].whole_word for a in RECIPES if a != "vlbert")
+    whole, partial = word_splits(whole_word=True)
+    assert whole > 50 and partial == 0
+    whole, partial = word_splits(whole_word=False)
+    assert partial > 50
+
+    # `vlberts pretrain` builds its examples with the recipe's setting.
+    import vlberts.recipes.pretrain as pretrain_recipe
+
+    seen = []
+
+    class Recording(CaptionPretrainData):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("whole_word"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(pretrain_recipe, "CaptionPretrainData", Recording)
+    for model in ("vlbert-tiny", "visualbert-tiny"):
+        pretrain(cfg_for(tiny_world, tmp_path / model, model, steps=1, ckpt_every=100))
+    assert seen == [True, False]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vlberts.errors import VlbertsError
-from vlberts.text.masking import IGNORE_INDEX, mask_tokens
+from vlberts.text.masking import IGNORE_INDEX, mask_tokens, word_ids_of
 from vlberts.text.tokenizer import SPECIAL_TOKENS, TextTokenizer
 
 CORPUS = ["a small red circle sits above the blue square .", "two green triangles are near a star ."] * 20
@@ -101,6 +101,25 @@ def test_chosen_tokens_get_their_own_selection_probability():
     assert 0.06 < rate[10] < 0.14 and 0.06 < rate[12] < 0.14
     assert 0.85 < rate[11] < 0.95 and 0.25 < rate[13] < 0.35
     assert not sel[0] and not sel[-1]  # special tokens never, whatever their probability
-    with pytest.raises(ValueError, match="whole-word"):
-        mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, token_probs={11: 0.5},
-                    word_ids=list(range(len(ids))))
+
+
+def test_whole_words_take_their_first_subwords_selection_probability():
+    # words: [11] [12 ##13] [10] repeated; 11 chosen at 0.9, a word starting with 12 at 0.3, the rest at 0.1
+    ids = np.array([2] + [11, 12, 13, 10] * 1000 + [3])
+    cont = frozenset({13})
+    out, labels = mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, special_ids={2, 3, 4},
+                              prob=0.1, token_probs={11: 0.9, 12: 0.3, 13: 1.0}, continuation_ids=cont)
+    sel = labels != IGNORE_INDEX
+    assert (sel[ids == 12] == sel[ids == 13]).all()  # a word's subwords alike; the ## subword's own 1.0 unused
+    assert 0.85 < sel[ids == 11].mean() < 0.95 and 0.25 < sel[ids == 12].mean() < 0.35
+    assert 0.07 < sel[ids == 10].mean() < 0.13
+    assert not sel[0] and not sel[-1]
+
+
+def test_words_are_found_from_the_continuation_subwords():
+    tok = TextTokenizer.train(CORPUS, vocab_size=60)
+    ids = [tok.cls_id, *tok.encode("a dare red"), tok.sep_id]  # d ##a ##r ##e: one word of four subwords
+    assert word_ids_of(ids, tok.continuation_ids, tok.special_ids) == [None, 0, 1, 1, 1, 1, 2, None]
+    assert {tok.id_to_token(i)[:2] for i in tok.continuation_ids} == {"##"}
+    # A continuation right after a special token starts a word rather than joining nothing.
+    assert word_ids_of([tok.cls_id, ids[3], ids[4]], tok.continuation_ids, tok.special_ids) == [None, 0, 0]

@@ -150,6 +150,35 @@ def test_text_only_samples_fill_their_share_of_every_batch(tiny_world, ratio, n_
     assert pos.to_dict()["offset"] == 3 * (8 - n_text) and pos.to_dict()["text"]["offset"] > 0
 
 
+@pytest.mark.parametrize("whole_word", [True, False])
+def test_text_only_samples_are_masked_by_the_captions_rule(tiny_world, whole_word):
+    """VL-BERT masks whole words in its captions and in its text corpus alike (reference §3.1)."""
+    from vlberts.text.masking import word_ids_of
+
+    s = _setup(tiny_world, "vlbert", "vlbert-tiny", {"mlm": 1.0, "roi_cls": 1.0})
+    chars = {c for d in s.docs for t in d for c in t.lower() if not c.isspace()}
+    tok = TextTokenizer.train([t for d in s.docs for t in d], vocab_size=5 + 2 * len(chars) + 10)  # words spelled out
+    data = CaptionPretrainData(s.caps, s.store, tok, max_text_len=40, seed=2, region_setup=s.setup, whole_word=whole_word)
+    sources = build_sources(
+        _mix_cfg(), data=data, collate=collate_pretrain, start={}, tok=tok, store=s.store, documents=s.docs,
+        feature_dim=s.store.feature_dim, weights={"mlm": 1.0, "roi_cls": 1.0}, unpaired=False, image_only=[],
+        region_setup=s.setup, dist=DistInfo(),
+    )
+    partial = whole = 0
+    for _ in range(10):
+        batch, _ = sources.draw(None)
+        for row in np.flatnonzero((batch.kind == TEXT_ONLY).numpy()):
+            labels, ids = batch.mlm_labels[row].numpy(), batch.inputs.input_ids[row].numpy()
+            sel = labels != IGNORE_INDEX
+            own = np.where(sel, labels, ids)
+            w = np.array([-1 if x is None else x for x in word_ids_of(own.tolist(), tok.continuation_ids, tok.special_ids)])
+            for k in set(w[w >= 0].tolist()):
+                m = sel[w == k]
+                whole += bool(m.all() and len(m) > 1)
+                partial += bool(m.any() and not m.all())
+    assert (partial == 0 and whole > 20) if whole_word else partial > 20
+
+
 def _model(name: str, tok: TextTokenizer, store: RegionStore, **kw):
     torch.manual_seed(0)
     model = build_pretraining_model(model_config(name, vocab_size=tok.vocab_size, visual_dim=store.feature_dim, **kw))

@@ -101,6 +101,7 @@ class CaptionPretrainData:
         seed: int = 0,
         feature_dim: int | None = None,
         token_probs: Mapping[int, float] | None = None,
+        whole_word: bool = False,
         mismatch_prob: float = 0.0,
         region_setup: RegionSetup = RegionSetup(),
         qa_targets: Sequence[SoftTarget] | None = None,
@@ -118,6 +119,8 @@ class CaptionPretrainData:
         self.seed = seed
         self.feature_dim = feature_dim
         self.token_probs = dict(token_probs or {})
+        # VL-BERT masks whole words (`ArchRecipe.whole_word`): its `##` subwords tell where a word goes on.
+        self.continuation_ids = tokenizer.continuation_ids if whole_word else None
         # Tokenise once; examples only index into these.
         self.ids = [e.ids for e in tokenizer.tok.encode_batch([c.text for c in captions], add_special_tokens=False)]
         self.by_image: dict[str, list[int]] = {}
@@ -183,7 +186,7 @@ class CaptionPretrainData:
             segments = [0] * len(ids)
         masked, labels = mask_tokens(
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
-            token_probs=self.token_probs,
+            token_probs=self.token_probs, continuation_ids=self.continuation_ids,
         )
         rec = self.regions.get(cap.image_id)
         regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,

@@ -107,6 +107,7 @@ class TextOnlyData:
         seed: int = 0,
         nsp: bool = False,
         token_probs: Mapping[int, float] | None = None,
+        whole_word: bool = False,
     ):
         if not documents or not any(documents):
             raise ValueError("no documents")
@@ -115,6 +116,7 @@ class TextOnlyData:
         self.tok, self.max_text_len, self.mlm_prob, self.seed, self.nsp = tokenizer, max_text_len, mlm_prob, seed, nsp
         self.feature_dim = feature_dim
         self.token_probs = dict(token_probs or {})
+        self.continuation_ids = tokenizer.continuation_ids if whole_word else None  # VL-BERT's whole words
         enc = tokenizer.tok.encode_batch([s for d in documents for s in d], add_special_tokens=False)
         flat = iter(e.ids for e in enc)
         self.docs: list[list[list[int]]] = [[next(flat) for _ in d] for d in documents]  # doc -> sentence -> ids
@@ -158,7 +160,7 @@ class TextOnlyData:
             segments = [0] * len(ids)
         masked, labels = mask_tokens(
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
-            token_probs=self.token_probs,
+            token_probs=self.token_probs, continuation_ids=self.continuation_ids,
         )
         return {
             "ids": masked, "segments": np.asarray(segments), "labels": labels, "match": 0, "image_id": -1,

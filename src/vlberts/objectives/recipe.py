@@ -6,9 +6,10 @@ matching-label convention and region masking rule, and the one function that com
     vilbert      mlm, region_kl, match (alignment)           §3.1         one caption, p=0.5 another image's;
                                                                            15% regions, 90% zeroed; masked
                                                                            losses only on aligned pairs
-    vlbert       mlm, roi_cls                                 §3.2-3.3    one caption; 15% RoIs, 90% replaced
-                                                                           by the model's mask vector; no matching;
-                                                                           soft target (released code) or hard
+    vlbert       mlm, roi_cls                                 §3.2-3.3    one caption, whole words masked;
+                                                                           15% RoIs, 90% replaced by the model's
+                                                                           mask vector; no matching; soft target
+                                                                           (released code) or hard
     lxmert       mlm, feat, obj, attr, match                  §3.1        one caption, p=0.5 another image's;
                                                                            15% regions, 80% zero / 10% other image
     wvisualbert  mlm, tag_mlm, feat, obj, attr (+ match in S/H) §3        tags from the detector's obj_id;
@@ -89,6 +90,7 @@ class ArchRecipe:
     zero_in_data: bool = True  # corrupt masked features in the batch; False: the model does (VL-BERT)
     replace_from_other_image: bool = False  # the rule's random replacements come from another image
     drop_unmatched: bool = False  # masked-modelling targets only on matched pairs (ViLBERT --objective 1)
+    whole_word: bool = False  # MLM selects whole words, all subwords of a word alike (VL-BERT `random_word_wwm`)
     # VL-BERT masked RoI classification target: the released code's soft target (the detector's score vector),
     # or the paper's hard one (its argmax class); `--roi_target` picks (objectives.regions.masked_roi_loss).
     roi_target: Literal["soft", "hard"] = "soft"
@@ -131,6 +133,7 @@ RECIPES: dict[str, ArchRecipe] = {
         arch="vlbert", paper="VL-BERT §3.2-3.3", objectives={"mlm": 1.0, "roi_cls": 1.0},
         head_switch={"match": "with_match_head", "nsp": "with_match_head"}, match_convention="visualbert", region_rule=VLBERT_REGION_MASK,
         zero_in_data=False, model_inputs=("roi_masked",), head_sizes={"num_region_classes": "cls_prob"},
+        whole_word=True,
     ),
     "lxmert": ArchRecipe(
         arch="lxmert", paper="LXMERT §3.1", objectives={"mlm": 1.0, "feat": 1.0, "obj": 1.0, "attr": 1.0, "match": 1.0},

@@ -488,6 +488,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     make_data = partial(
         CaptionPretrainData, tokenizer=tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
         mlm_prob=cfg.mlm_prob, feature_dim=feature_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
+        whole_word=recipe.whole_word,
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
         region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), pixels=pixels,
     )

@@ -163,6 +163,7 @@ def build_sources(
         sources["text"] = TextOnlyData(
             documents, tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
             mlm_prob=cfg.mlm_prob, seed=stream_seed(cfg.seed, TEXT_SEED), nsp="nsp" in weights,
+            whole_word=data.continuation_ids is not None,  # masked as the captions are (VL-BERT: whole words)
         )
     if image_only:
         sources["image_only"] = ImageOnlyData(

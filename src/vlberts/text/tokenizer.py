@@ -7,6 +7,8 @@ settings, so a checkpoint directory is self-contained.
 
 from __future__ import annotations
 
+import functools
+
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -120,6 +122,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @functools.cached_property
+    def continuation_ids(self) -> frozenset[int]:
+        """The ids of the `##` subwords, which continue the word before them (whole-word masking)."""
+        return frozenset(i for t, i in self.tok.get_vocab().items() if t.startswith("##"))
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
