@@ -103,3 +103,23 @@ def random_init_dir(arch: str, pretrained: Path, out: Path) -> Path:
     save_model_dir(out, build_pretraining_model(cfg), cfg)
     tok.save(out)
     return out
+
+
+def word_selection_counts(ids, labels, tok) -> tuple[int, int]:
+    """MLM targets of one masked row (input ids and labels, IGNORE_INDEX where not selected) read per word:
+    (words of several subwords selected whole, words selected only in part). Words are found from the
+    `##` subwords of the row's original tokens."""
+    import numpy as np
+
+    from vlberts.text.masking import IGNORE_INDEX, word_ids_of
+
+    ids, labels = np.asarray(ids), np.asarray(labels)
+    sel = labels != IGNORE_INDEX
+    own = np.where(sel, labels, ids)  # the original subwords
+    w = np.array([-1 if x is None else x for x in word_ids_of(own.tolist(), tok.continuation_ids, tok.special_ids)])
+    whole = partial = 0
+    for k in set(w[w >= 0].tolist()):
+        s = sel[w == k]
+        whole += bool(s.all() and len(s) > 1)
+        partial += bool(s.any() and not s.all())
+    return whole, partial

@@ -28,6 +28,8 @@ from vlberts.text.masking import IGNORE_INDEX
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.metrics import MetricsLog
 
+from conftest import word_selection_counts
+
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
 # The losses each architecture's paper recipe logs (objectives/recipe.py).
@@ -294,8 +296,6 @@ def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypa
 def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, monkeypatch):
     """VL-BERT's MLM selects whole words (`random_word_wwm`): the subwords of a word are selected, and
     [MASK]ed, together. The others select each subword on its own (BERT's `random_word`)."""
-    from vlberts.text.masking import word_ids_of
-
     caps = read_caption_refs(str(tiny_world.captions_train))
     store = RegionStore(tiny_world.store)
     # A vocabulary of the characters and 10 words, so that most words are spelled in several subwords.
@@ -305,17 +305,9 @@ def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, 
     def word_splits(whole_word: bool) -> tuple[int, int]:
         """Over 300 examples: (words of several subwords selected whole, words selected only in part)."""
         data = CaptionPretrainData(caps, store, tok, pairs=False, seed=2, whole_word=whole_word)
-        whole = partial = 0
-        for i in range(300):
-            ex = data[(i // len(data), i % len(data))]
-            sel = ex["labels"] != IGNORE_INDEX
-            ids = np.where(sel, ex["labels"], ex["ids"])  # the caption's own subwords
-            w = np.array([-1 if x is None else x for x in word_ids_of(ids.tolist(), tok.continuation_ids, tok.special_ids)])
-            for k in set(w[w >= 0].tolist()):
-                s = sel[w == k]
-                whole += bool(s.all() and len(s) > 1)
-                partial += bool(s.any() and not s.all())
-        return whole, partial
+        counts = [word_selection_counts(ex["ids"], ex["labels"], tok)
+                  for ex in (data[(i // len(data), i % len(data))] for i in range(300))]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     assert RECIPES["vlbert"].whole_word and not any(RECIPES[a].whole_word for a in RECIPES if a != "vlbert")
     whole, partial = word_splits(whole_word=True)

@@ -34,6 +34,8 @@ from vlberts.training.metrics import MetricsLog
 from vlberts.world import documents as world_documents
 from vlberts.world.build import build_world
 
+from conftest import word_selection_counts
+
 
 def _losses(record: dict) -> dict[str, float]:
     return {k[: -len("_loss")]: v for k, v in record.items() if k.endswith("_loss")}
@@ -153,8 +155,6 @@ def test_text_only_samples_fill_their_share_of_every_batch(tiny_world, ratio, n_
 @pytest.mark.parametrize("whole_word", [True, False])
 def test_text_only_samples_are_masked_by_the_captions_rule(tiny_world, whole_word):
     """VL-BERT masks whole words in its captions and in its text corpus alike (reference §3.1)."""
-    from vlberts.text.masking import word_ids_of
-
     s = _setup(tiny_world, "vlbert", "vlbert-tiny", {"mlm": 1.0, "roi_cls": 1.0})
     chars = {c for d in s.docs for t in d for c in t.lower() if not c.isspace()}
     tok = TextTokenizer.train([t for d in s.docs for t in d], vocab_size=5 + 2 * len(chars) + 10)  # words spelled out
@@ -168,14 +168,8 @@ def test_text_only_samples_are_masked_by_the_captions_rule(tiny_world, whole_wor
     for _ in range(10):
         batch, _ = sources.draw(None)
         for row in np.flatnonzero((batch.kind == TEXT_ONLY).numpy()):
-            labels, ids = batch.mlm_labels[row].numpy(), batch.inputs.input_ids[row].numpy()
-            sel = labels != IGNORE_INDEX
-            own = np.where(sel, labels, ids)
-            w = np.array([-1 if x is None else x for x in word_ids_of(own.tolist(), tok.continuation_ids, tok.special_ids)])
-            for k in set(w[w >= 0].tolist()):
-                m = sel[w == k]
-                whole += bool(m.all() and len(m) > 1)
-                partial += bool(m.any() and not m.all())
+            w, p = word_selection_counts(batch.inputs.input_ids[row].numpy(), batch.mlm_labels[row].numpy(), tok)
+            whole, partial = whole + w, partial + p
     assert (partial == 0 and whole > 20) if whole_word else partial > 20
 
 
