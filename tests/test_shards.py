@@ -283,3 +283,99 @@ def test_sample_records_are_checked_against_their_index(shard_sets, tmp_path):
         list(read_shard(doubled))
     # The untouched copy reads through.
     assert all(corpus.record(s) is not None for s in read_shard(shard))
+
+
+def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, tmp_path, capsys):
+    # A rank reads only its own shards, so a key or an image id in two shards, or a shard unlike its index
+    # entry, is found only by reading the whole set: `check_shard_set` / `--check`. Each problem is one line
+    # naming the shard and the key; a damaged shard ends only itself.
+    from vlberts.data.shards import check_shard_set
+
+    for name in ("it", "img", "txt"):
+        report = check_shard_set(shard_sets[name])
+        index = json.loads(shard_sets[name].read_text())
+        assert report.ok and report.problems == [] and report.shards == len(index["shards"])
+        assert dict(report.kinds) == {k: v for k, v in index["kinds"].items() if v}
+
+    index = shard_sets["it"]
+    shards = shards_of_index(index)
+    assert len(shards) >= 5
+
+    def copy_set(edit_shards) -> Path:
+        d = tmp_path / f"set{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / index.name).write_bytes(index.read_bytes())
+        for s in shards:
+            (d / s.name).write_bytes(s.read_bytes())
+        edit_shards(d)
+        return d / index.name
+
+    def problems(idx: Path, **kw) -> list[str]:
+        report = check_shard_set(idx, **kw)
+        assert not report.ok and all("\n" not in p for p in report.problems)
+        return report.problems
+
+    first_keys = [_key(s) for s in read_shard(shards[0])]
+    # Shard 1 replaced by a copy of shard 0 (same sample count, so the counts agree): every sample of it is
+    # a duplicate, reported once, at shard 1, with the shard it was first read in.
+    dup = copy_set(lambda d: (d / shards[1].name).write_bytes(shards[0].read_bytes()))
+    at = dup.parent / shards[1].name
+    assert problems(dup) == [f"{at}: record key {k}: sample key {k} is also in {shards[0].name}" for k in first_keys]
+
+    # Another key for an image id already read: only the image id is a duplicate.
+    victim = _key(next(iter(read_shard(shards[2]))))
+
+    def rename(d: Path) -> None:
+        src = d / shards[2].name
+        tmp = d / "tmp.tar"
+        _rewrite(src, tmp, lambda n, b: json.dumps({**json.loads(b), "image_id": first_keys[3]}).encode()
+                 if n == f"{victim}.json" else b)
+        tmp.replace(src)
+    renamed = copy_set(rename)
+    assert problems(renamed) == [f"{renamed.parent / shards[2].name}: record key {victim}: "
+                                 f"image id {first_keys[3]} is also in {shards[0].name}"]
+
+    # A missing shard, a truncated one, a shard with one sample fewer than its index entry, and a sample
+    # whose regions misfit the index: four problems, and the check reads on past each.
+    def damage(d: Path) -> None:
+        (d / shards[0].name).unlink()
+        data = (d / shards[1].name).read_bytes()
+        (d / shards[1].name).write_bytes(data[: len(data) // 2])
+        last = [_key(s) for s in read_shard(shards[2])][-1]
+        _rewrite(shards[2], d / shards[2].name, lambda n, b: None if n.startswith(f"{last}.") else b)
+        bad = _key(next(iter(read_shard(shards[3]))))
+        _rewrite(shards[3], d / shards[3].name,
+                 lambda n, b: _npy(np.full_like(_load(b), 10_000)) if n == f"{bad}.obj_id.npy" else b)
+    damaged = copy_set(damage)
+    found = problems(damaged)
+    assert len(found) == 4
+    assert found[0] == f"{damaged.parent / shards[0].name}: shard listed in the index is missing"
+    assert found[1].startswith(f"{damaged.parent / shards[1].name}: ") and "truncated" in found[1]
+    assert found[2] == f"{damaged.parent / shards[2].name}: holds 6 image-text samples; the index lists 7 image-text"
+    assert "obj_id outside the shard set's" in found[3] and shards[3].name in found[3]
+    report = check_shard_set(damaged)
+    assert report.shards == len(shards) - 2  # all but the missing and the truncated one read to the end
+    assert len(check_shard_set(damaged, max_problems=1).problems) == 1
+    assert check_shard_set(damaged, max_problems=1).more_problems == 3
+
+    # The command: one `error:` line per problem on stderr, the summary on stdout, exit 2 (0 when clean).
+    assert main(["--check", str(damaged), "--max-problems", "2"]) == 2
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert lines[:2] == [f"error: {p}" for p in found[:2]] and lines[2] == "error: ... and 2 more problem(s)"
+    assert json.loads(out.out)["problems"] == 4
+    assert main(["--check", str(index)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["problems"] == 0 and summary["samples"] == json.loads(index.read_text())["samples"]
+    assert main(["--check", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json" in capsys.readouterr().err
+    # An index that lists its shards wrongly is one line too, for the check and for streaming alike.
+    broken = tmp_path / "broken-index.json"
+    for obj in ({"format": "vlberts-shards", "shards": 3}, {"format": "vlberts-shards", "shards": [{"samples": 1}]},
+                {"format": "vlberts-shards", "shards": [], "store": {"fields": []}}):
+        broken.write_text(json.dumps(obj))
+        assert main(["--check", str(broken)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {broken}: the index's") and err.count("\n") == 1
+        with pytest.raises(VlbertsError, match="the index's"):
+            shards_of_index(broken)

@@ -30,10 +30,16 @@ from typing import Any
 import numpy as np
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.shards import ShardStream, check_sample_record, sample_record, shards_of_index
+from vlberts.data.shards import (
+    ShardStream,
+    check_sample_record,
+    index_store,
+    read_index,
+    sample_record,
+    shards_of_index,
+)
 from vlberts.errors import VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata
-from vlberts.io import read_json
+from vlberts.features.record import RegionRecord
 from vlberts.training.distributed import DistInfo
 
 
@@ -59,14 +65,11 @@ class ShardCorpus:
     def __init__(self, index: str | Path):
         self.path = Path(index)
         self.shards = shards_of_index(self.path)
-        index = read_json(self.path)
+        index = read_index(self.path)
         self.images = int(index.get("kinds", {}).get("image-text", 0))  # captioned images
-        store = index.get("store")
-        if not store:
+        if not index.get("store"):
             raise VlbertsError("shards hold no region features (written without a store)", path=self.path)
-        self.feature_dim: int = int(store["feature_dim"])
-        self.fields: list[str] = list(store["fields"])
-        self.metadata = StoreMetadata.from_dict(store.get("metadata") or {}, path=self.path)
+        self.feature_dim, self.fields, self.metadata = index_store(index, self.path)
         self._cls_prob: int | None = None
 
     def info(self) -> dict[str, Any]:

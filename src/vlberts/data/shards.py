@@ -24,17 +24,24 @@ number g of G = world x workers reads shards g, g + G, ... of it, so every shard
 reader per epoch. `resample=True` draws shards with replacement forever instead (each reader its own
 stream), as mixing needs. `mix_streams` interleaves streams by weight (image-text, text-only,
 image-only: W-VisualBERT §3 trains on unpaired data of each modality).
+
+A reader sees only its own shards, so what lies across shards (a key or an image id in two of them, a
+shard unlike its index entry) is checked by reading the whole set once, `check_shard_set`, or
+
+    python -m vlberts.data.shards --check shards/shard-index.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
 import re
 import sys
 import tarfile
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +54,7 @@ from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
-from vlberts.features.record import RegionRecord, record_misfit
+from vlberts.features.record import RegionRecord, StoreMetadata, record_misfit
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_path, read_json, require_text, write_json
 from vlberts.training.distributed import DistInfo
@@ -208,13 +215,26 @@ def write_shards(
     return index_path
 
 
-def shards_of_index(index: str | Path) -> list[Path]:
-    """The shard files an index json lists (next to it); a missing shard is an error naming it."""
-    index = Path(index)
+def read_index(index: Path) -> dict[str, Any]:
+    """A shard set's index json, with what readers take from it checked: its format, a list of shards
+    each with a file name, and the store's feature width and fields when it names a store."""
     obj = read_json(index)
     if not isinstance(obj, dict) or obj.get("format") != SHARD_FORMAT:
         raise VlbertsError(f"not a {SHARD_FORMAT} index (no format={SHARD_FORMAT!r})", path=index)
-    paths = [index.parent / s["name"] for s in obj["shards"]]
+    shards = obj.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in shards):
+        raise VlbertsError("the index's shards must be a list of {name, samples, kinds}", path=index)
+    store = obj.get("store")
+    if store and not (isinstance(store, dict) and isinstance(store.get("feature_dim"), int)
+                      and isinstance(store.get("fields"), list)):
+        raise VlbertsError("the index's store must give feature_dim and fields", path=index)
+    return obj
+
+
+def shards_of_index(index: str | Path) -> list[Path]:
+    """The shard files an index json lists (next to it); a missing shard is an error naming it."""
+    index = Path(index)
+    paths = [index.parent / s["name"] for s in read_index(index)["shards"]]
     for p in paths:
         if not p.is_file():
             raise VlbertsError("shard listed in the index is missing", path=p)
@@ -515,19 +535,131 @@ def mix_streams(streams: Sequence[Iterable[Any]], weights: Sequence[float], seed
     return MixedStream(streams, weights, seed)
 
 
+# --------------------------------------------------------------------------- a whole shard set
+def index_store(index: dict[str, Any], path: Path) -> tuple[int, list[str], StoreMetadata]:
+    """What an index says of the region store its shards were written from: feature width, fields, metadata."""
+    store = index["store"]
+    meta = StoreMetadata.from_dict(store.get("metadata") or {}, path=path)
+    return int(store["feature_dim"]), list(store["fields"]), meta
+
+
+@dataclasses.dataclass
+class ShardSetCheck:
+    """What `check_shard_set` found: the samples it read by kind, and each problem as one line."""
+
+    index: Path
+    shards: int = 0  # shards read to their end
+    kinds: Counter = dataclasses.field(default_factory=Counter)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    more_problems: int = 0  # found beyond `max_problems`, counted only
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.more_problems
+
+    def add(self, error: VlbertsError | str, max_problems: int) -> None:
+        if len(self.problems) < max_problems:
+            self.problems.append(str(error))
+        else:
+            self.more_problems += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"index": str(self.index), "shards_read": self.shards, "samples": sum(self.kinds.values()),
+                "kinds": {k: self.kinds[k] for k in KINDS}, "problems": len(self.problems) + self.more_problems}
+
+
+def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCheck:
+    """Read a whole shard set once and report every problem in it, for a corpus copied or rewritten
+    before a long run. Streaming checks each sample as it reads it, but a rank reads only its own shards,
+    so what lies across shards is checked here only:
+
+    - a key, or an image id, in two shards (or twice in one set): one image would be trained on twice,
+      or two different images would pass under one id;
+    - a shard's sample counts by kind differing from the index's (a shard replaced or cut after writing);
+    - and, as streaming checks them, every shard the index lists being there and readable to its end,
+      each sample's members and json, and each image sample's regions against the index
+      (`check_sample_record`; the cls_prob width is the first image sample's).
+
+    A damaged tar or member ends that shard (its later samples cannot be found); a sample whose regions
+    misfit the index is reported and reading goes on. Memory: one dict entry per key and image id
+    (about 150 bytes each: 1 GB for Conceptual Captions' 3.3 million images).
+    """
+    index = Path(index)
+    obj = read_index(index)
+    store = index_store(obj, index) if obj.get("store") else None
+    report = ShardSetCheck(index)
+    key_at: dict[str, str] = {}  # key -> the shard it was first read in
+    image_at: dict[str, str] = {}  # image id -> the shard of its first sample
+    cls_prob_width: int | None = None
+    for entry in obj["shards"]:
+        shard = index.parent / entry["name"]
+        name = shard.name  # one string shared by the dicts' entries of this shard
+        if not shard.is_file():
+            report.add(VlbertsError("shard listed in the index is missing", path=shard), max_problems)
+            continue
+        kinds: Counter = Counter()
+        try:
+            for sample in read_shard(shard):
+                key, kinds[sample["kind"]] = sample["__key__"], kinds[sample["kind"]] + 1
+                image_id = None if sample["kind"] == "text" else str(sample["image_id"])
+                if key in key_at:  # one problem per sample: its image id is then most likely the other's too
+                    report.add(_sample_error(sample, f"sample key {key} is also in {key_at[key]}"), max_problems)
+                elif image_id in image_at:
+                    report.add(_sample_error(sample, f"image id {image_id} is also in {image_at[image_id]}"),
+                               max_problems)
+                key_at.setdefault(key, name)
+                if image_id is None:
+                    continue
+                image_at.setdefault(image_id, name)
+                if store is None:
+                    report.add(_sample_error(sample, "image sample in a shard set whose index lists no region "
+                                             "store"), max_problems)
+                    continue
+                feature_dim, fields, meta = store
+                try:
+                    rec = sample_record(sample)
+                    if cls_prob_width is None and rec.cls_prob is not None and rec.num_boxes:
+                        cls_prob_width = int(rec.cls_prob.shape[1])
+                    check_sample_record(sample, rec, feature_dim=feature_dim, fields=fields,
+                                        cls_prob_width=cls_prob_width, classes=meta.classes,
+                                        attributes=meta.attributes)
+                except VlbertsError as e:
+                    report.add(e, max_problems)
+        except VlbertsError as e:
+            report.add(e, max_problems)
+            report.kinds.update(kinds)
+            continue
+        report.shards += 1
+        report.kinds.update(kinds)
+        listed = {k: int((entry.get("kinds") or {}).get(k, 0)) for k in KINDS}
+        if {k: kinds[k] for k in KINDS} != listed:
+            found = ", ".join(f"{kinds[k]} {k}" for k in KINDS if kinds[k] or listed[k])
+            wants = ", ".join(f"{listed[k]} {k}" for k in KINDS if kinds[k] or listed[k])
+            report.add(VlbertsError(f"holds {found} samples; the index lists {wants}", path=shard), max_problems)
+    return report
+
+
 # --------------------------------------------------------------------------- command line
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vlberts.data.shards", description="Write WebDataset-style tar shards "
-                                 "from a region store and its captions.")
-    ap.add_argument("--store", required=True, help="region store (HDF5)")
+                                 "from a region store and its captions, or check a written shard set (--check).")
+    ap.add_argument("--store", help="region store (HDF5)")
     ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples)")
     ap.add_argument("--split", default="train", help="Karpathy split of --captions")
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--out", help="output directory")
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     ap.add_argument("--prefix", default="shard")
     ap.add_argument("--image-only", action="store_true", help="also write uncaptioned images as image-only samples")
     ap.add_argument("--overwrite", action="store_true", help="replace a shard set of the same prefix in --out")
+    ap.add_argument("--check", metavar="INDEX", help="read the shard set of this index json once and report every "
+                    "problem (damaged samples, keys or image ids in two shards, counts unlike the index's)")
+    ap.add_argument("--max-problems", type=int, default=100,
+                    help="with --check: problems printed (the rest are counted)")
     args = ap.parse_args(argv)
+    if args.check is not None:
+        return _check_command(args.check, args.max_problems)
+    if args.store is None or args.out is None:
+        ap.error("writing shards needs --store and --out (or give --check INDEX)")
     try:
         refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
@@ -538,6 +670,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     obj = read_json(index)
     print(json.dumps({"index": str(index), "shards": len(obj["shards"]), "samples": obj["samples"], "kinds": obj["kinds"]}))
     return 0
+
+
+def _check_command(index: str, max_problems: int) -> int:
+    """`--check`: each problem as one `error:` line on stderr, then the summary as JSON on stdout; exit 2
+    when there was any."""
+    try:
+        report = check_shard_set(index, max_problems=max(max_problems, 0))
+    except VlbertsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for problem in report.problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if report.more_problems:
+        print(f"error: ... and {report.more_problems} more problem(s)", file=sys.stderr)
+    print(json.dumps(report.summary()))
+    return 0 if report.ok else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
