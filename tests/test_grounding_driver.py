@@ -310,3 +310,75 @@ def test_wvisualbert_is_analysed_and_probed_with_its_detector_tags(tmp_path):
         list(grounding_inputs(model, caps, FakeStore([bare]), tag_subwords=subwords))
     with pytest.raises(VlbertsError, match="image 7: detector tags need each region's obj_id"):
         visual_word_accuracy(model, items, FakeStore([bare]), device="cpu", tag_subwords=subwords)
+
+
+def _conllu(sent_id: str, rows: list[tuple[str, str]]) -> str:
+    """A CoNLL-U sentence of (form, UPOS) rows, each word attached to the first (heads do not matter here)."""
+    lines = [f"# sent_id = {sent_id}"]
+    for i, (form, upos) in enumerate(rows, start=1):
+        lines.append("\t".join([str(i), form, form, upos, "_", "_", "0" if i == 1 else "1",
+                                "root" if i == 1 else "dep", "_", "_"]))
+    return "\n".join(lines) + "\n\n"
+
+
+def test_mask_pos_masks_every_subword_of_the_chosen_words_and_leaves_out_unparsed_captions(tmp_path):
+    from vlberts.analysis.entities import mask_words_by_pos
+    from vlberts.data.conllu import parse_conllu
+
+    tok = tokenizer(tmp_path)
+    im = image(["[/EN#11/people a man] on [/EN#12/other the red skateboard] .",
+                "[/EN#11/people a man] on [/EN#12/other the skateboard] .",
+                "[/EN#11/people a man] on [/EN#12/other the red skateboard] ."])
+    caps = entity_captions([im], tok)
+    rows = [("a", "DET"), ("man", "NOUN"), ("on", "ADP"), ("the", "DET"), ("red", "ADJ"), ("skateboard", "NOUN"),
+            (".", "PUNCT")]
+    parses = parse_conllu(_conllu("7_0", rows)  # caption 7_1 has a parse of other words, 7_2 none at all
+                          + _conllu("7_1", rows))
+    masked, n_words, left_out = mask_words_by_pos(caps, parses, ["NOUN", "ADJ"], tok.mask_id)
+    assert (n_words, left_out) == (3, 2) and [c.caption_id for c in masked] == ["7_0"]
+    # [CLS] a man on the red skate ##board . [SEP]: "man", "red" and both subwords of "skateboard"
+    assert [tok.id_to_token(i) for i in masked[0].ids] == [
+        "[CLS]", "a", "[MASK]", "on", "the", "[MASK]", "[MASK]", "[MASK]", ".", "[SEP]"]
+    # The rest of the caption is untouched: its words (the parse still matches them) and its entities.
+    assert masked[0].words == caps[0].words and masked[0].entities == caps[0].entities
+    assert caps[0].ids[2] == tok.encode("man")[0]  # the input captions are not changed in place
+
+
+def test_mask_pos_runs_the_analysis_on_masked_captions(tiny_world, tiny_pretrained, tmp_path):
+    # `--mask_pos` is a diagnostic: the heads are read where the model has to predict the chosen words.
+    # The recipe's numbers must be those of the masked captions (computed here through the library) and
+    # differ from the unmasked run's; the outputs say what was masked.
+    from vlberts.analysis.entities import mask_words_by_pos
+    from vlberts.data.conllu import read_conllu
+    from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
+    from vlberts.features.store import RegionStore
+    from vlberts.training.checkpoint import load_pretraining_model
+
+    common = dict(model=str(tiny_pretrained), entities=str(tiny_world.entities), features=str(tiny_world.store),
+                  split="test", explorer_examples=0, qualitative=0)
+    plain = analyze_grounding(GroundingConfig(out=str(tmp_path / "plain"), **common))
+    rep = analyze_grounding(GroundingConfig(out=str(tmp_path / "adj"), mask_pos="NOUN,ADJ", **common))
+    assert not np.array_equal(plain.result.accuracy, rep.result.accuracy)
+
+    tok = TextTokenizer.load(tiny_pretrained)
+    ids = read_flickr_split(tiny_world.entities, "test")
+    caps = entity_captions((read_flickr_entities(tiny_world.entities, i) for i in ids), tok)
+    parses = read_conllu(Path(tiny_world.entities).parent / "parses" / "test.conllu")
+    masked, n_words, left_out = mask_words_by_pos(caps, parses, ["NOUN", "ADJ"], tok.mask_id)
+    assert left_out == 0 and n_words > 0
+    model, _, _ = load_pretraining_model(tiny_pretrained)
+    acc = GroundingAccumulator()
+    for _, inp in grounding_inputs(model, masked, RegionStore(tiny_world.store)):
+        acc.add(inp)
+    np.testing.assert_array_equal(acc.result().accuracy, rep.result.accuracy)
+
+    data = json.loads((tmp_path / "adj" / "grounding.json").read_text())
+    assert data["mask_pos"] == ["NOUN", "ADJ"] and data["mask_note"] == rep.mask_note
+    assert rep.mask_note == f"words tagged NOUN, ADJ replaced by [MASK] (--mask_pos): {n_words} words in {len(masked)} captions"
+    assert f"Inputs: {rep.mask_note}." in (tmp_path / "adj" / "grounding.md").read_text()
+    assert json.loads((tmp_path / "plain" / "grounding.json").read_text())["mask_pos"] == []
+
+    with pytest.raises(VlbertsError, match=r"unknown part of speech ADJX; valid \(UPOS\): NOUN, PROPN"):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), mask_pos="ADJX", **common))
+    with pytest.raises(VlbertsError, match="--mask_pos needs parses"):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "y"), mask_pos="ADJ", parses="none", **common))

@@ -562,7 +562,8 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
     Per-head accuracy at IoU >= 0.5 against Flickr30K Entities boxes, the most-confident-region
     baseline, active heads, the best-heads table and the figure; with dependency parses
     (--parses=auto finds the world's, or --parses=FILE.conllu, or --parser=spacy:PIPELINE with spaCy
-    installed) also Table 2 and Figure 4.
+    installed) also Table 2 and Figure 4. `--mask_pos=ADJ` (a diagnostic) masks the words of those
+    parts of speech first, to see where a word looks when it has to be predicted.
 
     Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --split=test --out=runs/grounding
@@ -574,6 +575,8 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
     cfg = _run_config(recipe, ctx, config)
     rep = recipe.analyze_grounding(cfg)
     r = rep.result
+    if rep.mask_note:
+        typer.echo(f"inputs: {rep.mask_note}")
     typer.echo(f"{r.n_entities} entities in {r.n_captions} captions; best head {r.best_head.label} "
                f"{100 * r.best_head.accuracy:.2f}%, baseline {100 * r.baseline_accuracy:.2f}%, "
                f"upper bound {100 * r.upper_bound:.2f}%, best layer {r.best_layer + 1} of {r.num_layers}")

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from vlberts.analysis.grounding import GroundingEntity, GroundingInput
+from vlberts.analysis.syntactic import ParseMismatch, check_parse_words
+from vlberts.data.conllu import ConlluSentence
 from vlberts.data.flickr_entities import FlickrEntitiesImage
 from vlberts.data.regions import (
     FetchedRecord,
@@ -102,6 +104,41 @@ def entity_captions(
                 spans.append((p.first_word_index, p.end))
             out.append(EntityCaption(cap.image_id, f"{cap.image_id}_{cap.index}", cap.words, ids, word_tokens, entities, spans))
     return out
+
+
+def _parse_fits(sentence: ConlluSentence, words: Sequence[str]) -> bool:
+    try:
+        check_parse_words(sentence, words)
+    except ParseMismatch:
+        return False
+    return True
+
+
+def mask_words_by_pos(
+    captions: list[EntityCaption], parses: dict[str, ConlluSentence], pos: Iterable[str], mask_id: int,
+) -> tuple[list[EntityCaption], int, int]:
+    """Each caption with every subword of its words whose part of speech (the UPOS column of its parse)
+    is in `pos` replaced by [MASK]: where a word's attention goes when the model has to predict that word,
+    as in pre-training, rather than read it (`vlberts analyze grounding --mask_pos`, a diagnostic; the
+    paper analyses unmasked captions). The words themselves are kept, so the parse still matches them.
+    A caption without a parse of its words is left out: masked and unmasked captions would mix.
+    Returns (the masked captions, the number of words masked, the number of captions left out)."""
+    pos = frozenset(pos)
+    out: list[EntityCaption] = []
+    masked, left_out = 0, 0
+    for cap in captions:
+        sentence = parses.get(cap.caption_id)
+        if sentence is None or not _parse_fits(sentence, cap.words):
+            left_out += 1
+            continue
+        ids = list(cap.ids)
+        for token, positions in zip(sentence.tokens, cap.word_tokens):
+            if token.upos in pos and positions:
+                masked += 1
+                for p in positions:
+                    ids[p] = mask_id
+        out.append(replace(cap, ids=ids))
+    return out, masked, left_out
 
 
 def region_confidence(record, path: object = None) -> np.ndarray:

@@ -33,6 +33,11 @@ Without parses only entity grounding runs and the report says so. A caption with
 parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
 its caption id; entity grounding still uses it.
 
+`--mask_pos=ADJ[,VERB,...]` (a diagnostic, not the paper's analysis) replaces every subword of the words
+with those parts of speech (UPOS, from the parses) by [MASK] before the forward passes, so that the heads
+are read where the model has to predict those words, as in pre-training; captions without a parse of
+their words are then left out, and the outputs say what was masked.
+
 Images for the explorer and the qualitative figures (`--images`): "auto" (default) reads
 `<entities>/../images`, where the embedded world writes `{image id:012d}.png`, when that directory exists;
 a directory (files `<image id>.jpg`/`.png` or the world's names); "none". An image not found is drawn as a
@@ -50,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions, grounding_inputs
+from vlberts.analysis.attention_graphs import UPOS_TAGS
+from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions, grounding_inputs, mask_words_by_pos
 from vlberts.analysis.explorer import ExplorerExample, ExplorerInfo, explorer_example, write_explorer
 from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
@@ -107,6 +113,9 @@ class GroundingConfig:
     qualitative_captions: str = opt("", "comma-separated caption ids (<image id>_<line>) to draw instead of the first N")
     images: str = opt("auto", "images for the explorer and the qualitative figures: auto (<entities>/../images "
                       "if present, as the world writes them), a directory, or none (boxes on a grey canvas)")
+    mask_pos: str = opt("", "diagnostic: replace the words of these parts of speech (UPOS from the parses, "
+                        "e.g. ADJ or VERB,ADP) by [MASK] before the forward passes, to see where a word looks when "
+                        "it has to be predicted; needs parses (the paper's analysis: unmasked, the default)")
 
 
 CONFIG_CLASS = GroundingConfig
@@ -122,6 +131,7 @@ class GroundingReport:
     syntactic: SyntacticResult | None = None  # None when no parses were available
     syntactic_note: str = ""  # where the parses came from, or why syntactic grounding did not run
     parse_failures: dict[str, str] = field(default_factory=dict)  # caption id -> why the parser's tokens did not align
+    mask_note: str = ""  # with --mask_pos: which words were masked, in how many captions
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -184,6 +194,33 @@ def image_bytes(images: Path | None, image_id: str) -> bytes | None:
     return None
 
 
+def parse_mask_pos(value: str) -> list[str]:
+    """`--mask_pos` as a list of UPOS tags (empty: nothing masked); an unknown tag lists the valid ones."""
+    tags = [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in tags if t not in UPOS_TAGS]
+    if unknown:
+        raise VlbertsError(f"--mask_pos: unknown part of speech {', '.join(unknown)}; valid (UPOS): {', '.join(UPOS_TAGS)}")
+    return tags
+
+
+def apply_mask_pos(cfg: GroundingConfig, captions: list[EntityCaption], parses: dict[str, ConlluSentence] | None,
+                   parse_failed: dict[str, str], tok: TextTokenizer) -> tuple[list[EntityCaption], str]:
+    """With `--mask_pos`, the captions with those words masked (`entities.mask_words_by_pos`) and the
+    report's sentence on it; otherwise the captions as they are and no sentence."""
+    pos = parse_mask_pos(cfg.mask_pos)
+    if not pos:
+        return captions, ""
+    usable = {cid: s for cid, s in (parses or {}).items() if cid not in parse_failed}
+    masked, n_words, left_out = mask_words_by_pos(captions, usable, pos, tok.mask_id)
+    if not any(c.entities for c in masked):
+        raise VlbertsError(f"--mask_pos: none of the {len(captions)} captions has a parse of its words", path=cfg.entities)
+    note = (f"words tagged {', '.join(pos)} replaced by [MASK] (--mask_pos): {n_words} words in {len(masked)} "
+            f"captions" + (f"; {left_out} captions without a parse of their words left out" if left_out else ""))
+    if left_out:
+        print(f"warning: --mask_pos left out {left_out} captions without a parse of their words", file=sys.stderr)
+    return masked, note
+
+
 def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     """Run the analysis (module docstring) and write its outputs.
 
@@ -224,6 +261,9 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         raise VlbertsError("--explorer_examples must be >= 0")
     if cfg.qualitative < 0:
         raise VlbertsError("--qualitative must be >= 0")
+    mask_pos = parse_mask_pos(cfg.mask_pos)
+    if mask_pos and not (cfg.parser or resolve_parses(cfg)[0]):
+        raise VlbertsError(f"--mask_pos needs parses to find the words' parts of speech; {resolve_parses(cfg)[1]}")
     qual_ids = [c.strip() for c in cfg.qualitative_captions.split(",") if c.strip()]
     images = resolve_images(cfg) if cfg.explorer_examples or cfg.qualitative or qual_ids else None
 
@@ -231,6 +271,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
+    captions, mask_note = apply_mask_pos(cfg, captions, parses, parse_failed, tok)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
@@ -267,7 +308,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         raise VlbertsError(f"no grounded entity in split {cfg.split!r} (skipped: {skipped.to_dict()})", path=cfg.entities)
     result = acc.result()
     L, H = result.accuracy.shape
-    explorer_info = ExplorerInfo(L, H, maps, options.token, f"Attention explorer: {cfg.split} split")
+    explorer_info = ExplorerInfo(L, H, maps, options.token, f"Attention explorer: {cfg.split} split"
+                                 + (f" ({mask_note})" if mask_note else ""))
     maps = f"{maps}; {L} layers x {H} heads"
 
     syntactic = syn.result() if syn is not None else None
@@ -287,7 +329,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     if drawn:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
-                             syntactic, syntactic_note, parse_failed)
+                             syntactic, syntactic_note, parse_failed, mask_note)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -304,6 +346,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
+        if mask_note:
+            f.write(f"Inputs: {mask_note}.\n\n")
         if syntactic is None:
             f.write(f"Syntactic grounding: {syntactic_note}.\n")
         else:
@@ -360,6 +404,8 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "syntactic_grounding_note": report.syntactic_note,
         # Per caption, why the parser's tokens could not be aligned with its words (the first 20).
         "parser_alignment_failures": dict(list(report.parse_failures.items())[:20]),
+        "mask_pos": parse_mask_pos(cfg.mask_pos),
+        "mask_note": report.mask_note,
     }
 
 
