@@ -369,6 +369,12 @@ def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, t
     assert summary["problems"] == 0 and summary["samples"] == json.loads(index.read_text())["samples"]
     assert main(["--check", str(tmp_path / "nope.json")]) == 2
     assert "nope.json" in capsys.readouterr().err
+    # An index whose totals are not the sum of its shards' entries (edited by hand).
+    edited = copy_set(lambda d: (d / index.name).write_text(json.dumps(
+        {**json.loads(index.read_text()), "kinds": {"image-text": 1, "image": 0, "text": 0}})))
+    n = json.loads(index.read_text())["kinds"]["image-text"]
+    assert problems(edited) == [f"{edited}: the index's totals (1 image-text, 0 image, 0 text) are not the sum of "
+                                f"its shards' entries ({n} image-text, 0 image, 0 text)"]
     # An index that lists its shards wrongly is one line too, for the check and for streaming alike.
     broken = tmp_path / "broken-index.json"
     for obj in ({"format": "vlberts-shards", "shards": 3}, {"format": "vlberts-shards", "shards": [{"samples": 1}]},

@@ -575,7 +575,9 @@ def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCh
 
     - a key, or an image id, in two shards (or twice in one set): one image would be trained on twice,
       or two different images would pass under one id;
-    - a shard's sample counts by kind differing from the index's (a shard replaced or cut after writing);
+    - a shard's sample counts by kind differing from the index's (a shard replaced or cut after writing),
+      and the index's totals differing from the sum of its shards' entries (an index edited by hand;
+      pre-training sizes its chunks from the total of captioned images);
     - and, as streaming checks them, every shard the index lists being there and readable to its end,
       each sample's members and json, and each image sample's regions against the index
       (`check_sample_record`; the cls_prob width is the first image sample's).
@@ -588,6 +590,13 @@ def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCh
     obj = read_index(index)
     store = index_store(obj, index) if obj.get("store") else None
     report = ShardSetCheck(index)
+    listed_total = Counter()
+    for entry in obj["shards"]:
+        listed_total.update({k: int(v) for k, v in (entry.get("kinds") or {}).items()})
+    totals = {k: int((obj.get("kinds") or {}).get(k, 0)) for k in KINDS}
+    if totals != {k: listed_total[k] for k in KINDS}:
+        report.add(VlbertsError(f"the index's totals ({_kind_counts(totals)}) are not the sum of its shards' "
+                                f"entries ({_kind_counts(listed_total)})", path=index), max_problems)
     key_at: dict[str, str] = {}  # key -> the shard it was first read in
     image_at: dict[str, str] = {}  # image id -> the shard of its first sample
     cls_prob_width: int | None = None
@@ -633,10 +642,14 @@ def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCh
         report.kinds.update(kinds)
         listed = {k: int((entry.get("kinds") or {}).get(k, 0)) for k in KINDS}
         if {k: kinds[k] for k in KINDS} != listed:
-            found = ", ".join(f"{kinds[k]} {k}" for k in KINDS if kinds[k] or listed[k])
-            wants = ", ".join(f"{listed[k]} {k}" for k in KINDS if kinds[k] or listed[k])
-            report.add(VlbertsError(f"holds {found} samples; the index lists {wants}", path=shard), max_problems)
+            shown = [k for k in KINDS if kinds[k] or listed[k]]
+            report.add(VlbertsError(f"holds {_kind_counts(kinds, shown)} samples; the index lists "
+                                    f"{_kind_counts(listed, shown)}", path=shard), max_problems)
     return report
+
+
+def _kind_counts(counts: dict[str, int], kinds: Sequence[str] = KINDS) -> str:
+    return ", ".join(f"{counts.get(k, 0)} {k}" for k in kinds)
 
 
 # --------------------------------------------------------------------------- command line
