@@ -108,6 +108,39 @@ def test_streamed_pretraining_misuse_is_one_clear_error(tiny_world, shards, tmp_
         pretrain(_cfg(shards, file_run, steps=4, ckpt_every=2))
 
 
+def test_fewer_distinct_images_than_the_index_lists_is_an_error_not_a_hang(tiny_world, shards, tmp_path):
+    # A shard copied over another: the index still counts its images, the stream holds fewer distinct ones.
+    # A chunk of "all the corpus's images" could never be filled; the stream says so (and names --check)
+    # instead of drawing forever.
+    import signal
+
+    from vlberts.data.shards import shards_of_index
+
+    d = tmp_path / "dup"
+    d.mkdir()
+    (d / shards.name).write_bytes(shards.read_bytes())
+    files = shards_of_index(shards)
+    for f in files:
+        (d / f.name).write_bytes(files[0].read_bytes() if f == files[1] else f.read_bytes())
+    corpus = ShardCorpus(d / shards.name)
+    tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
+
+    def make(captions, regions, seed):
+        return CaptionPretrainData(captions, regions, tok, pairs=False, mismatch_prob=0.5, seed=seed)
+
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the stream hangs"))
+    signal.alarm(120)
+    try:
+        stream = stream_examples(corpus, make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4)
+        with pytest.raises(VlbertsError, match=r"fewer distinct captioned images than the \d+ their index lists "
+                                               r"\(check them: python -m vlberts.data.shards --check "):
+            next(stream)
+    finally:
+        signal.alarm(0)
+    # The untouched set fills such a chunk with every image.
+    assert next(stream_examples(ShardCorpus(shards), make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4))
+
+
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_two_ranks_stream_and_resume_exactly(shards, tmp_path):
     def torchrun(*args: str) -> subprocess.CompletedProcess:

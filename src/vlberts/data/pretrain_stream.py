@@ -124,14 +124,26 @@ def stream_examples(
     samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
                                kinds=("image-text",)))
     rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
+    # Drawing with replacement, a chunk of every image of the corpus needs about n ln n draws and at most
+    # a few n draws in a row without a new image (the chance of 50 n is e^-50). Fewer distinct images
+    # than the index lists (an image in two shards: `shards --check` finds them) would otherwise never end.
+    max_misses = 50 * corpus.images
     chunk = 0
     while True:
         records: dict[str, RegionRecord] = {}
         captions: list[CaptionRef] = []
+        misses = 0
         while len(records) < chunk_images:  # distinct images: resampling may draw one twice
             s = next(samples)
             if s["image_id"] in records:
+                misses += 1
+                if misses > max_misses:
+                    raise VlbertsError(
+                        f"{misses} samples in a row repeat images of a chunk of {len(records)}: the shards hold "
+                        f"fewer distinct captioned images than the {corpus.images} their index lists (check them: "
+                        f"python -m vlberts.data.shards --check {corpus.path})", path=corpus.path)
                 continue
+            misses = 0
             records[s["image_id"]] = corpus.record(s) if chunk >= start.chunk else None
             captions.extend(CaptionRef(s["image_id"], c) for c in s["captions"])
         if chunk < start.chunk:  # consumed before the resume point: read, not built
