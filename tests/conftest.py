@@ -13,6 +13,8 @@ may then fail within rounding).
 from __future__ import annotations
 
 import os
+import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,3 +125,16 @@ def word_selection_counts(ids, labels, tok) -> tuple[int, int]:
         whole += bool(s.all() and len(s) > 1)
         partial += bool(s.any() and not s.all())
     return whole, partial
+
+
+@contextmanager
+def fails_if_it_hangs(seconds: int = 120):
+    """Turn a hang into a test failure (SIGALRM, main thread, POSIX): for tests of code that used to loop
+    forever on bad input, so that breaking the fix fails the test rather than stalling the suite."""
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"still running after {seconds} s: it hangs"))
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -22,6 +22,8 @@ from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.distributed import DistInfo, free_port
 from vlberts.training.metrics import MetricsLog
 
+from conftest import fails_if_it_hangs
+
 VLBERTS = Path(sys.executable).with_name("vlberts")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
@@ -112,8 +114,6 @@ def test_fewer_distinct_images_than_the_index_lists_is_an_error_not_a_hang(tiny_
     # A shard copied over another: the index still counts its images, the stream holds fewer distinct ones.
     # A chunk of "all the corpus's images" could never be filled; the stream says so (and names --check)
     # instead of drawing forever.
-    import signal
-
     from vlberts.data.shards import shards_of_index
 
     d = tmp_path / "dup"
@@ -128,15 +128,10 @@ def test_fewer_distinct_images_than_the_index_lists_is_an_error_not_a_hang(tiny_
     def make(captions, regions, seed):
         return CaptionPretrainData(captions, regions, tok, pairs=False, mismatch_prob=0.5, seed=seed)
 
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the stream hangs"))
-    signal.alarm(120)
-    try:
-        stream = stream_examples(corpus, make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4)
-        with pytest.raises(VlbertsError, match=r"fewer distinct captioned images than the \d+ their index lists "
-                                               r"\(check them: python -m vlberts.data.shards --check "):
-            next(stream)
-    finally:
-        signal.alarm(0)
+    stream = stream_examples(corpus, make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4)
+    with fails_if_it_hangs(), pytest.raises(VlbertsError, match=r"fewer distinct captioned images than the \d+ "
+                                            r"their index lists \(check them: python -m vlberts.data.shards --check "):
+        next(stream)
     # The untouched set fills such a chunk with every image.
     assert next(stream_examples(ShardCorpus(shards), make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4))
 

@@ -30,6 +30,8 @@ from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.training.distributed import DistInfo
 
+from conftest import fails_if_it_hangs
+
 
 @pytest.fixture(scope="module")
 def shard_sets(tiny_world, tmp_path_factory):
@@ -119,6 +121,20 @@ def _mixed(shard_sets, seed: int):
     streams = [ShardStream.from_index(shard_sets[k], seed=seed, resample=True, buffer=20, dist=DistInfo())
                for k in ("it", "txt", "img")]
     return mix_streams(streams, [0.5, 0.3, 0.2], seed=seed)
+
+
+def test_resampling_a_set_without_the_wanted_kind_is_an_error_not_a_hang(shard_sets):
+    # Text-only shards asked for image-text samples: resampling would draw shards forever.
+    stream = ShardStream(shards_of_index(shard_sets["txt"]), resample=True, buffer=0, dist=DistInfo(),
+                         kinds=("image-text",))
+    with fails_if_it_hangs(), pytest.raises(VlbertsError, match=r"shards drawn in a row hold no image-text sample, "
+                                                                r"of \d+ shards"):
+        next(iter(stream))
+    # One shard in many with the kind is enough (the guard does not fire on bad luck).
+    mixed = shards_of_index(shard_sets["txt"]) * 20 + shards_of_index(shard_sets["it"])[:1]
+    stream = ShardStream(mixed, resample=True, buffer=0, dist=DistInfo(), kinds=("image-text",))
+    samples = iter(stream)
+    assert all(next(samples)["kind"] == "image-text" for _ in range(50))
 
 
 def test_mixing_proportions_and_determinism(shard_sets):

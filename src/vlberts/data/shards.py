@@ -472,10 +472,20 @@ class ShardStream(IterableDataset):
             yield self.shards[int(rng.integers(len(self.shards)))]
 
     def _samples(self) -> Iterator[dict[str, Any]]:
+        # Resampling never ends by itself: a set with no sample of the wanted kinds would draw shards
+        # forever. 50 x the shard count of empty draws in a row has a chance of e^-50 when one shard has one.
+        empty = 0
         for shard in self.reader_shards():
+            found = False
             for sample in read_shard(shard):
                 if self.kinds is None or sample["kind"] in self.kinds:
+                    found = True
                     yield sample
+            empty = 0 if found else empty + 1
+            if self.resample and empty > 50 * len(self.shards):
+                raise VlbertsError(f"{empty} shards drawn in a row hold no "
+                                   f"{' or '.join(self.kinds or KINDS)} sample, of {len(self.shards)} shards",
+                                   path=shard.parent)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self.shuffle or self.buffer <= 1:
