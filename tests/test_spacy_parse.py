@@ -140,3 +140,15 @@ def test_grounding_with_parser_matches_conllu(tiny_world, tiny_pretrained, tmp_p
     data = json.loads((tmp_path / "br" / "grounding.json").read_text())
     assert list(data["parser_alignment_failures"]) == [first]
     assert first in data["parser_alignment_failures"][first]
+
+    # --mask_pos reads the parts of speech from the parser alike; a caption the parser could not align is
+    # left out of a masked analysis (masked and unmasked captions never mix) and the note counts it.
+    masked_gold = analyze_grounding(GroundingConfig(**common, out=str(tmp_path / "mg"), mask_pos="ADJ"))
+    masked_sp = analyze_grounding(GroundingConfig(**common, out=str(tmp_path / "ms"), mask_pos="ADJ",
+                                                  parser="spacy:stand_in"), nlp=gold_stand_in(conllu))
+    assert masked_sp.result.to_dict() == masked_gold.result.to_dict()
+    assert masked_sp.mask_note == masked_gold.mask_note and "left out" not in masked_gold.mask_note
+    masked_br = analyze_grounding(GroundingConfig(**common, out=str(tmp_path / "mb"), mask_pos="ADJ",
+                                                  parser="spacy:stand_in"), nlp=gold_stand_in(conllu, {first}))
+    assert masked_br.mask_note.endswith("; 1 captions without a parse of their words left out")
+    assert masked_br.result.n_captions == masked_gold.result.n_captions - 1
