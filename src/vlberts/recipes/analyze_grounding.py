@@ -204,14 +204,14 @@ def parse_mask_pos(value: str) -> list[str]:
 
 
 def apply_mask_pos(cfg: GroundingConfig, captions: list[EntityCaption], parses: dict[str, ConlluSentence] | None,
-                   parse_failed: dict[str, str], tok: TextTokenizer) -> tuple[list[EntityCaption], str]:
+                   tok: TextTokenizer) -> tuple[list[EntityCaption], str]:
     """With `--mask_pos`, the captions with those words masked (`entities.mask_words_by_pos`) and the
-    report's sentence on it; otherwise the captions as they are and no sentence."""
+    report's sentence on it; otherwise the captions as they are and no sentence. (A caption the parser
+    could not align has no entry in `parses`, so it is left out with the unparsed ones.)"""
     pos = parse_mask_pos(cfg.mask_pos)
     if not pos:
         return captions, ""
-    usable = {cid: s for cid, s in (parses or {}).items() if cid not in parse_failed}
-    masked, n_words, left_out = mask_words_by_pos(captions, usable, pos, tok.mask_id)
+    masked, n_words, left_out = mask_words_by_pos(captions, parses or {}, pos, tok.mask_id)
     if not any(c.entities for c in masked):
         raise VlbertsError(f"--mask_pos: none of the {len(captions)} captions has a parse of its words", path=cfg.entities)
     note = (f"words tagged {', '.join(pos)} replaced by [MASK] (--mask_pos): {n_words} words in {len(masked)} "
@@ -271,7 +271,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
-    captions, mask_note = apply_mask_pos(cfg, captions, parses, parse_failed, tok)
+    captions, mask_note = apply_mask_pos(cfg, captions, parses, tok)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
