@@ -391,6 +391,21 @@ def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, t
     n = json.loads(index.read_text())["kinds"]["image-text"]
     assert problems(edited) == [f"{edited}: the index's totals (1 image-text, 0 image, 0 text) are not the sum of "
                                 f"its shards' entries ({n} image-text, 0 image, 0 text)"]
+    # Image samples in a set whose index names no region store (a text-only set with an image shard added):
+    # nothing to check their regions against, so each is a problem.
+    txt_index = shard_sets["txt"]
+    mixed_dir = tmp_path / "mixed"
+    mixed_dir.mkdir()
+    entries = json.loads(txt_index.read_text())
+    for f in shards_of_index(txt_index) + [shards[0]]:
+        (mixed_dir / f.name).write_bytes(f.read_bytes())
+    it_entry = json.loads(index.read_text())["shards"][0]
+    entries["shards"].append(it_entry)
+    entries["kinds"]["image-text"] += it_entry["kinds"]["image-text"]
+    (mixed_dir / txt_index.name).write_text(json.dumps(entries))
+    found = problems(mixed_dir / txt_index.name)
+    assert len(found) == len(first_keys) and all(
+        p.endswith("image sample in a shard set whose index lists no region store") for p in found)
     # An index that lists its shards wrongly is one line too, for the check and for streaming alike.
     broken = tmp_path / "broken-index.json"
     for obj in ({"format": "vlberts-shards", "shards": 3}, {"format": "vlberts-shards", "shards": [{"samples": 1}]},
