@@ -406,6 +406,12 @@ def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, t
     found = problems(mixed_dir / txt_index.name)
     assert len(found) == len(first_keys) and all(
         p.endswith("image sample in a shard set whose index lists no region store") for p in found)
+    # Counts that are not whole numbers: one line naming the index and the shard entry.
+    counted = copy_set(lambda d: (d / index.name).write_text(json.dumps({**json.loads(index.read_text()), "shards": [
+        {**e, "kinds": {"image-text": "seven"}} for e in json.loads(index.read_text())["shards"]]})))
+    assert main(["--check", str(counted)]) == 2
+    assert capsys.readouterr().err == (f"error: {counted}: record {shards[0].name}: sample counts by kind must be "
+                                       "whole numbers, got {'image-text': 'seven'}\n")
     # An index that lists its shards wrongly is one line too, for the check and for streaming alike.
     broken = tmp_path / "broken-index.json"
     for obj in ({"format": "vlberts-shards", "shards": 3}, {"format": "vlberts-shards", "shards": [{"samples": 1}]},

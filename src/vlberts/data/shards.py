@@ -600,10 +600,10 @@ def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCh
     obj = read_index(index)
     store = index_store(obj, index) if obj.get("store") else None
     report = ShardSetCheck(index)
-    listed_total = Counter()
+    listed_total: Counter = Counter()
     for entry in obj["shards"]:
-        listed_total.update({k: int(v) for k, v in (entry.get("kinds") or {}).items()})
-    totals = {k: int((obj.get("kinds") or {}).get(k, 0)) for k in KINDS}
+        listed_total.update(_kinds_of(entry, index))
+    totals = _kinds_of(obj, index)
     if totals != {k: listed_total[k] for k in KINDS}:
         report.add(VlbertsError(f"the index's totals ({_kind_counts(totals)}) are not the sum of its shards' "
                                 f"entries ({_kind_counts(listed_total)})", path=index), max_problems)
@@ -650,12 +650,22 @@ def check_shard_set(index: str | Path, *, max_problems: int = 100) -> ShardSetCh
             continue
         report.shards += 1
         report.kinds.update(kinds)
-        listed = {k: int((entry.get("kinds") or {}).get(k, 0)) for k in KINDS}
+        listed = _kinds_of(entry, index)
         if {k: kinds[k] for k in KINDS} != listed:
             shown = [k for k in KINDS if kinds[k] or listed[k]]
             report.add(VlbertsError(f"holds {_kind_counts(kinds, shown)} samples; the index lists "
                                     f"{_kind_counts(listed, shown)}", path=shard), max_problems)
     return report
+
+
+def _kinds_of(entry: dict[str, Any], index: Path) -> dict[str, int]:
+    """An index's (or one shard entry's) sample counts by kind, every kind present (0 when not listed)."""
+    kinds = entry.get("kinds") or {}
+    counts = {k: kinds.get(k, 0) for k in KINDS} if isinstance(kinds, dict) else {}
+    if not counts or not all(isinstance(v, int) and v >= 0 for v in counts.values()):
+        raise VlbertsError(f"sample counts by kind must be whole numbers, got {kinds!r}", path=index,
+                           record=entry.get("name"))
+    return counts
 
 
 def _kind_counts(counts: dict[str, int], kinds: Sequence[str] = KINDS) -> str:

@@ -131,6 +131,7 @@ class GroundingReport:
     syntactic: SyntacticResult | None = None  # None when no parses were available
     syntactic_note: str = ""  # where the parses came from, or why syntactic grounding did not run
     parse_failures: dict[str, str] = field(default_factory=dict)  # caption id -> why the parser's tokens did not align
+    mask_pos: list[str] = field(default_factory=list)  # --mask_pos as UPOS tags (empty: nothing masked)
     mask_note: str = ""  # with --mask_pos: which words were masked, in how many captions
 
 
@@ -203,17 +204,16 @@ def parse_mask_pos(value: str) -> list[str]:
     return tags
 
 
-def apply_mask_pos(cfg: GroundingConfig, captions: list[EntityCaption], parses: dict[str, ConlluSentence] | None,
-                   tok: TextTokenizer) -> tuple[list[EntityCaption], str]:
+def apply_mask_pos(pos: list[str], captions: list[EntityCaption], parses: dict[str, ConlluSentence] | None,
+                   tok: TextTokenizer, entities: str) -> tuple[list[EntityCaption], str]:
     """With `--mask_pos`, the captions with those words masked (`entities.mask_words_by_pos`) and the
     report's sentence on it; otherwise the captions as they are and no sentence. (A caption the parser
     could not align has no entry in `parses`, so it is left out with the unparsed ones.)"""
-    pos = parse_mask_pos(cfg.mask_pos)
     if not pos:
         return captions, ""
     masked, n_words, left_out = mask_words_by_pos(captions, parses or {}, pos, tok.mask_id)
     if not any(c.entities for c in masked):
-        raise VlbertsError(f"--mask_pos: none of the {len(captions)} captions has a parse of its words", path=cfg.entities)
+        raise VlbertsError(f"--mask_pos: none of the {len(captions)} captions has a parse of its words", path=entities)
     note = (f"words tagged {', '.join(pos)} replaced by [MASK] (--mask_pos): {n_words} words in {len(masked)} "
             f"captions" + (f"; {left_out} captions without a parse of their words left out" if left_out else ""))
     if left_out:
@@ -271,7 +271,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
-    captions, mask_note = apply_mask_pos(cfg, captions, parses, tok)
+    captions, mask_note = apply_mask_pos(mask_pos, captions, parses, tok, cfg.entities)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
@@ -329,7 +329,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     if drawn:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
-                             syntactic, syntactic_note, parse_failed, mask_note)
+                             syntactic, syntactic_note, parse_failed, mask_pos, mask_note)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -404,7 +404,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "syntactic_grounding_note": report.syntactic_note,
         # Per caption, why the parser's tokens could not be aligned with its words (the first 20).
         "parser_alignment_failures": dict(list(report.parse_failures.items())[:20]),
-        "mask_pos": parse_mask_pos(cfg.mask_pos),
+        "mask_pos": report.mask_pos,
         "mask_note": report.mask_note,
     }
 
