@@ -121,7 +121,7 @@ def test_skip_bad_counts_what_it_drops(tiny_world, tiny_pretrained, tmp_path):
 
 
 def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path):
-    with pytest.raises(VlbertsError, match="unknown loss 'mse'; valid: bce, kl"):
+    with pytest.raises(VlbertsError, match="unknown loss 'mse'; valid: auto, bce, kl"):
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "a", loss="mse"))
     with pytest.raises(VlbertsError, match="no answer is given by 100000\\+ training questions"):
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "b", min_answer_count=100000))

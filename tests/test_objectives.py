@@ -10,7 +10,6 @@ import torch
 
 from vlberts.objectives.matching import (
     alignment_features,
-    drop_unmatched,
     flip_match_labels,
     match_labels,
     matching_loss,
@@ -198,14 +197,6 @@ def test_alignment_labels_and_loss_by_hand():
     assert approx(vilbert_alignment_loss(logits, torch.tensor([False])), 0.287682)
     assert vilbert_alignment_loss(torch.tensor([[2.0, 0.0]]), torch.tensor([True])) < \
         vilbert_alignment_loss(torch.tensor([[0.5, 0.0]]), torch.tensor([True]))
-
-
-def test_drop_unmatched_removes_masked_targets_of_unmatched_rows():
-    labels = torch.tensor([[5, IGNORE_INDEX], [7, 8]])
-    regions = torch.tensor([[True, False], [True, True]])
-    lab, reg = drop_unmatched(labels, regions, torch.tensor([True, False]))
-    assert lab.tolist() == [[5, IGNORE_INDEX], [IGNORE_INDEX, IGNORE_INDEX]]
-    assert reg.tolist() == [[True, False], [False, False]]
 
 
 # ---------------------------------------------------------------------------------------- VL-BERT

@@ -23,7 +23,7 @@ from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.models import builders
 from vlberts.objectives.recipe import RECIPES, pretrain_losses
-from vlberts.recipes.pretrain import PretrainConfig, pretrain, region_setup, store_sizes
+from vlberts.recipes.pretrain import PretrainConfig, drop_mismatched, pretrain, region_setup, store_sizes
 from vlberts.text.masking import IGNORE_INDEX
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.metrics import MetricsLog
@@ -103,6 +103,8 @@ def test_objective_weights_override_and_bad_names(tiny_world, tmp_path):
         pretrain(cfg_for(tiny_world, tmp_path / "y", "vilbert-tiny", objectives="itm=1"))
     with pytest.raises(VlbertsError, match="weight 'x' is not a number"):
         pretrain(cfg_for(tiny_world, tmp_path / "z", "vilbert-tiny", objectives="mlm=x"))
+    with pytest.raises(VlbertsError, match="--mismatched_targets must be one of auto, keep, drop, got 'some'"):
+        pretrain(cfg_for(tiny_world, tmp_path / "w", "lxmert-tiny", mismatched_targets="some"))
 
 
 def _data(world, arch: str, **kw) -> tuple[CaptionPretrainData, TextTokenizer]:
@@ -116,14 +118,29 @@ def _data(world, arch: str, **kw) -> tuple[CaptionPretrainData, TextTokenizer]:
     return data, tok
 
 
+def record_data_argument(monkeypatch, name: str) -> list:
+    """Make `vlberts pretrain` record the keyword argument `name` of every `CaptionPretrainData` it builds, in
+    the returned list."""
+    import vlberts.recipes.pretrain as pretrain_recipe
+
+    seen = []
+
+    class Recording(CaptionPretrainData):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get(name))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(pretrain_recipe, "CaptionPretrainData", Recording)
+    return seen
+
+
 def tiny_model_and_batch(world, arch: str, n: int = 8) -> tuple[torch.nn.Module, PretrainBatch, dict[str, float]]:
     """A `{arch}-tiny` pre-training model with its heads sized from the tiny world's store (as `pretrain`
     sizes them), a collated batch of `n` examples with the recipe's targets, and the paper's objective
     weights. Seed torch before calling for a reproducible model."""
-    data, tok = _data(world, arch)
     recipe = RECIPES[arch]
-    batch = collate_pretrain([data[(0, i)] for i in range(n)], pad_id=tok.pad_id,
-                             drop_unmatched_targets=recipe.drop_unmatched)
+    data, tok = _data(world, arch, drop_mismatched=recipe.drop_unmatched)
+    batch = collate_pretrain([data[(0, i)] for i in range(n)], pad_id=tok.pad_id)
     store = RegionStore(world.store)
     sizes = store_sizes(store)  # detector classes and attributes
     heads = {field: sizes[what] for field, what in recipe.head_sizes.items() if what in sizes}
@@ -155,11 +172,62 @@ def test_examples_carry_each_recipes_targets(tiny_world):
     assert bv.regions.corrupted.any() and bv.inputs.region_feats[bv.regions.corrupted].abs().sum() > 0
     assert bv.regions.cls_prob.shape[-1] == 8
 
-    # ViLBERT: masked targets only on aligned pairs.
-    vi, _ = _data(tiny_world, "vilbert")
-    bi = collate_pretrain([vi[(0, i)] for i in range(16)], drop_unmatched_targets=True)
-    assert (~bi.matched).any()
-    assert (bi.mlm_labels[~bi.matched] == IGNORE_INDEX).all() and not bi.regions.masked[~bi.matched].any()
+
+
+def test_mismatched_targets_keep_or_drop_the_masked_words_of_a_text_that_is_not_the_images(tiny_world):
+    # Single caption (ViLBERT's rule; LXMERT's code keeps them): a mismatched caption trains no masked word and
+    # no masked region, and everything else (input, masks drawn, matched pairs) is the same as keeping them.
+    for arch in ("vilbert", "lxmert"):
+        kept, _ = _data(tiny_world, arch, drop_mismatched=False)
+        dropped, _ = _data(tiny_world, arch, drop_mismatched=True)
+        k = collate_pretrain([kept[(0, i)] for i in range(16)])
+        d = collate_pretrain([dropped[(0, i)] for i in range(16)])
+        mis = ~d.matched
+        assert mis.any() and d.matched.any() and torch.equal(k.matched, d.matched)
+        assert (k.mlm_labels[mis] != IGNORE_INDEX).any() and k.regions.masked[mis].any()  # kept: targets there
+        assert (d.mlm_labels[mis] == IGNORE_INDEX).all() and not d.regions.masked[mis].any()
+        assert torch.equal(d.mlm_labels[~mis], k.mlm_labels[~mis]) and torch.equal(d.regions.masked[~mis], k.regions.masked[~mis])
+        assert torch.equal(d.inputs.input_ids, k.inputs.input_ids) and torch.equal(d.inputs.region_feats, k.inputs.region_feats)
+    # VisualBERT's caption pairs: only caption b (segment 1) of a mismatched pair loses its targets.
+    caps = read_caption_refs(str(tiny_world.captions_train))
+    store = RegionStore(tiny_world.store)
+    tok = TextTokenizer.train([c.text for c in caps], vocab_size=200)
+    kw = dict(pairs=True, seed=3, mlm_prob=0.5)
+    k = collate_pretrain([CaptionPretrainData(caps, store, tok, **kw)[(0, i)] for i in range(24)])
+    d = collate_pretrain([CaptionPretrainData(caps, store, tok, drop_mismatched=True, **kw)[(0, i)] for i in range(24)])
+    b = d.inputs.token_type_ids == 1  # (B, T)
+    mis = ~d.matched[:, None]  # (B, 1)
+    assert (k.mlm_labels[b & mis] != IGNORE_INDEX).any() and (d.mlm_labels[b & mis] == IGNORE_INDEX).all()
+    assert torch.equal(d.mlm_labels[~(b & mis)], k.mlm_labels[~(b & mis)])
+    assert (d.mlm_labels[~b & mis] != IGNORE_INDEX).any()  # caption a is the image's: its words still train
+    # The run option: auto is each architecture's released code.
+    assert [drop_mismatched("auto", RECIPES[a]) for a in ("visualbert", "vilbert", "lxmert", "wvisualbert")] == \
+        [False, True, False, False]
+    assert drop_mismatched("drop", RECIPES["lxmert"]) and not drop_mismatched("keep", RECIPES["vilbert"])
+
+
+def test_pretrain_and_demo_pass_on_mismatched_targets_and_the_demos_answer_loss(tiny_world, tmp_path, monkeypatch):
+    from vlberts.recipes import demo
+
+    seen = record_data_argument(monkeypatch, "drop_mismatched")
+    runs = [("lxmert-tiny", "auto", ""), ("lxmert-tiny", "drop", ""), ("vilbert-tiny", "auto", ""),
+            ("vilbert-tiny", "keep", ""), ("lxmert-tiny", "drop", "mlm=1,obj=1")]  # no matching: nothing to drop
+    for i, (model, choice, objectives) in enumerate(runs):
+        pretrain(cfg_for(tiny_world, tmp_path / str(i), model, steps=1, ckpt_every=100, mismatched_targets=choice,
+                         objectives=objectives))
+    assert seen == [False, True, True, False, False]
+    # `vlberts demo` / `vlberts compare` hand their --mismatched_targets to pre-training.
+    for args, want in (([], ("auto", "auto")), (["--mismatched_targets=drop", "--qa_loss=kl"], ("drop", "kl"))):
+        cfg = demo.config_from_args(["--arch=lxmert", *args])
+        pre = demo.pretrain_config(cfg, "lxmert-small", tmp_path, tmp_path / "f.h5", tmp_path / "p")
+        vqa = demo.vqa_config(cfg, tmp_path / "p" / "model", tmp_path, tmp_path / "f.h5", tmp_path / "v")
+        assert (pre.mismatched_targets, vqa.loss) == want
+    # A bad choice fails before any work, in `vlberts demo` and `vlberts compare` alike (both call check_choices).
+    for args, msg in ((["--mismatched_targets=some"], "--mismatched_targets must be one of auto, keep, drop"),
+                      (["--qa_loss=mse"], "unknown loss 'mse'; valid: auto, bce, kl")):
+        with pytest.raises(VlbertsError, match=msg):
+            demo.run_demo(demo.config_from_args([f"--out={tmp_path / 'never'}", *args]))
+        assert not (tmp_path / "never").exists()
 
 
 def test_wvisualbert_tags_are_class_names_of_the_detected_objects(tiny_world):
@@ -316,16 +384,7 @@ def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, 
     assert partial > 50
 
     # `vlberts pretrain` builds its examples with the recipe's setting.
-    import vlberts.recipes.pretrain as pretrain_recipe
-
-    seen = []
-
-    class Recording(CaptionPretrainData):
-        def __init__(self, *a, **kw):
-            seen.append(kw.get("whole_word"))
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(pretrain_recipe, "CaptionPretrainData", Recording)
+    seen = record_data_argument(monkeypatch, "whole_word")
     for model in ("vlbert-tiny", "visualbert-tiny"):
         pretrain(cfg_for(tiny_world, tmp_path / model, model, steps=1, ckpt_every=100))
     assert seen == [True, False]

@@ -3,12 +3,14 @@
 Task-agnostic pre-training shows the model two captions, `[CLS] a [SEP] b [SEP]` with segments 0/1,
 plus the image's regions. Caption a describes the image; with p = 0.5 caption b is another caption of
 the same image, otherwise a caption of a different image. Labels follow BERT's NSP convention:
-0 = b matches the image, 1 = b is random. Both captions are masked for MLM; regions never are.
+0 = b matches the image, 1 = b is random. Both captions are masked for MLM, b's masked words being targets
+even when b is another image's, as in the released code (`drop_mismatched` drops them); regions never are.
 Task-specific pre-training (`pairs=False`) shows one caption and trains MLM only.
 
 The other architectures (objectives/recipe.py says which does what) read one caption that, with
 `mismatch_prob`, is replaced by a caption of another image (ViLBERT §3.1 alignment, LXMERT §3.1.3
-matching), and a `RegionSetup`: regions masked by the paper's rule, the detector's targets (cls_prob,
+matching; with `drop_mismatched`, that caption's masked words and the masked regions are no targets), and a
+`RegionSetup`: regions masked by the paper's rule, the detector's targets (cls_prob,
 obj/attr ids and confidences, the original features), and W-VisualBERT's detector tags. Region masking
 draws from the same (seed, epoch, index) stream as the text masking, after it, so a resumed run is exact.
 
@@ -35,7 +37,7 @@ from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regi
 from vlberts.data.sampling import example_rng
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
-from vlberts.objectives.matching import drop_unmatched, sample_qa_target
+from vlberts.objectives.matching import sample_qa_target
 from vlberts.objectives.regions import RegionMaskRule, mask_regions, mask_tags_jointly
 from vlberts.objectives.text import Source
 from vlberts.text.masking import IGNORE_INDEX, mask_tokens
@@ -103,6 +105,7 @@ class CaptionPretrainData:
         token_probs: Mapping[int, float] | None = None,
         whole_word: bool = False,
         mismatch_prob: float = 0.0,
+        drop_mismatched: bool = False,
         region_setup: RegionSetup = RegionSetup(),
         qa_targets: Sequence[SoftTarget] | None = None,
         pixels: Any = None,
@@ -129,6 +132,9 @@ class CaptionPretrainData:
         self.images = list(self.by_image)
         self.image_index = {im: k for k, im in enumerate(self.images)}
         self.mismatch_prob = mismatch_prob
+        # Masked words (and masked regions) of a text that is not the image's are no targets: ViLBERT's
+        # `--objective 1`; LXMERT's and VisualBERT's code keep them (`PretrainConfig.mismatched_targets`).
+        self.drop_mismatched = drop_mismatched
         self.setup = region_setup
         if (pairs or mismatch_prob > 0) and len(self.by_image) < 2:
             raise VlbertsError("sentence-image prediction needs captions of at least two images")
@@ -188,6 +194,9 @@ class CaptionPretrainData:
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
             token_probs=self.token_probs, continuation_ids=self.continuation_ids,
         )
+        drop = self.drop_mismatched and label == MISMATCH
+        if drop:  # the text that is not the image's: caption b of a pair, else the one caption
+            labels = np.where(np.asarray(segments) == 1, IGNORE_INDEX, labels) if self.pairs else np.full_like(labels, IGNORE_INDEX)
         rec = self.regions.get(cap.image_id)
         regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
                                self.feature_dim)
@@ -199,6 +208,8 @@ class CaptionPretrainData:
             "image_id": int(cap.image_id) if cap.image_id.isdigit() else index,
         }
         example.update(self._region_side(rec, regions, cap.image_id, rng))
+        if drop and "masked" in example:  # the regions stay corrupted in the input, but are no targets
+            example["masked"] = np.zeros_like(example["masked"])
         if self.pixels is not None:  # the caption's own image (no random draw: `rng` is untouched)
             example["pixels"] = self.pixels.get(cap.image_id)  # (3, S, S)
         if self.qa_targets is not None:  # LXMERT §3.1.3: the answer is a label only when the pair is matched
@@ -326,10 +337,8 @@ def fixed_shapes(batch: PretrainBatch, shapes: FixedShapes, pad_id: int) -> Pret
                                mlm_labels=mlm_labels, mlm_tokens=select_tokens(mlm_labels != IGNORE_INDEX, bucketed=True))
 
 
-def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targets: bool = False,
-                     shapes: FixedShapes | None = None) -> PretrainBatch:
-    """Pad examples into a `PretrainBatch`. With `drop_unmatched_targets`, mismatched pairs keep no MLM or
-    masked-region targets (ViLBERT's `--objective 1`; `objectives.matching.drop_unmatched`). Examples may mix
+def collate_pretrain(examples: list[dict], pad_id: int = 0, shapes: FixedShapes | None = None) -> PretrainBatch:
+    """Pad examples into a `PretrainBatch`. Examples may mix
     sources (`kind`: pairs, text-only, image-only; `data.text_corpus`). With `shapes`, padded to them
     (`fixed_shapes`)."""
     examples = _fill_region_side(examples)
@@ -350,8 +359,6 @@ def collate_pretrain(examples: list[dict], pad_id: int = 0, drop_unmatched_targe
     targets = None
     if "masked" in examples[0]:
         masked = _pad_stack([e["masked"] for e in examples], False)  # (B, R)
-        if drop_unmatched_targets:
-            mlm_labels, masked = drop_unmatched(mlm_labels, masked, matched)
         labels = {k: _pad_stack([e[k] for e in examples], v) for k, v in LABEL_FIELDS.items() if k in examples[0]}
         targets = RegionTargets(
             masked=masked, corrupted=_pad_stack([e["corrupted"] for e in examples], False),

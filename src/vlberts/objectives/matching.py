@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlberts.objectives.regions import masked_mean
-from vlberts.text.masking import IGNORE_INDEX
 
 Convention = Literal["visualbert", "vilbert", "lxmert"]
 _MATCHED_INDEX = {"visualbert": 0, "vilbert": 0, "lxmert": 1}
@@ -54,21 +53,6 @@ def vilbert_alignment_loss(logits: Tensor, aligned: Tensor) -> Tensor:
     """ViLBERT multimodal alignment prediction: binary CE of the (B, 2) logits of a linear layer over
     `alignment_features`; the original's labels are 0 = aligned, 1 = not aligned."""
     return matching_loss(logits, aligned, "vilbert")
-
-
-def drop_unmatched(
-    mlm_labels: Tensor, region_mask: Tensor | None, matched: Tensor
-) -> tuple[Tensor, Tensor | None]:
-    """Remove the masked-modelling targets of unmatched pairs: mlm_labels (B, T) -> IGNORE_INDEX and
-    region_mask (B, R) -> False on rows where matched (B,) is False.
-
-    ViLBERT's `--objective 1` (the README command) does this; LXMERT keeps MLM on mismatched pairs
-    (issue #51, intended), so it is the caller's switch.
-    """
-    keep = matched.bool()
-    labels = mlm_labels.masked_fill(~keep[:, None], IGNORE_INDEX)
-    regions = None if region_mask is None else region_mask & keep[:, None]
-    return labels, regions
 
 
 # --------------------------------------------------------------------------------------------------

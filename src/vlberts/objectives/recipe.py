@@ -89,7 +89,10 @@ class ArchRecipe:
     region_rule: RegionMaskRule | None = None  # None: regions are never masked
     zero_in_data: bool = True  # corrupt masked features in the batch; False: the model does (VL-BERT)
     replace_from_other_image: bool = False  # the rule's random replacements come from another image
-    drop_unmatched: bool = False  # masked-modelling targets only on matched pairs (ViLBERT --objective 1)
+    # Masked-modelling targets only where the text is the image's (ViLBERT --objective 1); LXMERT's code keeps
+    # them on mismatched pairs ("to maximize the GPU utilization", airsplay/lxmert#51), as VisualBERT's does on
+    # its second caption. The default of `--mismatched_targets=auto`.
+    drop_unmatched: bool = False
     whole_word: bool = False  # MLM selects whole words, all subwords of a word alike (VL-BERT `random_word_wwm`)
     # VL-BERT masked RoI classification target: the released code's soft target (the detector's score vector),
     # or the paper's hard one (its argmax class); `--roi_target` picks (objectives.regions.masked_roi_loss).

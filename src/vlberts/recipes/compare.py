@@ -37,7 +37,7 @@ from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.builders import ARCHS
 from vlberts.recipes.common import opt, set_threads
-from vlberts.recipes.demo import (DemoConfig, StepTimes, build_inputs, prepare_out, pretrain_tokenizer, run_model, run_procs,
+from vlberts.recipes.demo import (DemoConfig, StepTimes, build_inputs, check_choices, prepare_out, run_model, run_procs,
                                   run_settings)
 from vlberts.recipes.finetune_gqa import FinetuneGQAConfig, finetune_gqa
 from vlberts.training.checkpoint import load_pretraining_model
@@ -120,7 +120,7 @@ def _schedule(cfg: DemoConfig, arch_out: Path, features: Path, name: str) -> dic
 
 def _gqa(cfg: DemoConfig, arch_out: Path, world: Path, features: Path):
     return finetune_gqa, FinetuneGQAConfig(
-        **_schedule(cfg, arch_out, features, "gqa"), length_group=cfg.length_group,
+        **_schedule(cfg, arch_out, features, "gqa"), length_group=cfg.length_group, loss=cfg.qa_loss,
         train_questions=str(world / "gqa" / "train_balanced_questions.json"),
         eval_questions=str(world / "gqa" / "testdev_balanced_questions.json"),
     )
@@ -326,7 +326,7 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     set_threads()
     archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
-    pretrain_tokenizer(cfg, out / "world")
+    check_choices(cfg, out / "world")
     resumed = prepare_out(out, compare_settings(cfg), cfg.resume, finished=RESULTS_JSON)
     t0 = time.perf_counter()
     inputs = build_inputs(cfg, out, log, StepTimes(out, resumed))

@@ -44,7 +44,8 @@ from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
 from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
 from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
-from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.recipes.finetune_qa import check_loss
+from vlberts.recipes.pretrain import PretrainConfig, check_mismatched_targets, pretrain
 from vlberts.training.checkpoint import load_pretraining_model, read_model_config
 from vlberts.training.distributed import launch
 from vlberts.world.build import WorldConfig, build_world
@@ -73,12 +74,17 @@ class DemoConfig:
     vqa_epochs: float = opt(4.0, "VQA fine-tuning epochs (quick: 0.5)")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")
+    qa_loss: str = opt("auto", "answer loss of VQA (and GQA in compare): auto (each architecture's paper: kl for "
+                       "VisualBERT, bce for the others), bce or kl; README, \"The answer loss\"")
     vocab: str = opt("captions", "pre-training vocabulary: captions (WordPiece trained on the training captions) or "
                      "world (WORLD/vocab/, every text of the world: questions and statements too); README, "
                      "\"The world's vocabulary\"")
     lxmert_qa: bool = opt(False, "LXMERT also pre-trains image QA (§3.1.3) on the world's VQA and GQA training "
                           "questions (12 per image beside 5 captions), the QA loss in the last half; default off: "
                           "README, \"LXMERT's image QA\"")
+    mismatched_targets: str = opt("auto", "pre-training with matching: masked words of a caption that is not the "
+                                  "image's are targets (keep), or not (drop); auto: each architecture's released code "
+                                  "(ViLBERT drops, LXMERT and VisualBERT keep); README, \"Masked words of a mismatched caption\"")
     detector_epochs: int = opt(3, "world-detector training epochs")
     detector_steps: int = opt(600, "cap on world-detector updates")
     device: str = opt("auto", "auto, cpu, cuda")
@@ -167,11 +173,52 @@ class StepTimes(dict):
 VOCABS = ("captions", "world")
 
 
+def check_choices(cfg: DemoConfig, world: Path) -> None:
+    """Settings that name a choice (vocabulary, mismatched-caption rule, answer loss) fail before any work."""
+    pretrain_tokenizer(cfg, world)
+    check_mismatched_targets(cfg.mismatched_targets)
+    check_loss(cfg.qa_loss)
+
+
 def pretrain_tokenizer(cfg: DemoConfig, world: Path) -> str:
     """`PretrainConfig.tokenizer` for cfg's vocabulary: empty (train one on the captions) or the world's."""
     if cfg.vocab not in VOCABS:
         raise VlbertsError(f"unknown vocabulary {cfg.vocab!r}; valid: {', '.join(VOCABS)}")
     return str(world / VOCAB_DIR) if cfg.vocab == "world" else ""
+
+
+def pretrain_config(cfg: DemoConfig, model: str, world: Path, features: Path, out: Path) -> PretrainConfig:
+    """The demo's pre-training run of `model` on the world's training captions, writing into `out`."""
+    pre_cfg = PretrainConfig(
+        captions=str(world / "annotations" / "captions_train.json"), features=str(features), out=str(out),
+        model=model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
+        mlm_word_probs=word_probs(cfg.shape_mask_prob, cfg.colour_mask_prob), length_group=cfg.length_group,
+        seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
+        device=cfg.device, preload_features=True, tokenizer=pretrain_tokenizer(cfg, world),
+        mismatched_targets=cfg.mismatched_targets,
+    )
+    if cfg.lxmert_qa and arch_of(model_config(model)) == "lxmert":  # LXMERT §3.2: questions join the sentences
+        pre_cfg = replace(
+            pre_cfg, qa_vqa_questions=str(world / "vqa" / "v2_OpenEnded_world_train_questions.json"),
+            qa_vqa_annotations=str(world / "vqa" / "v2_world_train_annotations.json"),
+            qa_gqa_questions=str(world / "gqa" / "train_balanced_questions.json"),
+        )
+    return pre_cfg
+
+
+def vqa_config(cfg: DemoConfig, model_dir: Path, world: Path, features: Path, out: Path) -> FinetuneVQAConfig:
+    """The demo's VQA fine-tuning of the pre-trained `model_dir` on the world's training questions, scored on
+    its test split, writing into `out`."""
+    vqa = world / "vqa"
+    return FinetuneVQAConfig(
+        init=str(model_dir), out=str(out), features=str(features),
+        train_questions=str(vqa / "v2_OpenEnded_world_train_questions.json"),
+        train_annotations=str(vqa / "v2_world_train_annotations.json"),
+        eval_questions=str(vqa / "v2_OpenEnded_world_test_questions.json"),
+        eval_annotations=str(vqa / "v2_world_test_annotations.json"),
+        epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
+        min_answer_count=9, ckpt_every=10**9, preload_features=True, length_group=cfg.length_group, loss=cfg.qa_loss,
+    )
 
 
 def model_name(cfg: DemoConfig) -> str:
@@ -189,7 +236,7 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
     model_config(model_name(cfg))  # an unknown architecture, model, vocabulary or device fails before any work
     resolve_device(cfg.device)
     out = Path(cfg.out)
-    pretrain_tokenizer(cfg, out / "world")
+    check_choices(cfg, out / "world")
     resumed = prepare_out(out, run_settings(cfg, "demo"), cfg.resume)
     t0 = time.perf_counter()
     timings = build_inputs(cfg, out, log, StepTimes(out, resumed))
@@ -261,19 +308,7 @@ def run_model(
     # VisualBERT, App. A.3: MLM with the image + sentence-image prediction). The world's shape and colour words are masked with their own probabilities instead of 15% (README,
     # "The demo's world and masking"): at 15%, the demo's updates are far too few for the image to matter.
     t = time.perf_counter()
-    pre_cfg = PretrainConfig(
-        captions=str(world / "annotations" / "captions_train.json"), features=str(features), out=str(out / "pretrain"),
-        model=model, steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr, warmup=0.05,
-        mlm_word_probs=word_probs(cfg.shape_mask_prob, cfg.colour_mask_prob), length_group=cfg.length_group,
-        seed=cfg.seed, log_every=max(1, cfg.pretrain_steps // 50), ckpt_every=max(1, cfg.pretrain_steps // 3),
-        device=cfg.device, preload_features=True, tokenizer=pretrain_tokenizer(cfg, world),
-    )
-    if cfg.lxmert_qa and arch_of(model_config(model)) == "lxmert":  # LXMERT §3.2: questions join the sentences
-        pre_cfg = replace(
-            pre_cfg, qa_vqa_questions=str(world / "vqa" / "v2_OpenEnded_world_train_questions.json"),
-            qa_vqa_annotations=str(world / "vqa" / "v2_world_train_annotations.json"),
-            qa_gqa_questions=str(world / "gqa" / "train_balanced_questions.json"),
-        )
+    pre_cfg = pretrain_config(cfg, model, world, features, out / "pretrain")
     model_dir = Path(pre_cfg.out) / "model"
     if not timings.keep(("pretrain",), (model_dir / "config.json").is_file(), log, f"the pre-trained {model}"):
         run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")  # continues from a checkpoint
@@ -293,16 +328,7 @@ def run_model(
 
     # 5. VQA fine-tuning and official evaluation on the test split.
     t = time.perf_counter()
-    vqa = world / "vqa"
-    vqa_cfg = FinetuneVQAConfig(
-        init=str(model_dir), out=str(out / "vqa"), features=str(features),
-        train_questions=str(vqa / "v2_OpenEnded_world_train_questions.json"),
-        train_annotations=str(vqa / "v2_world_train_annotations.json"),
-        eval_questions=str(vqa / "v2_OpenEnded_world_test_questions.json"),
-        eval_annotations=str(vqa / "v2_world_test_annotations.json"),
-        epochs=cfg.vqa_epochs, batch_size=cfg.vqa_batch, lr=cfg.vqa_lr, seed=cfg.seed, device=cfg.device,
-        min_answer_count=9, ckpt_every=10**9, preload_features=True, length_group=cfg.length_group,
-    )
+    vqa_cfg = vqa_config(cfg, model_dir, world, features, out / "vqa")
     if not timings.keep(("vqa",), (out / "vqa" / "metrics.json").is_file(), log, "the VQA fine-tuning"):
         run_procs(finetune_vqa, vqa_cfg, ["finetune", "vqa"], cfg.procs, out, "vqa")
         timings.record("vqa", t)
@@ -348,6 +374,8 @@ def run_model(
         "referring": cfg.referring,
         "shape_mask_prob": cfg.shape_mask_prob,
         "colour_mask_prob": cfg.colour_mask_prob,
+        "mismatched_targets": cfg.mismatched_targets,
+        "qa_loss": cfg.qa_loss,
         "pretrain_steps": cfg.pretrain_steps,
         "timings": dict(timings),
         "seconds": round(time.perf_counter() - t0 + timings.kept, 1),

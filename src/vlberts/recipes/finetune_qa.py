@@ -55,6 +55,12 @@ from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
 
 LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
 
+def check_loss(choice: str) -> None:
+    """`--loss`: auto or one of `LOSSES`; anything else is a one-line error."""
+    if choice != "auto" and choice not in LOSSES:
+        raise VlbertsError(f"unknown loss {choice!r}; valid: auto, {', '.join(LOSSES)}")
+
+
 VQAModel = VisualBertForVQA | ViLBertForVQA | VLBertForVQA | LxmertForVQA | WVisualBertForVQA
 
 # architecture -> its answer-classifier model (the answer head of its paper; module docstring)
@@ -213,8 +219,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     batch, its loss weighted by its share of the update, gradients summed, rank 0 writes) and the ranks
     share the prediction of the evaluation set."""
     out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
-    if cfg.loss != "auto" and cfg.loss not in LOSSES:
-        raise VlbertsError(f"unknown loss {cfg.loss!r}; valid: {', '.join(LOSSES)}")
+    check_loss(cfg.loss)
 
     bad = BadRecords(skip=cfg.skip_bad)
     train, eval_examples = task.read(cfg, bad)

@@ -139,6 +139,10 @@ class PretrainConfig:
                           "the released code) or hard (its argmax class, as the paper's text; README, \"VL-BERT's "
                           "masked RoI target\")")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
+    mismatched_targets: str = opt("auto", "with matching: are the masked words (and masked regions) of a text that is "
+                                  "not the image's still targets? keep (LXMERT's and VisualBERT's released code), drop "
+                                  "(ViLBERT's --objective 1), auto: the architecture's released code (README, \"Masked "
+                                  "words of a mismatched caption\")")
     qa_vqa_questions: str = opt("", "LXMERT image-QA pre-training: VQA v2 questions json whose questions join the "
                                 "sentences, answers as QA labels (needs --qa_vqa_annotations)")
     qa_vqa_annotations: str = opt("", "LXMERT image-QA pre-training: the VQA v2 annotations json of --qa_vqa_questions")
@@ -354,6 +358,20 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 
+MISMATCHED_TARGETS = ("auto", "keep", "drop")
+
+
+def check_mismatched_targets(choice: str) -> None:
+    if choice not in MISMATCHED_TARGETS:
+        raise VlbertsError(f"--mismatched_targets must be one of {', '.join(MISMATCHED_TARGETS)}, got {choice!r}")
+
+
+def drop_mismatched(choice: str, recipe: ArchRecipe) -> bool:
+    """Whether a mismatched text's masked words (and masked regions) are dropped as targets: `--mismatched_targets`,
+    "auto" being the architecture's released code (`ArchRecipe.drop_unmatched`)."""
+    return recipe.drop_unmatched if choice == "auto" else choice == "drop"
+
+
 def region_setup(
     recipe: ArchRecipe, weights: dict[str, float], store: RegionStore, tok: TextTokenizer, with_tags: bool
 ) -> RegionSetup:
@@ -404,6 +422,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                            f"{arch} model; with --init the model is --init's, so leave --model out", path=cfg.init)
     if cfg.roi_target not in ("soft", "hard"):
         raise VlbertsError(f"--roi_target must be soft or hard, got {cfg.roi_target!r}")
+    check_mismatched_targets(cfg.mismatched_targets)
     recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
     qa = image_qa(cfg, arch)
     if streamed:
@@ -490,6 +509,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         mlm_prob=cfg.mlm_prob, feature_dim=feature_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
         whole_word=recipe.whole_word,
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
+        drop_mismatched="match" in weights and drop_mismatched(cfg.mismatched_targets, recipe),
         region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -504,7 +524,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
            if dist.main else None)
     broadcast_parameters(model, dist)
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
-    collate = partial(collate_pretrain, pad_id=tok.pad_id, drop_unmatched_targets=recipe.drop_unmatched and "match" in weights,
+    collate = partial(collate_pretrain, pad_id=tok.pad_id,
                       shapes=FixedShapes(cfg.max_text_len, cfg.max_regions) if cfg.static_shapes else None)
     if streamed:  # each rank its own stream of chunks, resumed at its own position
         stream = stream_batches(stream_examples(
