@@ -173,7 +173,6 @@ def test_examples_carry_each_recipes_targets(tiny_world):
     assert bv.regions.cls_prob.shape[-1] == 8
 
 
-
 def test_mismatched_targets_keep_or_drop_the_masked_words_of_a_text_that_is_not_the_images(tiny_world):
     # Single caption (ViLBERT's rule; LXMERT's code keeps them): a mismatched caption trains no masked word and
     # no masked region, and everything else (input, masks drawn, matched pairs) is the same as keeping them.
