@@ -350,6 +350,8 @@ def test_damaged_foreign_files_are_one_line_errors_naming_the_file(tmp_path):
         assert not (tmp_path / "out.h5").exists()
 
 
+# torch says it checks a sparse tensor's invariants when it loads one with weights_only=True: the safe load wanted.
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
 def test_visualbert_th_takes_tensors_with_grad_bf16_or_sparse_and_vlbert_json_an_image_without_boxes(tmp_path):
     import torch
 
