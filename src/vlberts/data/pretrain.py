@@ -196,7 +196,8 @@ class CaptionPretrainData:
         )
         drop = self.drop_mismatched and label == MISMATCH
         if drop:  # the text that is not the image's: caption b of a pair, else the one caption
-            labels = np.where(np.asarray(segments) == 1, IGNORE_INDEX, labels) if self.pairs else np.full_like(labels, IGNORE_INDEX)
+            other = np.asarray(segments) == 1 if self.pairs else np.ones(len(labels), dtype=bool)  # (T,)
+            labels = np.where(other, IGNORE_INDEX, labels)
         rec = self.regions.get(cap.image_id)
         regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
                                self.feature_dim)

@@ -55,6 +55,7 @@ from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
 
 LOSSES = {"bce": vqa_bce_loss, "kl": vqa_kl_loss}
 
+
 def check_loss(choice: str) -> None:
     """`--loss`: auto or one of `LOSSES`; anything else is a one-line error."""
     if choice != "auto" and choice not in LOSSES:

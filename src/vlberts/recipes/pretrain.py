@@ -362,6 +362,7 @@ MISMATCHED_TARGETS = ("auto", "keep", "drop")
 
 
 def check_mismatched_targets(choice: str) -> None:
+    """`--mismatched_targets`: one of `MISMATCHED_TARGETS`; anything else is a one-line error."""
     if choice not in MISMATCHED_TARGETS:
         raise VlbertsError(f"--mismatched_targets must be one of {', '.join(MISMATCHED_TARGETS)}, got {choice!r}")
 
