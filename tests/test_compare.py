@@ -18,7 +18,8 @@ ROW_KEYS = {
     "arch", "model", "params", "pretrain_seconds", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed",
     "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed",
     "vqa_accuracy", "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
-    "grounding_baseline_acc", "num_layers",
+    "grounding_baseline_acc", "num_layers", "grounding_nouns_masked_best_head", "grounding_nouns_masked_best_head_acc",
+    "grounding_nouns_masked_best_layer",
 }
 
 # task -> (x VQA's learning rate, x its epochs, its batch divided by): NLVR2 and VCR at 0.4x the learning
@@ -79,7 +80,7 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     md = (out / "results.md").read_text().strip().splitlines()
     assert md[0].startswith("| arch | params |") and len(md) == 2 + 2
     assert ("| GQA / majority | NLVR2 / majority | retrieval R@1 / chance | RefCOCO+ val / top-confidence "
-            "| VCR Q->A val / chance |") in md[0]
+            "| VCR Q->A val / chance |") in md[0] and md[0].endswith("| the same, nouns masked (not a check) |")
     assert [line.split("|")[1].strip() for line in md[2:]] == ["visualbert", "lxmert"]
     assert "| visualbert |" in proc.stdout and "| lxmert |" in proc.stdout  # the table is printed
 
@@ -118,6 +119,7 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     vqa = np.array([r["vqa_accuracy"] for r in runs])
     assert row["vqa_accuracy"] == round(vqa.mean(), 2) and row["vqa_accuracy_std"] == round(vqa.std(), 2)
     assert row["grounding_best_head"] == ",".join(r["grounding_best_head"] for r in runs)
+    assert row["grounding_nouns_masked_best_layer"] == [r["grounding_nouns_masked_best_layer"] for r in runs]
     md = (out / "results.md").read_text()
     assert f"{row['vqa_accuracy']:.2f} ± {row['vqa_accuracy_std']:.2f}" in md
     assert f"| {row['pretrain_seconds']:.1f} ± {row['pretrain_seconds_std']:.1f} |" in md  # training time too

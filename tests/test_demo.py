@@ -18,6 +18,7 @@ KEYS = {
     "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "vqa_accuracy", "vqa_majority_baseline",
     "grounding_best_head_acc", "grounding_baseline_acc", "grounding_best_layer", "num_layers", "seconds",
     "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed", "mlm_direction_word_n",
+    "grounding_nouns_masked_best_head_acc", "grounding_nouns_masked_best_head", "grounding_nouns_masked_best_layer",
 }
 
 # Toy settings on top of --quick: the point is that every step runs and reports, not the numbers.
@@ -33,7 +34,7 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert KEYS <= set(summary)
     assert summary["num_layers"] == 2 and 1 <= summary["grounding_best_layer"] <= 2
     assert summary["images"] == 48 and summary["quick"] is True
-    for step in ("world", "features", "pretrain", "probe", "vqa", "grounding"):
+    for step in ("world", "features", "pretrain", "probe", "vqa", "grounding", "grounding_nouns_masked"):
         assert step in summary["timings"]
     html = (out / "report.html").read_text()
     assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
@@ -45,6 +46,12 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     n_dir = sum(w in ("left", "right", "above", "below") for c in test_caps for w in c["caption"].split())
     assert summary["mlm_direction_word_n"] == n_dir > 0
     assert "masked direction words" in proc.stdout and "masked direction words" in html
+    # The second reading of the same heads, every NOUN of the parses masked, is the one its directory holds.
+    nouns = json.loads((out / "grounding-nouns-masked/grounding.json").read_text())
+    assert nouns["mask_pos"] == ["NOUN"] and "NOUN" in nouns["mask_note"]
+    assert summary["grounding_nouns_masked_best_head"] == nouns["best_head"]["label"]
+    assert summary["grounding_nouns_masked_best_head_acc"] == round(100 * nouns["best_head"]["accuracy"], 2)
+    assert "grounding, nouns masked" in proc.stdout and "with every noun masked" in html
     for sub in ("world/annotations/captions_train.json", "features.h5", "pretrain/model/model.safetensors",
                 "vqa/predictions.json", "grounding/entity_grounding.png"):
         assert (out / sub).exists(), sub

@@ -99,6 +99,7 @@ img{max-width:100%}code{background:#f3f3f3;padding:0 .2em}
 <tr><td>most-confident-region baseline</td><td>{{ '%.2f' % s.grounding_baseline_acc }}%</td></tr>
 <tr><td>upper bound (some region has IoU &ge; 0.5)</td><td>{{ '%.2f' % s.grounding_upper_bound }}%</td></tr>
 <tr><td>layer of the best head</td><td>{{ s.grounding_best_layer }} of {{ s.num_layers }}</td></tr>
+{% if s.grounding_nouns_masked_best_head is defined %}<tr><td>best head's entity-grounding accuracy with every noun masked (head {{ s.grounding_nouns_masked_best_head }}, layer {{ s.grounding_nouns_masked_best_layer }}; not a check)</td><td>{{ '%.2f' % s.grounding_nouns_masked_best_head_acc }}%</td></tr>{% endif %}
 </table>
 
 <h2>Pre-training</h2>

@@ -191,7 +191,8 @@ HEADLINE = (
     "model", "mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "mlm_visual_word_n",
     "mlm_direction_word_acc", "mlm_direction_word_acc_regions_zeroed", "vqa_accuracy",
     "vqa_majority_baseline", "grounding_best_head", "grounding_best_head_acc", "grounding_best_layer",
-    "grounding_baseline_acc", "num_layers", "num_heads", "seconds",
+    "grounding_baseline_acc", "grounding_nouns_masked_best_head", "grounding_nouns_masked_best_head_acc",
+    "grounding_nouns_masked_best_layer", "num_layers", "num_heads", "seconds",
 )
 
 
@@ -287,6 +288,7 @@ def run_arch(acfg: DemoConfig, arch_out: Path, out: Path, tasks: list[str], log:
 # Numbers that vary with the seed: averaged over seeds, with their standard deviation as KEY_std.
 SEED_VARYING = ("mlm_visual_word_acc", "mlm_visual_word_acc_regions_zeroed", "mlm_direction_word_acc",
                 "mlm_direction_word_acc_regions_zeroed", "vqa_accuracy", "grounding_best_head_acc",
+                "grounding_nouns_masked_best_head_acc",
                 "pretrain_seconds", "seconds",
                 *(f"{name}_{t.score.replace('.', '_')}" for name, t in EXTRA_TASKS.items()),
                 *(f"{name}_seconds" for name in EXTRA_TASKS))
@@ -300,8 +302,9 @@ def mean_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if key in runs[0]:
             values = np.array([r[key] for r in runs], dtype=float)
             row[key], row[key + "_std"] = round(float(values.mean()), 2), round(float(values.std()), 2)
-    row.update(seed=[r["seed"] for r in runs], grounding_best_head=",".join(r["grounding_best_head"] for r in runs),
-               grounding_best_layer=[r["grounding_best_layer"] for r in runs], runs=runs)
+    row.update(seed=[r["seed"] for r in runs], runs=runs,
+               **{k: ",".join(r[k] for r in runs) for k in ("grounding_best_head", "grounding_nouns_masked_best_head")},
+               **{k: [r[k] for r in runs] for k in ("grounding_best_layer", "grounding_nouns_masked_best_layer")})
     return row
 
 
@@ -358,8 +361,8 @@ def _acc(r: dict[str, Any], key: str, digits: int = 2) -> str:
     return f"{r[key]:.{digits}f} ± {r[key + '_std']:.{digits}f}" if key + "_std" in r else f"{r[key]:.{digits}f}"
 
 
-def _layers(r: dict[str, Any]) -> str:
-    layers = r["grounding_best_layer"]
+def _layers(r: dict[str, Any], key: str = "grounding_best_layer") -> str:
+    layers = r[key]
     return ",".join(map(str, layers)) if isinstance(layers, list) else str(layers)
 
 
@@ -371,8 +374,9 @@ def markdown_table(result: dict[str, Any]) -> str:
              if rows and all(f"{name}_{t.score.replace('.', '_')}" in r for r in rows)]
     lines = [
         "| arch | params | pretrain s | probe with / zeroed | VQA / majority | "
-        + "".join(f"{t.header} | " for _, t in extra) + "best grounding head (layer) / baseline |",
-        "|---|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|",
+        + "".join(f"{t.header} | " for _, t in extra) + "best grounding head (layer) / baseline | "
+        "the same, nouns masked (not a check) |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(extra) + "---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -382,7 +386,9 @@ def markdown_table(result: dict[str, Any]) -> str:
             + "".join(f"| {_acc(r, f'{name}_{t.score}'.replace('.', '_'))} / {r[f'{name}_{t.baseline}'.replace('.', '_')]:.2f} "
                       for name, t in extra)
             + f"| {r['grounding_best_head']} {_acc(r, 'grounding_best_head_acc')} ({_layers(r)}/{r['num_layers']}) "
-            f"/ {r['grounding_baseline_acc']:.2f} |"
+            f"/ {r['grounding_baseline_acc']:.2f} "
+            f"| {r['grounding_nouns_masked_best_head']} {_acc(r, 'grounding_nouns_masked_best_head_acc')} "
+            f"({_layers(r, 'grounding_nouns_masked_best_layer')}/{r['num_layers']}) |"
         )
     return "\n".join(lines)
 
