@@ -338,10 +338,11 @@ def run_model(
 
     # 6. Entity grounding by the pre-trained model's heads ("What Does BERT with Vision Look At?" §3.1).
     t = time.perf_counter()
-    g = analyze_grounding(GroundingConfig(
+    grounding_cfg = GroundingConfig(
         model=str(model_dir), entities=str(world / "flickr30k_entities"), features=str(features), split="test",
         out=str(out / "grounding"), device=cfg.device,
-    ))
+    )
+    g = analyze_grounding(grounding_cfg)
     timings.record("grounding", t)
     r = g.result
     log(f"entity grounding: best head {r.best_head.label} at {100 * r.best_head.accuracy:.2f}% "
@@ -349,11 +350,10 @@ def run_model(
     # The same heads where the model has to predict the noun: every word the parses tag NOUN (each entity's
     # head noun among them) replaced by [MASK] (`--mask_pos=NOUN`). Not a check, since the paper reads the
     # captions unmasked; it tells a model that grounds only where it predicts (LXMERT, VL-BERT on the world)
-    # from one that does not ground (README, "Where LXMERT's grounding stands").
+    # from one that does not ground (README, "Where LXMERT's grounding stands with `drop`").
     t = time.perf_counter()
-    nouns = analyze_grounding(GroundingConfig(
-        model=str(model_dir), entities=str(world / "flickr30k_entities"), features=str(features), split="test",
-        out=str(out / "grounding-nouns-masked"), device=cfg.device, mask_pos="NOUN", explorer_examples=0, qualitative=0,
+    nouns = analyze_grounding(replace(
+        grounding_cfg, out=str(out / "grounding-nouns-masked"), mask_pos="NOUN", explorer_examples=0, qualitative=0,
     )).result
     timings.record("grounding_nouns_masked", t)
     log(f"entity grounding, nouns masked: best head {nouns.best_head.label} at {100 * nouns.best_head.accuracy:.2f}%")
