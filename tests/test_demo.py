@@ -120,3 +120,28 @@ def test_demo_runs_every_architecture_with_the_same_summary(tmp_path, arch):
     assert f"<h1>vlberts demo: {title} on the embedded world</h1>" in (out / "report.html").read_text()
     maps = json.loads((out / "grounding" / "grounding.json").read_text())["attention_maps"]
     assert ("text-to-vision" in maps) == (arch in ("vilbert", "lxmert")), maps  # two-stream: cross-attention
+    # An architecture's own demo settings (ARCH_DEMO) reach its runs and are printed; --pretrain_steps given wins.
+    own = {"lxmert": {"pretrain_steps": 4, "mismatched_targets": "drop", "qa_loss": "kl"},
+           "vilbert": {"pretrain_steps": 4}, "vlbert": {"pretrain_steps": 4}}.get(arch, {})
+    assert summary["arch_settings"] == own
+    if own:
+        assert f"{arch}'s demo settings: " + " ".join(f"--{k}={v}" for k, v in own.items()) in proc.stdout
+    assert ("demo settings, in place of the shared defaults" in (out / "report.html").read_text()) == bool(own)
+    runs = (out / "pretrain_config.yaml").read_text() + (out / "vqa_config.yaml").read_text()
+    assert ("mismatched_targets: drop" in runs and "loss: kl" in runs) == (arch == "lxmert"), runs
+
+
+def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare():
+    from vlberts.recipes.compare import CompareConfig
+    from vlberts.recipes.demo import DemoConfig, resolve
+
+    lx = resolve(DemoConfig(arch="lxmert"))
+    assert (lx.pretrain_steps, lx.mismatched_targets, lx.qa_loss) == (8000, "drop", "kl")
+    assert resolve(DemoConfig(model="lxmert-tiny")).mismatched_targets == "drop"  # --model's architecture
+    given = resolve(DemoConfig(arch="lxmert", qa_loss="bce", pretrain_steps=4000), explicit={"qa_loss", "pretrain_steps"})
+    assert (given.pretrain_steps, given.mismatched_targets, given.qa_loss) == (4000, "drop", "bce")
+    assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
+    assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
+    assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert")
+    assert resolve(DemoConfig()) == DemoConfig()  # `make demo`: VisualBERT with the shared defaults
+    assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture

@@ -81,7 +81,9 @@ img{max-width:100%}code{background:#f3f3f3;padding:0 .2em}
 <h1>vlberts demo: {{ paper_name }} on the embedded world</h1>
 <p>{{ s.images }} images (seed {{ s.seed }}), model <code>{{ s.model }}</code> ({{ s.num_layers }} layers &times; {{ s.num_heads }} heads);
 {{ '%.0f' % s.seconds }} s in all{% if s.quick %}; <b>quick mode</b>: a smoke test, not expected to show the phenomena{% endif %}. Generated {{ when }}.</p>
-
+{% if s.arch_settings is defined and s.arch_settings %}<p>This architecture's demo settings, in place of the shared defaults:
+{% for k, v in s.arch_settings.items() %}<code>--{{ k }}={{ v }}</code> {% endfor %}(README, "Every architecture's full demo").</p>
+{% endif %}
 <h2>The three phenomena</h2>
 <table><tr><th>check</th><th>result</th></tr>
 {% for text, ok in checks %}<tr><td>{{ text }}</td><td class="{{ 'pass' if ok else 'fail' }}">{{ 'holds' if ok else 'does not hold' }}</td></tr>
