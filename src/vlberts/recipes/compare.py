@@ -45,7 +45,8 @@ from vlberts.training.checkpoint import load_pretraining_model
 
 @dataclass(frozen=True)
 class CompareConfig(DemoConfig):
-    """The demo's settings, shared by every architecture, and which architectures to run."""
+    """The demo's settings, shared by every architecture (never the per-architecture `ARCH_DEMO` of
+    recipes/demo.py), and which architectures to run."""
 
     out: str = opt("runs/compare", "output directory: OUT/world and OUT/features.h5 once, OUT/ARCH/ per architecture "
                    "(replaced if it holds an earlier demo or compare, unless --resume continues it)")
