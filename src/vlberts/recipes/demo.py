@@ -264,7 +264,7 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, A
     resumed = prepare_out(out, run_settings(cfg, "demo"), cfg.resume)
     t0 = time.perf_counter()
     timings = build_inputs(cfg, out, log, StepTimes(out, resumed))
-    own = {k: getattr(cfg, k) for k in ARCH_DEMO.get(demo_arch(cfg), {})}
+    own = {k: getattr(cfg, k) for k in ARCH_DEMO.get(demo_arch(cfg), {})}  # as run: the command line may have changed them
     return run_model(cfg, out, out / "world", out / "features.h5", log, timings=timings, t0=t0, arch_settings=own)
 
 
@@ -327,7 +327,6 @@ def run_model(
     architecture's own demo settings (`ARCH_DEMO`) as run, recorded and printed. Returns the summary, also
     written to OUT/summary.json beside OUT/report.html.
     """
-    arch_settings = arch_settings or {}
     model = model_name(cfg)
     t0 = time.perf_counter() if t0 is None else t0
     timings = StepTimes(out, resumed=False) if timings is None else timings
@@ -419,7 +418,7 @@ def run_model(
         "mismatched_targets": cfg.mismatched_targets,
         "qa_loss": cfg.qa_loss,
         "pretrain_steps": cfg.pretrain_steps,
-        "arch_settings": dict(arch_settings),
+        "arch_settings": dict(arch_settings or {}),
         "timings": dict(timings),
         "seconds": round(time.perf_counter() - t0 + timings.kept, 1),
     }
