@@ -15,7 +15,7 @@
 #   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3 (GRAPHS=0 its
+# ATTN_KERNELS: see its step below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3 (GRAPHS=0 its
 # last part: the loop with --static_shapes, eager and in CUDA graphs, not yet run on a GPU); EXTRACT=0
 # step 4; MODES="default"
 # compiles one mode only; SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one
@@ -60,6 +60,20 @@ if [ "${THROUGHPUT:-1}" = 1 ] && [ "${B64:-1}" = 1 ]; then
 stamp "throughput, batch 64, eager and with CUDA graphs"
 timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 --compile-modes "${B64_MODES:-reduce-overhead}" \
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
+fi
+
+# With ATTN_KERNELS="auto,efficient,math" (names of `pretrain --attention_kernel`): ATTN_ARCH (lxmert) at ATTN_BATCH
+# (512), eager and in CUDA graphs, once per kernel, each in its own process (`gpu_throughput.py --attention-kernel`,
+# held inside the compiled graph). On the H200 run of 2026-11-27, PyTorch's own choice there (auto: cuDNN's kernel)
+# took 25% of LXMERT's kernel time in CUDA graphs; the global switches tried first did not reach the compiled
+# graph (torch.compile's cache held the cuDNN one), which is why the kernel is now chosen inside the model.
+if [ -n "${ATTN_KERNELS:-}" ]; then
+  for k in ${ATTN_KERNELS//,/ }; do
+    stamp "throughput, ${ATTN_ARCH:-lxmert} at batch ${ATTN_BATCH:-512}, attention kernel: $k"
+    timeout "${ATTN_S:-200}" $py benchmarks/gpu_throughput.py --arch "${ATTN_ARCH:-lxmert}" --batch "${ATTN_BATCH:-512}" \
+      --steps 15 --compile-modes reduce-overhead --attention-kernel "$k" --profile "$out/profile_attn_$k" \
+      --json "$out/gpu_attn_$k.json" > "$out/gpu_attn_$k.log" 2>&1
+  done
 fi
 
 # One `vlberts pretrain` run of the loop steps (visualbert-small, batch 256, the world's features in memory):
@@ -145,5 +159,8 @@ if [ "${THROUGHPUT:-1}" = 1 ]; then
   [ -f "$out/gpu_b256.log" ] && { echo "== batch 256 + compile"; grep -v "^FLOPs/step" "$out/gpu_b256.log" | tail -36; }
   [ -f "$out/gpu_b64.log" ] && { echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28; }
 fi
+for f in "$out"/gpu_attn_*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -E "^\| (Hugging|vlberts)|^throughput|^our attention|Error" "$f"; }
+done
 [ -f "$out/loop.txt" ] && { echo "== pre-training loop"; cat "$out/loop.txt"; }
 [ -f "$out/extract.txt" ] && { echo "== feature extraction"; cat "$out/extract.txt"; }

@@ -4,7 +4,7 @@ the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
         [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
-        [--device cuda|cpu] [--smoke]
+        [--attention-kernel auto|efficient|flash|cudnn|math] [--device cuda|cpu] [--smoke]
         [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
@@ -76,6 +76,7 @@ from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E
 
 from vlberts.io import write_json  # noqa: E402
 from vlberts.data.batch import TokenSelection  # noqa: E402
+from vlberts.models.blocks import ATTENTION_KERNELS, use_attention_kernel  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -486,6 +487,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sdpa-backends", default="",
                     help=f"comma-separated attention kernels ({', '.join(SDPA_BACKENDS)}): also time an eager "
                          "copy of our model whose attention may use that kernel only, one row each")
+    ap.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
+                    help="hold every attention call of our models, eager and compiled, to this kernel "
+                         "(`pretrain --attention_kernel`; held inside the compiled graphs); Hugging Face's eager "
+                         "attention does not call SDPA")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
@@ -500,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     if unknown := [b for b in args.sdpa_backends if b not in SDPA_BACKENDS]:
         ap.error(f"--sdpa-backends: unknown {', '.join(unknown)} (choose from {', '.join(SDPA_BACKENDS)})")
+    use_attention_kernel(args.attention_kernel)
     if args.threads:
         torch.set_num_threads(args.threads)
     vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar
@@ -529,6 +535,8 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak(device, n, repeats=3 if small else 10, inner=2 if small else 10)
     print(f"bf16 matmul peak (measured, {n}x{n}): {peak:.3f} TFLOP/s  [{time.perf_counter() - t0:.1f} s]")
     transfer = "pinned host batch copied to the GPU each step; " if device.type == "cuda" else ""
+    if args.attention_kernel != "auto":
+        print(f"our attention: the {args.attention_kernel} kernel (math where it cannot take the inputs)")
     print(f"batch {args.batch} x ({T} tokens + {R} regions of {vs_hf.D}-d); bf16 autocast, fused AdamW; {transfer}"
           f"median of {args.steps} interleaved steps after {args.warmup} warm-up")
 
@@ -536,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": dev_name, "device_type": device.type, "smoke": small, "caveat": caveat, "torch": torch.__version__,
         "transformers": vs_hf.transformers.__version__, "peak_tflops": peak, "matmul_size": n,
         "batch": args.batch, "tokens": T, "regions": R, "steps": args.steps, "warmup": args.warmup,
-        "mfu_goal": GOAL_MFU, "archs": {},
+        "mfu_goal": GOAL_MFU, "attention_kernel": args.attention_kernel, "archs": {},
     }
     for name in (list(ARCHS) if args.arch == "all" else [args.arch]):
         out = run_arch(name, args, device, peak)

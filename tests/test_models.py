@@ -1,5 +1,7 @@
 """VisualBERT building blocks: SDPA and explicit attention agree; masking; alignment positions."""
 
+import json
+
 import torch
 
 from vlberts.data.batch import VLInputs
@@ -252,3 +254,66 @@ def test_pretraining_forward_and_losses_read_nothing_back_from_the_device(tiny_w
             explained = dynamo.explain(step)(b)
             reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
             assert explained.graph_break_count == 0 and explained.graph_count == 1, (arch, source, reasons)
+
+
+def _attention_ops(fn) -> set[str]:
+    """The attention operators a call runs, as the profiler names them."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages() if "attention" in e.key}
+
+
+CPU_FLASH, MATH = "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"
+
+
+def test_attention_kernel_holds_the_fast_path_eager_and_inside_compiled_graphs(monkeypatch):
+    """`--attention_kernel` (`blocks.use_attention_kernel`): every name computes the same attention; a CPU has
+    flash and math only, so efficient and cuDNN fall back to math. A compiled graph calls the kernel held when
+    it was traced and is traced again when the kernel changes (the global is guarded): switches set outside the
+    graph did not reach torch.compile's cached graphs on the H200 run of 2026-11-27."""
+    from vlberts.models import blocks
+
+    monkeypatch.setattr(blocks, "_kernels", None)  # restored after the test
+    torch.manual_seed(0)
+    att = blocks.MultiHeadAttention(16, 4, 0.0).eval()
+    x = torch.randn(2, 7, 16)
+    bias = blocks.mask_bias(torch.tensor([[1] * 7, [1] * 5 + [0] * 2]), x.dtype)
+    ref = att(x, bias)[0]
+    assert _attention_ops(lambda: att(x, bias)) >= {CPU_FLASH}
+    expected = {"auto": CPU_FLASH, "flash": CPU_FLASH, "efficient": MATH, "cudnn": MATH, "math": MATH}
+    assert set(expected) == set(blocks.ATTENTION_KERNELS)
+    for name, op in expected.items():
+        blocks.use_attention_kernel(name)
+        assert blocks.attention_kernel() == name
+        torch.testing.assert_close(att(x, bias)[0], ref, atol=1e-6, rtol=0)
+        ops = _attention_ops(lambda: att(x, bias))
+        assert op in ops and ({CPU_FLASH, MATH} - {op}).isdisjoint(ops), (name, ops)
+
+    compiled = torch.compile(att, backend="aot_eager", fullgraph=True)  # fullgraph: no break at sdpa_kernel
+    blocks.use_attention_kernel("math")
+    torch.testing.assert_close(compiled(x, bias)[0], ref, atol=1e-6, rtol=0)
+    assert CPU_FLASH not in _attention_ops(lambda: compiled(x, bias))
+    blocks.use_attention_kernel("auto")
+    assert CPU_FLASH in _attention_ops(lambda: compiled(x, bias))
+
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast'; valid: auto, efficient, flash, cudnn, math"):
+        blocks.use_attention_kernel("fast")
+
+
+def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_world, tmp_path, monkeypatch):
+    """`pretrain --attention_kernel=math` holds the kernel for the run and records it; a resumed run may
+    use another kernel (it computes the same function), like --compile."""
+    from test_pretrain import cfg_for
+
+    from vlberts.models import blocks
+    from vlberts.recipes.pretrain import pretrain
+    from vlberts.training.metrics import MetricsLog
+
+    monkeypatch.setattr(blocks, "_kernels", None)
+    out = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, stop_after=2, attention_kernel="math")) is None
+    assert blocks.attention_kernel() == "math"
+    assert json.loads((out / "run_config.json").read_text())["attention_kernel"] == "math"
+    pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, attention_kernel="auto"))
+    assert blocks.attention_kernel() == "auto"
+    assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3, 4]

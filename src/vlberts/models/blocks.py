@@ -6,17 +6,20 @@ Parameter names follow BERT's (`attention.self.query`, `attention.output.LayerNo
 Attention has two paths that compute the same function:
 - the fast path, `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels);
 - the explicit path, softmax(QK^T / sqrt(d) + mask) V, which also returns the probabilities.
-The explicit path runs only when attention maps are asked for (analysis, tests).
+The explicit path runs only when attention maps are asked for (analysis, tests). A run may hold the fast
+path to one of PyTorch's kernels (`use_attention_kernel`, the recipes' `--attention_kernel`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vlberts.data.batch import TokenSelection, as_selection
 
@@ -91,6 +94,34 @@ def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return bias[:, None, None, :]
 
 
+# The kernels `--attention_kernel` may hold the fast path to; auto: PyTorch picks per call.
+AttentionKernel = Literal["auto", "efficient", "flash", "cudnn", "math"]
+ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__
+_SDPA = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+         "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+# The fast path's kernels for this process (None: PyTorch's choice). A module global, read inside `forward`,
+# so that a compiled graph calls the kernel held when it was traced (dynamo records `sdpa_kernel` in the graph
+# and guards on this global); switches set outside the graph would not reach a graph that torch.compile's
+# caches already hold (the H200 run of 2026-11-27: the compiled step kept cuDNN's kernel).
+_kernels: list[SDPBackend] | None = None
+
+
+def use_attention_kernel(name: str) -> None:
+    """Hold every attention call of the fast path, in this process, to one kernel: `efficient` (memory-efficient),
+    `flash`, `cudnn` or `math`, with PyTorch's math path as the fallback where that kernel cannot take the
+    inputs (flash takes no additive mask; a CPU has flash and math only). `auto` gives the choice back to
+    PyTorch. The function computed is the same; only the kernel (and its rounding) changes."""
+    global _kernels
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r}; valid: {', '.join(ATTENTION_KERNELS)}")
+    _kernels = None if name == "auto" else list(dict.fromkeys([_SDPA[name], SDPBackend.MATH]))
+
+
+def attention_kernel() -> str:
+    """The name `use_attention_kernel` was last given ("auto" when none)."""
+    return "auto" if _kernels is None else next(k for k, v in _SDPA.items() if v == _kernels[0])
+
+
 class MultiHeadAttention(nn.Module):
     """BERT self-attention, also usable as cross-attention (queries from `x`, keys/values from `ctx`).
 
@@ -129,8 +160,12 @@ class MultiHeadAttention(nn.Module):
                 scores = scores + bias
             probs = scores.softmax(dim=-1)
             out = F.dropout(probs, p_drop, self.training) @ v  # (B, H, Sq, d)
-        else:
+        elif _kernels is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
+            probs = None
+        else:
+            with sdpa_kernel(_kernels):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
             probs = None
         B, H, S, d = out.shape
         return out.transpose(1, 2).reshape(B, S, H * d), probs

@@ -145,6 +145,10 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 COMPILE_MODE_HELP = ("torch.compile's mode with --compile: reduce-overhead replays each step as a CUDA graph (on a "
                      "GPU), one recorded per shape (pre-training: give it --static_shapes)")
 
+ATTENTION_KERNEL_HELP = ("the kernel every attention call of the fast path uses (PyTorch's math path where it cannot take "
+                         "the inputs): auto (PyTorch picks; cuDNN's on an H100/H200), efficient, flash, cudnn or math. "
+                         "Same function, another kernel; held inside compiled graphs too")
+
 
 @dataclass(frozen=True)
 class PredictConfig:

@@ -230,11 +230,12 @@ def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradSc
 
 # Settings a resumed run may change, because they change no number of it: how long this invocation runs,
 # whether it shards the model (FSDP checkpoints are whole models, as unsharded ones) or compiles it, in
-# whichever mode (no weight or name changes), draws its batches ahead or mirrors its log to TensorBoard,
-# and where its run directory is (the record was found in it: a moved directory, or one named by another
-# path, is the same run). Loader workers join them where each example draws from its own random stream
-# (`data.sampling.example_rng`); streamed shards are split among the workers, so there they count.
-UNNUMBERED = ("stop_after", "fsdp", "compile", "compile_mode", "prefetch", "tensorboard", "out")
+# whichever mode (no weight or name changes), which attention kernel it uses (the same function), whether it
+# draws its batches ahead or mirrors its log to TensorBoard, and where its run directory is (the record was
+# found in it: a moved directory, or one named by another path, is the same run). Loader workers join them
+# where each example draws from its own random stream (`data.sampling.example_rng`); streamed shards are
+# split among the workers, so there they count.
+UNNUMBERED = ("stop_after", "fsdp", "compile", "compile_mode", "attention_kernel", "prefetch", "tensorboard", "out")
 
 
 def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
