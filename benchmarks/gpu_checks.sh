@@ -15,16 +15,18 @@
 #   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# ATTN_KERNELS: see its step below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0 step 1; LOOP=0 step 3 (GRAPHS=0 its
-# last part: the loop with --static_shapes, eager and in CUDA graphs, not yet run on a GPU); EXTRACT=0
-# step 4; MODES="default"
-# compiles one mode only; SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one
-# attention kernel each (efficient, math: cuDNN's, PyTorch's choice there, took 13-22% of the kernel time).
+# ATTN_KERNELS: see its step below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0
+# step 1; LOOP=0 step 3 (GRAPHS=0 its last part: the loop with --static_shapes, eager and in CUDA graphs,
+# GRAPHS_S seconds for the latter); EXTRACT=0 step 4; MODES="default" compiles one mode only;
+# SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one attention kernel each.
 # Measured on a lent H200 (2026-11-26, second run, logs in benchmarks/results/h200-2026-11-26-run2): step 1
 # 127 s, the batch-256 run with both compile modes and the profile 255 s, steps 3 + 4 (LOOP_STEPS=200) 204 s;
-# the machine's start came on top. With a 10-minute limit per call and 15 minutes of device time, run
-# `B64=0 LOOP=0 EXTRACT=0 ... OUTDIR` first and `TESTS=0 B256=0 B64=0 LOOP_STEPS=200 ... OUTDIR2` at once after
-# (a warm machine is given back after 30 s idle).
+# the machine's start came on top. A fresh machine starts with torch.compile's caches empty (third run,
+# 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. With a
+# 10-minute limit per call and 15 minutes of device time, the next session runs
+# `TESTS=0 THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 ATTN_KERNELS=auto,efficient,math ... OUTDIR` (about 450 s)
+# and, at once after (a warm machine is given back after 30 s idle),
+# `TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=100 ... OUTDIR2` (GRAPHS).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -82,7 +84,7 @@ fi
 loop_run() {
   local name=$1; shift
   rm -rf "$w/$name"
-  timeout "${LOOP_S:-120}" $py -m vlberts.cli pretrain --captions="$w/world/annotations/captions_train.json" \
+  timeout "${RUN_S:-${LOOP_S:-120}}" $py -m vlberts.cli pretrain --captions="$w/world/annotations/captions_train.json" \
     --features="$w/features.h5" --out="$w/$name" --model=visualbert-small --steps="${LOOP_STEPS:-300}" \
     --batch_size="${LOOP_BATCH:-256}" --log_every=50 --ckpt_every=100000 --preload_features=true "$@" >> "$out/loop.log" 2>&1
   $py -c "import json, sys; r = [json.loads(l) for l in open(sys.argv[1])]
@@ -106,7 +108,10 @@ if [ "${LOOP:-1}" = 1 ] || [ "${GRAPHS:-1}" = 1 ]; then
   if [ "${GRAPHS:-1}" = 1 ]; then
     stamp "pre-training loop in CUDA graphs: --static_shapes eager against compiled in reduce-overhead mode"
     loop_run static --static_shapes=true
-    loop_run graphs --static_shapes=true --compile=true --compile_mode=reduce-overhead
+    # Compiling takes its time before the first record: on the H200 (2026-11-27) this run wrote none in 70-75 s,
+    # twice. On a CPU the same loop (visualbert-tiny, batch 256) compiles 3 graphs in its first 40 updates
+    # (the masked-word bucket changes, then the text length, after which the graph is dynamic).
+    RUN_S=${GRAPHS_S:-300} loop_run graphs --static_shapes=true --compile=true --compile_mode=reduce-overhead
   fi
   rm -rf "$w"
 fi
