@@ -15,7 +15,7 @@
 #   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
 #      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
-# ATTN_KERNELS: see its step below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0
+# KERNELS, ATTN_KERNELS: see their steps below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0
 # step 1; LOOP=0 step 3 (GRAPHS=0 its last part: the loop with --static_shapes, eager and in CUDA graphs,
 # GRAPHS_S seconds for the latter); EXTRACT=0 step 4; MODES="default" compiles one mode only;
 # SDPA_BACKENDS="" drops the batch-256 run's rows of our eager model held to one attention kernel each.
@@ -24,9 +24,10 @@
 # the machine's start came on top. A fresh machine starts with torch.compile's caches empty (third run,
 # 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. With a
 # 10-minute limit per call and 15 minutes of device time, the next session runs
-# `TESTS=0 THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 ATTN_KERNELS=auto,efficient,math ... OUTDIR` (about 450 s)
+# `TESTS=0 THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 ATTN_KERNELS=auto,best ... OUTDIR` (about 350 s: the kernels
+# alone, then LXMERT-base in CUDA graphs with PyTorch's pick and with the fastest kernel)
 # and, at once after (a warm machine is given back after 30 s idle),
-# `TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=100 ... OUTDIR2` (GRAPHS).
+# `KERNELS=0 TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=100 ... OUTDIR2` (GRAPHS).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -64,13 +65,28 @@ timeout "${B64_S:-240}" $py benchmarks/gpu_throughput.py --batch 64 --steps 20 -
   --json "$out/gpu_b64.json" > "$out/gpu_b64.log" 2>&1
 fi
 
-# With ATTN_KERNELS="auto,efficient,math" (names of `pretrain --attention_kernel`): ATTN_ARCH (lxmert) at ATTN_BATCH
-# (512), eager and in CUDA graphs, once per kernel, each in its own process (`gpu_throughput.py --attention-kernel`,
-# held inside the compiled graph). On the H200 run of 2026-11-27, PyTorch's own choice there (auto: cuDNN's kernel)
-# took 25% of LXMERT's kernel time in CUDA graphs; the global switches tried first did not reach the compiled
-# graph (torch.compile's cache held the cuDNN one), which is why the kernel is now chosen inside the model.
+# The attention kernels alone (`attention_kernels.py`, under a minute): one forward + backward call per SDPA
+# kernel at these models' shapes, and what each costs a whole LXMERT step. KERNELS=0 skips it.
+if [ "${KERNELS:-1}" = 1 ]; then
+  stamp "attention kernels alone, batch ${ATTN_BATCH:-512}"
+  timeout "${KERNELS_S:-150}" $py benchmarks/attention_kernels.py --batch "${ATTN_BATCH:-512}" \
+    --json "$out/attention_kernels.json" > "$out/attention_kernels.log" 2>&1
+  tail -12 "$out/attention_kernels.log"
+fi
+
+# With ATTN_KERNELS="auto,efficient,math" (names of `pretrain --attention_kernel`, or `best`: the fastest of the
+# step above): ATTN_ARCH (lxmert) at ATTN_BATCH (512), eager and in CUDA graphs, once per kernel, each in its
+# own process (`gpu_throughput.py --attention-kernel`, held inside the compiled graph). On the H200 run of
+# 2026-11-27, PyTorch's own choice there (auto: cuDNN's kernel) took 25% of LXMERT's kernel time in CUDA
+# graphs; the global switches tried first did not reach the compiled graph (torch.compile's cache held the
+# cuDNN one), which is why the kernel is now chosen inside the model.
 if [ -n "${ATTN_KERNELS:-}" ]; then
   for k in ${ATTN_KERNELS//,/ }; do
+    if [ "$k" = best ]; then
+      k=$($py -c "import json, sys; print(json.load(open(sys.argv[1]))['best_lxmert'] or '')" \
+          "$out/attention_kernels.json" 2>/dev/null)
+      [ -n "$k" ] || { stamp "ATTN_KERNELS=best: no attention_kernels.json with a pick (KERNELS=1 first)"; continue; }
+    fi
     stamp "throughput, ${ATTN_ARCH:-lxmert} at batch ${ATTN_BATCH:-512}, attention kernel: $k"
     timeout "${ATTN_S:-200}" $py benchmarks/gpu_throughput.py --arch "${ATTN_ARCH:-lxmert}" --batch "${ATTN_BATCH:-512}" \
       --steps 15 --compile-modes reduce-overhead --attention-kernel "$k" --profile "$out/profile_attn_$k" \

@@ -102,3 +102,27 @@ def test_profile_kernel_time_counts_each_kernel_once():
               event(DeviceType.CUDA, 50.0, annotation=True),  # "## Call CompiledFxGraph ..." over its kernels
               event(DeviceType.CUDA, 20.0)]
     assert gpu_throughput.kernel_time_us(events) == 50.0
+
+
+def test_attention_kernels_times_what_runs_and_adds_up_a_step(tmp_path, capsys):
+    """`benchmarks/attention_kernels.py --smoke`: on a CPU the CUDA-only kernels are "n/a", not timed; the
+    per-step cost is each shape's call time times that model's calls; the pick is the fastest usable one."""
+    import json
+
+    import attention_kernels as ak
+
+    out = tmp_path / "k.json"
+    ak.main(["--smoke", "--batch", "1", "--repeats", "1", "--variants", "cudnn,math", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert all(r["seconds"][shape]["cudnn"] is None and r["seconds"][shape]["math"] > 0 for shape, *_ in ak.SHAPES)
+    for model, col in (("LXMERT-base", 3), ("VisualBERT-base", 4)):
+        want = sum(r["seconds"][s[0]]["math"] * s[col] for s in ak.SHAPES)
+        assert r["per_step_seconds"][model]["math"] == pytest.approx(want)
+        assert r["per_step_seconds"][model]["cudnn"] is None
+    assert sum(s[3] for s in ak.SHAPES) == 34 and sum(s[4] for s in ak.SHAPES) == 12
+    assert r["best_lxmert"] == "math"
+    assert "--attention_kernel=math" in capsys.readouterr().out
+    assert ak.best_kernel({"cudnn": 3.0, "efficient": 2.0, "math-compiled": 1.0, "flash": 0.5}) == "math"
+    assert ak.best_kernel({"cudnn": 3.0, "efficient": 2.0, "math": None, "flash": 0.5}) == "efficient"
+    with pytest.raises(SystemExit, match="no CUDA device"):  # the suite hides any GPU from this test
+        ak.main([])

@@ -1,0 +1,188 @@
+"""Which attention kernel is fastest on these models' short sequences (issue 6, item 2): one attention call,
+forward and backward, per SDPA kernel, at the shapes of LXMERT-base's and VisualBERT-base's pre-training
+step, and what each kernel costs a whole LXMERT step (34 calls).
+
+    python3 benchmarks/attention_kernels.py [--batch 512] [--repeats 30] [--dropout 0.1] [--json PATH]
+    python3 benchmarks/attention_kernels.py --smoke        # a CPU run of the code path, not a measurement
+
+Why: in CUDA graphs, cuDNN's fused attention (PyTorch's own pick on the H200) took 25% of LXMERT-base's
+kernel time at batch 512 for 0.7% of its FLOPs (third H200 run, benchmarks/results/h200-2026-11-27). The
+whole-model comparison (`gpu_checks.sh` ATTN_KERNELS) compiles LXMERT-base once per kernel, minutes each;
+this measures the kernels alone in seconds, so a session can choose before it compiles.
+
+The call is the model's (`blocks.MultiHeadAttention`'s fast path): q, k, v (B, 12, S, 64) in bf16, an additive
+key mask (B, 1, 1, Sk) as `blocks.mask_bias` makes it (every key visible: the values do not change the
+kernels' work), attention dropout at the models' 0.1 (training). Variants:
+- `cudnn`, `efficient`, `math`: eager, SDPA held to that kernel (`sdpa_kernel`);
+- `flash`: takes no additive mask, so it is timed without one (what a batch without padding could use);
+- `math-compiled`: the math path under `torch.compile` (inductor fuses the scale, mask, softmax and dropout
+  around the two batched products), as a compiled step held to `--attention_kernel=math` runs it.
+Each variant: `--warmup` calls, then `--repeats` timed calls (CUDA events after a synchronize), median.
+A kernel that cannot take the inputs is reported as such, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from vlberts.io import write_json  # noqa: E402
+from vlberts.models.blocks import mask_bias  # noqa: E402
+
+# (name, query length, key length, calls per LXMERT-base step, calls per VisualBERT-base step): LXMERT's
+# 9 language + 5 relation layers and 5 cross layers (cross-attention both ways, then self-attention per
+# modality); VisualBERT's 12 joint layers over 20 words + 36 regions (its last layer's queries are fewer
+# rows; counted here as whole).
+SHAPES = (
+    ("words over words", 20, 20, 9 + 5, 0),
+    ("regions over regions", 36, 36, 5 + 5, 0),
+    ("words over regions", 20, 36, 5, 0),
+    ("regions over words", 36, 20, 5, 0),
+    ("joint (VisualBERT)", 56, 56, 0, 12),
+)
+EAGER = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+         "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
+VARIANTS = ("cudnn", "efficient", "math", "math-compiled", "flash")
+LABELS = {"math-compiled": "math compiled", "flash": "flash, no mask"}
+
+
+def attention_fn(variant: str, p_drop: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]:
+    """One attention call as the model makes it, held to `variant`'s kernel (the held set is entered inside
+    the function, so that a compiled copy records it in its graph)."""
+    kernel = EAGER["math" if variant == "math-compiled" else variant]
+
+    def call(q, k, v, bias):
+        with sdpa_kernel([kernel]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
+
+    return torch.compile(call, fullgraph=True) if variant == "math-compiled" else call
+
+
+def time_call(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(variant: str, b: int, heads: int, d: int, sq: int, sk: int, p_drop: float, device: torch.device,
+            dtype: torch.dtype, warmup: int, repeats: int) -> float | None:
+    """Seconds of one forward + backward call, or None where the kernel cannot take these inputs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, heads, sq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, heads, sk, d, device=device, dtype=dtype, generator=g, requires_grad=True) for _ in "kv")
+    bias = None if variant == "flash" else mask_bias(torch.ones(b, sk, dtype=torch.bool, device=device), dtype)
+    grad = torch.randn(b, heads, sq, d, device=device, dtype=dtype, generator=g)
+    fn = attention_fn(variant, p_drop)
+
+    def step() -> None:
+        fn(q, k, v, bias).backward(grad)
+
+    try:
+        return time_call(step, device, warmup, repeats)
+    except RuntimeError as e:  # the held kernel cannot take these inputs (CUDA and CPU word it differently)
+        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
+            raise
+        return None
+
+
+def best_kernel(per_step: dict[str, float | None]) -> str:
+    """The `--attention_kernel` name of the fastest variant that takes the models' inputs (flash without a
+    mask does not; math compiled is what `--attention_kernel=math` gives a compiled step)."""
+    usable = {v: t for v, t in per_step.items() if t is not None and v != "flash"}
+    if not usable:
+        raise ValueError("no variant that takes an additive mask was timed")
+    return min(usable, key=usable.get).removesuffix("-compiled")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=None, help="examples (default 512; 2 with --smoke)")
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dropout", type=float, default=0.1, help="attention dropout (the models' training value)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per variant (default 5; 1 smoke)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per variant (default 30; 2 smoke)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--smoke", action="store_true", help="a tiny CPU run of the code path (not a measurement)")
+    ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    # PyTorch warns why each kernel it could not use was skipped; a held kernel that cannot run is "n/a" here
+    warnings.filterwarnings("ignore", category=UserWarning, module=__name__)
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("no CUDA device found: run on a machine with a GPU, or pass --smoke for a CPU run of the code")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    b = args.batch or (2 if args.smoke else 512)
+    warmup = args.warmup or (1 if args.smoke else 5)
+    repeats = args.repeats or (2 if args.smoke else 30)
+    name = torch.cuda.get_device_name(device) if cuda else "CPU (smoke run: not a measurement)"
+    print(f"device: {name}; torch {torch.__version__}; batch {b} x {args.heads} heads x {args.head_dim}-d, "
+          f"{dtype}, dropout {args.dropout}; forward + backward, median of {repeats} after {warmup}")
+    if "math-compiled" in variants:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(SHAPES))
+
+    rows: dict[str, dict[str, float | None]] = {}
+    for shape, sq, sk, _, _ in SHAPES:
+        rows[shape] = {v: measure(v, b, args.heads, args.head_dim, sq, sk, args.dropout, device, dtype, warmup, repeats)
+                       for v in variants}
+
+    def us(s: float | None) -> str:
+        return "n/a" if s is None else f"{s * 1e6:.1f}"
+
+    print("\n| shape (queries over keys) | Sq x Sk | " + " | ".join(f"{LABELS.get(v, v)} (us)" for v in variants) + " |")
+    print("|---|---|" + "---:|" * len(variants))
+    for shape, sq, sk, _, _ in SHAPES:
+        print(f"| {shape} | {sq} x {sk} | " + " | ".join(us(rows[shape][v]) for v in variants) + " |")
+    per_step: dict[str, dict[str, float | None]] = {}
+    for model, col in (("LXMERT-base", 3), ("VisualBERT-base", 4)):
+        per_step[model] = {}
+        for v in variants:
+            parts = [(rows[s[0]][v], s[col]) for s in SHAPES if s[col]]
+            per_step[model][v] = None if any(t is None for t, _ in parts) else sum(t * n for t, n in parts)
+        calls = sum(s[col] for s in SHAPES)
+        ms = {v: "n/a" if t is None else f"{t * 1e3:.2f} ms" for v, t in per_step[model].items()}
+        print(f"{model}, {calls} calls a step: " + "; ".join(f"{LABELS.get(v, v)} {ms[v]}" for v in variants))
+    try:
+        best = best_kernel(per_step["LXMERT-base"])
+        print(f"fastest for LXMERT-base's step, of those that take its masks: --attention_kernel={best}")
+    except ValueError as e:
+        best = None
+        print(f"fastest for LXMERT-base's step: none ({e})")
+    if args.json:
+        write_json(args.json, {"best_lxmert": best, "device": name, "torch": torch.__version__, "batch": b, "heads": args.heads,
+                               "head_dim": args.head_dim, "dropout": args.dropout, "dtype": str(dtype),
+                               "repeats": repeats, "seconds": rows, "per_step_seconds": per_step})
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
