@@ -505,6 +505,9 @@ def main(argv: list[str] | None = None) -> None:
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     if unknown := [b for b in args.sdpa_backends if b not in SDPA_BACKENDS]:
         ap.error(f"--sdpa-backends: unknown {', '.join(unknown)} (choose from {', '.join(SDPA_BACKENDS)})")
+    if args.sdpa_backends and args.attention_kernel != "auto":  # the model's held kernel would override each row's
+        ap.error("--sdpa-backends and --attention-kernel: choose one (the kernel held inside the model wins over "
+                 "the rows' own)")
     use_attention_kernel(args.attention_kernel)
     if args.threads:
         torch.set_num_threads(args.threads)
