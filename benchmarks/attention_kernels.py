@@ -26,18 +26,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from timing import seconds  # noqa: E402
 from vlberts.io import write_json  # noqa: E402
-from vlberts.models.blocks import mask_bias  # noqa: E402
+from vlberts.models.blocks import SDPA_KERNELS, mask_bias  # noqa: E402
 
 # (name, query length, key length, calls per LXMERT-base step, calls per VisualBERT-base step): LXMERT's
 # 9 language + 5 relation layers and 5 cross layers (cross-attention both ways, then self-attention per
@@ -50,8 +50,6 @@ SHAPES = (
     ("regions over words", 36, 20, 5, 0),
     ("joint (VisualBERT)", 56, 56, 0, 12),
 )
-EAGER = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-         "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION}
 VARIANTS = ("cudnn", "efficient", "math", "math-compiled", "flash")
 LABELS = {"math-compiled": "math compiled", "flash": "flash, no mask"}
 
@@ -59,7 +57,7 @@ LABELS = {"math-compiled": "math compiled", "flash": "flash, no mask"}
 def attention_fn(variant: str, p_drop: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]:
     """One attention call as the model makes it, held to `variant`'s kernel (the held set is entered inside
     the function, so that a compiled copy records it in its graph)."""
-    kernel = EAGER["math" if variant == "math-compiled" else variant]
+    kernel = SDPA_KERNELS["math" if variant == "math-compiled" else variant]
 
     def call(q, k, v, bias):
         with sdpa_kernel([kernel]):
@@ -72,21 +70,7 @@ def time_call(fn: Callable[[], None], device: torch.device, warmup: int, repeats
     """Median seconds of `fn` over `repeats` calls after `warmup`."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(seconds(fn, device) for _ in range(repeats))
 
 
 def measure(variant: str, b: int, heads: int, d: int, sq: int, sk: int, p_drop: float, device: torch.device,

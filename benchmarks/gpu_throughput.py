@@ -72,11 +72,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_hf.py sits next to this file
 
 import vs_hf  # noqa: E402
+from timing import seconds  # noqa: E402
 from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
 from vlberts.data.batch import TokenSelection  # noqa: E402
-from vlberts.models.blocks import ATTENTION_KERNELS, use_attention_kernel  # noqa: E402
+from vlberts.models.blocks import ATTENTION_KERNELS, SDPA_KERNELS, use_attention_kernel  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -259,23 +260,9 @@ def matmul_peak(device: torch.device, n: int, repeats: int, inner: int = 10) -> 
             torch.matmul(a, b, out=c)
 
     for _ in range(2):  # warm-up: library heuristics, clocks
-        step_seconds(products, device)
-    seconds = statistics.median(step_seconds(products, device) for _ in range(repeats))
-    return 2 * n**3 * inner / seconds / 1e12
-
-
-def step_seconds(fn: Callable[[], Any], device: torch.device) -> float:
-    """Wall time of `fn`'s work: CUDA events after a synchronize (nothing queued before counts), or
-    `vs_hf.timed` on the CPU."""
-    if device.type != "cuda":
-        return vs_hf.timed(fn)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+        seconds(products, device)
+    elapsed = statistics.median(seconds(products, device) for _ in range(repeats))
+    return 2 * n**3 * inner / elapsed / 1e12
 
 
 def on_device(d: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -324,9 +311,9 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    step_seconds(fn, device)  # nothing left queued from before
+    seconds(fn, device)  # nothing left queued from before
     with profile(activities=activities) as prof:
-        wall = sum(step_seconds(fn, device) for _ in range(steps)) / steps
+        wall = sum(seconds(fn, device) for _ in range(steps)) / steps
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     kernel_us = kernel_time_us(events) if cuda else 0.0
@@ -339,7 +326,7 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
     }
 
 
-SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+SDPA_BACKENDS = tuple(SDPA_KERNELS)
 
 
 def only_sdpa(backend: str, loss: Callable) -> Callable:
@@ -347,10 +334,9 @@ def only_sdpa(backend: str, loss: Callable) -> Callable:
     "No available kernel" instead of falling back). On the H200 run of 2026-11-26, PyTorch chose cuDNN's
     fused attention, which took 133 us forward and 154 us backward per call for 256 x 12 heads x 56
     tokens: 13% of VisualBERT's kernel time and 22% of LXMERT's, for a small share of their FLOPs."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    kernel = SDPA_KERNELS[backend]
 
     def restricted(model, data):
         with sdpa_kernel([kernel]):
@@ -391,7 +377,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
         model.to(device).train()
         fns[key] = train_fn(model, bf16_step(loss, device), build_optimizer(model, lr=1e-5), host)
         try:
-            first[key] = step_seconds(fns[key], device)  # compilation happens here for the compiled model
+            first[key] = seconds(fns[key], device)  # compilation happens here for the compiled model
         except RuntimeError as e:
             if "No available kernel" not in str(e):
                 raise
@@ -401,7 +387,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
             model.to("cpu")
             continue
         for _ in range(args.warmup - 1):
-            step_seconds(fns[key], device)
+            seconds(fns[key], device)
         mem[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
 
     checks = {key: flop_check(entries[key][2], counted_flops(fns[key])) for key in ("ours", "hf")}
@@ -409,7 +395,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
     times: dict[str, list[float]] = {key: [] for key in fns}
     for i in range(args.steps + 1):  # one untimed round after the counter's step
         for key, fn in fns.items():
-            t = step_seconds(fn, device)
+            t = seconds(fn, device)
             if i:
                 times[key].append(t)
 

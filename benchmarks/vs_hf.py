@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
+
+from timing import seconds
 
 from vlberts.data.batch import VLInputs, select_tokens
 from vlberts.models.convert_hf import load_hf_visualbert, visualbert_config_from_hf
@@ -163,12 +164,6 @@ def models(arch: Arch, tmp: Path):
     return hf, arch.load_ours(tmp)
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def train_fn(model, step, opt, data):
     def run():
         loss = step(model, data)
@@ -243,7 +238,7 @@ def main() -> None:
     with torch.no_grad():
         for i in range(args.repeats + 2):
             for name in ("hf", "ours"):
-                t = timed(infer[name])
+                t = seconds(infer[name])
                 if i >= 2:
                     times["infer"][name].append(t)
     hf.train(), ours.train()
@@ -254,7 +249,7 @@ def main() -> None:
     }
     for i in range(args.repeats + 2):
         for name in ("hf", "ours"):
-            t = timed(train[name])
+            t = seconds(train[name])
             if i >= 2:
                 times["train"][name].append(t)
 

@@ -97,8 +97,8 @@ def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
 # The kernels `--attention_kernel` may hold the fast path to; auto: PyTorch picks per call.
 AttentionKernel = Literal["auto", "efficient", "flash", "cudnn", "math"]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__
-_SDPA = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-         "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+SDPA_KERNELS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # name -> PyTorch's backend
 # The fast path's kernels for this process (None: PyTorch's choice). A module global, read inside `forward`,
 # so that a compiled graph calls the kernel held when it was traced (dynamo records `sdpa_kernel` in the graph
 # and guards on this global); switches set outside the graph would not reach a graph that torch.compile's
@@ -114,12 +114,12 @@ def use_attention_kernel(name: str) -> None:
     global _kernels
     if name not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; valid: {', '.join(ATTENTION_KERNELS)}")
-    _kernels = None if name == "auto" else list(dict.fromkeys([_SDPA[name], SDPBackend.MATH]))
+    _kernels = None if name == "auto" else list(dict.fromkeys([SDPA_KERNELS[name], SDPBackend.MATH]))
 
 
 def attention_kernel() -> str:
     """The name `use_attention_kernel` was last given ("auto" when none)."""
-    return "auto" if _kernels is None else next(k for k, v in _SDPA.items() if v == _kernels[0])
+    return "auto" if _kernels is None else next(k for k, v in SDPA_KERNELS.items() if v == _kernels[0])
 
 
 class MultiHeadAttention(nn.Module):
