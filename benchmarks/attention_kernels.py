@@ -1,6 +1,6 @@
 """Which attention kernel is fastest on these models' short sequences (issue 6, item 2): one attention call,
-forward and backward, per SDPA kernel, at the shapes of LXMERT-base's and VisualBERT-base's pre-training
-step, and what each kernel costs a whole LXMERT step (34 calls).
+forward and backward, per SDPA kernel, with and without a key mask, at the shapes of LXMERT-base's and
+VisualBERT-base's pre-training step, and what each `--attention_kernel` setting costs a whole step.
 
     python3 benchmarks/attention_kernels.py [--batch 512] [--repeats 30] [--dropout 0.1] [--json PATH]
     python3 benchmarks/attention_kernels.py --smoke        # a CPU run of the code path, not a measurement
@@ -10,15 +10,23 @@ kernel time at batch 512 for 0.7% of its FLOPs (third H200 run, benchmarks/resul
 whole-model comparison (`gpu_checks.sh` ATTN_KERNELS) compiles LXMERT-base once per kernel, minutes each;
 this measures the kernels alone in seconds, so a session can choose before it compiles.
 
-The call is the model's (`blocks.MultiHeadAttention`'s fast path): q, k, v (B, 12, S, 64) in bf16, an additive
-key mask (B, 1, 1, Sk) as `blocks.mask_bias` makes it (every key visible: the values do not change the
-kernels' work), attention dropout at the models' 0.1 (training). Variants:
-- `cudnn`, `efficient`, `math`: eager, SDPA held to that kernel (`sdpa_kernel`);
-- `flash`: takes no additive mask, so it is timed without one (what a batch without padding could use);
+The call is the model's (`blocks.MultiHeadAttention`'s fast path): q, k, v (B, 12, S, 64) in bf16, attention
+dropout at the models' 0.1 (training), and either an additive key mask (B, 1, 1, Sk) as `blocks.mask_bias`
+makes it (every key visible: the values do not change the kernels' work) or none. The models pass a mask only
+for a key set with padding (`blocks.key_bias`): in a pre-training batch the text is padded to its longest
+caption, while LXMERT's images all have 36 regions, so 19 of LXMERT-base's 34 calls (keys: words) take a mask
+and 15 (keys: regions) take none; VisualBERT's 12 joint calls take one. Variants:
+- `cudnn`, `efficient`, `math`, `flash`: eager, SDPA held to that kernel (`sdpa_kernel`); flash takes no
+  additive mask, so it is timed without one only;
 - `math-compiled`: the math path under `torch.compile` (inductor fuses the scale, mask, softmax and dropout
   around the two batched products), as a compiled step held to `--attention_kernel=math` runs it.
 Each variant: `--warmup` calls, then `--repeats` timed calls (CUDA events after a synchronize), median.
 A kernel that cannot take the inputs is reported as such, not timed.
+
+A step's cost under a setting of `--attention_kernel` adds each call's time with the kernel that setting runs
+for it: a single name runs that kernel wherever it can take the inputs, math elsewhere (math compiled, as in
+a compiled step); "flash,NAME" runs flash for the calls without a mask and NAME for the rest. The fastest
+setting for LXMERT-base's step is printed as the flag to pass.
 """
 
 from __future__ import annotations
@@ -39,19 +47,20 @@ from timing import seconds  # noqa: E402
 from vlberts.io import write_json  # noqa: E402
 from vlberts.models.blocks import SDPA_KERNELS, mask_bias  # noqa: E402
 
-# (name, query length, key length, calls per LXMERT-base step, calls per VisualBERT-base step): LXMERT's
-# 9 language + 5 relation layers and 5 cross layers (cross-attention both ways, then self-attention per
-# modality); VisualBERT's 12 joint layers over 20 words + 36 regions (its last layer's queries are fewer
-# rows; counted here as whole).
+# (name, query length, key length, calls per LXMERT-base step, calls per VisualBERT-base step, whether the
+# keys are padded, so that the call takes a mask): LXMERT's 9 language + 5 relation layers and 5 cross layers
+# (cross-attention both ways, then self-attention per modality); VisualBERT's 12 joint layers over 20 words
+# + 36 regions (its last layer's queries are fewer rows; counted here as whole).
 SHAPES = (
-    ("words over words", 20, 20, 9 + 5, 0),
-    ("regions over regions", 36, 36, 5 + 5, 0),
-    ("words over regions", 20, 36, 5, 0),
-    ("regions over words", 36, 20, 5, 0),
-    ("joint (VisualBERT)", 56, 56, 0, 12),
+    ("words over words", 20, 20, 9 + 5, 0, True),
+    ("regions over regions", 36, 36, 5 + 5, 0, False),
+    ("words over regions", 20, 36, 5, 0, False),
+    ("regions over words", 36, 20, 5, 0, True),
+    ("joint (VisualBERT)", 56, 56, 0, 12, True),
 )
 VARIANTS = ("cudnn", "efficient", "math", "math-compiled", "flash")
-LABELS = {"math-compiled": "math compiled", "flash": "flash, no mask"}
+LABELS = {"math-compiled": "math compiled"}
+MASKS = {"mask": True, "no mask": False}
 
 
 def attention_fn(variant: str, p_drop: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]:
@@ -74,12 +83,12 @@ def time_call(fn: Callable[[], None], device: torch.device, warmup: int, repeats
 
 
 def measure(variant: str, b: int, heads: int, d: int, sq: int, sk: int, p_drop: float, device: torch.device,
-            dtype: torch.dtype, warmup: int, repeats: int) -> float | None:
+            dtype: torch.dtype, warmup: int, repeats: int, masked: bool = True) -> float | None:
     """Seconds of one forward + backward call, or None where the kernel cannot take these inputs."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, heads, sq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
     k, v = (torch.randn(b, heads, sk, d, device=device, dtype=dtype, generator=g, requires_grad=True) for _ in "kv")
-    bias = None if variant == "flash" else mask_bias(torch.ones(b, sk, dtype=torch.bool, device=device), dtype)
+    bias = mask_bias(torch.ones(b, sk, dtype=torch.bool, device=device), dtype) if masked else None
     grad = torch.randn(b, heads, sq, d, device=device, dtype=dtype, generator=g)
     fn = attention_fn(variant, p_drop)
 
@@ -94,13 +103,36 @@ def measure(variant: str, b: int, heads: int, d: int, sq: int, sk: int, p_drop: 
         return None
 
 
+def settings(variants: list[str]) -> dict[str, tuple[str, str]]:
+    """The `--attention_kernel` settings to cost, each as (variant for the calls without a mask, variant for the
+    calls with one): every single kernel, and flash before each other kernel that takes a mask. Math is what a
+    compiled step runs for it, so "math" costs math compiled where that was timed, and it is the fallback of
+    flash alone."""
+    math = "math-compiled" if "math-compiled" in variants else "math"
+    kernels = [v for v in variants if not (v == "math" and math == "math-compiled")]
+    out = {v.removesuffix("-compiled"): (v, math if v == "flash" else v) for v in kernels}
+    if "flash" in variants:
+        out.update({f"flash,{v}": ("flash", v) for v in kernels if v not in ("flash", math)})
+    return out
+
+
+def step_costs(rows: dict[str, dict[str, dict[str, float | None]]], variants: list[str], col: int) -> dict[str, float | None]:
+    """Seconds of a step's attention (the model's calls: SHAPES column `col`) under each setting; None where
+    a call it needs was not timed (a kernel that cannot run here)."""
+    costs = {}
+    for name, (free, masked) in settings(variants).items():
+        parts = [(rows[s[0]].get(masked if s[5] else free, {}).get("mask" if s[5] else "no mask"), s[col])
+                 for s in SHAPES if s[col]]
+        costs[name] = None if any(t is None for t, _ in parts) else sum(t * n for t, n in parts)
+    return costs
+
+
 def best_kernel(per_step: dict[str, float | None]) -> str:
-    """The `--attention_kernel` name of the fastest variant that takes the models' inputs (flash without a
-    mask does not; math compiled is what `--attention_kernel=math` gives a compiled step)."""
-    usable = {v: t for v, t in per_step.items() if t is not None and v != "flash"}
+    """The fastest `--attention_kernel` setting of those costed."""
+    usable = {v: t for v, t in per_step.items() if t is not None}
     if not usable:
-        raise ValueError("no variant that takes an additive mask was timed")
-    return min(usable, key=usable.get).removesuffix("-compiled")
+        raise ValueError("no setting could be costed")
+    return min(usable, key=usable.get)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,30 +166,31 @@ def main(argv: list[str] | None = None) -> None:
     if "math-compiled" in variants:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(SHAPES))
 
-    rows: dict[str, dict[str, float | None]] = {}
-    for shape, sq, sk, _, _ in SHAPES:
-        rows[shape] = {v: measure(v, b, args.heads, args.head_dim, sq, sk, args.dropout, device, dtype, warmup, repeats)
-                       for v in variants}
+    # rows[shape][variant]["mask" | "no mask"]: seconds of one call (flash is never given a mask)
+    rows: dict[str, dict[str, dict[str, float | None]]] = {}
+    for shape, sq, sk, *_ in SHAPES:
+        rows[shape] = {v: {m: None if (v == "flash" and masked) else measure(
+            v, b, args.heads, args.head_dim, sq, sk, args.dropout, device, dtype, warmup, repeats, masked)
+            for m, masked in MASKS.items()} for v in variants}
 
     def us(s: float | None) -> str:
         return "n/a" if s is None else f"{s * 1e6:.1f}"
 
-    print("\n| shape (queries over keys) | Sq x Sk | " + " | ".join(f"{LABELS.get(v, v)} (us)" for v in variants) + " |")
-    print("|---|---|" + "---:|" * len(variants))
-    for shape, sq, sk, _, _ in SHAPES:
-        print(f"| {shape} | {sq} x {sk} | " + " | ".join(us(rows[shape][v]) for v in variants) + " |")
+    cols = [(v, m) for v in variants for m in MASKS]
+    print("\n| shape (queries over keys) | Sq x Sk | " + " | ".join(f"{LABELS.get(v, v)}, {m} (us)" for v, m in cols) + " |")
+    print("|---|---|" + "---:|" * len(cols))
+    for shape, sq, sk, *_ in SHAPES:
+        print(f"| {shape} | {sq} x {sk} | " + " | ".join(us(rows[shape][v][m]) for v, m in cols) + " |")
     per_step: dict[str, dict[str, float | None]] = {}
     for model, col in (("LXMERT-base", 3), ("VisualBERT-base", 4)):
-        per_step[model] = {}
-        for v in variants:
-            parts = [(rows[s[0]][v], s[col]) for s in SHAPES if s[col]]
-            per_step[model][v] = None if any(t is None for t, _ in parts) else sum(t * n for t, n in parts)
-        calls = sum(s[col] for s in SHAPES)
+        per_step[model] = step_costs(rows, variants, col)
+        calls, masked = sum(s[col] for s in SHAPES), sum(s[col] for s in SHAPES if s[5])
         ms = {v: "n/a" if t is None else f"{t * 1e3:.2f} ms" for v, t in per_step[model].items()}
-        print(f"{model}, {calls} calls a step: " + "; ".join(f"{LABELS.get(v, v)} {ms[v]}" for v in variants))
+        print(f"{model}, {calls} calls a step ({masked} with a mask), by --attention_kernel: "
+              + "; ".join(f"{v} {t}" for v, t in ms.items()))
     try:
         best = best_kernel(per_step["LXMERT-base"])
-        print(f"fastest for LXMERT-base's step, of those that take its masks: --attention_kernel={best}")
+        print(f"fastest for LXMERT-base's step: --attention_kernel={best}")
     except ValueError as e:
         best = None
         print(f"fastest for LXMERT-base's step: none ({e})")

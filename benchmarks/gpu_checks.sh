@@ -25,7 +25,8 @@
 # 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. With a
 # 10-minute limit per call and 15 minutes of device time, the next session runs
 # `TESTS=0 THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 ATTN_KERNELS=auto,best ... OUTDIR` (about 350 s: the kernels
-# alone, then LXMERT-base in CUDA graphs with PyTorch's pick and with the fastest kernel)
+# alone, with and without a mask, then LXMERT-base in CUDA graphs, captions padded as a real batch's, with
+# PyTorch's pick and with the cheapest setting, e.g. flash,efficient)
 # and, at once after (a warm machine is given back after 30 s idle),
 # `KERNELS=0 TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=100 ... OUTDIR2` (GRAPHS).
 #
@@ -74,9 +75,10 @@ if [ "${KERNELS:-1}" = 1 ]; then
   tail -12 "$out/attention_kernels.log"
 fi
 
-# With ATTN_KERNELS="auto,efficient,math" (names of `pretrain --attention_kernel`, or `best`: the fastest of the
-# step above): ATTN_ARCH (lxmert) at ATTN_BATCH (512), eager and in CUDA graphs, once per kernel, each in its
-# own process (`gpu_throughput.py --attention-kernel`, held inside the compiled graph). On the H200 run of
+# With ATTN_KERNELS="auto,efficient,flash+efficient" (settings of `pretrain --attention_kernel`, "+" for the
+# comma of an order of kernels, or `best`: the fastest of the step above): ATTN_ARCH (lxmert) at ATTN_BATCH
+# (512), eager and in CUDA graphs, once per setting, each in its own process (`gpu_throughput.py
+# --attention-kernel`, held inside the compiled graph; its text padded as a real batch's, `--pad-text`). On the H200 run of
 # 2026-11-27, PyTorch's own choice there (auto: cuDNN's kernel) took 25% of LXMERT's kernel time in CUDA
 # graphs; the global switches tried first did not reach the compiled graph (torch.compile's cache held the
 # cuDNN one), which is why the kernel is now chosen inside the model.
@@ -87,10 +89,11 @@ if [ -n "${ATTN_KERNELS:-}" ]; then
           "$out/attention_kernels.json" 2>/dev/null)
       [ -n "$k" ] || { stamp "ATTN_KERNELS=best: no attention_kernels.json with a pick (KERNELS=1 first)"; continue; }
     fi
+    k=${k//+/,}; f=${k//,/_}  # the flag's commas; file names without them
     stamp "throughput, ${ATTN_ARCH:-lxmert} at batch ${ATTN_BATCH:-512}, attention kernel: $k"
     timeout "${ATTN_S:-200}" $py benchmarks/gpu_throughput.py --arch "${ATTN_ARCH:-lxmert}" --batch "${ATTN_BATCH:-512}" \
-      --steps 15 --compile-modes reduce-overhead --attention-kernel "$k" --profile "$out/profile_attn_$k" \
-      --json "$out/gpu_attn_$k.json" > "$out/gpu_attn_$k.log" 2>&1
+      --steps 15 --compile-modes reduce-overhead --attention-kernel "$k" --pad-text --profile "$out/profile_attn_$f" \
+      --json "$out/gpu_attn_$f.json" > "$out/gpu_attn_$f.log" 2>&1
   done
 fi
 

@@ -76,6 +76,7 @@ from timing import seconds  # noqa: E402
 from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
+from vlberts.errors import VlbertsError  # noqa: E402
 from vlberts.data.batch import TokenSelection  # noqa: E402
 from vlberts.models.blocks import ATTENTION_KERNELS, SDPA_KERNELS, use_attention_kernel  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
@@ -355,7 +356,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
         hf, ours = models(arch, Path(tmp))
     cfg = ours.cfg
     b = args.batch
-    host = batch(b=b)
+    host = batch(b=b, pad_text=args.pad_text)
     if device.type == "cuda":
         host = pinned(host)
     ours_count = our_flops(name, cfg, b, T, R, host["mlm"])
@@ -473,10 +474,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sdpa-backends", default="",
                     help=f"comma-separated attention kernels ({', '.join(SDPA_BACKENDS)}): also time an eager "
                          "copy of our model whose attention may use that kernel only, one row each")
-    ap.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
-                    help="hold every attention call of our models, eager and compiled, to this kernel "
-                         "(`pretrain --attention_kernel`; held inside the compiled graphs); Hugging Face's eager "
-                         "attention does not call SDPA")
+    ap.add_argument("--attention-kernel", default="auto",
+                    help=f"hold every attention call of our models, eager and compiled, to this kernel, or to these "
+                         f"in order (comma-separated, of {', '.join(ATTENTION_KERNELS)}; `pretrain --attention_kernel`, "
+                         "held inside the compiled graphs); Hugging Face's eager attention does not call SDPA")
+    ap.add_argument("--pad-text", action="store_true",
+                    help="captions of 12-20 tokens padded to 20, as a real batch is (default: all 20 real, so "
+                         "that no attention call of ours takes a mask); the regions are all real either way")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
@@ -494,7 +498,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.sdpa_backends and args.attention_kernel != "auto":  # the model's held kernel would override each row's
         ap.error("--sdpa-backends and --attention-kernel: choose one (the kernel held inside the model wins over "
                  "the rows' own)")
-    use_attention_kernel(args.attention_kernel)
+    try:
+        use_attention_kernel(args.attention_kernel)
+    except VlbertsError as e:
+        ap.error(f"--attention-kernel: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar
@@ -525,15 +532,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bf16 matmul peak (measured, {n}x{n}): {peak:.3f} TFLOP/s  [{time.perf_counter() - t0:.1f} s]")
     transfer = "pinned host batch copied to the GPU each step; " if device.type == "cuda" else ""
     if args.attention_kernel != "auto":
-        print(f"our attention: the {args.attention_kernel} kernel (math where it cannot take the inputs)")
-    print(f"batch {args.batch} x ({T} tokens + {R} regions of {vs_hf.D}-d); bf16 autocast, fused AdamW; {transfer}"
+        print(f"our attention: {args.attention_kernel} (in that order where several; math where none can take the inputs)")
+    text = "12-20 tokens padded to " if args.pad_text else ""
+    print(f"batch {args.batch} x ({text}{T} tokens + {R} regions of {vs_hf.D}-d); bf16 autocast, fused AdamW; {transfer}"
           f"median of {args.steps} interleaved steps after {args.warmup} warm-up")
 
     report: dict[str, Any] = {
         "device": dev_name, "device_type": device.type, "smoke": small, "caveat": caveat, "torch": torch.__version__,
         "transformers": vs_hf.transformers.__version__, "peak_tflops": peak, "matmul_size": n,
         "batch": args.batch, "tokens": T, "regions": R, "steps": args.steps, "warmup": args.warmup,
-        "mfu_goal": GOAL_MFU, "attention_kernel": args.attention_kernel, "archs": {},
+        "mfu_goal": GOAL_MFU, "attention_kernel": args.attention_kernel, "pad_text": args.pad_text, "archs": {},
     }
     for name in (list(ARCHS) if args.arch == "all" else [args.arch]):
         out = run_arch(name, args, device, peak)

@@ -50,16 +50,21 @@ B, T, R, D, V = 8, 20, 36, 2048, 30522
 N_OBJ, N_ATTR, N_QA = 1600, 400, 9500  # LXMERT's detector classes, attributes and answer table
 
 
-def batch(seed: int = 0, b: int = B) -> dict[str, Any]:
-    """The benchmark batch on the CPU: `b` examples (default the issue's 8) of the shapes above."""
+def batch(seed: int = 0, b: int = B, pad_text: bool = False) -> dict[str, Any]:
+    """The benchmark batch on the CPU: `b` examples (default the issue's 8) of the shapes above. Every token is
+    real, or with `pad_text` example i has T - 2 (i mod 5) of them (20, 18, ..., 12) and padding after, as a
+    batch of captions of several lengths has; the regions are all real either way (LXMERT's 36 a image)."""
     g = torch.Generator().manual_seed(seed)
+    lengths = T - 2 * (torch.arange(b) % 5) if pad_text else torch.full((b,), T)
+    real = torch.arange(T)[None, :] < lengths[:, None]  # (b, T)
     x = VLInputs(
-        input_ids=torch.randint(1000, V, (b, T), generator=g), token_type_ids=torch.zeros(b, T, dtype=torch.long),
-        attention_mask=torch.ones(b, T, dtype=torch.bool), region_feats=torch.randn(b, R, D, generator=g),
+        input_ids=torch.randint(1000, V, (b, T), generator=g) * real, token_type_ids=torch.zeros(b, T, dtype=torch.long),
+        attention_mask=real, region_feats=torch.randn(b, R, D, generator=g),
         region_boxes=torch.rand(b, R, 4, generator=g).sort(-1).values, region_mask=torch.ones(b, R, dtype=torch.bool),
     )
     words = torch.full((b, T), -100)
     words[:, 1:T:6] = x.input_ids[:, 1:T:6]  # a few masked-word targets per caption
+    words[~real] = -100  # none on padding
     return {
         # the masked words as index tensors, built here on the host as the pre-training collate builds them
         "x": x, "words": words, "mlm": select_tokens(words != -100), "match": torch.randint(0, 2, (b,), generator=g),

@@ -105,8 +105,10 @@ def test_profile_kernel_time_counts_each_kernel_once():
 
 
 def test_attention_kernels_times_what_runs_and_adds_up_a_step(tmp_path, capsys):
-    """`benchmarks/attention_kernels.py --smoke`: on a CPU the CUDA-only kernels are "n/a", not timed; the
-    per-step cost is each shape's call time times that model's calls; the pick is the fastest usable one."""
+    """`benchmarks/attention_kernels.py --smoke`: on a CPU the CUDA-only kernels are "n/a", not timed; a
+    step's cost under a setting adds each call's time with the kernel that setting runs for it (with a mask
+    where the call's keys are padded: LXMERT's words, not its regions) times that model's calls; the pick is
+    the cheapest setting that could be costed."""
     import json
 
     import attention_kernels as ak
@@ -114,15 +116,25 @@ def test_attention_kernels_times_what_runs_and_adds_up_a_step(tmp_path, capsys):
     out = tmp_path / "k.json"
     ak.main(["--smoke", "--batch", "1", "--repeats", "1", "--variants", "cudnn,math", "--json", str(out)])
     r = json.loads(out.read_text())
-    assert all(r["seconds"][shape]["cudnn"] is None and r["seconds"][shape]["math"] > 0 for shape, *_ in ak.SHAPES)
+    s = r["seconds"]
+    assert all(s[shape]["cudnn"] == {"mask": None, "no mask": None} for shape, *_ in ak.SHAPES)
+    assert all(s[shape]["math"]["mask"] > 0 and s[shape]["math"]["no mask"] > 0 for shape, *_ in ak.SHAPES)
     for model, col in (("LXMERT-base", 3), ("VisualBERT-base", 4)):
-        want = sum(r["seconds"][s[0]]["math"] * s[col] for s in ak.SHAPES)
+        want = sum(s[sh[0]]["math"]["mask" if sh[5] else "no mask"] * sh[col] for sh in ak.SHAPES)
         assert r["per_step_seconds"][model]["math"] == pytest.approx(want)
         assert r["per_step_seconds"][model]["cudnn"] is None
-    assert sum(s[3] for s in ak.SHAPES) == 34 and sum(s[4] for s in ak.SHAPES) == 12
+    assert sum(sh[3] for sh in ak.SHAPES) == 34 and sum(sh[4] for sh in ak.SHAPES) == 12
+    assert sum(sh[3] for sh in ak.SHAPES if sh[5]) == 19  # keys: words (9 + 5 language self, 5 vision->language)
     assert r["best_lxmert"] == "math"
     assert "--attention_kernel=math" in capsys.readouterr().out
-    assert ak.best_kernel({"cudnn": 3.0, "efficient": 2.0, "math-compiled": 1.0, "flash": 0.5}) == "math"
-    assert ak.best_kernel({"cudnn": 3.0, "efficient": 2.0, "math": None, "flash": 0.5}) == "efficient"
+    # Which kernel each setting runs for calls without / with a mask: flash alone falls back to math, compiled
+    # where that was timed; flash before another kernel leaves it the masked calls.
+    assert ak.settings(list(ak.VARIANTS)) == {
+        "cudnn": ("cudnn", "cudnn"), "efficient": ("efficient", "efficient"), "math": ("math-compiled", "math-compiled"),
+        "flash": ("flash", "math-compiled"), "flash,cudnn": ("flash", "cudnn"), "flash,efficient": ("flash", "efficient")}
+    rows = {sh[0]: {"flash": {"mask": None, "no mask": 1.0}, "efficient": {"mask": 3.0, "no mask": 2.0}} for sh in ak.SHAPES}
+    costs = ak.step_costs(rows, ["efficient", "flash"], 3)
+    assert costs == {"efficient": 19 * 3.0 + 15 * 2.0, "flash": None, "flash,efficient": 19 * 3.0 + 15 * 1.0}
+    assert ak.best_kernel(costs) == "flash,efficient"
     with pytest.raises(SystemExit, match="no CUDA device"):  # the suite hides any GPU from this test
         ak.main([])

@@ -154,6 +154,32 @@ def test_attention_runs_on_fused_kernels_and_equals_the_explicit_path(sq, sk):
     assert _rel(out32, ref) < 1e-5
 
 
+def test_attention_kernels_are_tried_in_the_order_named_and_flash_runs_without_a_mask(monkeypatch):
+    """`--attention_kernel=flash,efficient`: a call without a mask (keys with no padding, `blocks.key_bias`)
+    runs flash, one with a mask the memory-efficient kernel; named the other way round, efficient runs both."""
+    from vlberts.models import blocks
+
+    monkeypatch.setattr(blocks, "_kernels", None)
+    monkeypatch.setattr(blocks, "_setting", "auto")
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(hidden_size=768, num_heads=12, dropout=0.1).to(CUDA).train()
+    x = torch.randn(8, 36, 768, device=CUDA)
+    bias = blocks.mask_bias(torch.ones(8, 36, dtype=torch.bool, device=CUDA), torch.bfloat16)
+
+    def kernels(b) -> set[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                attn(x, b)[0].sum().backward()
+        return {e.key for e in prof.key_averages() if "attention" in e.key and "backward" not in e.key}
+
+    flash, efficient = "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention"
+    blocks.use_attention_kernel("flash,efficient")
+    assert flash in kernels(None) and efficient not in kernels(None)
+    assert efficient in kernels(bias) and flash not in kernels(bias)
+    blocks.use_attention_kernel("efficient,flash")
+    assert efficient in kernels(None) and flash not in kernels(None)
+
+
 @pytest.mark.parametrize("model", [f"{a}-tiny" for a in ARCHS])
 def test_pretraining_on_cuda_in_bf16_learns(tiny_world, tmp_path, model):
     out = tmp_path / model

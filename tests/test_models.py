@@ -296,8 +296,28 @@ def test_attention_kernel_holds_the_fast_path_eager_and_inside_compiled_graphs(m
     blocks.use_attention_kernel("auto")
     assert CPU_FLASH in _attention_ops(lambda: compiled(x, bias))
 
-    with pytest.raises(ValueError, match="unknown attention kernel 'fast'; valid: auto, efficient, flash, cudnn, math"):
+    # Several kernels: held in the order named, math last, and handed to SDPA as an order (`set_priority`;
+    # a CPU picks between its two kernels by its own rule, so which one runs is checked on CUDA, test_gpu.py).
+    from torch.nn.attention import SDPBackend
+
+    held = []
+    real_sdpa_kernel = blocks.sdpa_kernel
+    monkeypatch.setattr(blocks, "sdpa_kernel", lambda ks, **kw: held.append((list(ks), kw)) or real_sdpa_kernel(ks, **kw))
+    for names in ("flash,efficient", ("efficient", "flash"), "cudnn,math"):
+        blocks.use_attention_kernel(names)
+        assert blocks.attention_kernel() == (names if isinstance(names, str) else ",".join(names))
+        torch.testing.assert_close(att(x, bias)[0], ref, atol=1e-6, rtol=0)
+    order = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    assert [ks for ks, _ in held] == [[order[n] for n in names] for names in
+                                      (("flash", "efficient", "math"), ("efficient", "flash", "math"), ("cudnn", "math"))]
+    assert all(kw == ({"set_priority": True} if blocks._ORDERED else {}) for _, kw in held)
+
+    with pytest.raises(VlbertsError, match="unknown attention kernel 'fast'; valid: auto, efficient, flash, cudnn, math"):
         blocks.use_attention_kernel("fast")
+    with pytest.raises(VlbertsError, match="auto stands alone"):
+        blocks.use_attention_kernel("auto,flash")
+    assert blocks.attention_kernel() == "cudnn,math"  # a refused setting leaves the held one
 
 
 def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_world, tmp_path, monkeypatch):
@@ -317,3 +337,73 @@ def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_wor
     pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, attention_kernel="auto"))
     assert blocks.attention_kernel() == "auto"
     assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_to_reads_which_key_sets_are_complete_off_the_host_masks():
+    """`VLInputs.text_complete` / `regions_complete`: set by `to` (and `pin_memory`, nested batches too) from
+    the masks as they are then, in-place edits included; unknown (None) on inputs built or changed since."""
+    from vlberts.data.batch import PretrainBatch
+
+    x = _inputs()  # row 0 has padded words, row 1 padded regions
+    assert (x.text_complete, x.regions_complete) == (None, None)
+    moved = x.to("cpu")
+    assert (moved.text_complete, moved.regions_complete) == (False, False)
+    x.attention_mask[:] = True
+    assert x.to("cpu").text_complete is True and x.to("cpu").regions_complete is False
+    x.region_mask[:] = True
+    full = x.to("cpu")
+    assert (full.text_complete, full.regions_complete) == (True, True)
+    assert dataclasses.replace(full, attention_mask=full.attention_mask.clone()).text_complete is None
+    # The facts travel with the tensors, through a batch that holds the inputs.
+    batch = PretrainBatch(inputs=x, mlm_labels=torch.full((2, 7), -100), match_labels=torch.zeros(2, dtype=torch.long),
+                          image_ids=torch.arange(2)).to("cpu")
+    assert (batch.inputs.text_complete, batch.inputs.regions_complete) == (True, True)
+    assert dataclasses.replace(full, region_mask=full.region_mask.clone()).to("cpu").regions_complete is True
+
+
+@pytest.mark.parametrize("arch", ["visualbert", "lxmert", "vilbert", "vlbert", "wvisualbert"])
+def test_key_sets_without_padding_get_no_mask_and_the_same_outputs(tiny_world, arch, monkeypatch):
+    """`blocks.key_bias`: a model leaves the attention mask out for the key sets its host batch says are
+    complete (so that flash may run on a GPU), and computes the same losses. LXMERT with padded words and
+    every region real: the calls over regions take no mask, those over words do. W-VisualBERT's tag subwords
+    are padded, so its joint calls keep their mask."""
+    from test_pretrain_archs import tiny_model_and_batch
+
+    from vlberts.models import blocks
+    from vlberts.objectives.recipe import RECIPES, pretrain_losses, run_model, total_loss
+
+    torch.manual_seed(0)
+    model, batch, weights = tiny_model_and_batch(tiny_world, arch)
+    model.eval()
+    recipe = RECIPES[arch]
+    calls: list[bool] = []  # per attention call: did it get a mask
+    sdpa = blocks.F.scaled_dot_product_attention
+    monkeypatch.setattr(blocks.F, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None, **kw: calls.append(attn_mask is not None) or sdpa(*a, attn_mask=attn_mask, **kw))
+
+    def loss_and_masks(b):
+        calls.clear()
+        with torch.no_grad():
+            loss = total_loss(pretrain_losses(recipe, run_model(recipe, model, b), b, weights, None), weights)
+        return loss, list(calls)
+
+    x = batch.inputs
+    complete = dataclasses.replace(batch, inputs=dataclasses.replace(
+        x, attention_mask=torch.ones_like(x.attention_mask), region_mask=torch.ones_like(x.region_mask)))
+    ref, masks = loss_and_masks(complete)  # built on the host and never moved: not known, every call masked
+    assert masks and all(masks)
+    loss, masks = loss_and_masks(complete.to("cpu"))
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
+    assert all(masks) if arch == "wvisualbert" else not any(masks), masks
+
+    if arch == "lxmert":
+        words = torch.ones_like(x.attention_mask)
+        words[0, -1] = False  # one padded word
+        padded = dataclasses.replace(complete, inputs=dataclasses.replace(complete.inputs, attention_mask=words))
+        ref, _ = loss_and_masks(padded)
+        loss, masks = loss_and_masks(padded.to("cpu"))
+        torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
+        cfg = model.cfg
+        # keys = words: language layers, vision->language cross-attention, language self-attention per cross layer
+        assert sum(masks) == cfg.language_layers + 2 * cfg.cross_layers
+        assert masks.count(False) == cfg.relation_layers + 2 * cfg.cross_layers

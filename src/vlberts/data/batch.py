@@ -15,7 +15,9 @@ from torch import Tensor
 
 
 def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """A copy of dataclass `obj` with `fn` applied to every tensor field, recursively."""
+    """A copy of dataclass `obj` with `fn` applied to every tensor field, recursively, and the facts a
+    batch reads off its host tensors (`Batch.host_facts`) set on the copy: `fn` moves or pins the tensors,
+    it does not change their values."""
     changes = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
@@ -23,7 +25,10 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
             changes[f.name] = fn(v)
         elif dataclasses.is_dataclass(v):
             changes[f.name] = _map_tensors(v, fn)
-    return dataclasses.replace(obj, **changes)
+    out = dataclasses.replace(obj, **changes)
+    for k, v in (obj.host_facts() if isinstance(obj, Batch) else {}).items():
+        setattr(out, k, v)
+    return out
 
 
 BatchT = TypeVar("BatchT", bound="Batch")
@@ -45,6 +50,12 @@ class Batch:
         """Every tensor field (recursively) in page-locked host memory (needs an accelerator)."""
         return _map_tensors(self, lambda t: t.pin_memory())
 
+    def host_facts(self) -> dict[str, Any]:
+        """Facts about the batch's values that a model uses and that are free to read where the tensors
+        are on the host but would cost a wait for the GPU on the device; `to` and `pin_memory` set them on
+        the copy they return (fields outside `__init__`). None here."""
+        return {}
+
 
 @dataclass
 class VLInputs(Batch):
@@ -65,6 +76,21 @@ class VLInputs(Batch):
     # (B, 3, H, W) float image pixels, normalised as the model's CNN expects; region_boxes are relative to
     # this H, W. Only end-to-end models (VL-BERT `end_to_end`) read it; None everywhere else.
     pixels: Tensor | None = None
+    # Whether every text token / every region of every example is real (no padding). Read off the host
+    # masks by `to` (and `pin_memory`) into the copy it returns; None on inputs built or changed since
+    # (`dataclasses.replace`), which then keep their masks. A model leaves the attention mask out for a
+    # key set known to be complete (`models.blocks.key_bias`), so that SDPA may run the flash kernel,
+    # which takes none; reading the mask on the GPU instead would make the host wait for it every step.
+    text_complete: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    regions_complete: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def host_facts(self) -> dict[str, Any]:
+        """`text_complete` and `regions_complete`: read off the masks when they are on the host, as they
+        are now (an edit made in place before the copy counts), else the ones this batch carries."""
+        def complete(mask: Tensor, known: bool | None) -> bool | None:
+            return bool(mask.all()) if mask.device.type == "cpu" else known
+        return {"text_complete": complete(self.attention_mask, self.text_complete),
+                "regions_complete": complete(self.region_mask, self.regions_complete)}
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,9 @@ path to one of PyTorch's kernels (`use_attention_kernel`, the recipes' `--attent
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vlberts.data.batch import TokenSelection, as_selection
+from vlberts.errors import VlbertsError
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),  # BERT's exact erf GELU
@@ -94,7 +97,15 @@ def mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return bias[:, None, None, :]
 
 
-# The kernels `--attention_kernel` may hold the fast path to; auto: PyTorch picks per call.
+def key_bias(mask: Tensor, dtype: torch.dtype, complete: bool | None) -> Tensor | None:
+    """`mask_bias`, or None when the host knows that every key is real (`complete`, e.g.
+    `VLInputs.regions_complete`: LXMERT's images all have 36 regions). Without a mask, attention computes the
+    same values and SDPA may run the flash kernel, which takes none (`--attention_kernel`)."""
+    return None if complete else mask_bias(mask, dtype)
+
+
+# The kernels `--attention_kernel` may hold the fast path to, one or several in the order tried; auto: PyTorch
+# picks per call.
 AttentionKernel = Literal["auto", "efficient", "flash", "cudnn", "math"]
 ATTENTION_KERNELS: tuple[str, ...] = AttentionKernel.__args__
 SDPA_KERNELS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -104,22 +115,38 @@ SDPA_KERNELS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend
 # and guards on this global); switches set outside the graph would not reach a graph that torch.compile's
 # caches already hold (the H200 run of 2026-11-27: the compiled step kept cuDNN's kernel).
 _kernels: list[SDPBackend] | None = None
+_setting = "auto"  # the names it was set from
+# Whether this PyTorch's `sdpa_kernel` takes the list as an order (torch >= 2.5); without, the listed kernels
+# are only the ones allowed, and PyTorch's own order picks among them.
+_ORDERED = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
-def use_attention_kernel(name: str) -> None:
-    """Hold every attention call of the fast path, in this process, to one kernel: `efficient` (memory-efficient),
-    `flash`, `cudnn` or `math`, with PyTorch's math path as the fallback where that kernel cannot take the
-    inputs (flash takes no additive mask; a CPU has flash and math only). `auto` gives the choice back to
-    PyTorch. The function computed is the same; only the kernel (and its rounding) changes."""
-    global _kernels
-    if name not in ATTENTION_KERNELS:
-        raise ValueError(f"unknown attention kernel {name!r}; valid: {', '.join(ATTENTION_KERNELS)}")
-    _kernels = None if name == "auto" else list(dict.fromkeys([SDPA_KERNELS[name], SDPBackend.MATH]))
+def use_attention_kernel(names: str | Sequence[str]) -> None:
+    """Hold every attention call of the fast path, in this process, to the named kernels, tried in the order
+    given, with PyTorch's math path last: `efficient` (memory-efficient), `flash`, `cudnn`, `math`, or several
+    ("flash,efficient": flash where it can take the inputs, which is where no key is padded (`key_bias`), the
+    memory-efficient kernel elsewhere). Where none can take them, math runs (flash takes no additive mask; a
+    CPU has flash and math only). `auto` gives the choice back to PyTorch. The function computed is the same;
+    only the kernel (and its rounding) changes."""
+    global _kernels, _setting
+    listed = [n for n in (names.split(",") if isinstance(names, str) else names) if n]
+    for name in listed:
+        if name not in ATTENTION_KERNELS:
+            raise VlbertsError(f"unknown attention kernel {name!r}; valid: {', '.join(ATTENTION_KERNELS)}")
+    if not listed or ("auto" in listed and len(listed) > 1):
+        raise VlbertsError(f"attention kernels {','.join(listed) or '(none)'}: auto stands alone "
+                           "(PyTorch picks), or name the kernels to try in order")
+    if len(listed) > 1 and not _ORDERED:
+        raise VlbertsError(f"attention kernels {','.join(listed)}: an order of kernels needs torch >= 2.5 "
+                           f"(sdpa_kernel's set_priority; this is {torch.__version__}); name one kernel")
+    held = [*(SDPA_KERNELS[n] for n in listed if n != "auto"), SDPBackend.MATH]
+    _kernels = None if listed == ["auto"] else list(dict.fromkeys(held))
+    _setting = ",".join(listed)
 
 
 def attention_kernel() -> str:
-    """The name `use_attention_kernel` was last given ("auto" when none)."""
-    return "auto" if _kernels is None else next(k for k, v in SDPA_KERNELS.items() if v == _kernels[0])
+    """The names `use_attention_kernel` was last given, comma-joined ("auto" when none)."""
+    return _setting
 
 
 class MultiHeadAttention(nn.Module):
@@ -164,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
             probs = None
         else:
-            with sdpa_kernel(_kernels):
+            with sdpa_kernel(_kernels, **({"set_priority": True} if _ORDERED else {})):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
             probs = None
         B, H, S, d = out.shape

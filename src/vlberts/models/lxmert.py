@@ -51,7 +51,7 @@ from vlberts.models.blocks import (
     Pooler,
     PredictionHeadTransform,
     init_bert_weights,
-    mask_bias,
+    key_bias,
     selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, LxmertPretrainOutput, VLOutput
@@ -169,9 +169,10 @@ class CrossModalityLayer(nn.Module):
         self.visn_ffn = FeedForward(cfg)
 
     def forward(
-        self, lang: Tensor, lang_bias: Tensor, visn: Tensor, visn_bias: Tensor, need_weights: bool = False
+        self, lang: Tensor, lang_bias: Tensor | None, visn: Tensor, visn_bias: Tensor | None, need_weights: bool = False
     ) -> tuple[Tensor, Tensor, CrossLayerMaps | None]:
-        """lang (B, T, D), visn (B, R, D); biases (B, 1, 1, T) and (B, 1, 1, R) additive key masks.
+        """lang (B, T, D), visn (B, R, D); biases (B, 1, 1, T) and (B, 1, 1, R) additive key masks (None: no
+        key of that stream is padded).
 
         Returns the new lang (B, T, D), visn (B, R, D) and, if asked, the layer's attention maps.
         """
@@ -216,8 +217,8 @@ class LxmertModel(nn.Module):
         """
         lang = self.embeddings(x.input_ids, x.token_type_ids)  # (B, T, D)
         visn = self.object_embeddings(x.region_feats, x.region_boxes)  # (B, R, D)
-        lang_bias = mask_bias(x.attention_mask, lang.dtype)  # (B, 1, 1, T)
-        visn_bias = mask_bias(x.region_mask, visn.dtype)  # (B, 1, 1, R)
+        lang_bias = key_bias(x.attention_mask, lang.dtype, x.text_complete)  # (B, 1, 1, T) or None
+        visn_bias = key_bias(x.region_mask, visn.dtype, x.regions_complete)  # (B, 1, 1, R) or None
 
         lang, text_self = self.encoder(lang, lang_bias, need_weights=need_attn)
         visn, vision_self = self.r_encoder(visn, visn_bias, need_weights=need_attn)

@@ -100,7 +100,7 @@ from vlberts.models.blocks import (
     MultiHeadAttention,
     PredictionHeadTransform,
     init_bert_weights,
-    mask_bias,
+    key_bias,
     selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, ViLBertPretrainOutput, VLOutput
@@ -263,9 +263,10 @@ class CoAttentionBlock(nn.Module):
         self.output = AddNorm(bi_hidden, q_dim, out_dropout, eps)
 
     def forward(
-        self, x: Tensor, ctx: Tensor, ctx_bias: Tensor, need_weights: bool = False
+        self, x: Tensor, ctx: Tensor, ctx_bias: Tensor | None, need_weights: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, Sq, q_dim) queries, ctx (B, Sk, kv_dim), ctx_bias (B, 1, 1, Sk) additive key mask.
+        """x (B, Sq, q_dim) queries, ctx (B, Sk, kv_dim), ctx_bias (B, 1, 1, Sk) additive key mask (None: no key
+        is padded).
 
         Returns (B, Sq, q_dim) and, if asked, the probabilities (B, H, Sq, Sk)."""
         h, probs = self.self(x, ctx_bias, ctx, need_weights)  # (B, Sq, bi_hidden)
@@ -289,7 +290,7 @@ class CoAttentionLayer(nn.Module):
         self.vision_ffn = FeedForward(cfg.v_block)
 
     def forward(
-        self, text: Tensor, text_bias: Tensor, vision: Tensor, vision_bias: Tensor, need_weights: bool = False
+        self, text: Tensor, text_bias: Tensor | None, vision: Tensor, vision_bias: Tensor | None, need_weights: bool = False
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """text (B, T, D), vision (B, R', Dv); biases (B, 1, 1, T) and (B, 1, 1, R') additive key masks.
 
@@ -341,9 +342,9 @@ class ViLBertModel(nn.Module):
         text = self.embeddings(x.input_ids, x.token_type_ids)  # (B, T, D)
         vision = self.v_embeddings(feats, loc)  # (B, R', Dv)
         if self.cfg.single_stream:
-            text, vision, attn = self._joint(text, x.attention_mask.bool(), vision, vmask, need_attn)
+            text, vision, attn = self._joint(text, x.attention_mask.bool(), vision, vmask, need_attn, x)
         else:
-            text, vision, attn = self._streams(text, x.attention_mask.bool(), vision, vmask, need_attn)
+            text, vision, attn = self._streams(text, x.attention_mask.bool(), vision, vmask, need_attn, x)
         off = int(self.cfg.add_image_token)
         # §2.2: h_IMG and h_CLS are the holistic representations; the released poolers read element 0
         # of each stream ([CLS]; [IMG], or the caller's first region without it).
@@ -354,12 +355,12 @@ class ViLBertModel(nn.Module):
         )
 
     def _streams(
-        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool
+        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool, x: VLInputs
     ) -> tuple[Tensor, Tensor, AttentionMaps | None]:
         """Fig. 1: the text and visual layers up to each co-attention layer, the co-attention layer, and
         after the last one the remaining layers of each stream."""
-        t_bias = mask_bias(tmask, text.dtype)  # (B, 1, 1, T)
-        v_bias = mask_bias(vmask, vision.dtype)  # (B, 1, 1, R')
+        t_bias = key_bias(tmask, text.dtype, x.text_complete)  # (B, 1, 1, T) or None
+        v_bias = key_bias(vmask, vision.dtype, x.regions_complete)  # (B, 1, 1, R') or None ([IMG] is always real)
         t_layers, v_layers = self.encoder.layer, self.v_encoder.layer
         text_self, vision_self, t2v, v2t = [], [], [], []
         ti = vi = 0
@@ -386,13 +387,13 @@ class ViLBertModel(nn.Module):
         return text, vision, attn
 
     def _joint(
-        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool
+        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool, x: VLInputs
     ) -> tuple[Tensor, Tensor, AttentionMaps | None]:
         """§4 single-stream baseline: the text layers over [text ; [IMG] ; regions] with joint attention."""
         T, S = text.shape[1], text.shape[1] + vision.shape[1]
         h = torch.cat([text, vision], dim=1)  # (B, S, D), S = T + R'
         mask = torch.cat([tmask, vmask], dim=1)  # (B, S)
-        h, maps = self.encoder(h, mask_bias(mask, h.dtype), need_weights=need_attn)
+        h, maps = self.encoder(h, key_bias(mask, h.dtype, x.text_complete and x.regions_complete), need_weights=need_attn)
         attn = None
         if need_attn:
             attn = AttentionMaps(

@@ -27,7 +27,7 @@ from vlberts.models.blocks import (
     MLMHead,
     Pooler,
     init_bert_weights,
-    mask_bias,
+    key_bias,
     selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, PretrainOutput, VLOutput
@@ -134,15 +134,16 @@ class VisualBertModel(nn.Module):
         T = x.input_ids.shape[1]
         h = self.embeddings(x)  # (B, S, D)
         mask = torch.cat([x.attention_mask.bool(), x.region_mask.bool()], dim=1)  # (B, S)
-        bias = mask_bias(mask, h.dtype)  # (B, 1, 1, S)
+        bias = key_bias(mask, h.dtype, x.text_complete and x.regions_complete)  # (B, 1, 1, S) or None
         k = self.cfg.fusion_layer
         if k == 0:
             return self.encoder(h, bias, need_weights=need_attn, rows=rows)
         # Without early fusion: the text alone through layers 0..k-1, then the regions' embeddings are
         # appended and layers k.. run on the whole sequence (original code: `bypass_transformer`).
         text, maps = h[:, :T], []
+        text_bias = key_bias(x.attention_mask.bool(), h.dtype, x.text_complete)  # (B, 1, 1, T) or None
         for layer in self.encoder.layer[:k]:
-            text, probs = layer(text, bias[..., :T], need_attn)  # (B, T, D); probs (B, H, T, T)
+            text, probs = layer(text, text_bias, need_attn)  # (B, T, D); probs (B, H, T, T)
             maps.append(probs)
         h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
         h, more = self.encoder(h, bias, need_weights=need_attn, rows=rows, start=k)

@@ -56,7 +56,7 @@ from vlberts.models.blocks import (
     Pooler,
     activation,
     init_bert_weights,
-    mask_bias,
+    key_bias,
     selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
@@ -286,7 +286,9 @@ class VLBertModel(nn.Module):
         else:
             feats = x.region_feats
         h, mask = self.embeddings(x, feats, masked, image_feat)  # (B, S, D), (B, S)
-        h, maps = self.encoder(h, mask_bias(mask, h.dtype), need_weights=need_attn)
+        # Complete when text and regions are: the whole image and [END] are real wherever a region is.
+        complete = x.text_complete and x.regions_complete and R > 0
+        h, maps = self.encoder(h, key_bias(mask, h.dtype, complete), need_weights=need_attn)
         attn = None
         if need_attn:
             attn = AttentionMaps(

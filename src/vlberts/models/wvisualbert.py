@@ -60,7 +60,7 @@ from vlberts.models.blocks import (
     Pooler,
     PredictionHeadTransform,
     init_bert_weights,
-    mask_bias,
+    key_bias,
     selected_text,
 )
 from vlberts.models.outputs import AttentionMaps, VLOutput
@@ -267,7 +267,8 @@ class WVisualBertModel(nn.Module):
         masks = [x.attention_mask.bool(), x.region_mask.bool()]
         if L:
             masks.append(tags.tag_mask.bool())
-        bias = mask_bias(torch.cat(masks, dim=1), h.dtype)  # (B, 1, 1, S)
+        complete = x.text_complete and x.regions_complete and not L  # tag subwords: padded to the longest
+        bias = key_bias(torch.cat(masks, dim=1), h.dtype, complete)  # (B, 1, 1, S) or None
         h, maps = self.encoder(h, bias, need_weights=need_attn)
         dev = h.device
         attn = None

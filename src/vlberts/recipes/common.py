@@ -146,8 +146,9 @@ COMPILE_MODE_HELP = ("torch.compile's mode with --compile: reduce-overhead repla
                      "GPU), one recorded per shape (pre-training: give it --static_shapes)")
 
 ATTENTION_KERNEL_HELP = ("the kernel every attention call of the fast path uses (PyTorch's math path where it cannot take "
-                         "the inputs): auto (PyTorch picks: cuDNN's kernel on the H200 measured), efficient, flash, cudnn or math. "
-                         "Same function, another kernel; held inside compiled graphs too")
+                         "the inputs): auto (PyTorch picks: cuDNN's kernel on the H200 measured), efficient, flash, cudnn or math, "
+                         "or several tried in order (flash,efficient: flash for the calls whose keys have no padding, which "
+                         "get no mask, efficient for the rest). Same function, another kernel; held inside compiled graphs too")
 
 
 @dataclass(frozen=True)

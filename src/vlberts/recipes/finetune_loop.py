@@ -87,7 +87,7 @@ class FinetuneConfig:
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
     compile_mode: CompileMode = opt("default", COMPILE_MODE_HELP)
-    attention_kernel: AttentionKernel = opt("auto", ATTENTION_KERNEL_HELP)
+    attention_kernel: tuple[AttentionKernel, ...] = opt(("auto",), ATTENTION_KERNEL_HELP)
 
 
 def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:

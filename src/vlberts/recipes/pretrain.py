@@ -183,7 +183,7 @@ class PretrainConfig:
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
     compile_mode: CompileMode = opt("default", COMPILE_MODE_HELP)
-    attention_kernel: AttentionKernel = opt("auto", ATTENTION_KERNEL_HELP)
+    attention_kernel: tuple[AttentionKernel, ...] = opt(("auto",), ATTENTION_KERNEL_HELP)
     static_shapes: bool = opt(False, "pad every batch to --max_regions regions, and its text length and masked-word "
                               "lists to a few bucket sizes, so that the step keeps a few shapes (what CUDA graphs "
                               "need; no recompiling for new lengths). Same losses up to rounding, except "
