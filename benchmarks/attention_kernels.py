@@ -16,6 +16,7 @@ makes it (every key visible: the values do not change the kernels' work) or none
 for a key set with padding (`blocks.key_bias`): in a pre-training batch the text is padded to its longest
 caption, while LXMERT's images all have 36 regions, so 19 of LXMERT-base's 34 calls (keys: words) take a mask
 and 15 (keys: regions) take none; VisualBERT's 12 joint calls take one. Variants:
+- `auto`: eager, PyTorch's own pick for each call (the default `--attention_kernel=auto`);
 - `cudnn`, `efficient`, `math`, `flash`: eager, SDPA held to that kernel (`sdpa_kernel`); flash takes no
   additive mask, so it is timed without one only;
 - `math-compiled`: the math path under `torch.compile` (inductor fuses the scale, mask, softmax and dropout
@@ -58,7 +59,7 @@ SHAPES = (
     ("regions over words", 36, 20, 5, 0, True),
     ("joint (VisualBERT)", 56, 56, 0, 12, True),
 )
-VARIANTS = ("cudnn", "efficient", "math", "math-compiled", "flash")
+VARIANTS = ("auto", "cudnn", "efficient", "math", "math-compiled", "flash")
 LABELS = {"math-compiled": "math compiled"}
 MASKS = {"mask": True, "no mask": False}
 
@@ -66,6 +67,8 @@ MASKS = {"mask": True, "no mask": False}
 def attention_fn(variant: str, p_drop: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]:
     """One attention call as the model makes it, held to `variant`'s kernel (the held set is entered inside
     the function, so that a compiled copy records it in its graph)."""
+    if variant == "auto":  # PyTorch picks, per call (`--attention_kernel=auto`)
+        return lambda q, k, v, bias: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p_drop)
     kernel = SDPA_KERNELS["math" if variant == "math-compiled" else variant]
 
     def call(q, k, v, bias):
@@ -112,7 +115,7 @@ def settings(variants: list[str]) -> dict[str, tuple[str, str]]:
     kernels = [v for v in variants if not (v == "math" and math == "math-compiled")]
     out = {v.removesuffix("-compiled"): (v, math if v == "flash" else v) for v in kernels}
     if "flash" in variants:
-        out.update({f"flash,{v}": ("flash", v) for v in kernels if v not in ("flash", math)})
+        out.update({f"flash,{v}": ("flash", v) for v in kernels if v not in ("flash", "auto", math)})
     return out
 
 

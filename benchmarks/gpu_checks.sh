@@ -90,6 +90,7 @@ if [ -n "${ATTN_KERNELS:-}" ]; then
       [ -n "$k" ] || { stamp "ATTN_KERNELS=best: no attention_kernels.json with a pick (KERNELS=1 first)"; continue; }
     fi
     k=${k//+/,}; f=${k//,/_}  # the flag's commas; file names without them
+    [ -e "$out/gpu_attn_$f.log" ] && { stamp "attention kernel $k: measured above"; continue; }  # best = one named
     stamp "throughput, ${ATTN_ARCH:-lxmert} at batch ${ATTN_BATCH:-512}, attention kernel: $k"
     timeout "${ATTN_S:-200}" $py benchmarks/gpu_throughput.py --arch "${ATTN_ARCH:-lxmert}" --batch "${ATTN_BATCH:-512}" \
       --steps 15 --compile-modes reduce-overhead --attention-kernel "$k" --pad-text --profile "$out/profile_attn_$f" \

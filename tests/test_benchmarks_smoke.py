@@ -130,7 +130,7 @@ def test_attention_kernels_times_what_runs_and_adds_up_a_step(tmp_path, capsys):
     # Which kernel each setting runs for calls without / with a mask: flash alone falls back to math, compiled
     # where that was timed; flash before another kernel leaves it the masked calls.
     assert ak.settings(list(ak.VARIANTS)) == {
-        "cudnn": ("cudnn", "cudnn"), "efficient": ("efficient", "efficient"), "math": ("math-compiled", "math-compiled"),
+        "auto": ("auto", "auto"), "cudnn": ("cudnn", "cudnn"), "efficient": ("efficient", "efficient"), "math": ("math-compiled", "math-compiled"),
         "flash": ("flash", "math-compiled"), "flash,cudnn": ("flash", "cudnn"), "flash,efficient": ("flash", "efficient")}
     rows = {sh[0]: {"flash": {"mask": None, "no mask": 1.0}, "efficient": {"mask": 3.0, "no mask": 2.0}} for sh in ak.SHAPES}
     costs = ak.step_costs(rows, ["efficient", "flash"], 3)
