@@ -337,6 +337,10 @@ def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_wor
     pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, attention_kernel="auto"))
     assert blocks.attention_kernel() == "auto"
     assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    # A setting that cannot be held stops the run before it writes anything.
+    with pytest.raises(VlbertsError, match="auto stands alone"):
+        pretrain(cfg_for(tiny_world, tmp_path / "bad", attention_kernel=("auto", "flash")))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_to_reads_which_key_sets_are_complete_off_the_host_masks():

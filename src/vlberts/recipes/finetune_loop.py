@@ -96,6 +96,7 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
     set_threads()
     device = resolve_device(cfg.device)
     require_compiler(cfg.compile, device)
+    use_attention_kernel(cfg.attention_kernel)  # a bad setting stops the run here; compiled graphs keep the kernel
     dist = init_distributed(device.type)
     device = local_device(device, dist)
     for key in required:
@@ -173,7 +174,6 @@ def finetune_loop(
     model.to(device)
     if cfg.fsdp:  # in place: the task's `loss` closure calls this same module (training/distributed.py)
         shard_model(model, dist)
-    use_attention_kernel(cfg.attention_kernel)  # before compiling: a compiled graph keeps the kernel it traced
     if cfg.compile:  # in place too, so the `loss` closure runs the compiled forward; state dict names unchanged
         model.compile(mode=cfg.compile_mode)
     steps = num_updates(cfg, len(data))

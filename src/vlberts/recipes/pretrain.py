@@ -408,6 +408,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
     require_compiler(cfg.compile, device)
+    use_attention_kernel(cfg.attention_kernel)  # a bad setting stops the run here; compiled graphs keep the kernel
     dist = init_distributed(device.type)  # torchrun: one process per rank (training/distributed.py)
     device = local_device(device, dist)
     streamed = bool(cfg.shards)
@@ -492,7 +493,6 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     model.to(device)
     if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
         model = shard_model(model, dist)
-    use_attention_kernel(cfg.attention_kernel)  # before compiling: a compiled graph keeps the kernel it traced
     if cfg.compile:  # in place: the state dict keeps its names (no `_orig_mod.` prefix)
         model.compile(mode=cfg.compile_mode)
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
