@@ -4,7 +4,7 @@ the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
         [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
-        [--attention-kernel auto|efficient|flash|cudnn|math] [--device cuda|cpu] [--smoke]
+        [--attention-kernel auto|efficient|flash|cudnn|math|flash,efficient|...] [--pad-text] [--device cuda|cpu] [--smoke]
         [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and

@@ -129,7 +129,7 @@ def use_attention_kernel(names: str | Sequence[str]) -> None:
     CPU has flash and math only). `auto` gives the choice back to PyTorch. The function computed is the same;
     only the kernel (and its rounding) changes."""
     global _kernels, _setting
-    listed = [n for n in (names.split(",") if isinstance(names, str) else names) if n]
+    listed = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     for name in listed:
         if name not in ATTENTION_KERNELS:
             raise VlbertsError(f"unknown attention kernel {name!r}; valid: {', '.join(ATTENTION_KERNELS)}")
