@@ -117,10 +117,13 @@ def progress(disable: bool | None = None) -> Progress:
 
 
 def field_help(cls: type) -> str:
-    """`--key=value` documentation of a run-config dataclass, from each field's `help` metadata."""
+    """`--key=value` documentation of a run-config dataclass, from each field's `help` metadata. A list
+    default is shown as the flag takes it, comma-separated."""
     lines = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        if isinstance(default, (tuple, list)):
+            default = ",".join(map(str, default))
         lines.append(f"--{f.name}={default}: {f.metadata.get('help', '')}")
     return "\n\n".join(lines)
 
