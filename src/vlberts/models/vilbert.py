@@ -341,10 +341,15 @@ class ViLBertModel(nn.Module):
         feats, loc, vmask = image_sequence(x, self.cfg.add_image_token)  # (B, R', F), (B, R', 5), (B, R')
         text = self.embeddings(x.input_ids, x.token_type_ids)  # (B, T, D)
         vision = self.v_embeddings(feats, loc)  # (B, R', Dv)
+        tmask = x.attention_mask.bool()  # (B, T)
+        # Additive key masks, None for a stream with no padded key ([IMG] is always real).
         if self.cfg.single_stream:
-            text, vision, attn = self._joint(text, x.attention_mask.bool(), vision, vmask, need_attn, x)
+            bias = key_bias(torch.cat([tmask, vmask], dim=1), text.dtype, x.text_complete and x.regions_complete)
+            text, vision, attn = self._joint(text, vision, bias, need_attn)  # bias (B, 1, 1, T + R')
         else:
-            text, vision, attn = self._streams(text, x.attention_mask.bool(), vision, vmask, need_attn, x)
+            t_bias = key_bias(tmask, text.dtype, x.text_complete)  # (B, 1, 1, T)
+            v_bias = key_bias(vmask, vision.dtype, x.regions_complete)  # (B, 1, 1, R')
+            text, vision, attn = self._streams(text, t_bias, vision, v_bias, need_attn)
         off = int(self.cfg.add_image_token)
         # §2.2: h_IMG and h_CLS are the holistic representations; the released poolers read element 0
         # of each stream ([CLS]; [IMG], or the caller's first region without it).
@@ -355,12 +360,10 @@ class ViLBertModel(nn.Module):
         )
 
     def _streams(
-        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool, x: VLInputs
+        self, text: Tensor, t_bias: Tensor | None, vision: Tensor, v_bias: Tensor | None, need_attn: bool
     ) -> tuple[Tensor, Tensor, AttentionMaps | None]:
         """Fig. 1: the text and visual layers up to each co-attention layer, the co-attention layer, and
         after the last one the remaining layers of each stream."""
-        t_bias = key_bias(tmask, text.dtype, x.text_complete)  # (B, 1, 1, T) or None
-        v_bias = key_bias(vmask, vision.dtype, x.regions_complete)  # (B, 1, 1, R') or None ([IMG] is always real)
         t_layers, v_layers = self.encoder.layer, self.v_encoder.layer
         text_self, vision_self, t2v, v2t = [], [], [], []
         ti = vi = 0
@@ -387,13 +390,12 @@ class ViLBertModel(nn.Module):
         return text, vision, attn
 
     def _joint(
-        self, text: Tensor, tmask: Tensor, vision: Tensor, vmask: Tensor, need_attn: bool, x: VLInputs
+        self, text: Tensor, vision: Tensor, bias: Tensor | None, need_attn: bool
     ) -> tuple[Tensor, Tensor, AttentionMaps | None]:
         """§4 single-stream baseline: the text layers over [text ; [IMG] ; regions] with joint attention."""
         T, S = text.shape[1], text.shape[1] + vision.shape[1]
         h = torch.cat([text, vision], dim=1)  # (B, S, D), S = T + R'
-        mask = torch.cat([tmask, vmask], dim=1)  # (B, S)
-        h, maps = self.encoder(h, key_bias(mask, h.dtype, x.text_complete and x.regions_complete), need_weights=need_attn)
+        h, maps = self.encoder(h, bias, need_weights=need_attn)
         attn = None
         if need_attn:
             attn = AttentionMaps(
