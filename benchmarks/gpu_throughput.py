@@ -78,7 +78,7 @@ from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E
 from vlberts.io import write_json  # noqa: E402
 from vlberts.errors import VlbertsError  # noqa: E402
 from vlberts.data.batch import TokenSelection  # noqa: E402
-from vlberts.models.blocks import ATTENTION_KERNELS, SDPA_KERNELS, use_attention_kernel  # noqa: E402
+from vlberts.models.blocks import ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, SDPA_KERNELS, use_attention_kernel  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
 from vlberts.recipes.common import autocast  # noqa: E402
@@ -474,10 +474,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sdpa-backends", default="",
                     help=f"comma-separated attention kernels ({', '.join(SDPA_BACKENDS)}): also time an eager "
                          "copy of our model whose attention may use that kernel only, one row each")
-    ap.add_argument("--attention-kernel", default="auto",
+    ap.add_argument("--attention-kernel", default=None,
                     help=f"hold every attention call of our models, eager and compiled, to this kernel, or to these "
                          f"in order (comma-separated, of {', '.join(ATTENTION_KERNELS)}; `pretrain --attention_kernel`, "
-                         "held inside the compiled graphs); Hugging Face's eager attention does not call SDPA")
+                         "held inside the compiled graphs; default: pretrain's, "
+                         f"{','.join(DEFAULT_ATTENTION_KERNEL)}, or auto with --sdpa-backends); Hugging Face's eager "
+                         "attention does not call SDPA")
     ap.add_argument("--pad-text", action="store_true",
                     help="captions of 12-20 tokens padded to 20, as a real batch is (default: all 20 real, so "
                          "that no attention call of ours takes a mask); the regions are all real either way")
@@ -495,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     if unknown := [b for b in args.sdpa_backends if b not in SDPA_BACKENDS]:
         ap.error(f"--sdpa-backends: unknown {', '.join(unknown)} (choose from {', '.join(SDPA_BACKENDS)})")
+    if args.attention_kernel is None:  # each --sdpa-backends row holds its own kernel with PyTorch's switches
+        args.attention_kernel = "auto" if args.sdpa_backends else ",".join(DEFAULT_ATTENTION_KERNEL)
     if args.sdpa_backends and args.attention_kernel != "auto":  # the model's held kernel would override each row's
         ap.error("--sdpa-backends and --attention-kernel: choose one (the kernel held inside the model wins over "
                  "the rows' own)")

@@ -320,6 +320,31 @@ def test_attention_kernel_holds_the_fast_path_eager_and_inside_compiled_graphs(m
     assert blocks.attention_kernel() == "cudnn,math"  # a refused setting leaves the held one
 
 
+def test_default_attention_kernel_trains_on_a_cpu_as_pytorchs_pick_to_the_bit(monkeypatch):
+    """`--attention_kernel`'s default (efficient,flash: the fastest on the H200) on a CPU, which has no
+    efficient kernel, runs what PyTorch's pick runs: the same outputs and gradients to the bit, with a key
+    mask and without, with dropout and without, so the CPU demos and their numbers stay as they were."""
+    from vlberts.models import blocks
+
+    monkeypatch.setattr(blocks, "_kernels", None)  # restored after the test
+    assert blocks.DEFAULT_ATTENTION_KERNEL == (("efficient", "flash") if blocks._ORDERED else ("auto",))
+    keep = torch.ones(4, 20, dtype=torch.bool)
+    keep[1:, 15:] = False
+    for bias in (blocks.mask_bias(keep, torch.float32), None):
+        for p_drop in (0.0, 0.1):
+            results = []
+            for setting in ("auto", blocks.DEFAULT_ATTENTION_KERNEL):
+                blocks.use_attention_kernel(setting)
+                torch.manual_seed(0)
+                att = blocks.MultiHeadAttention(64, 4, p_drop).train()
+                x = torch.randn(4, 20, 64, requires_grad=True)
+                out = att(x, bias)[0]
+                out.square().sum().backward()
+                results.append((out.detach(), x.grad, att.query.weight.grad))
+            for a, b in zip(*results, strict=True):
+                assert torch.equal(a, b), (bias is not None, p_drop)
+
+
 def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_world, tmp_path, monkeypatch):
     """`pretrain --attention_kernel=math` holds the kernel for the run and records it; a resumed run may
     use another kernel (it computes the same function), like --compile."""

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlberts.errors import VlbertsError
+from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
 from vlberts.training import loop
 from vlberts.training.checkpoint import latest_checkpoint, load_pretraining_model
@@ -194,7 +195,8 @@ def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):
     assert f"wrote {out / 'model'}" in proc.stdout
     show = subprocess.run([str(VLBERTS), "show-config", "pretrain"], capture_output=True, text=True)
     assert show.returncode == 0 and "--grad_accum=1" in show.stdout and "--mlm_prob=0.15" in show.stdout
-    assert "--attention_kernel=auto:" in show.stdout and "--mlm_word_probs=:" in show.stdout  # lists as the flag takes them
+    default_kernels = ",".join(DEFAULT_ATTENTION_KERNEL)  # efficient,flash where torch takes an order
+    assert f"--attention_kernel={default_kernels}:" in show.stdout and "--mlm_word_probs=:" in show.stdout  # lists as the flag takes them
 
 
 def test_word_probs_must_be_single_tokens_with_a_probability(tmp_path):

@@ -1,6 +1,6 @@
 """Fixed-shape pre-training batches (`vlberts pretrain --static_shapes`, `data.pretrain.fixed_shapes`): every
-batch padded to the run's text length and region count, the masked-word lists to bucket sizes, with the
-same losses as unpadded batches; what CUDA graphs (`--compile_mode=reduce-overhead`) need."""
+batch padded to the run's region count, its text length to bucket sizes, the masked-word lists to powers of
+two, with the same losses as unpadded batches; what CUDA graphs (`--compile_mode=reduce-overhead`) need."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from test_pretrain import cfg_for
 
-from vlberts.data.batch import bucket, select_tokens
+from vlberts.data.batch import bucket, coarse_bucket, select_tokens
 from vlberts.models import builders
 from vlberts.recipes import pretrain as pretrain_module
 from vlberts.recipes.pretrain import pretrain
@@ -29,6 +29,16 @@ def test_bucket_sizes_hold_the_count_with_at_most_a_quarter_more():
         assert n <= bucket(n) <= 1.25 * n
     # masked-word counts of a batch of 256 x 20 tokens vary by a few dozen: one or two sizes
     assert len({bucket(n) for n in range(740, 800)}) == 2
+
+
+def test_coarse_bucket_sizes_are_powers_of_two_that_hold_the_count():
+    assert [coarse_bucket(n) for n in (0, 1, 8, 9, 16, 17, 100, 768, 790)] == [0, 8, 8, 16, 16, 32, 128, 1024, 1024]
+    for n in range(9, 5000):
+        assert n <= coarse_bucket(n) < 2 * n and coarse_bucket(n) & (coarse_bucket(n) - 1) == 0
+    # the masked words of a batch of 240 x 30 tokens (about 720, a few dozen either way): one size where
+    # `bucket` has two, and the most in one example (8 to 13 in such a batch) at most two where it has four
+    assert len({coarse_bucket(n) for n in range(640, 800)}) == 1 < len({bucket(n) for n in range(640, 800)})
+    assert len({coarse_bucket(n) for n in range(8, 14)}) == 2 < len({bucket(n) for n in range(8, 14)})
 
 
 def test_bucketed_selection_pads_with_cls_of_the_first_example():
@@ -77,11 +87,11 @@ def test_every_batch_keeps_its_shapes(tiny_world, tmp_path, monkeypatch, arch):
     assert {s["targets"] for s in seen} <= {None, (32, 30), (16, 30)}
     assert len({s["tags"] for s in seen if s["tags"] and s["tags"][0] == 32}) <= 2  # W-VisualBERT's tags, bucketed
     # The masked words (about 110 a batch of 32 here, half that for ViLBERT, which drops the targets of
-    # mismatched pairs) and their largest number in one example take bucket sizes: fewer shapes than counts.
+    # mismatched pairs) and their largest number in one example take powers of two: fewer shapes than counts.
     full = [s for s in seen if s["text"][0] == 32]
     sizes = {s["selected"] for s in full}
-    assert all(bucket(n) == n and bucket(m - 1) == m - 1 for n, m in sizes)
-    assert all(s["masked"] <= s["selected"][0] <= 1.25 * s["masked"] for s in full)
+    assert all(coarse_bucket(n) == n and coarse_bucket(m - 1) == m - 1 for n, m in sizes)
+    assert all(s["masked"] <= s["selected"][0] < 2 * s["masked"] for s in full)
     assert len({n for n, _ in sizes}) < len({s["masked"] for s in full})
     unpadded = _shapes_of_each_batch(monkeypatch)
     pretrain(cfg_for(tiny_world, tmp_path / "plain", model=TINY[arch], steps=10, batch_size=32, max_text_len=40,
@@ -131,15 +141,23 @@ def test_padded_batches_train_the_same_model(tiny_world, tmp_path, monkeypatch, 
 def test_compile_mode_reaches_torch_compile_in_pretraining_and_finetuning(tiny_world, tiny_pretrained, tmp_path,
                                                                          monkeypatch):
     """`--compile_mode` is passed to `torch.compile` by every training command (the compiling itself is
-    replaced here: `tests/test_compile.py` compiles for real)."""
+    replaced here: `tests/test_compile.py` compiles for real). With `--static_shapes` each shape gets a graph
+    of its own, never a dynamic one (Inductor failed on the dynamic graph on the H200, `compile_model`), and
+    dynamo may keep 64 of them."""
+    import torch._dynamo.config as dynamo_config
     from test_finetune_vqa import vqa_cfg
 
     from vlberts.recipes.finetune_vqa import finetune_vqa
 
-    modes = []
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw.get("mode")))
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((kw.get("mode"), kw.get("dynamic"))))
     monkeypatch.setenv("CXX", sys.executable)  # nothing is built: the C++ compiler pre-check must not stop it
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # restored after the test
     pretrain(cfg_for(tiny_world, tmp_path / "pt", steps=2, compile=True, compile_mode="max-autotune"))
+    assert dynamo_config.recompile_limit == 8
+    pretrain(cfg_for(tiny_world, tmp_path / "static", steps=2, compile=True, compile_mode="reduce-overhead",
+                     static_shapes=True))
+    assert dynamo_config.recompile_limit == 64
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True, compile_mode="reduce-overhead",
                          epochs=0.1))
-    assert modes == ["max-autotune", "reduce-overhead"]
+    assert calls == [("max-autotune", None), ("reduce-overhead", False), ("reduce-overhead", None)]

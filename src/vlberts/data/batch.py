@@ -163,12 +163,22 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def coarse_bucket(n: int) -> int:
+    """The smallest power of two that holds n, and 8 for 1..8 (0 stays 0): at most twice n. For counts that
+    are sums of random draws (the masked words of a batch, their largest number in one example), whose spread
+    from batch to batch crosses `bucket`'s finer boundaries every few batches: on the H200 (2026-11-27) a
+    `--static_shapes` loop with those finer sizes compiled a new graph at update 90 still (9 graphs: 3 sizes
+    of rows x 2 of lists x 2 text lengths). The lists they size feed only the last layer's queries and the
+    MLM head, a small part of a step, so the padding costs little."""
+    return 0 if n <= 0 else max(8, 1 << (n - 1).bit_length())
+
+
 def select_tokens(positions: Tensor, bucketed: bool = False) -> TokenSelection:
     """positions (B, T) bool -> the `TokenSelection` of its True entries. Reads the mask's values (call it
     where they are on the host); a mask with no columns (an image-only batch) is read from its shape.
 
-    `bucketed`: the token lists padded to `bucket(N)` entries and the rows to `1 + bucket(n)`, so that
-    batches whose masked-word counts differ a little share their shapes (`data.pretrain.fixed_shapes`).
+    `bucketed`: the token lists padded to `coarse_bucket(N)` entries and the rows to `1 + coarse_bucket(n)`, so
+    that batches whose masked-word counts differ share their shapes (`data.pretrain.fixed_shapes`).
     The padding entries point at [CLS] (position 0) of example 0."""
     B, T = positions.shape
     dev = positions.device
@@ -185,9 +195,9 @@ def select_tokens(positions: Tensor, bucketed: bool = False) -> TokenSelection:
     if not bucketed:
         return TokenSelection(example, position, rows, slot)
     N = example.shape[0]
-    extra, wider = bucket(N) - N, bucket(n) - n
+    extra, wider = coarse_bucket(N) - N, coarse_bucket(n) - n
     pad = torch.zeros(extra, dtype=torch.long, device=dev)
-    rows = torch.cat([rows, torch.zeros(B, wider, dtype=torch.long, device=dev)], 1)  # (B, 1 + bucket(n))
+    rows = torch.cat([rows, torch.zeros(B, wider, dtype=torch.long, device=dev)], 1)  # (B, 1 + coarse_bucket(n))
     return TokenSelection(torch.cat([example, pad]), torch.cat([position, pad]), rows, torch.cat([slot, pad]), real=N)
 
 

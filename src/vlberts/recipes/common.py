@@ -55,6 +55,23 @@ def require_compiler(compile: bool, device: torch.device) -> None:
                            "g++) or leave --compile off")
 
 
+def compile_model(model: torch.nn.Module, mode: str, static_shapes: bool = False) -> None:
+    """`--compile`: torch.compile `model` in place (its state dict keeps its names, no `_orig_mod.` prefix).
+
+    With `static_shapes` (pre-training's `--static_shapes`: every batch padded to a few bucket sizes) each
+    shape gets its own graph, never a dynamic one: a CUDA graph is recorded per shape anyway, and on the H200
+    (torch 2.11, 2026-11-27) Inductor's Triton code generation failed an assertion on the dynamic graph that
+    torch.compile made after the second shape. The text-length, masked-word and batch-size buckets (an epoch's
+    short last batch) make more shapes than dynamo's default limit of 8 compiled graphs per function, after
+    which the new shapes would run eagerly; the limit is raised to 64 for the process."""
+    if static_shapes:
+        import torch._dynamo.config as dynamo_config
+
+        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+        setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    model.compile(mode=mode, dynamic=False if static_shapes else None)
+
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PRECISION_HELP = ("auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16, or fp16 (autocast with dynamic loss "
                   "scaling, for GPUs without bf16)")
@@ -151,7 +168,9 @@ COMPILE_MODE_HELP = ("torch.compile's mode with --compile: reduce-overhead repla
 ATTENTION_KERNEL_HELP = ("the kernel every attention call of the fast path uses (PyTorch's math path where it cannot take "
                          "the inputs): auto (PyTorch picks: cuDNN's kernel on the H200 measured), efficient, flash, cudnn or math, "
                          "or several tried in order (flash,efficient: flash for the calls whose keys have no padding, which "
-                         "get no mask, efficient for the rest). Same function, another kernel; held inside compiled graphs too")
+                         "get no mask, efficient for the rest). The default, efficient,flash, was the fastest on the H200 "
+                         "(a CPU has no efficient kernel: flash or math there, as auto). Same function, another kernel; held "
+                         "inside compiled graphs too")
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.models.blocks import AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, opt, progress, require_compiler, resolve_device, set_threads
+from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, progress, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -87,7 +87,7 @@ class FinetuneConfig:
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
     compile_mode: CompileMode = opt("default", COMPILE_MODE_HELP)
-    attention_kernel: tuple[AttentionKernel, ...] = opt(("auto",), ATTENTION_KERNEL_HELP)
+    attention_kernel: tuple[AttentionKernel, ...] = opt(DEFAULT_ATTENTION_KERNEL, ATTENTION_KERNEL_HELP)
 
 
 def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:
@@ -175,7 +175,7 @@ def finetune_loop(
     if cfg.fsdp:  # in place: the task's `loss` closure calls this same module (training/distributed.py)
         shard_model(model, dist)
     if cfg.compile:  # in place too, so the `loss` closure runs the compiled forward; state dict names unchanged
-        model.compile(mode=cfg.compile_mode)
+        compile_model(model, cfg.compile_mode)
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     if cfg.head_lr_mult != 1.0:  # a separate group for the new head

@@ -47,7 +47,7 @@ from vlberts.data.shards import ShardStream
 from vlberts.data.text_corpus import read_documents
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
-from vlberts.models.blocks import AttentionKernel, use_attention_kernel
+from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.models.bert_init import init_text_from_bert
@@ -65,7 +65,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -183,7 +183,7 @@ class PretrainConfig:
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
     compile_mode: CompileMode = opt("default", COMPILE_MODE_HELP)
-    attention_kernel: tuple[AttentionKernel, ...] = opt(("auto",), ATTENTION_KERNEL_HELP)
+    attention_kernel: tuple[AttentionKernel, ...] = opt(DEFAULT_ATTENTION_KERNEL, ATTENTION_KERNEL_HELP)
     static_shapes: bool = opt(False, "pad every batch to --max_regions regions, and its text length and masked-word "
                               "lists to a few bucket sizes, so that the step keeps a few shapes (what CUDA graphs "
                               "need; no recompiling for new lengths). Same losses up to rounding, except "
@@ -493,8 +493,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     model.to(device)
     if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
         model = shard_model(model, dist)
-    if cfg.compile:  # in place: the state dict keeps its names (no `_orig_mod.` prefix)
-        model.compile(mode=cfg.compile_mode)
+    if cfg.compile:
+        compile_model(model, cfg.compile_mode, cfg.static_shapes)
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
