@@ -22,13 +22,13 @@
 # Measured on a lent H200 (2026-11-26, second run, logs in benchmarks/results/h200-2026-11-26-run2): step 1
 # 127 s, the batch-256 run with both compile modes and the profile 255 s, steps 3 + 4 (LOOP_STEPS=200) 204 s;
 # the machine's start came on top. A fresh machine starts with torch.compile's caches empty (third run,
-# 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. With a
-# 10-minute limit per call and 15 minutes of device time, the next session runs
-# `TESTS=0 THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 ATTN_KERNELS=auto,best ... OUTDIR` (about 350 s: the kernels
-# alone, with and without a mask, then LXMERT-base in CUDA graphs, captions padded as a real batch's, with
-# PyTorch's pick and with the cheapest setting, e.g. flash,efficient)
-# and, at once after (a warm machine is given back after 30 s idle),
-# `KERNELS=0 TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=100 ... OUTDIR2` (GRAPHS).
+# 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. The fourth run
+# (benchmarks/results/h200-2026-11-27-run2) measured the attention kernels (`ATTN_KERNELS=best,auto`, 370 s)
+# and found the CUDA-graph loop failing in Inductor. With a 10-minute limit per call and 15 minutes of device
+# time, the next session runs `KERNELS=0 TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=300
+# LOOP_BATCH=240 GRAPHS_S=420 ... OUTDIR` (the loop in CUDA graphs long enough for its steady rate: about 4
+# graphs of 15-20 s each to compile; batch 240 divides the world's 1,200 training captions) and then, if time
+# is left, `THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 ... OUTDIR2` (the GPU tests).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -128,9 +128,8 @@ if [ "${LOOP:-1}" = 1 ] || [ "${GRAPHS:-1}" = 1 ]; then
   if [ "${GRAPHS:-1}" = 1 ]; then
     stamp "pre-training loop in CUDA graphs: --static_shapes eager against compiled in reduce-overhead mode"
     loop_run static --static_shapes=true
-    # Compiling takes its time before the first record: on the H200 (2026-11-27) this run wrote none in 70-75 s,
-    # twice. On a CPU the same loop (visualbert-tiny, batch 256) compiles 3 graphs in its first 40 updates
-    # (the masked-word bucket changes, then the text length, after which the graph is dynamic).
+    # Compiling takes its time before the first record: a graph per shape (`compile_model`), 15-20 s each on
+    # the H200 (2026-11-27). On a CPU the same loop (visualbert-tiny, batch 240, 100 updates) compiles 4.
     RUN_S=${GRAPHS_S:-300} loop_run graphs --static_shapes=true --compile=true --compile_mode=reduce-overhead
   fi
   rm -rf "$w"

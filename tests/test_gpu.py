@@ -178,6 +178,8 @@ def test_attention_kernels_are_tried_in_the_order_named_and_flash_runs_without_a
     assert efficient in kernels(bias) and flash not in kernels(bias)
     blocks.use_attention_kernel("efficient,flash")
     assert efficient in kernels(None) and flash not in kernels(None)
+    blocks.use_attention_kernel(blocks.DEFAULT_ATTENTION_KERNEL)  # the default: efficient, with a mask or without
+    assert efficient in kernels(None) and efficient in kernels(bias) and flash not in kernels(bias) | kernels(None)
 
 
 @pytest.mark.parametrize("model", [f"{a}-tiny" for a in ARCHS])

@@ -167,9 +167,9 @@ def coarse_bucket(n: int) -> int:
     """The smallest power of two that holds n, and 8 for 1..8 (0 stays 0): at most twice n. For counts that
     are sums of random draws (the masked words of a batch, their largest number in one example), whose spread
     from batch to batch crosses `bucket`'s finer boundaries every few batches: on the H200 (2026-11-27) a
-    `--static_shapes` loop with those finer sizes compiled a new graph at update 90 still (9 graphs: 3 sizes
-    of rows x 2 of lists x 2 text lengths). The lists they size feed only the last layer's queries and the
-    MLM head, a small part of a step, so the padding costs little."""
+    `--static_shapes` loop with those finer sizes was still compiling new graphs (one every 16 s, 9 in all,
+    for the sizes of the rows, of the lists and of the text) when it was stopped. The lists they size feed
+    only the last layer's queries and the MLM head, a small part of a step, so the padding costs little."""
     return 0 if n <= 0 else max(8, 1 << (n - 1).bit_length())
 
 
