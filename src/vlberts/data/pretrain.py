@@ -291,10 +291,10 @@ class FixedShapes:
     """The shapes every pre-training batch is padded to (`vlberts pretrain --static_shapes`): R regions (the
     run's --max_regions; LXMERT's images all have 36), and the counts that vary from batch to batch rounded
     up: the text length (at most `text_len`) and the tag subwords to `batch.bucket` sizes, the masked words
-    and their largest number in one example to `batch.coarse_bucket` sizes (powers of two). Padding the text to --max_text_len instead would make a
-    step on short captions do up to twice the work (48 tokens for 20). A step whose tensors keep their
-    shapes can run as a CUDA graph (torch.compile's reduce-overhead mode records one per shape) and never
-    recompiles for a new length."""
+    and their largest number in one example to `batch.coarse_bucket` sizes (powers of two). Padding the
+    text to --max_text_len instead would make a step on short captions do up to twice the work (48 tokens
+    for 20). A step whose tensors keep their shapes can run as a CUDA graph (torch.compile's reduce-overhead
+    mode records one per shape) and never recompiles for a new length."""
 
     text_len: int
     regions: int

@@ -62,8 +62,8 @@ def compile_model(model: torch.nn.Module, mode: str, static_shapes: bool = False
     shape gets its own graph, never a dynamic one: a CUDA graph is recorded per shape anyway, and on the H200
     (torch 2.11, 2026-11-27) Inductor's Triton code generation failed an assertion on the dynamic graph that
     torch.compile made after the second shape. The text-length, masked-word and batch-size buckets (an epoch's
-    short last batch) make more shapes than dynamo's default limit of 8 compiled graphs per function, after
-    which the new shapes would run eagerly; the limit is raised to 64 for the process."""
+    short last batch) can make more shapes than dynamo's default limit of 8 compiled graphs per function,
+    after which the new shapes would run eagerly; the limit is raised to 64 for the process."""
     if static_shapes:
         import torch._dynamo.config as dynamo_config
 
