@@ -24,11 +24,12 @@
 # the machine's start came on top. A fresh machine starts with torch.compile's caches empty (third run,
 # 2026-11-27): one LXMERT-base process in CUDA graphs took over 128 s, and step 1 over 145 s. The fourth run
 # (benchmarks/results/h200-2026-11-27-run2) measured the attention kernels (`ATTN_KERNELS=best,auto`, 370 s)
-# and found the CUDA-graph loop failing in Inductor. With a 10-minute limit per call and 15 minutes of device
-# time, the next session runs `KERNELS=0 TESTS=0 THROUGHPUT=0 LOOP=0 EXTRACT=0 LOOP_IMAGES=300 LOOP_STEPS=300
-# LOOP_BATCH=240 GRAPHS_S=420 ... OUTDIR` (the loop in CUDA graphs long enough for its steady rate: about 4
-# graphs of 15-20 s each to compile; batch 240 divides the world's 1,200 training captions) and then, if time
-# is left, `THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 ... OUTDIR2` (the GPU tests).
+# and found the CUDA-graph loop failing in Inductor. The fifth (h200-2026-11-27-run3): `TESTS=1 ... KERNELS=0
+# ATTN_KERNELS=efficient+flash ATTN_S=240` took 228 s (GPU tests 95 s, LXMERT-base at batch 512 with the runs of
+# back-to-back steps 125 s), and `TESTS=1 ... LOOP_IMAGES=300 LOOP_STEPS=300 LOOP_BATCH=240 RUN_S=60 GRAPHS_S=270`
+# 277 s (the CUDA-graph loop's 300 updates 89 s). What a next session could run: the GPU tests again
+# (`THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), and the batch-256/64 throughput rows, last measured before
+# the side-stream copy and the runs of steps (`TESTS=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 MODES=reduce-overhead`).
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -184,7 +185,7 @@ if [ "${THROUGHPUT:-1}" = 1 ]; then
   [ -f "$out/gpu_b64.log" ] && { echo "== batch 64"; grep -v "^FLOPs/step" "$out/gpu_b64.log" | tail -28; }
 fi
 for f in "$out"/gpu_attn_*.log; do
-  [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -E "^\| (Hugging|vlberts)|^throughput|^our attention|Error" "$f"; }
+  [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -E "^\| (Hugging|vlberts)|^throughput|^in runs|^MFU goal|^our attention|Error" "$f"; }
 done
 [ -f "$out/loop.txt" ] && { echo "== pre-training loop"; cat "$out/loop.txt"; }
 [ -f "$out/extract.txt" ] && { echo "== feature extraction"; cat "$out/extract.txt"; }

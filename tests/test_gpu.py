@@ -105,6 +105,33 @@ def test_the_prefetched_pretraining_batches_are_pinned(tiny_world):
     assert len(tensors) > 15 and all(t.is_pinned() for t in tensors)
 
 
+def test_batches_are_copied_on_a_side_stream_that_the_compute_stream_waits_for():
+    """`to_device` (every training loop's copy) queues the copy on its side stream, not the compute stream,
+    and the compute stream waits for it: with the side stream held up first (a spin kernel), a sum queued
+    on the compute stream right after still reads the copied values, not what the memory held before
+    (-1 here, from a tensor freed on the side stream, whose block the copy reuses)."""
+    from vlberts.training.loop import copy_stream, pinned, to_device
+
+    n = 1 << 23  # 64 MiB of int64
+    host = pinned(("source", {"x": torch.full((n,), 3, dtype=torch.int64)}))
+    side = copy_stream(CUDA)
+    assert side != torch.cuda.current_stream(CUDA)
+    # The kernels used below loaded first: a kernel's first launch loads its module, which took longer than
+    # 0.25 s of spinning when this test ran alone.
+    assert int(to_device(host, CUDA)[1]["x"].sum()) == 3 * n
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize(CUDA)
+    with torch.cuda.stream(side):
+        torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # freed at once: its block goes back to the side stream's pool
+        torch.cuda._sleep(4_000_000_000)  # 2-4 s of spinning on the side stream (clocks 1-2 GHz), before the copy
+    torch.cuda.current_stream(CUDA).synchronize()
+    source, moved = to_device(host, CUDA)
+    total = moved["x"].sum()  # queued on the compute stream
+    assert not side.query()  # the copy is still held up behind the spin
+    assert source == "source" and moved["x"].device.type == "cuda"
+    assert int(total) == 3 * n
+
+
 def test_a_run_mixing_three_sources_copies_pinned_batches_to_the_gpu(tiny_world, tmp_path, monkeypatch):
     """H-VisualBERT with text-only documents and image-only samples: batches collated from three streams in
     the training process (not by a DataLoader) reach the GPU from page-locked memory too."""

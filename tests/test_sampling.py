@@ -141,3 +141,24 @@ def test_feed_draws_inline_on_a_cpu_and_ahead_pinned_on_a_gpu(monkeypatch):
     gpu = feed(iter(items), torch.device("cuda", 0))
     assert gpu._thread is not None and gpu._queue.maxsize == 2 and [int(t) for t in gpu] == [100, 101, 102]
     assert [int(t) for t in feed(iter(items), torch.device("cuda", 0), 0)] == [100, 101, 102]  # inline, pinned
+
+
+def test_to_device_moves_every_batch_and_tensor_and_leaves_the_rest():
+    """`to_device`, as the training loops hand a step its batches: typed batches (with the facts read off
+    their host tensors) and tensors inside tuples, lists and dicts moved, anything else as it is. The CUDA
+    side (a copy stream the compute stream waits for) is checked in tests/test_gpu.py."""
+    import torch
+
+    from vlberts.data.batch import VLInputs
+    from vlberts.training.loop import to_device
+
+    b = VLInputs(input_ids=torch.ones(2, 3, dtype=torch.long), token_type_ids=torch.zeros(2, 3, dtype=torch.long),
+                 attention_mask=torch.tensor([[True, True, False], [True, True, True]]),
+                 region_feats=torch.randn(2, 4, 5), region_boxes=torch.rand(2, 4, 4),
+                 region_mask=torch.ones(2, 4, dtype=torch.bool))
+    assert len(list(b.tensors())) == 6  # region_type_ids is None
+    source, micro, extra, pos = to_device(("text", [b], {"x": torch.arange(3)}, 7), torch.device("cpu"))
+    assert source == "text" and pos == 7 and isinstance(micro, list) and isinstance(micro[0], VLInputs)
+    assert all(torch.equal(x, y) for x, y in zip(micro[0].tensors(), b.tensors()))
+    assert micro[0].text_complete is False and micro[0].regions_complete is True  # read on the host
+    assert torch.equal(extra["x"], torch.arange(3))

@@ -161,3 +161,21 @@ def test_compile_mode_reaches_torch_compile_in_pretraining_and_finetuning(tiny_w
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True, compile_mode="reduce-overhead",
                          epochs=0.1))
     assert calls == [("max-autotune", None), ("reduce-overhead", False), ("reduce-overhead", None)]
+
+
+def test_the_loops_copy_gradients_out_of_cuda_graphs_between_micro_batches_only_where_graphs_replay():
+    """`--compile_mode` reduce-overhead and max-autotune replay CUDA graphs on a GPU (and only there); with
+    `--grad_accum` > 1 the loops then replace each gradient by an eager copy between micro-batches (the next
+    replay would overwrite the graph's memory: tests/test_gpu.py runs it), same values, new storage."""
+    from vlberts.recipes.common import own_gradients, replays_cuda_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert replays_cuda_graphs(True, "reduce-overhead", cuda) and replays_cuda_graphs(True, "max-autotune", cuda)
+    assert not replays_cuda_graphs(True, "default", cuda) and not replays_cuda_graphs(True, "max-autotune-no-cudagraphs", cuda)
+    assert not replays_cuda_graphs(True, "reduce-overhead", cpu) and not replays_cuda_graphs(False, "reduce-overhead", cuda)
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    before = {n: p.grad for n, p in model.named_parameters()}
+    own_gradients(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]) and p.grad.data_ptr() != before[n].data_ptr()

@@ -6,7 +6,7 @@ Letters in shape comments: B batch, T text length, R regions, D feature width, A
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,6 +31,16 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return out
 
 
+def _tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor field of dataclass `obj`, recursively, in `_map_tensors`'s order."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, Tensor):
+            yield v
+        elif dataclasses.is_dataclass(v):
+            yield from _tensors(v)
+
+
 BatchT = TypeVar("BatchT", bound="Batch")
 
 
@@ -49,6 +59,10 @@ class Batch:
     def pin_memory(self: BatchT) -> BatchT:
         """Every tensor field (recursively) in page-locked host memory (needs an accelerator)."""
         return _map_tensors(self, lambda t: t.pin_memory())
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor field, recursively (those `to` and `pin_memory` move)."""
+        return _tensors(self)
 
     def host_facts(self) -> dict[str, Any]:
         """Facts about the batch's values that a model uses and that are free to read where the tensors

@@ -72,6 +72,24 @@ def compile_model(model: torch.nn.Module, mode: str, static_shapes: bool = False
     model.compile(mode=mode, dynamic=False if static_shapes else None)
 
 
+def replays_cuda_graphs(compile_: bool, mode: str, device: torch.device) -> bool:
+    """Whether `--compile` in `mode` on `device` replays the step as CUDA graphs (reduce-overhead, max-autotune)."""
+    import torch._inductor
+
+    return compile_ and device.type == "cuda" and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
+
+
+def own_gradients(model: torch.nn.Module) -> None:
+    """Between the micro-batches of an update replayed as CUDA graphs (`--grad_accum` > 1): after the first
+    backward each parameter's gradient is an output of the backward graph, held in memory that the next
+    micro-batch's replay writes before its gradients are added (PyTorch then stops with "accessing tensor
+    output of CUDAGraphs that has been overwritten"). An eager copy of each survives the replay; the copies
+    cost one pass over the gradients per extra micro-batch."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clone()
+
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PRECISION_HELP = ("auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16, or fp16 (autocast with dynamic loss "
                   "scaling, for GPUs without bf16)")

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, progress, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -52,7 +52,7 @@ from vlberts.training.distributed import (
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state,
+from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -176,6 +176,7 @@ def finetune_loop(
         shard_model(model, dist)
     if cfg.compile:  # in place too, so the `loss` closure runs the compiled forward; state dict names unchanged
         compile_model(model, cfg.compile_mode)
+    graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     if cfg.head_lr_mult != 1.0:  # a separate group for the new head
@@ -217,10 +218,13 @@ def finetune_loop(
             # so the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
             for i, (batch, share) in enumerate(zip(micro, shares)):
-                batch = batch.to(device, non_blocking=True)
+                batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
+                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (reduce-overhead): a new forward, whatever the micro-batch
                 with autocast(device, cfg.precision):
                     value = loss(batch).float() * share["loss"]
                 grads.backward(scaler.scale(value), last=i == len(micro) - 1)
+                if graphs and i < len(micro) - 1:
+                    own_gradients(model)
                 total = total + value.detach()
             grads.finish()
             grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler)

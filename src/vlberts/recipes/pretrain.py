@@ -65,7 +65,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, progress, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
@@ -88,7 +88,7 @@ from vlberts.training.distributed import (
     shard_model,
     sum_over_ranks,
 )
-from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state,
+from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -495,6 +495,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         model = shard_model(model, dist)
     if cfg.compile:
         compile_model(model, cfg.compile_mode, cfg.static_shapes)
+    graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
@@ -586,11 +587,14 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             # the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
             for i, (batch, share) in enumerate(zip(micro, shares)):
-                batch = batch.to(device, non_blocking=True)
+                batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
+                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (reduce-overhead): a new forward, whatever the micro-batch
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
                 grads.backward(scaler.scale(total_loss(losses, step_weights)), last=i == len(micro) - 1)
+                if graphs and i < len(micro) - 1:
+                    own_gradients(model)
                 for k, v in losses.items():
                     totals[k] = totals[k] + v.detach()
             grads.finish()

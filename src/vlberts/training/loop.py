@@ -62,16 +62,60 @@ T = TypeVar("T")
 _END = object()
 
 
-def pinned(item: Any) -> Any:
-    """`item` with every typed batch and tensor in it (inside tuples, lists and dicts) in page-locked
-    memory (needs an accelerator); anything else (positions, names) as it is."""
+def _each(item: Any, fn: Callable[[Any], Any]) -> Any:
+    """`item` with `fn` applied to every typed batch and tensor in it (inside tuples, lists and dicts);
+    anything else (positions, names) as it is."""
     if isinstance(item, (Batch, torch.Tensor)):
-        return item.pin_memory()
+        return fn(item)
     if isinstance(item, (tuple, list)):
-        return type(item)(pinned(x) for x in item)
+        return type(item)(_each(x, fn) for x in item)
     if isinstance(item, dict):
-        return {k: pinned(v) for k, v in item.items()}
+        return {k: _each(v, fn) for k, v in item.items()}
     return item
+
+
+def pinned(item: Any) -> Any:
+    """`item` with every typed batch and tensor in it in page-locked memory (needs an accelerator)."""
+    return _each(item, lambda x: x.pin_memory())
+
+
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream on which `to_device` copies batches to CUDA `device` (one per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COPY_STREAMS:
+        _COPY_STREAMS[index] = torch.cuda.Stream(index)
+    return _COPY_STREAMS[index]
+
+
+def to_device(item: Any, device: torch.device) -> Any:
+    """`item` (a typed batch, a tensor, or tuples, lists and dicts of them) on `device`, as the training
+    loops hand a step its batch.
+
+    On a GPU the host-to-device copy runs on a side stream (`copy_stream`), so that it overlaps the
+    previous update's kernels: the host queues update k's copy while the GPU still computes update k-1
+    (the loops read nothing back between updates), and the compute stream waits for the copy only where
+    update k's kernels begin. On the compute stream itself the copy would wait for update k-1 to end:
+    on the H200, 2.8 ms of LXMERT-base's 64 ms step at batch 512 (36 x 2048 float32 regions an example).
+    The copies' memory is marked as used by the compute stream (`record_stream`), so that the caching
+    allocator does not hand it to the next copy while a kernel still reads it. A pinned source (`feed`)
+    makes the copy asynchronous; a pageable one is copied before this returns. Elsewhere: `.to(device)`."""
+    if device.type != "cuda":
+        return _each(item, lambda x: x.to(device))
+    compute, side = torch.cuda.current_stream(device), copy_stream(device)
+    with torch.cuda.stream(side):
+        moved = _each(item, lambda x: x.to(device, non_blocking=True))
+    compute.wait_stream(side)
+
+    def used_by_compute(x: Any) -> Any:
+        for t in x.tensors() if isinstance(x, Batch) else (x,):
+            t.record_stream(compute)
+        return x
+
+    _each(moved, used_by_compute)
+    return moved
 
 
 class Prefetcher(Generic[T]):
