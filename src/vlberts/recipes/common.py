@@ -73,10 +73,13 @@ def compile_model(model: torch.nn.Module, mode: str, static_shapes: bool = False
 
 
 def replays_cuda_graphs(compile_: bool, mode: str, device: torch.device) -> bool:
-    """Whether `--compile` in `mode` on `device` replays the step as CUDA graphs (reduce-overhead, max-autotune)."""
+    """Whether `--compile` in `mode` on `device` replays the step as CUDA graphs (reduce-overhead, max-autotune).
+    Inductor is imported only when it is: its import takes about 2 s."""
+    if not compile_ or device.type != "cuda":
+        return False
     import torch._inductor
 
-    return compile_ and device.type == "cuda" and bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
+    return bool(torch._inductor.list_mode_options(mode).get("triton.cudagraphs"))
 
 
 def own_gradients(model: torch.nn.Module) -> None:

@@ -219,7 +219,8 @@ def finetune_loop(
             shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
             for i, (batch, share) in enumerate(zip(micro, shares)):
                 batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
-                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (reduce-overhead): a new forward, whatever the micro-batch
+                if graphs:  # each forward starts a new step of the CUDA graphs (the loop keeps no output of the last)
+                    torch.compiler.cudagraph_mark_step_begin()
                 with autocast(device, cfg.precision):
                     value = loss(batch).float() * share["loss"]
                 grads.backward(scaler.scale(value), last=i == len(micro) - 1)

@@ -588,7 +588,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
             for i, (batch, share) in enumerate(zip(micro, shares)):
                 batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
-                torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (reduce-overhead): a new forward, whatever the micro-batch
+                if graphs:  # each forward starts a new step of the CUDA graphs (the loop keeps no output of the last)
+                    torch.compiler.cudagraph_mark_step_begin()
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
