@@ -46,7 +46,6 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import roi_align
 
 from vlberts.data.batch import TokenSelection, VLInputs, VQABatch
 from vlberts.models.blocks import (
@@ -178,6 +177,8 @@ class VisualBackbone(nn.Module):
         xyxy = boxes * boxes.new_tensor([W, H, W, H])  # (B, K, 4) in pixels
         batch = torch.arange(B, device=boxes.device, dtype=boxes.dtype).repeat_interleave(K)  # (B*K,)
         rois = torch.cat([batch[:, None], xyxy.reshape(B * K, 4)], dim=1)  # (B*K, 5)
+        from torchvision.ops import roi_align  # here: importing torchvision.ops takes 1.5 s, and only this model uses it
+
         pooled = roi_align(fmap, rois, self.roi_size, spatial_scale=1.0 / self.stride, sampling_ratio=2, aligned=True)
         return F.relu(self.fc(pooled.flatten(1))).view(B, K, -1)  # (B, K, visual_dim)
 
