@@ -3,7 +3,7 @@ the device's measured bf16 matrix-multiply peak, and the throughput ratio agains
 the same device, measured in the same run (issue 6, item 2).
 
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
-        [--warmup 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
+        [--warmup 3] [--run-steps 10] [--runs 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
         [--attention-kernel auto|efficient|flash|cudnn|math|flash,efficient|...] [--pad-text] [--device cuda|cpu] [--smoke]
         [--json PATH] [--threads N] [--profile DIR]
 

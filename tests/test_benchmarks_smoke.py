@@ -80,6 +80,34 @@ def test_gpu_throughput_without_cuda_stops_with_one_line(capsys):
     assert isinstance(e.value.code, str) and "no CUDA device" in e.value.code and "\n" not in e.value.code
 
 
+def test_timing_runs_back_to_back_calls_and_reports_a_calls_share():
+    from timing import seconds
+
+    calls = []
+    t = seconds(lambda: calls.append(1), torch.device("cpu"), calls=3)
+    assert len(calls) == 3 and t > 0
+
+
+def test_gpu_throughput_smoke_times_single_steps_and_runs_of_steps(tmp_path, capsys):
+    """`--smoke` on a CPU: the whole pipeline with base-size VisualBERT and Hugging Face's, batch 2: steps
+    timed alone and in runs (`--run-steps`), both MFUs, the goal checked on the runs' figure, and the
+    numbers labelled as no GPU measurement."""
+    import json
+
+    out = tmp_path / "gt.json"
+    gpu_throughput.main(["--smoke", "--device", "cpu", "--arch", "visualbert", "--steps", "1", "--run-steps", "2",
+                         "--runs", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["device_type"] == "cpu" and report["run_steps"] == 2 and report["runs"] == 1
+    arch = report["archs"]["visualbert"]
+    for r in arch["results"].values():
+        assert r["run_step_s"] > 0 and r["run_mfu"] == pytest.approx(r["flops"] / r["run_step_s"] / 1e12 / report["peak_tflops"])
+    hf, ours = arch["results"]["hf"], arch["results"]["ours"]
+    assert arch["run_ratio_hf"]["ours"] == pytest.approx(hf["run_step_s"] / ours["run_step_s"])
+    printed = capsys.readouterr().out
+    assert "in a run of steps" in printed and "not a GPU measurement" in printed
+
+
 def test_profile_steps_splits_a_step_into_host_and_kernel_time():
     a = torch.randn(64, 64)
     out = gpu_throughput.profile_steps(lambda: a @ a, torch.device("cpu"), steps=2)
