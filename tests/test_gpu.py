@@ -91,8 +91,6 @@ def test_the_prefetched_pretraining_batches_are_pinned(tiny_world):
     """Drawn through the recipes' `feed` on a GPU (a thread, with the GPU current there), every tensor of a
     batch, nested ones included, arrives in page-locked memory, so `to(cuda, non_blocking=True)` overlaps the
     GPU's work."""
-    from test_pretrain_archs import _tensors
-
     from vlberts.data.sampling import Position
     from vlberts.training.loop import batches, feed
 
@@ -101,7 +99,7 @@ def test_the_prefetched_pretraining_batches_are_pinned(tiny_world):
     with feed(batches(data, collate, batch_size=4, seed=0, start=Position()), CUDA) as ahead:
         assert ahead._thread is not None  # drawn ahead by default on a GPU
         batch, _ = next(ahead)
-    tensors = _tensors(batch)
+    tensors = list(batch.tensors())
     assert len(tensors) > 15 and all(t.is_pinned() for t in tensors)
 
 
@@ -135,7 +133,6 @@ def test_batches_are_copied_on_a_side_stream_that_the_compute_stream_waits_for()
 def test_a_run_mixing_three_sources_copies_pinned_batches_to_the_gpu(tiny_world, tmp_path, monkeypatch):
     """H-VisualBERT with text-only documents and image-only samples: batches collated from three streams in
     the training process (not by a DataLoader) reach the GPU from page-locked memory too."""
-    from test_pretrain_archs import _tensors
     from test_text_corpus import _cfg
 
     from vlberts.data.batch import PretrainBatch
@@ -145,7 +142,7 @@ def test_a_run_mixing_three_sources_copies_pinned_batches_to_the_gpu(tiny_world,
 
     def recording_to(self, device, non_blocking=False):
         if torch.device(device).type == "cuda":
-            copied.extend(t.is_pinned() for t in _tensors(self))
+            copied.extend(t.is_pinned() for t in self.tensors())
         return to(self, device, non_blocking=non_blocking)
 
     monkeypatch.setattr(PretrainBatch, "to", recording_to)

@@ -325,17 +325,6 @@ def test_vlbert_masked_roi_target_is_soft_by_default_and_hard_on_request(tiny_wo
         pretrain(cfg_for(tiny_world, tmp_path / "bad", "vlbert-tiny", roi_target="argmax"))
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor of a typed batch, nested batches included."""
-    import dataclasses
-
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    return []
-
-
 def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypatch):
     """On a GPU the recipes draw each update's micro-batches through `feed`, which pins them (`pinned`): every
     tensor of every batch (W-VisualBERT's: regions, tags, masked-word indices nested inside) must be pinned,
@@ -354,10 +343,10 @@ def test_the_prefetch_thread_pins_every_tensor_of_an_update(tiny_world, monkeypa
     assert (source, pos) == ("image", Position(0, 8))
     for batch, out in zip(micro, after, strict=True):
         assert batch.tags is not None and batch.regions is not None and batch.mlm_tokens is not None
-        before_t, after_t = _tensors(batch), _tensors(out)
+        before_t, after_t = list(batch.tensors()), list(out.tensors())
         assert type(out) is type(batch) and len(before_t) == len(after_t) > 15
         assert all(a is not b and torch.equal(a, b) for a, b in zip(after_t, before_t))  # every one was copied
-    assert len(seen) == sum(len(_tensors(b)) for b in micro)
+    assert len(seen) == sum(len(list(b.tensors())) for b in micro)
 
 
 def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, monkeypatch):
