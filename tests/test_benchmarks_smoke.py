@@ -166,3 +166,30 @@ def test_attention_kernels_times_what_runs_and_adds_up_a_step(tmp_path, capsys):
     assert ak.best_kernel(costs) == "flash,efficient"
     with pytest.raises(SystemExit, match="no CUDA device"):  # the suite hides any GPU from this test
         ak.main([])
+
+
+def test_tied_decoder_counts_the_table_sized_additions_of_each_layout():
+    """`benchmarks/tied_decoder.py` on a tiny VisualBERT: our MLM head adds the tied word table's gradient in
+    place, `F.linear`'s into a new tensor, and the script puts our head back after timing the other."""
+    import tied_decoder
+
+    from vlberts.models.blocks import MLMHead
+
+    torch.manual_seed(0)
+    cfg = model_config("visualbert-tiny")
+    model = build_pretraining_model(cfg)
+    x = _inputs(cfg.vocab_size, cfg.visual_dim)
+    table = model.bert.embeddings.word_embeddings.weight
+
+    def step():
+        model(x, mlm_positions=select_tokens(x.input_ids % 3 == 0)).mlm_logits.logsumexp(-1).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    counted = {}
+    try:
+        for name, forward in tied_decoder.LAYOUTS.items():
+            MLMHead.forward = forward
+            counted[name] = tied_decoder.table_adds(step, table)
+    finally:
+        MLMHead.forward = tied_decoder.OURS
+    assert counted == {"ours": ["aten::add_"], "F.linear": ["aten::add"]}

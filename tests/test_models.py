@@ -212,6 +212,48 @@ def test_pretraining_heads_from_the_rows_they_read_equal_the_whole_forward(fusio
         torch.testing.assert_close(b[n], a[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("arch", ["visualbert", "lxmert"])
+def test_tied_word_table_gradient_is_summed_in_place_and_equals_a_linear_decoders(arch):
+    """The MLM decoder shares its weight with the word embeddings. Its logits (`MLMHead`) are written so that
+    backward's gradient for the table is a fresh contiguous tensor and autograd adds the embeddings' part into
+    it in place: no out-of-place (V, D) add, i.e. no second (V, D) tensor a step. The gradient equals that of
+    the textbook `F.linear` decoder."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlberts.models.builders import lxmert_tiny
+
+    torch.manual_seed(0)
+    cfg = visualbert_tiny(hidden_dropout=0.0, attention_dropout=0.0) if arch == "visualbert" else \
+        lxmert_tiny(hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_pretraining_model(cfg)
+    x = _inputs(B=3, T=7, R=4, D=cfg.visual_dim)
+    where = torch.zeros(3, 7, dtype=torch.bool)
+    where[0, [2, 4]] = True
+    where[2, [1, 3, 6]] = True
+    table = next(p for n, p in model.named_parameters() if "word_embeddings" in n)
+    head = next(m for m in model.modules() if type(m).__name__ == "MLMHead")
+    assert head.decoder.weight is table
+    V, D = table.shape
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(x, mlm_positions=where).mlm_logits.logsumexp(-1).sum().backward()
+    adds = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")
+            and e.input_shapes and list(e.input_shapes[0]) == [V, D]]
+    assert adds == ["aten::add_"], adds
+    ours = table.grad.clone()
+
+    model.zero_grad()
+    linear = lambda self, h: F.linear(self.transform(h), self.decoder.weight, self.bias)  # noqa: E731
+    original = type(head).forward
+    try:
+        type(head).forward = linear
+        model(x, mlm_positions=where).mlm_logits.logsumexp(-1).sum().backward()
+    finally:
+        type(head).forward = original
+    torch.testing.assert_close(ours, table.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_token_selection_lists_cls_then_the_masked_positions_in_order():
     from vlberts.data.batch import select_tokens
 

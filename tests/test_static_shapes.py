@@ -152,14 +152,16 @@ def test_compile_mode_reaches_torch_compile_in_pretraining_and_finetuning(tiny_w
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((kw.get("mode"), kw.get("dynamic"))))
     monkeypatch.setenv("CXX", sys.executable)  # nothing is built: the C++ compiler pre-check must not stop it
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # restored after the test
-    pretrain(cfg_for(tiny_world, tmp_path / "pt", steps=2, compile=True, compile_mode="max-autotune"))
-    assert dynamo_config.recompile_limit == 8
-    pretrain(cfg_for(tiny_world, tmp_path / "static", steps=2, compile=True, compile_mode="reduce-overhead",
-                     static_shapes=True))
-    assert dynamo_config.recompile_limit == 64
-    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True, compile_mode="reduce-overhead",
-                         epochs=0.1))
+    # restored after the test by the config's own patch (pytest's monkeypatch leaves torch's config module without
+    # the attribute, which broke test_compile when it ran later in the same process)
+    with dynamo_config.patch(recompile_limit=8):
+        pretrain(cfg_for(tiny_world, tmp_path / "pt", steps=2, compile=True, compile_mode="max-autotune"))
+        assert dynamo_config.recompile_limit == 8
+        pretrain(cfg_for(tiny_world, tmp_path / "static", steps=2, compile=True, compile_mode="reduce-overhead",
+                         static_shapes=True))
+        assert dynamo_config.recompile_limit == 64
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True, compile_mode="reduce-overhead",
+                             epochs=0.1))
     assert calls == [("max-autotune", None), ("reduce-overhead", False), ("reduce-overhead", None)]
 
 
