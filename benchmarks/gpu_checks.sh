@@ -30,6 +30,9 @@
 # 277 s (the CUDA-graph loop's 300 updates 89 s). What a next session could run: the GPU tests again
 # (`THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), and the batch-256/64 throughput rows, last measured before
 # the side-stream copy and the runs of steps (`TESTS=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 MODES=reduce-overhead`).
+# After the fifth run the MLM head changed layout (`MLMHead`: (W h^T)^T, so the tied word table's gradient is summed
+# in place; on a GPU one more copy of the logits in eager mode): the fifth run's LXMERT batch-512 command above
+# (ATTN_KERNELS=efficient+flash) measures what it does to the 39.8% MFU.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
