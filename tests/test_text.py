@@ -92,6 +92,13 @@ def test_training_is_deterministic_and_spells_unseen_words():
         TextTokenizer.train(CORPUS, vocab_size=10)
 
 
+def test_words_are_ranked_by_their_count_over_every_text_repeats_included():
+    # yy: 4, xx: 3, ww and zz: 1 each. Counting each distinct text once would rank ww (yy 2, the rest 1) second.
+    tok = TextTokenizer.train(["xx yy ."] * 3 + ["yy ww zz ."], vocab_size=100)
+    words = [t for t, _ in sorted(tok.tok.get_vocab().items(), key=lambda kv: kv[1]) if len(t) == 2 and t[0] == t[1]]
+    assert words == ["yy", "xx", "ww", "zz"]
+
+
 def test_chosen_tokens_get_their_own_selection_probability():
     ids = np.array([2] + [10, 11, 12, 13] * 500 + [3])
     out, labels = mask_tokens(ids, np.random.default_rng(0), mask_id=4, vocab_size=100, special_ids={2, 3, 4},

@@ -68,9 +68,12 @@ class TextTokenizer:
         """
         pipeline = cls._pipeline(models.WordPiece(unk_token="[UNK]"), lowercase)
         counts: Counter[str] = Counter()
-        for text in corpus:
+        # Each distinct text is split once and its words counted as often as it occurs: templated corpora
+        # repeat their texts (the demo world's 651,689 texts hold 59,001 distinct ones; 10.8 s -> 2.6 s).
+        for text, n in Counter(corpus).items():
             norm = pipeline.normalizer.normalize_str(text)
-            counts.update(w for w, _ in pipeline.pre_tokenizer.pre_tokenize_str(norm))
+            for w, _ in pipeline.pre_tokenizer.pre_tokenize_str(norm):
+                counts[w] += n
         chars = sorted({c for w in counts for c in w})
         vocab = list(SPECIAL_TOKENS) + chars + ["##" + c for c in chars]
         if len(vocab) > vocab_size:
