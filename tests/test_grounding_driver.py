@@ -121,6 +121,10 @@ def test_grounding_inputs_slice_the_joint_map_and_drop_padding(tmp_path):
     T = len(c1.ids)
     want = np.stack([m[0, :, :T, T:].detach().numpy() for m in joint])  # (L, H, T, R)
     np.testing.assert_allclose(g1.attn, want, atol=1e-6)
+    assert g1.text_attn is None  # only on request, below
+    (_, g0t), (_, g1t) = grounding_inputs(model, caps, FakeStore([rec]), batch_size=2, text_maps=True)
+    np.testing.assert_allclose(g1t.text_attn, np.stack([m[0, :, :T, :T].detach().numpy() for m in joint]), atol=1e-6)
+    assert g0t.text_attn.shape == (2, 4, len(c0.ids), len(c0.ids))
     # Each text row's region share is below 1 (the rest went to words).
     assert (g1.region_mass < 1).all() and (g1.region_mass > 0).all()
     acc = GroundingAccumulator()
@@ -187,6 +191,11 @@ def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrai
     assert set(data["skipped_phrases"]) <= {"notvisual", "scene", "no box", "truncated"}
     assert (out / "entity_grounding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rank | head |" in (out / "grounding.md").read_text()
+    # With the world's parses: the same arcs read among the words, every head, with the offset baseline.
+    nsubj = data["text_syntax"]["nsubj (head->dep)"]
+    assert nsubj["n"] > 0 and np.asarray(nsubj["accuracy"]).shape == (2, 4) and 0 < nsubj["offset_accuracy"] <= 1
+    assert rep.text_syntax.rows["nsubj (head->dep)"].n == nsubj["n"]
+    assert "## Syntactic heads among the words" in (out / "grounding.md").read_text()
 
 
 def test_analyze_options_change_the_numbers_and_bad_options_fail(tiny_world, tiny_pretrained, tmp_path):
@@ -206,6 +215,7 @@ def test_cli_analyze_grounding_and_missing_image(tiny_world, tiny_pretrained, tm
     )
     assert proc.returncode == 0, proc.stderr
     assert "best head" in proc.stdout and "baseline" in proc.stdout
+    assert "syntactic heads among the words (best head; best fixed offset): pobj (dep->head)" in proc.stdout
 
     # A split file naming an image the store does not hold.
     ents = tmp_path / "ents"

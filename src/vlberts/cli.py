@@ -563,13 +563,15 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
     baseline, active heads, the best-heads table and the figure; with dependency parses
     (--parses=auto finds the world's, or --parses=FILE.conllu, or --parser=spacy:PIPELINE with spaCy
     installed) also Table 2 and Figure 4. `--mask_pos=ADJ` (a diagnostic) masks the words of those
-    parts of speech first, to see where a word looks when it has to be predicted.
+    parts of speech first, to see where a word looks when it has to be predicted. With parses it also
+    reads the same arcs among the words (Clark et al., 2019): does a head find the other word in the text?
 
     Example: vlberts analyze grounding --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --split=test --out=runs/grounding
 
     Run `vlberts show-config analyze-grounding` for every setting and its documented default.
     """
+    from vlberts.analysis.syntactic import DIRECTIONS, direction_key
     from vlberts.recipes import analyze_grounding as recipe
 
     cfg = _run_config(recipe, ctx, config)
@@ -588,6 +590,12 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
                    + "; ".join(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
                                f"{100 * row.baseline:.2f}%)" for row in s.table2(3))
                    + (f"; skipped captions: {s.skipped}" if s.skipped else ""))
+        rows = [(k, rep.text_syntax.rows[k]) for rel in ("pobj", "nsubj", "amod") for d in DIRECTIONS
+                if (k := direction_key(rel, d)) in rep.text_syntax.rows]
+        if rows:
+            typer.echo("syntactic heads among the words (best head; best fixed offset): " + "; ".join(
+                f"{k} {100 * r.best()[2]:.2f}% ({r.best()[0]}-{r.best()[1]}; {r.offset:+d}: {100 * r.offset_accuracy:.2f}%)"
+                for k, r in rows))
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 

@@ -223,6 +223,7 @@ def grounding_inputs(
     batch_size: int = 64,
     device: torch.device | str = "cpu",
     tag_subwords: Sequence[Sequence[int]] | None = None,
+    text_maps: bool = False,
 ) -> Iterator[tuple[EntityCaption, GroundingInput]]:
     """Run the model on each caption with its image and yield the caption with its `GroundingInput`.
 
@@ -230,6 +231,7 @@ def grounding_inputs(
     (L, B, H, T, R): the joint map's text rows and region columns for single-stream models, the
     text-to-vision maps for two-stream ones. Captions without entities are not run; the others come in
     `attention_batches`' length order, not the split's. `tag_subwords`: W-VisualBERT's tags, as there.
+    `text_maps`: also hand over the text-to-text maps (`GroundingInput.text_attn`).
 
     For VisualBERT without early fusion (`cfg.fusion_layer` > 0) the layers before the fusion layer do
     not see the regions; `text_to_region()` gives them zero attention, so their heads keep their place in
@@ -240,6 +242,7 @@ def grounding_inputs(
     for chunk, recs, regs, maps in attention_batches(model, work, regions, max_regions=max_regions,
                                                      batch_size=batch_size, device=device, tag_subwords=tag_subwords):
         t2r = maps.text_to_region().float().cpu().numpy()  # (L, B, H, T, R)
+        t2t = maps.text_to_text().float().cpu().numpy() if text_maps else None  # (L', B, H, T, T)
         for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
             n = len(reg.feats)
             conf = region_confidence(rec, path)[:n]
@@ -250,4 +253,5 @@ def grounding_inputs(
                 entities=cap.entities,
                 maps=maps.describe() + ("; detector tags in the input beside the regions, not counted as regions"
                                         if tag_subwords is not None else ""),
+                text_attn=None if t2t is None else t2t[:, b, :, : len(cap.ids), : len(cap.ids)],
             )

@@ -178,6 +178,8 @@ class GroundingInput:
     region_valid: (R,) bool, False for padded regions; None means all valid. Invalid regions are never
         predicted, never the baseline, and never count toward the upper bound.
     maps: which of the model's attention maps `attn` comes from, in words (for the report).
+    text_attn: (L', H, T, T) attention among the text tokens (`AttentionMaps.text_to_text`), when the
+        driver was asked for it (`text_syntax.py` reads it); not used by the grounding itself.
 
     Arrays may be any float dtype (float32 as produced by the model is fine; bf16 must be cast first).
     Text padding needs nothing: padded token positions are simply never named by an entity.
@@ -190,6 +192,7 @@ class GroundingInput:
     region_mass: np.ndarray | None = None  # (L, H, T)
     region_valid: np.ndarray | None = None  # (R,) bool
     maps: str = ""  # which attention maps `attn` was read from, in words (`AttentionMaps.describe()`)
+    text_attn: np.ndarray | None = None  # (L', H, T, T)
 
     def __post_init__(self) -> None:
         attn = np.asarray(self.attn)

@@ -5,11 +5,14 @@
     read the split's dependency parses, if any (CoNLL-U, keyed by sent_id "<image id>_<caption index>")
     run the pre-trained model on `[CLS] caption [SEP]` + the image's regions, with attention maps
     per caption: text-to-region attention of every head -> GroundingAccumulator
-                 and, with a parse whose words match the caption's, -> SyntacticAccumulator
+                 and, with a parse whose words match the caption's, -> SyntacticAccumulator,
+                 with its text-to-text attention -> TextSyntaxAccumulator (syntactic heads among the words)
     write the numbers, Figures 3 and 4 and the tables
 
     OUT/grounding.json             every head's accuracy and region mass, baseline, upper bound, options,
-                                   skips; "syntactic_grounding": per relation the same, Table 2, counts
+                                   skips; "syntactic_grounding": per relation the same, Table 2, counts;
+                                   "text_syntax": per relation and direction, each head's accuracy at
+                                   finding the other word of the arc in the text, and the best fixed offset
     OUT/entity_grounding.png       Figure 3: accuracy per head by layer, baseline line, active heads large
     OUT/syntactic_grounding.png    Figure 4: the same per relation (pobj, nsubj, amod), when parses ran
     OUT/grounding.md               the best heads, per-layer numbers and Table 2 as Markdown
@@ -62,6 +65,7 @@ from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_g
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
 from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
 from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
+from vlberts.analysis.text_syntax import TextSyntaxAccumulator, TextSyntaxResult
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
     ParseMismatch,
@@ -133,6 +137,7 @@ class GroundingReport:
     parse_failures: dict[str, str] = field(default_factory=dict)  # caption id -> why the parser's tokens did not align
     mask_pos: list[str] = field(default_factory=list)  # --mask_pos as UPOS tags (empty: nothing masked)
     mask_note: str = ""  # with --mask_pos: which words were masked, in how many captions
+    text_syntax: TextSyntaxResult | None = None  # syntactic heads among the words (None: no parses)
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -274,6 +279,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     captions, mask_note = apply_mask_pos(mask_pos, captions, parses, tok, cfg.entities)
     acc = GroundingAccumulator(options)
     syn = SyntacticAccumulator(options) if parses is not None else None
+    text_syn = TextSyntaxAccumulator(options.token) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
     drawn: list[ExplorerExample] = []  # the qualitative figures' captions (records shared with the explorer)
     # Which captions those are is decided in split order here: the forward passes come in length order.
@@ -286,10 +292,10 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                             total=len(captions), info="")
         maps = ""
         for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size,
-                                         device=device, tag_subwords=tags):
+                                         device=device, tag_subwords=tags, text_maps=syn is not None):
             acc.add(inp)
             if syn is not None:
-                _add_syntactic(syn, parses, cap, inp, parse_failed)
+                _add_syntactic(syn, parses, cap, inp, parse_failed, text_syn)
             to_show, to_draw = cap.caption_id in show_ids, cap.caption_id in draw_ids
             if to_show or to_draw:
                 rec = store.get(cap.image_id)
@@ -329,7 +335,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     if drawn:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
-                             syntactic, syntactic_note, parse_failed, mask_pos, mask_note)
+                             syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
+                             None if text_syn is None else text_syn.result())
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -353,6 +360,12 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         else:
             f.write(syntactic_summary_markdown(syntactic, cfg.top_k, title=f"Syntactic grounding ({cfg.split} split)"))
             f.write(f"\nSyntactic grounding {syntactic_note}.\n")
+            f.write("\n## Syntactic heads among the words (Clark et al., 2019)\n\n"
+                    "From each word of an arc, the word each head's attention favours most (summed over a word's "
+                    "subwords; [CLS], [SEP] and the word itself left out), against the best fixed offset "
+                    "(-1: always the word before). A head that finds the other word here but not its region "
+                    "tracks syntax in the text only.\n\n")
+            f.write(report.text_syntax.markdown(list(syntactic.counts)[: cfg.top_k]))
     return report
 
 
@@ -369,9 +382,11 @@ def _check_qualitative_ids(qual_ids: list[str], captions: list[EntityCaption], s
 
 
 def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence], cap: EntityCaption,
-                   inp: GroundingInput, parse_failed: dict[str, str] | None = None) -> None:
+                   inp: GroundingInput, parse_failed: dict[str, str] | None = None,
+                   text_syn: TextSyntaxAccumulator | None = None) -> None:
     """Score one caption's arcs, or count why it cannot be (no parse; a parse of other words; a parser's
-    tokens that do not align with the caption's words, `parse_failed`)."""
+    tokens that do not align with the caption's words, `parse_failed`); with `text_syn`, also the same
+    arcs among the words (`inp.text_attn`)."""
     if parse_failed and cap.caption_id in parse_failed:
         syn.skip("parser tokens do not align with the caption's words", cap.caption_id)
         return
@@ -385,6 +400,8 @@ def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence],
         syn.skip("parse words differ", cap.caption_id)
         return
     syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
+    if text_syn is not None and inp.text_attn is not None:
+        text_syn.add(inp.text_attn, cap.word_tokens, arcs)
 
 
 def _skips(skipped: dict[str, int]) -> str:
@@ -402,6 +419,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "seconds": report.seconds,
         "syntactic_grounding": None if report.syntactic is None else report.syntactic.to_dict(),
         "syntactic_grounding_note": report.syntactic_note,
+        "text_syntax": None if report.text_syntax is None else report.text_syntax.to_dict(),
         # Per caption, why the parser's tokens could not be aligned with its words (the first 20).
         "parser_alignment_failures": dict(list(report.parse_failures.items())[:20]),
         "mask_pos": report.mask_pos,
