@@ -65,7 +65,6 @@ from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_g
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
 from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
 from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
-from vlberts.analysis.text_syntax import TextSyntaxAccumulator, TextSyntaxResult
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
     ParseMismatch,
@@ -74,6 +73,7 @@ from vlberts.analysis.syntactic import (
     SyntacticResult,
     arcs_from_parse,
 )
+from vlberts.analysis.text_syntax import TextSyntaxAccumulator, TextSyntaxResult
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.conllu import ConlluSentence, read_conllu
 from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
