@@ -31,8 +31,8 @@ from vlberts.data.regions import (
     RegionSource,
     caption_inputs,
     detected_tags,
+    length_order,
     load_regions,
-    region_counts,
 )
 from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps
@@ -158,14 +158,6 @@ def region_confidence(record, path: object = None) -> np.ndarray:
         path=path,
         record=f"image {record.image_id}",
     )
-
-
-def length_order(captions: list[EntityCaption], regions: RegionSource, max_regions: int) -> np.ndarray:
-    """Indices of `captions` by subword count, then region count (stable: ties keep the split's order)."""
-    if not captions:
-        return np.zeros(0, dtype=np.int64)
-    n_regions = region_counts(regions, [c.image_id for c in captions], max_regions)
-    return np.lexsort((n_regions, [len(c.ids) for c in captions]))
 
 
 @torch.no_grad()

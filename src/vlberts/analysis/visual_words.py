@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, detected_tags, load_regions
+from vlberts.data.regions import FetchedRecord, RegionSource, caption_inputs, detected_tags, length_order, load_regions
 from vlberts.recipes.common import resolve_device
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -72,8 +72,12 @@ def visual_word_accuracy(
     model.to(dev).eval()
     correct = np.zeros(len(items), dtype=bool)
     feature_dim = model.cfg.visual_dim
+    # Batches of similar length (`length_order`): in the given order half of what the demo's probe
+    # computed was padding. Each item's prediction is its own row's, so the order changes no number.
+    order = length_order(items, regions, max_regions)
     for start in range(0, len(items), batch_size):
-        chunk = items[start : start + batch_size]
+        index = order[start : start + batch_size]
+        chunk = [items[i] for i in index]
         path = getattr(regions, "path", None)
         recs = [regions.get(it.image_id) for it in chunk]  # each record read once
         regs = [load_regions(FetchedRecord(r, path), it.image_id, max_regions, feature_dim) for r, it in zip(recs, chunk)]
@@ -87,8 +91,8 @@ def visual_word_accuracy(
             tags = detected_tags(recs, [it.image_id for it in chunk], regs, tag_subwords, path)
             logits = model(x, tags=tags.to(dev)).mlm_logits
         pred = logits.argmax(-1).cpu()
-        for i, it in enumerate(chunk):
-            correct[start + i] = all(int(pred[i, p]) == t for p, t in zip(it.positions, it.targets))
+        for row, (i, it) in enumerate(zip(index, chunk)):
+            correct[i] = all(int(pred[row, p]) == t for p, t in zip(it.positions, it.targets))
     per_word: dict[str, list[bool]] = {}
     for it, c in zip(items, correct):
         per_word.setdefault(it.word, []).append(bool(c))

@@ -96,6 +96,17 @@ def region_counts(source: RegionSource, image_ids: list[str], max_regions: int) 
     return np.array([per_image[i] for i in image_ids], dtype=np.int64)
 
 
+def length_order(items: Sequence[Any], regions: RegionSource, max_regions: int) -> np.ndarray:
+    """Indices of `items` (each with `ids`, its token ids, and `image_id`) by token count, then region
+    count (stable: ties keep the given order). Batches taken in this order hold examples of similar
+    length, so little of what a forward pass computes is padding; the analyses' numbers do not depend
+    on the order (tests/test_grounding_driver.py)."""
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    n_regions = region_counts(regions, [it.image_id for it in items], max_regions)
+    return np.lexsort((n_regions, [len(it.ids) for it in items]))
+
+
 def pad_regions(items: list[Regions]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack a batch of region sets, zero-padded to the largest: feats (B, R, D), boxes (B, R, 4), mask (B, R)."""
     B = len(items)
