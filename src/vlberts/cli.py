@@ -590,12 +590,13 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
                    + "; ".join(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
                                f"{100 * row.baseline:.2f}%)" for row in s.table2(3))
                    + (f"; skipped captions: {s.skipped}" if s.skipped else ""))
-        rows = [(k, rep.text_syntax.rows[k]) for rel in ("pobj", "nsubj", "amod") for d in DIRECTIONS
-                if (k := direction_key(rel, d)) in rep.text_syntax.rows]
-        if rows:
-            typer.echo("syntactic heads among the words (best head; best fixed offset): " + "; ".join(
-                f"{k} {100 * r.best()[2]:.2f}% ({r.best()[0]}-{r.best()[1]}; {r.offset:+d}: {100 * r.offset_accuracy:.2f}%)"
-                for k, r in rows))
+        parts = []
+        for key in (direction_key(rel, d) for rel in ("pobj", "nsubj", "amod") for d in DIRECTIONS):
+            if (r := rep.text_syntax.rows.get(key)) is not None:
+                layer, head, acc = r.best()
+                parts.append(f"{key} {100 * acc:.2f}% ({layer}-{head}; {r.offset:+d}: {100 * r.offset_accuracy:.2f}%)")
+        if parts:
+            typer.echo("syntactic heads among the words (best head; best fixed offset): " + "; ".join(parts))
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 

@@ -85,6 +85,10 @@ class Arc:
     relation: str
     dependent: int
 
+    def readings(self) -> tuple[tuple[Direction, int, int], ...]:
+        """The arc's two readings as (direction, query word, target word), in `DIRECTIONS` order."""
+        return ("dep->head", self.dependent, self.head), ("head->dep", self.head, self.dependent)
+
 
 class ParseMismatch(ValueError):
     """A parse whose words are not the caption's words (another tokenisation, another sentence)."""
@@ -187,14 +191,14 @@ def score_syntactic(inp: SyntacticInput, options: GroundingOptions = GroundingOp
         if word_entity[arc.head] < 0 and word_entity[arc.dependent] < 0:
             without_entity += 1
             continue
-        for d, q, t in (("dep->head", arc.dependent, arc.head), ("head->dep", arc.head, arc.dependent)):
+        for d, q, t in arc.readings():
             if word_entity[t] < 0:
                 continue
             if not inp.word_tokens[q]:
                 truncated += 1
                 continue
             rel.append(arc.relation)
-            dirs.append(d)  # type: ignore[arg-type]
+            dirs.append(d)
             query.append(q)
             target.append(t)
             ent.append(int(word_entity[t]))

@@ -53,7 +53,7 @@ def score_text_syntax(attn: np.ndarray, word_tokens: Sequence[Sequence[int]], ar
     to_words = attn @ cols  # (L, H, T, T) @ (T, W) -> (L, H, T, W)
     keys, query, target = [], [], []
     for arc in arcs:
-        for d, q, t in (("dep->head", arc.dependent, arc.head), ("head->dep", arc.head, arc.dependent)):
+        for d, q, t in arc.readings():
             if word_tokens[q] and word_tokens[t]:
                 keys.append(direction_key(arc.relation, d))
                 query.append(q)
