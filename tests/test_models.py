@@ -475,3 +475,43 @@ def test_key_sets_without_padding_get_no_mask_and_the_same_outputs(tiny_world, a
         # keys = words: language layers, vision->language cross-attention, language self-attention per cross layer
         assert sum(masks) == cfg.language_layers + 2 * cfg.cross_layers
         assert masks.count(False) == cfg.relation_layers + 2 * cfg.cross_layers
+
+
+@pytest.mark.parametrize("arch", ["visualbert", "visualbert-late", "vlbert", "wvisualbert", "lxmert", "vilbert"])
+def test_maps_only_gives_the_same_maps_without_the_last_layers_values_and_feed_forward(arch):
+    """`encode(x, need_attn=True, maps_only=True)`, what the attention analyses call: the same maps as the whole
+    forward pass, bit for bit. A single-stream model's last layer stops at its attention probabilities (its value
+    projection, output and feed-forward never run) and the hidden states are None; a two-stream model computes
+    everything."""
+    from vlberts.models.builders import lxmert_tiny, vilbert_tiny, vlbert_tiny
+    from vlberts.models.wvisualbert import collate_tags, tag_tokens, wvisualbert_tiny
+
+    torch.manual_seed(0)
+    cfg = {"visualbert": lambda: visualbert_tiny(num_layers=3), "visualbert-late": lambda: visualbert_tiny(
+        num_layers=3, fusion_layer=1), "vlbert": vlbert_tiny, "wvisualbert": wvisualbert_tiny, "lxmert": lxmert_tiny,
+        "vilbert": vilbert_tiny}[arch]()
+    model = build_pretraining_model(cfg).eval()
+    x = _inputs(B=2, T=7, R=4, D=cfg.visual_dim)
+    kw = {}
+    if arch == "wvisualbert":
+        kw["tags"] = collate_tags([tag_tokens([1, 0, 2, 0], [[20], [21, 20], [22]]), tag_tokens([2, 1], [[20], [21, 20], [22]])])
+    single = arch not in ("lxmert", "vilbert")
+    last = [m for m in model.modules() if type(m).__name__ == "TransformerLayer"][-1] if single else None
+    calls = []
+    if single:
+        for sub in (last.attention.self.value, last.attention.output, last.intermediate, last.output):
+            sub.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        full = model.encode(x, need_attn=True, **kw)
+        n_full = len(calls)
+        only = model.encode(x, need_attn=True, maps_only=True, **kw)
+    assert n_full == (4 if single else 0) and len(calls) == n_full  # none of them ran with maps_only
+    a, b = full.attentions, only.attentions
+    assert len(a.joint) == len(b.joint) and len(a.text_to_vision) == len(b.text_to_vision)
+    for m, n in zip(a.joint + a.text_to_vision, b.joint + b.text_to_vision):
+        assert torch.equal(m, n)
+    assert torch.equal(a.text_to_region(), b.text_to_region()) and torch.equal(a.text_to_text(), b.text_to_text())
+    if single:
+        assert only.text is None and only.vision is None and only.pooled is None
+    else:
+        assert torch.equal(only.text, full.text)

@@ -173,7 +173,8 @@ def attention_batches(
 ) -> Iterator[tuple[list[EntityCaption], list, list, AttentionMaps]]:
     """Run the model on `captions`, `batch_size` at a time, with their images and yield, per batch, the
     captions, their store records, their loaded regions (`load_regions`) and every attention map of the
-    forward pass (`model.encode(x, need_attn=True).attentions`). Row b of each map is caption b, padded
+    forward pass (`model.encode(x, need_attn=True, maps_only=True).attentions`: no hidden states, so a
+    single-stream model stops its last layer at the attention probabilities). Row b of each map is caption b, padded
     to the batch's longest caption and region count: callers slice with `len(caption.ids)` and
     `len(regions[b].feats)`. Shared by the grounding analysis and the attention graphs.
 
@@ -196,10 +197,10 @@ def attention_batches(
         regs = [load_regions(FetchedRecord(r, path), c.image_id, max_regions, feature_dim) for c, r in zip(chunk, recs)]
         x = caption_inputs([c.ids for c in chunk], regs).to(device)
         if tag_subwords is None:
-            maps = model.encode(x, need_attn=True).attentions
+            maps = model.encode(x, need_attn=True, maps_only=True).attentions
         else:
             tags = detected_tags(recs, [c.image_id for c in chunk], regs, tag_subwords, path).to(device)
-            maps = model.encode(x, need_attn=True, tags=tags).attentions
+            maps = model.encode(x, need_attn=True, tags=tags, maps_only=True).attentions
         if maps is None:
             raise VlbertsError(f"the model returned no attention maps for need_attn=True ({type(model).__name__})")
         yield chunk, recs, regs, maps

@@ -103,13 +103,23 @@ class AttentionMaps:
 
 @dataclass
 class VLOutput:
-    """Hidden states of a vision-and-language encoder, split by modality."""
+    """Hidden states of a vision-and-language encoder, split by modality.
+
+    `encode(x, need_attn=True, maps_only=True)` asks for the attention maps alone: a single-stream model
+    then skips the last layer's work after its attention probabilities (`Encoder.forward`) and returns
+    `VLOutput.maps_only(maps)`, whose hidden states are None. Two-stream models (LXMERT, ViLBERT's two
+    streams) compute everything and return their hidden states as usual.
+    """
 
     text: Tensor  # (B, T, D) final hidden states at the text positions
     vision: Tensor  # (B, R, Dv) final hidden states at the region positions
     pooled: Tensor  # (B, D) pooled output used by the classification heads
     attentions: AttentionMaps | None = None
     image: Tensor | None = None  # (B, Dv) final state of a whole-image element (ViLBERT's h_IMG), if any
+
+    @classmethod
+    def maps_only(cls, attentions: AttentionMaps | None) -> "VLOutput":
+        return cls(text=None, vision=None, pooled=None, attentions=attentions)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -442,8 +442,9 @@ class ViLBertForPreTraining(nn.Module):
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
-    def encode(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
-        """The encoder alone (no heads): what the analyses read."""
+    def encode(self, x: VLInputs, need_attn: bool = False, maps_only: bool = False) -> VLOutput:
+        """The encoder alone (no heads): what the analyses read. `maps_only` is accepted for one call
+        across the architectures; a two-stream model computes every state anyway (`VLOutput`)."""
         return self.bert(x, need_attn)
 
     def forward(

@@ -128,16 +128,19 @@ class VisualBertModel(nn.Module):
         self.encoder = Encoder(cfg.block, cfg.num_layers)
         self.pooler = Pooler(cfg.hidden_size)
 
-    def hidden(self, x: VLInputs, need_attn: bool = False, rows: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+    def hidden(
+        self, x: VLInputs, need_attn: bool = False, rows: Tensor | None = None, maps_only: bool = False
+    ) -> tuple[Tensor | None, list[Tensor]]:
         """Final hidden states (B, S, D), S = T + R, and the attention maps if asked; with `rows`
-        (B, M) only those positions' states, (B, M, D) (`Encoder.forward`)."""
+        (B, M) only those positions' states, (B, M, D); with `maps_only` the maps alone and None
+        (`Encoder.forward`)."""
         T = x.input_ids.shape[1]
         h = self.embeddings(x)  # (B, S, D)
         mask = torch.cat([x.attention_mask.bool(), x.region_mask.bool()], dim=1)  # (B, S)
         bias = key_bias(mask, h.dtype, x.text_complete and x.regions_complete)  # (B, 1, 1, S) or None
         k = self.cfg.fusion_layer
         if k == 0:
-            return self.encoder(h, bias, need_weights=need_attn, rows=rows)
+            return self.encoder(h, bias, need_weights=need_attn, rows=rows, maps_only=maps_only)
         # Without early fusion: the text alone through layers 0..k-1, then the regions' embeddings are
         # appended and layers k.. run on the whole sequence (original code: `bypass_transformer`).
         text, maps = h[:, :T], []
@@ -146,25 +149,27 @@ class VisualBertModel(nn.Module):
             text, probs = layer(text, text_bias, need_attn)  # (B, T, D); probs (B, H, T, T)
             maps.append(probs)
         h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
-        h, more = self.encoder(h, bias, need_weights=need_attn, rows=rows, start=k)
+        h, more = self.encoder(h, bias, need_weights=need_attn, rows=rows, start=k, maps_only=maps_only)
         return h, (maps + more if need_attn else [])
 
-    def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+    def forward(self, x: VLInputs, need_attn: bool = False, maps_only: bool = False) -> VLOutput:
         """With `need_attn`, `attentions.joint` holds one map per layer: (B, H, S, S) for the layers that
-        see the regions, (B, H, T, T) for the text-only layers before `cfg.fusion_layer`."""
-        T = x.input_ids.shape[1]
-        h, maps = self.hidden(x, need_attn)
-        k = self.cfg.fusion_layer
+        see the regions, (B, H, T, T) for the text-only layers before `cfg.fusion_layer`. `maps_only`
+        (with `need_attn`): the same maps, for less work, and no hidden states (`VLOutput.maps_only`)."""
+        T, S = x.input_ids.shape[1], x.input_ids.shape[1] + x.region_mask.shape[1]
+        h, maps = self.hidden(x, need_attn, maps_only=maps_only)
         attn = None
         if need_attn:
-            S = h.shape[1]
+            dev = x.input_ids.device
             attn = AttentionMaps(
                 joint=maps,
-                text_index=torch.arange(T, device=h.device),
-                region_index=torch.arange(T, S, device=h.device),
+                text_index=torch.arange(T, device=dev),
+                region_index=torch.arange(T, S, device=dev),
                 source="joint",
-                fusion_layer=k,
+                fusion_layer=self.cfg.fusion_layer,
             )
+        if h is None:
+            return VLOutput.maps_only(attn)
         return VLOutput(text=h[:, :T], vision=h[:, T:], pooled=self.pooler(h[:, 0]), attentions=attn)
 
 
@@ -189,9 +194,9 @@ class VisualBertForPreTraining(nn.Module):
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
-    def encode(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
+    def encode(self, x: VLInputs, need_attn: bool = False, maps_only: bool = False) -> VLOutput:
         """The encoder alone (no heads): what the analyses read."""
-        return self.bert(x, need_attn)
+        return self.bert(x, need_attn, maps_only)
 
     def forward(
         self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None

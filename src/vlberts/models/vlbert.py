@@ -263,8 +263,11 @@ class VLBertModel(nn.Module):
         self.encoder = Encoder(cfg.block, cfg.num_layers)
         self.pooler = Pooler(cfg.hidden_size)
 
-    def forward(self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None) -> VLOutput:
-        """roi_masked (B, R) bool: RoIs masked for masked RoI classification (None = none).
+    def forward(
+        self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None, maps_only: bool = False
+    ) -> VLOutput:
+        """roi_masked (B, R) bool: RoIs masked for masked RoI classification (None = none). `maps_only`
+        (with `need_attn`): the maps alone, for less work (`VLOutput.maps_only`).
 
         `vision` holds the caller's R regions, `image` the whole-image element. With `need_attn`,
         `attentions.joint` holds one (B, H, S, S) map per layer over S = T + 1 + R + 1 elements: text at
@@ -289,15 +292,18 @@ class VLBertModel(nn.Module):
         h, mask = self.embeddings(x, feats, masked, image_feat)  # (B, S, D), (B, S)
         # Complete when text and regions are: the whole image and [END] are real wherever a region is.
         complete = x.text_complete and x.regions_complete and R > 0
-        h, maps = self.encoder(h, key_bias(mask, h.dtype, complete), need_weights=need_attn)
+        dev = h.device
+        h, maps = self.encoder(h, key_bias(mask, h.dtype, complete), need_weights=need_attn, maps_only=maps_only)
         attn = None
         if need_attn:
             attn = AttentionMaps(
                 joint=maps,
-                text_index=torch.arange(T, device=h.device),
-                region_index=torch.arange(T + 1, T + 1 + R, device=h.device),
+                text_index=torch.arange(T, device=dev),
+                region_index=torch.arange(T + 1, T + 1 + R, device=dev),
                 source="joint",
             )
+        if h is None:
+            return VLOutput.maps_only(attn)
         return VLOutput(text=h[:, :T], vision=h[:, T + 1 : T + 1 + R], pooled=self.pooler(h[:, 0]),
                         attentions=attn, image=h[:, T])
 
@@ -344,9 +350,11 @@ class VLBertForPreTraining(nn.Module):
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
-    def encode(self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None) -> VLOutput:
+    def encode(
+        self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None, maps_only: bool = False
+    ) -> VLOutput:
         """The encoder alone (no heads): what the analyses read."""
-        return self.bert(x, need_attn, roi_masked)
+        return self.bert(x, need_attn, roi_masked, maps_only)
 
     def forward(
         self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None,

@@ -260,17 +260,20 @@ class WVisualBertModel(nn.Module):
         self.encoder = Encoder(cfg.block, cfg.num_layers)
         self.pooler = Pooler(cfg.hidden_size)
 
-    def forward(self, x: VLInputs, tags: TagInputs | None = None, need_attn: bool = False) -> WVisualBertOutput:
+    def forward(
+        self, x: VLInputs, tags: TagInputs | None = None, need_attn: bool = False, maps_only: bool = False
+    ) -> WVisualBertOutput:
         """x: text (T may be 0) and regions (R may be 0); tags: None, or the tags of x's regions (ignored
-        when `cfg.use_tags` is off). With `need_attn`, one (B, H, S, S) joint map per layer."""
+        when `cfg.use_tags` is off). With `need_attn`, one (B, H, S, S) joint map per layer; `maps_only`:
+        the maps alone, for less work (`VLOutput.maps_only`)."""
         h, T, R, L = self.embeddings(x, tags)  # (B, S, D), S = T + R + L
         masks = [x.attention_mask.bool(), x.region_mask.bool()]
         if L:
             masks.append(tags.tag_mask.bool())
         complete = x.text_complete and x.regions_complete and not L  # tag subwords: padded to the longest
         bias = key_bias(torch.cat(masks, dim=1), h.dtype, complete)  # (B, 1, 1, S) or None
-        h, maps = self.encoder(h, bias, need_weights=need_attn)
         dev = h.device
+        h, maps = self.encoder(h, bias, need_weights=need_attn, maps_only=maps_only)
         attn = None
         if need_attn:
             attn = AttentionMaps(
@@ -279,6 +282,8 @@ class WVisualBertModel(nn.Module):
                 region_index=torch.arange(T, T + R, device=dev),  # regions only: tags are not boxes
                 source="joint",
             )
+        if h is None:
+            return WVisualBertOutput.maps_only(attn)
         return WVisualBertOutput(
             text=h[:, :T],
             vision=h[:, T : T + R],
@@ -319,9 +324,11 @@ class WVisualBertForPreTraining(nn.Module):
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
-    def encode(self, x: VLInputs, need_attn: bool = False, tags: TagInputs | None = None) -> WVisualBertOutput:
+    def encode(
+        self, x: VLInputs, need_attn: bool = False, tags: TagInputs | None = None, maps_only: bool = False
+    ) -> WVisualBertOutput:
         """The encoder alone (no heads): what the analyses read."""
-        return self.bert(x, tags, need_attn)
+        return self.bert(x, tags, need_attn, maps_only)
 
     def forward(
         self,
