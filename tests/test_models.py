@@ -515,3 +515,48 @@ def test_maps_only_gives_the_same_maps_without_the_last_layers_values_and_feed_f
         assert only.text is None and only.vision is None and only.pooled is None
     else:
         assert torch.equal(only.text, full.text)
+
+
+@pytest.mark.parametrize("arch", ["visualbert", "visualbert-late", "vlbert", "wvisualbert"])
+def test_vqa_heads_from_the_one_row_they_read_equal_the_whole_forward(arch):
+    """A single-stream VQA model reads one row (VisualBERT's and VL-BERT's [MASK] slot, W-VisualBERT's [CLS] through
+    the pooler), so its last layer computes that row alone (`Encoder.forward` rows): logits and every gradient
+    equal those of reading it off the whole forward pass."""
+    from vlberts.models.builders import vlbert_tiny
+    from vlberts.models.visualbert import VisualBertForVQA
+    from vlberts.models.vlbert import VLBertForVQA
+    from vlberts.models.wvisualbert import WVisualBertForVQA, collate_tags, tag_tokens, wvisualbert_tiny
+
+    torch.manual_seed(0)
+    no_drop = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    cls, cfg = {
+        "visualbert": (VisualBertForVQA, lambda: visualbert_tiny(num_layers=3, **no_drop)),
+        "visualbert-late": (VisualBertForVQA, lambda: visualbert_tiny(num_layers=3, fusion_layer=1, **no_drop)),
+        "vlbert": (VLBertForVQA, lambda: vlbert_tiny(visual_dropout=0.0, **no_drop)),
+        "wvisualbert": (WVisualBertForVQA, lambda: wvisualbert_tiny(**no_drop)),
+    }[arch]
+    cfg = cfg()
+    model = cls(cfg, 9)
+    x = _inputs(B=3, T=7, R=4, D=cfg.visual_dim)
+    pos = torch.tensor([4, 2, 6])
+    if arch == "wvisualbert":
+        tags = collate_tags([tag_tokens(c, [[20], [21, 20], [22]]) for c in ([1, 0, 2, 0], [2, 1], [0])])
+        fast = lambda: model(x, tags)  # noqa: E731
+        slow = lambda: model.classifier(model.bert(x, tags).pooled)  # noqa: E731
+    else:
+        fast = lambda: model(x, pos)  # noqa: E731
+        text = lambda: model.bert(x).text[torch.arange(3), pos]  # noqa: E731
+        slow = (lambda: model.classifier(model.dropout(text()))) if arch.startswith("visualbert") else \
+            (lambda: model.classifier(text()))
+
+    def grads(logits):
+        model.zero_grad()
+        logits.logsumexp(-1).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    a, b = slow(), fast()
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    ga, gb = grads(a), grads(b)
+    assert ga.keys() == gb.keys() and len(ga) > 20
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)

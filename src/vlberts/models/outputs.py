@@ -33,6 +33,14 @@ class AttentionMaps:
     # cover those too, and `text_to_region` drops their columns so that column r is the caller's region r.
     vision_offset: int = 0
 
+    @classmethod
+    def of_joint(cls, maps: list[Tensor], T: int, first_region: int, R: int, device: torch.device,
+                 fusion_layer: int = 0) -> "AttentionMaps":
+        """A single-stream model's maps: the text at positions 0..T-1, its R regions from `first_region` on."""
+        return cls(joint=maps, text_index=torch.arange(T, device=device),
+                   region_index=torch.arange(first_region, first_region + R, device=device), source="joint",
+                   fusion_layer=fusion_layer)
+
     def text_to_region(self) -> Tensor:
         """(L, B, H, T, R): the attention each text token pays to each region, per layer and head.
 

@@ -396,14 +396,8 @@ class ViLBertModel(nn.Module):
         T, S = text.shape[1], text.shape[1] + vision.shape[1]
         h = torch.cat([text, vision], dim=1)  # (B, S, D), S = T + R'
         h, maps = self.encoder(h, bias, need_weights=need_attn)
-        attn = None
-        if need_attn:
-            attn = AttentionMaps(
-                joint=maps,
-                text_index=torch.arange(T, device=h.device),
-                region_index=torch.arange(T + int(self.cfg.add_image_token), S, device=h.device),
-                source="joint",
-            )
+        off = int(self.cfg.add_image_token)
+        attn = AttentionMaps.of_joint(maps, T, T + off, S - T - off, h.device) if need_attn else None
         return h[:, :T], h[:, T:], attn
 
 

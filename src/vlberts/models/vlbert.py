@@ -274,8 +274,22 @@ class VLBertModel(nn.Module):
         0..T-1, the whole image at T, regions at T+1..T+R, [END] at T+R+1. `text_to_region()` reads the
         region columns T+1..T+R only, so its column r is the caller's region r (not the whole image, not [END]).
         """
-        B, T = x.input_ids.shape
-        R = x.region_boxes.shape[1]
+        T, R = x.input_ids.shape[1], x.region_boxes.shape[1]
+        h, maps = self.hidden(x, need_attn, roi_masked, maps_only=maps_only)
+        attn = AttentionMaps.of_joint(maps, T, T + 1, R, x.input_ids.device) if need_attn else None
+        if h is None:
+            return VLOutput.maps_only(attn)
+        return VLOutput(text=h[:, :T], vision=h[:, T + 1 : T + 1 + R], pooled=self.pooler(h[:, 0]),
+                        attentions=attn, image=h[:, T])
+
+    def hidden(
+        self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None, rows: Tensor | None = None,
+        maps_only: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor]]:
+        """Final hidden states (B, S, D) over the layout of `forward`, and the attention maps if asked;
+        with `rows` (B, M) only those positions' states, (B, M, D); with `maps_only` the maps alone and
+        None (`Encoder.forward`)."""
+        B, R = x.input_ids.shape[0], x.region_boxes.shape[1]
         masked = torch.zeros(B, R, dtype=torch.bool, device=x.region_boxes.device)
         if roi_masked is not None:
             masked = roi_masked.bool() & x.region_mask.bool()
@@ -292,20 +306,8 @@ class VLBertModel(nn.Module):
         h, mask = self.embeddings(x, feats, masked, image_feat)  # (B, S, D), (B, S)
         # Complete when text and regions are: the whole image and [END] are real wherever a region is.
         complete = x.text_complete and x.regions_complete and R > 0
-        dev = h.device
-        h, maps = self.encoder(h, key_bias(mask, h.dtype, complete), need_weights=need_attn, maps_only=maps_only)
-        attn = None
-        if need_attn:
-            attn = AttentionMaps(
-                joint=maps,
-                text_index=torch.arange(T, device=dev),
-                region_index=torch.arange(T + 1, T + 1 + R, device=dev),
-                source="joint",
-            )
-        if h is None:
-            return VLOutput.maps_only(attn)
-        return VLOutput(text=h[:, :T], vision=h[:, T + 1 : T + 1 + R], pooled=self.pooler(h[:, 0]),
-                        attentions=attn, image=h[:, T])
+        return self.encoder(h, key_bias(mask, h.dtype, complete), need_weights=need_attn, rows=rows,
+                            maps_only=maps_only)
 
 
 class RoIClassificationHead(nn.Module):
@@ -403,10 +405,10 @@ class VLBertForVQA(nn.Module):
         init_bert_weights(self, cfg.initializer_range)
 
     def forward(self, x: VLInputs, answer_pos: Tensor) -> Tensor:
-        """answer_pos (B,) index of the [MASK] answer slot in the text; returns answer logits (B, A)."""
-        text = self.bert(x).text  # (B, T, D)
-        slot = text[torch.arange(text.shape[0], device=text.device), answer_pos]  # (B, D)
-        return self.classifier(slot)
+        """answer_pos (B,) index of the [MASK] answer slot in the text; returns answer logits (B, A). The
+        head reads that slot alone, so the last layer computes it alone (`Encoder.forward` rows)."""
+        slot, _ = self.bert.hidden(x, rows=answer_pos[:, None])  # (B, 1, D)
+        return self.classifier(slot[:, 0])
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
         """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""

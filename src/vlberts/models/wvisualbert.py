@@ -266,22 +266,9 @@ class WVisualBertModel(nn.Module):
         """x: text (T may be 0) and regions (R may be 0); tags: None, or the tags of x's regions (ignored
         when `cfg.use_tags` is off). With `need_attn`, one (B, H, S, S) joint map per layer; `maps_only`:
         the maps alone, for less work (`VLOutput.maps_only`)."""
-        h, T, R, L = self.embeddings(x, tags)  # (B, S, D), S = T + R + L
-        masks = [x.attention_mask.bool(), x.region_mask.bool()]
-        if L:
-            masks.append(tags.tag_mask.bool())
-        complete = x.text_complete and x.regions_complete and not L  # tag subwords: padded to the longest
-        bias = key_bias(torch.cat(masks, dim=1), h.dtype, complete)  # (B, 1, 1, S) or None
-        dev = h.device
-        h, maps = self.encoder(h, bias, need_weights=need_attn, maps_only=maps_only)
-        attn = None
-        if need_attn:
-            attn = AttentionMaps(
-                joint=maps,
-                text_index=torch.arange(T, device=dev),
-                region_index=torch.arange(T, T + R, device=dev),  # regions only: tags are not boxes
-                source="joint",
-            )
+        h, maps, (T, R, L) = self.hidden(x, tags, need_attn, maps_only=maps_only)
+        dev = x.input_ids.device
+        attn = AttentionMaps.of_joint(maps, T, T, R, dev) if need_attn else None  # regions only: tags are not boxes
         if h is None:
             return WVisualBertOutput.maps_only(attn)
         return WVisualBertOutput(
@@ -292,6 +279,22 @@ class WVisualBertModel(nn.Module):
             tags=h[:, T + R :] if L else None,
             tag_index=torch.arange(T + R, T + R + L, device=dev) if L else None,
         )
+
+    def hidden(
+        self, x: VLInputs, tags: TagInputs | None = None, need_attn: bool = False, rows: Tensor | None = None,
+        maps_only: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor], tuple[int, int, int]]:
+        """Final hidden states (B, S, D) of [text ; regions ; tags], S = T + R + L, the attention maps if
+        asked, and (T, R, L); with `rows` (B, M) only those positions' states, (B, M, D); with `maps_only`
+        the maps alone and None (`Encoder.forward`)."""
+        h, T, R, L = self.embeddings(x, tags)  # (B, S, D)
+        masks = [x.attention_mask.bool(), x.region_mask.bool()]
+        if L:
+            masks.append(tags.tag_mask.bool())
+        complete = x.text_complete and x.regions_complete and not L  # tag subwords: padded to the longest
+        bias = key_bias(torch.cat(masks, dim=1), h.dtype, complete)  # (B, 1, 1, S) or None
+        h, maps = self.encoder(h, bias, need_weights=need_attn, rows=rows, maps_only=maps_only)
+        return h, maps, (T, R, L)
 
 
 class WVisualBertForPreTraining(nn.Module):
@@ -451,7 +454,9 @@ class WVisualBertForVQA(nn.Module):
         """Answer logits (B, A) from the pooled [CLS] of [question ; regions ; tags]."""
         if self.reads_tags and tags is None:
             raise ValueError("this W-VisualBERT reads detector tags (use_tags), but none were given")
-        return self.classifier(self.bert(x, tags).pooled)  # pooled (B, D)
+        # The pooler reads [CLS] alone, so the last layer computes it alone (`Encoder.forward` rows).
+        cls, _, _ = self.bert.hidden(x, tags, rows=x.input_ids.new_zeros(x.input_ids.shape[0], 1))  # (B, 1, D)
+        return self.classifier(self.bert.pooler(cls[:, 0]))  # pooled (B, D)
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
         """Answer logits (B, A) of a `VQABatch` laid out as `text_format`, with its tags."""
