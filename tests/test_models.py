@@ -560,3 +560,36 @@ def test_vqa_heads_from_the_one_row_they_read_equal_the_whole_forward(arch):
     assert ga.keys() == gb.keys() and len(ga) > 20
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["visualbert", "visualbert-late", "vlbert", "wvisualbert", "lxmert", "vilbert"])
+def test_encoder_pooled_alone_equals_the_whole_forwards_pooled_output(arch):
+    """`VLEncoder.pooled` (the NLVR2, VCR and retrieval heads' one input): a single-stream encoder's last layer
+    computes [CLS] alone; values and every gradient equal `forward(x).pooled`'s, for every architecture."""
+    from vlberts.models.builders import lxmert_tiny, vilbert_tiny, vlbert_tiny
+    from vlberts.models.encoders import VLEncoder
+    from vlberts.models.wvisualbert import collate_tags, tag_tokens, wvisualbert_tiny
+
+    torch.manual_seed(0)
+    no_drop = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    cfg = {"visualbert": lambda: visualbert_tiny(num_layers=3, **no_drop),
+           "visualbert-late": lambda: visualbert_tiny(num_layers=3, fusion_layer=1, **no_drop),
+           "vlbert": lambda: vlbert_tiny(visual_dropout=0.0, **no_drop), "wvisualbert": lambda: wvisualbert_tiny(**no_drop),
+           "lxmert": lambda: lxmert_tiny(**no_drop),
+           "vilbert": lambda: vilbert_tiny(v_hidden_dropout=0.0, v_attention_dropout=0.0, **no_drop)}[arch]()
+    enc = VLEncoder(cfg)
+    x = _inputs(B=3, T=7, R=4, D=cfg.visual_dim)
+    tags = collate_tags([tag_tokens(c, [[20], [21, 20], [22]]) for c in ([1, 0, 2, 0], [2, 1], [0])]) \
+        if arch == "wvisualbert" else None
+
+    def grads(pooled):
+        enc.zero_grad()
+        pooled.square().sum().backward()
+        return {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+
+    a, b = enc(x, tags).pooled, enc.pooled(x, tags)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    ga, gb = grads(a), grads(b)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)

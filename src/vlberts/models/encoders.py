@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from vlberts.data.batch import TagInputs, VLInputs
 from vlberts.errors import VlbertsError
@@ -72,6 +72,20 @@ class VLEncoder(nn.Module):
         if self.arch == "wvisualbert":
             return self.model(x, tags, need_attn=need_attn)
         return self.model(x, need_attn=need_attn)
+
+    def pooled(self, x: VLInputs, tags: TagInputs | None = None) -> Tensor:
+        """`forward(x, tags).pooled` (B, D) alone, for the heads that read nothing else (NLVR2, VCR,
+        retrieval). A single-stream encoder's pooler reads [CLS] alone, so its last layer computes that row
+        alone (`Encoder.forward` rows): the same values for about a layer's worth less work. ViLBERT and
+        LXMERT run whole."""
+        cls = x.input_ids.new_zeros(x.input_ids.shape[0], 1)  # (B, 1): position 0
+        if self.arch in ("visualbert", "vlbert"):
+            h, _ = self.model.hidden(x, rows=cls)  # (B, 1, D)
+        elif self.arch == "wvisualbert":
+            h, _, _ = self.model.hidden(x, tags, rows=cls)
+        else:
+            return self(x, tags).pooled
+        return self.model.pooler(h[:, 0])
 
 
 TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task model

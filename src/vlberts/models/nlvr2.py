@@ -125,7 +125,7 @@ class NLVR2Model(nn.Module):
 
     def forward(self, batch: NLVR2Batch) -> Tensor:
         B = batch.size
-        pooled = self.encoder(batch.inputs, tags=batch.tags).pooled  # (B', P): B' = 2B (pair) or B (joint)
+        pooled = self.encoder.pooled(batch.inputs, tags=batch.tags)  # (B', P): B' = 2B (pair) or B (joint)
         if self.encoding == "pair":
             if pooled.shape[0] != 2 * B:
                 raise ValueError(f"pair encoding expects 2B = {2 * B} encoder rows, got {pooled.shape[0]}")

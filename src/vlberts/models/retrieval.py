@@ -98,7 +98,7 @@ class RetrievalModel(nn.Module):
         return self.encoder.reads_tags
 
     def forward(self, x: VLInputs, tags: TagInputs | None = None) -> Tensor:
-        pooled = self.encoder(x, tags=tags).pooled  # (N, D)
+        pooled = self.encoder.pooled(x, tags=tags)  # (N, D)
         return self.scorer(self.dropout(pooled)).squeeze(-1)  # (N,)
 
     def init_from_match_head(self, weight: Tensor, bias: Tensor) -> None:

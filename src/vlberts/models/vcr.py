@@ -62,7 +62,7 @@ class VCRModel(nn.Module):
         x = batch.inputs
         if not self.uses_alignment and x.image_text_alignment is not None:
             x = type(x)(**{**x.__dict__, "image_text_alignment": None})
-        pooled = self.encoder(x, tags=batch.tags).pooled  # (B*4, D)
+        pooled = self.encoder.pooled(x, tags=batch.tags)  # (B*4, D)
         return self.scorer(self.dropout(pooled)).view(-1, NUM_CHOICES)  # (B, 4)
 
 
