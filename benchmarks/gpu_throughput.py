@@ -184,10 +184,11 @@ def visualbert_flops(
 def lxmert_flops(cfg: LxmertConfig, b: int, t: int, r: int, mlm_rows: int, last_rows: int | None = None) -> Flops:
     """`LxmertForPreTraining`: object embedding (features and boxes), N_L language layers, N_R
     object-relationship layers, N_X cross-modality layers (shared cross-attention both ways, then
-    self-attention and feed-forward per modality), pooler and the heads present in the config. Every
-    layer computes every position (`last_rows` must be None)."""
-    if last_rows is not None:
-        raise ValueError("LXMERT computes every position of its last layer")
+    self-attention and feed-forward per modality), pooler and the heads present in the config. `last_rows`:
+    language positions per example the last cross-modality layer's self-attention queries, output and
+    feed-forward compute (ours in pre-training: [CLS] and the masked words, `TokenSelection.rows`; its
+    cross-attention still runs for every word, whose self-attention keys and values read them all);
+    None: all."""
     d = cfg.hidden_size
     f = Flops()
     f.linear(b * r, cfg.visual_dim, d, input_grad=False)  # visn_fc
@@ -196,12 +197,13 @@ def lxmert_flops(cfg: LxmertConfig, b: int, t: int, r: int, mlm_rows: int, last_
         _bert_layer(f, cfg, b, t)
     for _ in range(cfg.relation_layers):
         _bert_layer(f, cfg, b, r)
-    for _ in range(cfg.cross_layers):
+    for i in range(cfg.cross_layers):
+        q = last_rows if i == cfg.cross_layers - 1 and last_rows is not None else t
         _attention_block(f, cfg, b, t, r)  # language -> vision
         _attention_block(f, cfg, b, r, t)  # vision -> language (same weights)
-        _attention_block(f, cfg, b, t, t)
+        _attention_block(f, cfg, b, q, t)
         _attention_block(f, cfg, b, r, r)
-        _feed_forward(f, cfg, b * t)
+        _feed_forward(f, cfg, b * q)
         _feed_forward(f, cfg, b * r)
     _text_heads(f, cfg, b, mlm_rows)
     outs = [cfg.num_object_labels, cfg.num_attr_labels, cfg.visual_dim if cfg.feat_regression else 0]
@@ -221,9 +223,9 @@ FLOPS: dict[str, Callable[..., Flops]] = {"visualbert": visualbert_flops, "lxmer
 
 def our_flops(arch: str, cfg, b: int, t: int, r: int, mlm: TokenSelection) -> Flops:
     """Model FLOPs of one pre-training step of our model with the MLM head at the masked words `mlm`.
-    The positions per example its last layer computes: VisualBERT's, [CLS] and the masked words padded to
-    the longest row (`mlm.rows`); LXMERT's, all."""
-    return FLOPS[arch](cfg, b, t, r, mlm.count, mlm.rows.shape[1] if arch == "visualbert" else None)
+    The text positions per example its last layer computes (LXMERT: its last cross-modality layer's
+    language side): [CLS] and the masked words padded to the longest row (`mlm.rows`)."""
+    return FLOPS[arch](cfg, b, t, r, mlm.count, mlm.rows.shape[1])
 
 
 # Positions Hugging Face's MLM head runs at: VisualBERT's at every position (text and regions; the labels

@@ -282,3 +282,61 @@ def test_config_validation():
         lxmert_tiny(visual_pos_dim=5)
     with pytest.raises(VlbertsError, match="lxmert-tiny"):
         model_config("lxmert-tiny", hidden_size=33)
+
+
+@pytest.mark.parametrize("cross_layers", [1, 2])
+def test_pretraining_heads_from_the_rows_they_read_equal_the_whole_forward(cross_layers):
+    """With `mlm_positions` the last cross-modality layer computes the language [CLS] and masked words only (and
+    every region, for the object heads): every head's output and every gradient equal the whole forward's."""
+    torch.manual_seed(0)
+    cfg = lxmert_tiny(cross_layers=cross_layers, language_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    model = build_pretraining_model(cfg)
+    x = _inputs(V=100)
+    where = torch.zeros(3, 9, dtype=torch.bool)
+    where[0, [2, 5]] = True  # example 1 has no masked word
+    where[2, [1, 3, 8]] = True
+    full, part = model(x), model(x, mlm_positions=where)
+    assert part.encoded is None and part.mlm_logits.shape == (5, 100)
+    torch.testing.assert_close(part.mlm_logits, full.mlm_logits[where], atol=1e-5, rtol=0)
+    for name in ("match_logits", "obj_logits", "attr_logits", "feat_pred", "qa_logits"):
+        torch.testing.assert_close(getattr(part, name), getattr(full, name), atol=1e-5, rtol=0, msg=name)
+
+    def grads(out, logits):
+        model.zero_grad()
+        loss = logits.logsumexp(-1).sum() + sum(getattr(out, k).square().sum() for k in (
+            "match_logits", "obj_logits", "attr_logits", "feat_pred", "qa_logits"))
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    a, b = grads(full, full.mlm_logits[where]), grads(part, part.mlm_logits)
+    assert a.keys() == b.keys() and len(a) > 30
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_vqa_head_reads_the_cls_row_alone_with_the_whole_forwards_values():
+    """LXMERT's VQA head reads the pooled language [CLS]: its last cross-modality layer computes that row and no
+    vision state, with the logits and gradients of the whole forward pass."""
+    from vlberts.models.lxmert import LxmertForVQA
+
+    torch.manual_seed(0)
+    model = LxmertForVQA(lxmert_tiny(cross_layers=2, hidden_dropout=0.0, attention_dropout=0.0), 7)
+    x = _inputs(V=100)
+    calls = []
+    last = model.lxmert.x_layers[-1]
+    for sub in (last.visn_self_att, last.visn_ffn):
+        sub.register_forward_hook(lambda *a: calls.append(1))
+
+    def grads(logits):
+        model.zero_grad()
+        logits.logsumexp(-1).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    a = model.classifier(model.lxmert(x).pooled)
+    n_full = len(calls)
+    b = model(x)
+    assert n_full == 2 and len(calls) == 2  # the VQA path ran no vision self-attention or FFN in the last layer
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    ga, gb = grads(a), grads(b)
+    for n in gb:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -76,13 +76,16 @@ class VLEncoder(nn.Module):
     def pooled(self, x: VLInputs, tags: TagInputs | None = None) -> Tensor:
         """`forward(x, tags).pooled` (B, D) alone, for the heads that read nothing else (NLVR2, VCR,
         retrieval). A single-stream encoder's pooler reads [CLS] alone, so its last layer computes that row
-        alone (`Encoder.forward` rows): the same values for about a layer's worth less work. ViLBERT and
-        LXMERT run whole."""
+        alone (`Encoder.forward` rows): the same values for about a layer's worth less work. LXMERT's last
+        cross-modality layer computes the language [CLS] alone and no vision (`LxmertModel.hidden`); ViLBERT
+        runs whole."""
         cls = x.input_ids.new_zeros(x.input_ids.shape[0], 1)  # (B, 1): position 0
         if self.arch in ("visualbert", "vlbert"):
             h, _ = self.model.hidden(x, rows=cls)  # (B, 1, D)
         elif self.arch == "wvisualbert":
             h, _, _ = self.model.hidden(x, tags, rows=cls)
+        elif self.arch == "lxmert":
+            h, _ = self.model.hidden(x, cls, need_vision=False)  # the language [CLS] alone, no vision states
         else:
             return self(x, tags).pooled
         return self.model.pooler(h[:, 0])

@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from vlberts.data.batch import TokenSelection, VLInputs, VQABatch
+from vlberts.data.batch import TokenSelection, VLInputs, VQABatch, as_selection
 from vlberts.models.blocks import (
     AnswerMLP,
     AttentionBlock,
@@ -50,6 +50,7 @@ from vlberts.models.blocks import (
     MLMHead,
     Pooler,
     PredictionHeadTransform,
+    gather_rows,
     init_bert_weights,
     key_bias,
     selected_text,
@@ -183,6 +184,23 @@ class CrossModalityLayer(nn.Module):
         maps = CrossLayerMaps(t2v, v2t, tt, vv) if need_weights else None
         return self.lang_ffn(l_til), self.visn_ffn(v_til), maps
 
+    def last(
+        self, lang: Tensor, lang_bias: Tensor | None, visn: Tensor, visn_bias: Tensor | None, rows: Tensor,
+        need_vision: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The layer as the last one, for callers that read only some of its outputs: the language states
+        at `rows` (B, M) -> (B, M, D), over keys and values of every word (the cross-attention runs for
+        every word, since the self-attention reads them all), and the vision states (B, R, D) only if
+        `need_vision` (else None: no vision->language cross-attention, self-attention or FFN). The same
+        values as `forward` at those rows."""
+        l_hat, _ = self.cross_attention(lang, visn_bias, ctx=visn)  # (B, T, D)
+        l_til, _ = self.lang_self_att(gather_rows(l_hat, rows), lang_bias, ctx=l_hat)  # (B, M, D)
+        if not need_vision:
+            return self.lang_ffn(l_til), None
+        v_hat, _ = self.cross_attention(visn, lang_bias, ctx=lang)  # (B, R, D)
+        v_til, _ = self.visn_self_att(v_hat, visn_bias)
+        return self.lang_ffn(l_til), self.visn_ffn(v_til)
+
 
 class LxmertModel(nn.Module):
     """The LXMERT encoder: embeddings, language / object-relationship / cross-modality encoders, pooler.
@@ -215,11 +233,7 @@ class LxmertModel(nn.Module):
         Hugging Face returns the first three groups only in part (no cross-layer self-attention, no
         vision->text); the maps it does return equal ours.
         """
-        lang = self.embeddings(x.input_ids, x.token_type_ids)  # (B, T, D)
-        visn = self.object_embeddings(x.region_feats, x.region_boxes)  # (B, R, D)
-        lang_bias = key_bias(x.attention_mask, lang.dtype, x.text_complete)  # (B, 1, 1, T) or None
-        visn_bias = key_bias(x.region_mask, visn.dtype, x.regions_complete)  # (B, 1, 1, R) or None
-
+        lang, lang_bias, visn, visn_bias = self._embed(x)
         lang, text_self = self.encoder(lang, lang_bias, need_weights=need_attn)
         visn, vision_self = self.r_encoder(visn, visn_bias, need_weights=need_attn)
         t2v, v2t = [], []
@@ -242,6 +256,25 @@ class LxmertModel(nn.Module):
             )
         # §2.3: the cross-modality output is read off the language [CLS].
         return VLOutput(text=lang, vision=visn, pooled=self.pooler(lang[:, 0]), attentions=attn)
+
+    def _embed(self, x: VLInputs) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        lang = self.embeddings(x.input_ids, x.token_type_ids)  # (B, T, D)
+        visn = self.object_embeddings(x.region_feats, x.region_boxes)  # (B, R, D)
+        lang_bias = key_bias(x.attention_mask, lang.dtype, x.text_complete)  # (B, 1, 1, T) or None
+        visn_bias = key_bias(x.region_mask, visn.dtype, x.regions_complete)  # (B, 1, 1, R) or None
+        return lang, lang_bias, visn, visn_bias
+
+    def hidden(self, x: VLInputs, rows: Tensor, need_vision: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The final language states at `rows` (B, M) -> (B, M, D) and, if `need_vision`, every final vision
+        state (B, R, D) (else None): the last cross-modality layer computes only those (`CrossModalityLayer.last`),
+        for the heads that read [CLS] (pooled: matching, QA, every pooled task head) and the masked words. The
+        same values as `forward` there."""
+        lang, lang_bias, visn, visn_bias = self._embed(x)
+        lang, _ = self.encoder(lang, lang_bias)
+        visn, _ = self.r_encoder(visn, visn_bias)
+        for layer in self.x_layers[:-1]:
+            lang, visn, _ = layer(lang, lang_bias, visn, visn_bias)
+        return self.x_layers[-1].last(lang, lang_bias, visn, visn_bias, rows, need_vision)
 
 
 class LxmertObjectHeads(nn.Module):
@@ -307,18 +340,27 @@ class LxmertForPreTraining(nn.Module):
         self, x: VLInputs, need_attn: bool = False, mlm_positions: Tensor | TokenSelection | None = None
     ) -> LxmertPretrainOutput:
         """All heads present in the model. With `mlm_positions` (B, T) bool (or its `TokenSelection`), the MLM
-        head runs only there: logits (N, V) for the N selected tokens in row-major order; otherwise (B, T, V)."""
-        out = self.lxmert(x, need_attn)
-        text = selected_text(out.text, mlm_positions)
-        obj = self.obj_predict_head(out.vision) if self.obj_predict_head is not None else {}
+        head runs only there: logits (N, V) for the N selected tokens in row-major order; otherwise (B, T, V).
+
+        Pre-training passes `mlm_positions`, and its heads read the language [CLS], the masked words and
+        every region: the last cross-modality layer then computes only those language rows
+        (`LxmertModel.hidden`), and `encoded` is None. With `need_attn` every row is computed."""
+        if mlm_positions is None or need_attn:
+            out = self.lxmert(x, need_attn)
+            text, vision, pooled = selected_text(out.text, mlm_positions), out.vision, out.pooled
+        else:
+            sel = as_selection(mlm_positions)
+            lang, vision = self.lxmert.hidden(x, sel.rows, need_vision=self.obj_predict_head is not None)
+            text, pooled, out = lang[:, 1:][sel.example, sel.slot], self.lxmert.pooler(lang[:, 0]), None
+        obj = self.obj_predict_head(vision) if self.obj_predict_head is not None else {}
         return LxmertPretrainOutput(
             mlm_logits=self.cls.predictions(text),
-            match_logits=self.cls.seq_relationship(out.pooled),  # (B, 2), index 1 = matched (LXMERT)
+            match_logits=self.cls.seq_relationship(pooled),  # (B, 2), index 1 = matched (LXMERT)
             encoded=out,
             obj_logits=obj.get("obj"),
             attr_logits=obj.get("attr"),
             feat_pred=obj.get("feat"),
-            qa_logits=self.answer_head(out.pooled) if self.answer_head is not None else None,
+            qa_logits=self.answer_head(pooled) if self.answer_head is not None else None,
         )
 
 
@@ -343,8 +385,10 @@ class LxmertForVQA(nn.Module):
         init_bert_weights(self, cfg.initializer_range)
 
     def forward(self, x: VLInputs) -> Tensor:
-        """Answer logits (B, A) from the cross-modality output."""
-        return self.classifier(self.lxmert(x).pooled)  # pooled (B, D)
+        """Answer logits (B, A) from the cross-modality output: the pooled language [CLS], which the last
+        cross-modality layer computes alone (`LxmertModel.hidden`, no vision states)."""
+        cls, _ = self.lxmert.hidden(x, x.input_ids.new_zeros(x.input_ids.shape[0], 1), need_vision=False)
+        return self.classifier(self.lxmert.pooler(cls[:, 0]))  # pooled (B, D)
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
         """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""
