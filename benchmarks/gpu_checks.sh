@@ -32,7 +32,10 @@
 # the side-stream copy and the runs of steps (`TESTS=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 MODES=reduce-overhead`).
 # After the fifth run the MLM head changed layout (`MLMHead`: (W h^T)^T, so the tied word table's gradient is summed
 # in place; on a GPU one more copy of the logits in eager mode): the fifth run's LXMERT batch-512 command above
-# (ATTN_KERNELS=efficient+flash) measures what it does to the 39.8% MFU.
+# (ATTN_KERNELS=efficient+flash) measures what it does to the 39.8% MFU. Since `75ad751` LXMERT's last
+# cross-modality layer also computes only the language rows its heads read (1.6% fewer FLOPs a base step, the
+# analytic count in `gpu_throughput.py` follows), and every single-stream VQA / pooled task head its one row:
+# the same command measures both.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
