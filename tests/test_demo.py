@@ -122,7 +122,7 @@ def test_demo_runs_every_architecture_with_the_same_summary(tmp_path, arch):
     assert ("text-to-vision" in maps) == (arch in ("vilbert", "lxmert")), maps  # two-stream: cross-attention
     # An architecture's own demo settings (ARCH_DEMO) reach its runs and are printed; --pretrain_steps given wins.
     own = {"lxmert": {"pretrain_steps": 4, "mismatched_targets": "drop", "qa_loss": "kl"},
-           "vilbert": {"pretrain_steps": 4}, "vlbert": {"pretrain_steps": 4}}.get(arch, {})
+           "vilbert": {"pretrain_steps": 4}, "vlbert": {"pretrain_steps": 4}, "wvisualbert": {"vqa_epochs": 0.2}}[arch]
     assert summary["arch_settings"] == own
     if own:
         assert f"{arch}'s demo settings: " + " ".join(f"--{k}={v}" for k, v in own.items()) in proc.stdout
@@ -142,6 +142,6 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert (given.pretrain_steps, given.mismatched_targets, given.qa_loss) == (4000, "drop", "bce")
     assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
     assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
-    assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert")
+    assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0)  # its §4.1
     assert resolve(DemoConfig()) == DemoConfig()  # `make demo`: VisualBERT with the shared defaults
     assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture
