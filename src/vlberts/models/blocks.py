@@ -328,6 +328,11 @@ class Encoder(nn.Module):
         return (None if maps_only else x), maps
 
 
+def first_row(input_ids: Tensor) -> Tensor:
+    """(B, 1) long zeros: position 0 ([CLS]) of each example, as `rows` for the heads that read it alone."""
+    return input_ids.new_zeros(input_ids.shape[0], 1)
+
+
 def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
     """x (B, S, D), rows (B, M) long -> (B, M, D)."""
     return x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

@@ -79,16 +79,11 @@ class VLEncoder(nn.Module):
         alone (`Encoder.forward` rows): the same values for about a layer's worth less work. LXMERT's last
         cross-modality layer computes the language [CLS] alone and no vision (`LxmertModel.hidden`); ViLBERT
         runs whole."""
-        cls = x.input_ids.new_zeros(x.input_ids.shape[0], 1)  # (B, 1): position 0
-        if self.arch in ("visualbert", "vlbert"):
-            h, _ = self.model.hidden(x, rows=cls)  # (B, 1, D)
-        elif self.arch == "wvisualbert":
-            h, _, _ = self.model.hidden(x, tags, rows=cls)
-        elif self.arch == "lxmert":
-            h, _ = self.model.hidden(x, cls, need_vision=False)  # the language [CLS] alone, no vision states
-        else:
+        if self.arch == "wvisualbert":
+            return self.model.pooled(x, tags)
+        if self.arch == "vilbert":
             return self(x, tags).pooled
-        return self.model.pooler(h[:, 0])
+        return self.model.pooled(x)
 
 
 TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task model

@@ -50,6 +50,7 @@ from vlberts.models.blocks import (
     MLMHead,
     Pooler,
     PredictionHeadTransform,
+    first_row,
     gather_rows,
     init_bert_weights,
     key_bias,
@@ -264,6 +265,12 @@ class LxmertModel(nn.Module):
         visn_bias = key_bias(x.region_mask, visn.dtype, x.regions_complete)  # (B, 1, 1, R) or None
         return lang, lang_bias, visn, visn_bias
 
+    def pooled(self, x: VLInputs) -> Tensor:
+        """`forward(x).pooled` (B, D) alone: the last cross-modality layer computes the language [CLS] and
+        no vision state (`hidden`)."""
+        h, _ = self.hidden(x, first_row(x.input_ids), need_vision=False)  # (B, 1, D)
+        return self.pooler(h[:, 0])
+
     def hidden(self, x: VLInputs, rows: Tensor, need_vision: bool = True) -> tuple[Tensor, Tensor | None]:
         """The final language states at `rows` (B, M) -> (B, M, D) and, if `need_vision`, every final vision
         state (B, R, D) (else None): the last cross-modality layer computes only those (`CrossModalityLayer.last`),
@@ -387,8 +394,7 @@ class LxmertForVQA(nn.Module):
     def forward(self, x: VLInputs) -> Tensor:
         """Answer logits (B, A) from the cross-modality output: the pooled language [CLS], which the last
         cross-modality layer computes alone (`LxmertModel.hidden`, no vision states)."""
-        cls, _ = self.lxmert.hidden(x, x.input_ids.new_zeros(x.input_ids.shape[0], 1), need_vision=False)
-        return self.classifier(self.lxmert.pooler(cls[:, 0]))  # pooled (B, D)
+        return self.classifier(self.lxmert.pooled(x))  # (B, D)
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
         """Answer logits (B, A) of a `VQABatch` laid out as `text_format`."""

@@ -26,6 +26,7 @@ from vlberts.models.blocks import (
     Encoder,
     MLMHead,
     Pooler,
+    first_row,
     init_bert_weights,
     key_bias,
     selected_text,
@@ -151,6 +152,11 @@ class VisualBertModel(nn.Module):
         h = torch.cat([text, h[:, T:]], dim=1)  # (B, S, D)
         h, more = self.encoder(h, bias, need_weights=need_attn, rows=rows, start=k, maps_only=maps_only)
         return h, (maps + more if need_attn else [])
+
+    def pooled(self, x: VLInputs) -> Tensor:
+        """`forward(x).pooled` (B, D) alone: the last layer computes [CLS] alone (`Encoder.forward` rows)."""
+        h, _ = self.hidden(x, rows=first_row(x.input_ids))  # (B, 1, D)
+        return self.pooler(h[:, 0])
 
     def forward(self, x: VLInputs, need_attn: bool = False, maps_only: bool = False) -> VLOutput:
         """With `need_attn`, `attentions.joint` holds one map per layer: (B, H, S, S) for the layers that

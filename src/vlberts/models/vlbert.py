@@ -54,6 +54,7 @@ from vlberts.models.blocks import (
     MLMHead,
     Pooler,
     activation,
+    first_row,
     init_bert_weights,
     key_bias,
     selected_text,
@@ -281,6 +282,11 @@ class VLBertModel(nn.Module):
             return VLOutput.maps_only(attn)
         return VLOutput(text=h[:, :T], vision=h[:, T + 1 : T + 1 + R], pooled=self.pooler(h[:, 0]),
                         attentions=attn, image=h[:, T])
+
+    def pooled(self, x: VLInputs) -> Tensor:
+        """`forward(x).pooled` (B, D) alone: the last layer computes [CLS] alone (`Encoder.forward` rows)."""
+        h, _ = self.hidden(x, rows=first_row(x.input_ids))  # (B, 1, D)
+        return self.pooler(h[:, 0])
 
     def hidden(
         self, x: VLInputs, need_attn: bool = False, roi_masked: Tensor | None = None, rows: Tensor | None = None,

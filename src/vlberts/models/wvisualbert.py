@@ -59,6 +59,7 @@ from vlberts.models.blocks import (
     MLMHead,
     Pooler,
     PredictionHeadTransform,
+    first_row,
     init_bert_weights,
     key_bias,
     selected_text,
@@ -280,6 +281,11 @@ class WVisualBertModel(nn.Module):
             tag_index=torch.arange(T + R, T + R + L, device=dev) if L else None,
         )
 
+    def pooled(self, x: VLInputs, tags: TagInputs | None = None) -> Tensor:
+        """`forward(x, tags).pooled` (B, D) alone: the last layer computes [CLS] alone (`Encoder.forward` rows)."""
+        h, _, _ = self.hidden(x, tags, rows=first_row(x.input_ids))  # (B, 1, D)
+        return self.pooler(h[:, 0])
+
     def hidden(
         self, x: VLInputs, tags: TagInputs | None = None, need_attn: bool = False, rows: Tensor | None = None,
         maps_only: bool = False,
@@ -454,9 +460,7 @@ class WVisualBertForVQA(nn.Module):
         """Answer logits (B, A) from the pooled [CLS] of [question ; regions ; tags]."""
         if self.reads_tags and tags is None:
             raise ValueError("this W-VisualBERT reads detector tags (use_tags), but none were given")
-        # The pooler reads [CLS] alone, so the last layer computes it alone (`Encoder.forward` rows).
-        cls, _, _ = self.bert.hidden(x, tags, rows=x.input_ids.new_zeros(x.input_ids.shape[0], 1))  # (B, 1, D)
-        return self.classifier(self.bert.pooler(cls[:, 0]))  # pooled (B, D)
+        return self.classifier(self.bert.pooled(x, tags))  # (B, D): [CLS] alone in the last layer
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
         """Answer logits (B, A) of a `VQABatch` laid out as `text_format`, with its tags."""
