@@ -26,7 +26,7 @@ from vlberts.models.builders import build_pretraining_model, model_config
 from vlberts.objectives.recipe import RECIPES, loss_counts, pretrain_losses, run_model
 from vlberts.objectives.text import IS_NEXT, NOT_NEXT
 from vlberts.recipes.pretrain import PretrainConfig, pretrain, region_setup
-from vlberts.recipes.pretrain_mix import build_sources
+from vlberts.recipes.pretrain_mix import build_sources, reads_corpus
 from vlberts.text.masking import IGNORE_INDEX
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.distributed import DistInfo
@@ -150,6 +150,38 @@ def test_text_only_samples_fill_their_share_of_every_batch(tiny_world, ratio, n_
         assert not batch.regions.masked[text].any()  # no region targets on text-only rows
         assert (batch.mlm_labels[text] != IGNORE_INDEX).any()  # but MLM targets
     assert pos.to_dict()["offset"] == 3 * (8 - n_text) and pos.to_dict()["text"]["offset"] > 0
+
+
+def test_w_visualbert_text_updates_read_the_corpus_or_the_captions(tiny_world):
+    """W-VisualBERT §4.2.1 trains on captions and BookCorpus segments, each batch from one of them: a text
+    update reads the corpus or the captions (text half only), and only that source's position moves."""
+    weights = {"mlm": 1.0, "tag_mlm": 1.0}
+    s = _setup(tiny_world, "wvisualbert", "wvisualbert-tiny", weights)
+    sources = build_sources(
+        _mix_cfg(), data=s.data, collate=collate_pretrain, start={}, tok=s.tok, store=s.store, documents=s.docs,
+        feature_dim=s.store.feature_dim, weights=weights, unpaired=True, image_only=[], region_setup=s.setup,
+        dist=DistInfo(),
+    )
+    corpus, pos = sources.draw("text", corpus=True)
+    assert corpus.kind.tolist() == [TEXT_ONLY] * 8 and not corpus.inputs.region_mask.any()
+    assert pos.to_dict()["offset"] == 0 and pos.to_dict()["text"]["offset"] > 0
+    captions, pos2 = sources.draw("text", corpus=False)
+    assert captions.kind is None and captions.inputs.region_mask.any(1).all()  # caption pairs: the update keeps the text
+    assert pos2.to_dict()["offset"] == 8 and pos2.to_dict()["text"] == pos.to_dict()["text"]
+    texts = {s.tok.decode(ids.tolist()) for ids in captions.inputs.input_ids}
+    docs = {s.tok.decode(ids.tolist()) for ids in corpus.inputs.input_ids}
+    assert not texts & docs
+
+
+def test_the_corpus_share_of_w_visualbert_text_updates_is_stateless_in_the_step():
+    cfg = SimpleNamespace(text_corpus="docs", corpus_share=0.5, seed=3)
+    picks = [reads_corpus(cfg, step) for step in range(1000)]
+    assert sum(picks) == 500  # exactly half of every block of two steps
+    assert [reads_corpus(cfg, step) for step in reversed(range(1000))][::-1] == picks  # any order, as after a resume
+    assert picks != [reads_corpus(SimpleNamespace(**{**vars(cfg), "seed": 4}), step) for step in range(1000)]
+    assert all(reads_corpus(SimpleNamespace(**{**vars(cfg), "corpus_share": 1.0}), step) for step in range(50))
+    assert not any(reads_corpus(SimpleNamespace(**{**vars(cfg), "corpus_share": 0.0}), step) for step in range(50))
+    assert not any(reads_corpus(SimpleNamespace(**{**vars(cfg), "text_corpus": ""}), step) for step in range(50))
 
 
 @pytest.mark.parametrize("whole_word", [True, False])
@@ -334,9 +366,11 @@ def test_interrupted_run_with_extra_sources_resumes_exactly(tiny_world, tmp_path
     assert [r["step"] for r in b] == list(range(1, 9))
     assert [_losses(r) for r in a] == [_losses(r) for r in b]
     assert len({r["mlm_loss"] for r in a if "mlm_loss" in r}) > 1
-    if case == "w-nsp":  # W-VisualBERT's text-only updates come from the documents, with NSP (footnote 4)
+    if case == "w-nsp":  # W-VisualBERT's text-only updates read the documents, with NSP (footnote 4), or the captions
         assert {r["source"] for r in a} == {"text", "image"}
-        assert all(_losses(r).keys() == {"mlm", "nsp"} for r in a if r["source"] == "text")
+        text = [_losses(r) for r in a if r["source"] == "text"]
+        assert all(r.keys() == {"mlm", "nsp"} for r in text)
+        assert {r["nsp"] > 0 for r in text} == {True, False}  # a caption has no next sentence: no NSP term
 
 
 def test_drawing_ahead_in_a_thread_gives_the_same_run(tiny_world, tmp_path):

@@ -120,7 +120,7 @@ _COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckp
            "detector_epochs", "detector_steps", "shuffle_buffer", "vocab_size", "max_regions", "eval_images",
            "max_images", "stop_after", "feature_dim")
 _FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "warmup", "text_ratio",
-              "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
+              "corpus_share", "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
 SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     **{name: (1, None, False) for name in _COUNTS},
     **{name: (0, 1, False) for name in _FRACTIONS},

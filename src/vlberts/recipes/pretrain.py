@@ -66,7 +66,7 @@ from vlberts.objectives.recipe import (
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
 from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
-from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, withhold_captions
+from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, reads_corpus, withhold_captions
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
@@ -157,6 +157,9 @@ class PretrainConfig:
                            "them; single-stream models only (recipes/pretrain_mix.py)")
     text_ratio: float = opt(0.5, "with --text_corpus: share of text-only samples in every batch (VL-BERT §3.3: 1:1); "
                             "W-VisualBERT: share of text-only updates")
+    corpus_share: float = opt(0.5, "W-VisualBERT with --text_corpus: share of its text-only updates drawn from the "
+                              "corpus, the others from the captions (§4.2.1: Conceptual Captions' captions and "
+                              "BookCorpus; each batch from one of them); 1: the corpus only")
     unpaired_images: str = opt("", "H-VisualBERT: image ids, one per line (the world's unpaired_images.txt), whose "
                                "captions are withheld; they train as image-only samples, image objectives only "
                                "(W-VisualBERT §4.3)")
@@ -559,11 +562,13 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         """Each update's (source, micro-batches, data position after them), from update `step` on."""
         while True:
             # W-VisualBERT §3: each update draws a text-only or an image-only batch (stateless in `step`).
-            # With --text_corpus the text-only share of the updates is --text_ratio (recipes/pretrain_mix.py).
+            # With --text_corpus the text-only share of the updates is --text_ratio, and --corpus_share of
+            # those read the corpus, the others the captions (recipes/pretrain_mix.py).
             source = unpaired_schedule(step, cfg.seed, cfg.text_ratio if cfg.text_corpus else 0.5) if unpaired else None
+            corpus = source == "text" and reads_corpus(cfg, step)
             micro = []
             for _ in range(cfg.grad_accum):
-                batch, pos = draw(stream, source)
+                batch, pos = draw(stream, source, corpus)
                 micro.append(unpaired_view(batch, source) if source is not None else batch)
             yield source, micro, pos
             step += 1

@@ -5,9 +5,12 @@
   VL-BERT §3.3     each mini-batch draws from Conceptual Captions and BooksCorpus & Wikipedia at 1:1:
                    `--text_corpus=FILE --text_ratio=0.5` puts round(B x 0.5) text-only samples <Text, ∅>
                    in every batch of B (the rest are caption pairs); they train MLM only.
-  W-VisualBERT §3  W-VisualBERT's text-only batches (the unpaired schedule) come from the corpus instead of
-                   the captions; `--text_ratio` is then the share of text-only updates. With `nsp` in
-                   --objectives, text-only samples are sentence pairs (footnote 4).
+  W-VisualBERT §3  W-VisualBERT's text-only batches (the unpaired schedule) come from the corpus or the
+                   captions, each batch from one of them (§4.2.1: "3M captions from CC, and 2.5M text segments
+                   from BookCorpus"; the released code's batch sampler): `--text_ratio` is then the share of
+                   text-only updates and `--corpus_share` the share of those that read the corpus
+                   (`reads_corpus`). With `nsp` in --objectives, the corpus's samples are sentence pairs
+                   (footnote 4); the captions have no next sentence and train MLM only.
   W-VisualBERT §4.3 H-VisualBERT: caption pairs plus images whose captions are withheld
                    (`--unpaired_images=FILE`, the world's unpaired_images.txt), round(B x --unpaired_ratio)
                    of them per batch, trained with the image objectives only.
@@ -31,16 +34,27 @@ from vlberts.data.pretrain import ImageOnlyData
 from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.data.text_corpus import TextOnlyData, read_image_ids
 from vlberts.errors import VlbertsError
+from vlberts.objectives.text import mix_schedule
 from vlberts.training.distributed import DistInfo, rank_slice
 from vlberts.training.loop import batches
 
 SINGLE_STREAM = ("visualbert", "vlbert", "wvisualbert")
 TEXT_SEED, IMAGE_SEED = 0x54455854, 0x494D4147  # "TEXT", "IMAG": the extra streams' seed keys
+CORPUS_SEED = 0x434F5250  # "CORP": the key of W-VisualBERT's corpus-or-captions schedule
 
 
 def stream_seed(seed: int, key: int) -> int:
     """A source's own seed (sampling order and per-example randomness), derived from the run's seed."""
     return int(np.random.SeedSequence([seed, key]).generate_state(1)[0])
+
+
+def reads_corpus(cfg: Any, step: int) -> bool:
+    """Whether W-VisualBERT's text-only update `step` reads the --text_corpus (else the captions): a share
+    `--corpus_share` of them, placed by `mix_schedule` with the run's own key, so stateless in `step` and the
+    same in a resumed run. False without a corpus."""
+    if not cfg.text_corpus:
+        return False
+    return mix_schedule(step, cfg.corpus_share, stream_seed(cfg.seed, CORPUS_SEED)) == "text"
 
 
 def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float], unpaired: bool, streamed: bool) -> None:
@@ -139,9 +153,9 @@ class Sources:
             self.state[name] = pos.to_dict()
         return examples
 
-    def draw(self, source: str | None) -> tuple[Any, SourcePosition]:
-        if self.unpaired:  # W-VisualBERT: a whole batch from one source; text from the corpus
-            examples = self._next("text" if source == "text" else "pairs")
+    def draw(self, source: str | None, corpus: bool = True) -> tuple[Any, SourcePosition]:
+        if self.unpaired:  # W-VisualBERT: a whole batch from one source; text from the corpus or the captions
+            examples = self._next("text" if source == "text" and corpus else "pairs")
         else:  # pairs first, then text-only, then image-only samples
             examples = [e for name in ("pairs", "text", "image_only") if name in self.streams for e in self._next(name)]
         return self.collate(examples), SourcePosition(dict(self.state))
@@ -198,6 +212,7 @@ def fixed_batches(data: Any, size: int, seed: int, start: Position, dist: DistIn
         yield [data[k] for k in rank_slice(keys, dist)], pos
 
 
-def draw(stream: Any, source: str | None) -> tuple[Any, Any]:
-    """The next (batch, position) of a run's stream: a `Sources` picks by the update's source."""
-    return stream.draw(source) if isinstance(stream, Sources) else next(stream)
+def draw(stream: Any, source: str | None, corpus: bool = True) -> tuple[Any, Any]:
+    """The next (batch, position) of a run's stream: a `Sources` picks by the update's source (and, for
+    W-VisualBERT's text-only updates, `corpus`: the corpus or the captions)."""
+    return stream.draw(source, corpus) if isinstance(stream, Sources) else next(stream)
