@@ -78,11 +78,9 @@ class VLEncoder(nn.Module):
         retrieval). A single-stream encoder's pooler reads [CLS] alone, so its last layer computes that row
         alone (`Encoder.forward` rows): the same values for about a layer's worth less work. LXMERT's last
         cross-modality layer computes the language [CLS] alone and no vision (`LxmertModel.hidden`); ViLBERT
-        runs whole."""
+        runs whole. Each encoder model's own `pooled`; W-VisualBERT's also reads the tags, as in `forward`."""
         if self.arch == "wvisualbert":
             return self.model.pooled(x, tags)
-        if self.arch == "vilbert":
-            return self(x, tags).pooled
         return self.model.pooled(x)
 
 

@@ -332,6 +332,11 @@ class ViLBertModel(nn.Module):
         self.t_pooler = ViLBertPooler(cfg.hidden_size, cfg.bi_hidden_size)
         self.v_pooler = ViLBertPooler(cfg.v_hidden_size, cfg.bi_hidden_size)
 
+    def pooled(self, x: VLInputs) -> Tensor:
+        """`forward(x).pooled` (B, Db): pool(h_CLS) * pool(h_IMG) reads the last co-attention layer of both
+        streams, so the whole model runs (the call every encoder model answers; `VLEncoder.pooled`)."""
+        return self(x).pooled
+
     def forward(self, x: VLInputs, need_attn: bool = False) -> VLOutput:
         """Encode a batch; `x.region_type_ids` and `x.image_text_alignment` are VisualBERT inputs, unused.
 
@@ -482,7 +487,7 @@ class ViLBertForVQA(nn.Module):
 
     def forward(self, x: VLInputs) -> Tensor:
         """Answer logits (B, A) from pool(h_CLS) * pool(h_IMG)."""
-        product = self.bert(x).pooled  # (B, Db)
+        product = self.bert.pooled(x)  # (B, Db)
         return self.classifier(self.dropout(product))
 
     def answer_logits(self, batch: VQABatch) -> Tensor:
