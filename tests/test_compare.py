@@ -29,6 +29,10 @@ SCHEDULES = {"gqa": (1.0, 1.0, 1), "nlvr2": (0.4, 1.0, 1), "retrieval": (1.0, 1.
 
 # The demo test's toy settings (tests/test_demo.py): the point is that every step runs, not the numbers.
 TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=0.2", "--detector_epochs=1"]
+# The tests of what compare does with its runs (seeds, continuing) train in its own process: each torchrun
+# launch costs about 5 s of process start-up at this scale, and the first test runs every step through
+# torchrun, as the demo's default of 2 processes does.
+IN_PROCESS = ["--procs=1"]
 
 
 def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
@@ -106,7 +110,7 @@ def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
 def test_compare_over_seeds_reports_mean_and_std(tmp_path):
     out = tmp_path / "cmp"
     proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert", "--seeds=2", "--out", str(out),
-                           *TOY], capture_output=True, text=True)
+                           *TOY, *IN_PROCESS], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out / "results.json").read_text())
     assert result["settings"]["seeds"] == "0,1"  # --seeds=2 from --seed=0
@@ -127,7 +131,7 @@ def test_compare_over_seeds_reports_mean_and_std(tmp_path):
 
 def test_compare_continues_with_more_tasks_and_refuses_other_settings(tmp_path):
     out = tmp_path / "cmp"
-    base = [str(VLBERTS), "compare", "--quick", "--out", str(out), *TOY]
+    base = [str(VLBERTS), "compare", "--quick", "--out", str(out), *TOY, *IN_PROCESS]
     proc = subprocess.run([*base, "--archs=visualbert"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     first = json.loads((out / "results.json").read_text())["archs"]["visualbert"]

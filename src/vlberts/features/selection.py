@@ -31,7 +31,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torchvision.ops import batched_nms
 
 from vlberts.errors import VlbertsError
 
@@ -72,6 +71,8 @@ def nms_max_conf(boxes: np.ndarray, cls_prob: np.ndarray, nms: float = 0.3) -> n
     b = torch.as_tensor(np.asarray(boxes, np.float32)).repeat(c - 1, 1)  # (C-1)*K boxes, class-major
     s = scores.T.reshape(-1)  # ((C-1)*K,) in the same class-major order
     cls = torch.arange(c - 1).repeat_interleave(k)
+    from torchvision.ops import batched_nms  # here: importing torchvision.ops takes over a second, and only extraction needs it
+
     # batched_nms offsets each class's boxes apart, so this is exactly one NMS per class.
     kept = batched_nms(b, s, cls, nms).numpy()
     max_conf = np.zeros(k, np.float32)

@@ -49,7 +49,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import roi_align
 
 from vlberts.config import from_dict
 from vlberts.errors import VlbertsError
@@ -136,6 +135,8 @@ class WorldDetector(nn.Module):
 
     def forward(self, images: torch.Tensor, rois: torch.Tensor) -> DetectorOutput:
         """rois (K, 5): [batch index, x1, y1, x2, y2] in input pixels."""
+        from torchvision.ops import roi_align  # here: importing torchvision.ops takes over a second (every `vlberts demo` imports this module)
+
         fmap = self.feature_map(images)
         # aligned=True: pixel-exact sampling (Detectron2's ROIAlignV2). One sample per bin: a 7x7 grid
         # over a RoI of a few map cells already samples every cell (and halves the cost of 2x2).
