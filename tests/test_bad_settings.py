@@ -69,7 +69,7 @@ def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
     with pytest.raises(VlbertsError, match="max_regions: must be at least 1, got -1"):
         apply_overrides(PredictQAConfig(), ["--max_regions=-1"])
     assert apply_overrides(FinetuneVQAConfig(), ["--warmup=0", "--clip=0", "--lr=3e-5"]).lr == 3e-5
-    assert apply_overrides(DemoConfig(), ["--length_group=0"]).length_group == 0  # 0: off, where 16 is the default
+    assert apply_overrides(DemoConfig(), ["--length_group=0"]).length_group == 0  # 0: off, where 64 is the default
 
 
 def test_the_command_line_reports_a_bad_setting_in_one_line(tiny_world, tiny_pretrained, tmp_path, capsys):

@@ -118,6 +118,24 @@ def _data(world, arch: str, **kw) -> tuple[CaptionPretrainData, TextTokenizer]:
     return data, tok
 
 
+def test_each_examples_lengths_are_those_of_its_batch_in_every_epoch(tiny_world):
+    # Length grouping sorts by (regions, tokens) per epoch: a pair's second caption and a mismatched
+    # caption are drawn per epoch, and `lengths(epoch)` replays those draws.
+    caps = read_caption_refs(str(tiny_world.captions_train))
+    store = RegionStore(tiny_world.store)
+    tok = TextTokenizer.train([c.text for c in caps], vocab_size=200)
+    for kw in (dict(pairs=True), dict(pairs=False, mismatch_prob=0.5)):
+        data = CaptionPretrainData(caps, store, tok, seed=5, max_regions=7, **kw)
+        by_epoch = [data.lengths(epoch) for epoch in range(3)]
+        assert by_epoch[0].shape == (len(data), 2)
+        assert not np.array_equal(by_epoch[0][:, 1], by_epoch[1][:, 1])  # another draw, another text
+        for epoch, lengths in enumerate(by_epoch):
+            for i in range(len(data)):
+                ex = data[(epoch, i)]
+                assert lengths[i].tolist() == [len(ex["regions"].feats), len(ex["ids"])], (kw, epoch, i)
+        assert by_epoch[0][:, 0].max() <= 7
+
+
 def record_data_argument(monkeypatch, name: str) -> list:
     """Make `vlberts pretrain` record the keyword argument `name` of every `CaptionPretrainData` it builds, in
     the returned list."""

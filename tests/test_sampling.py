@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from vlberts.data.sampling import EpochBatchSampler
+from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.training.loop import Prefetcher
 
@@ -55,9 +55,53 @@ def test_grouping_puts_similar_lengths_together_and_stays_random():
     assert [b for b, _ in other] != [b for b, _ in grouped]
 
 
+@pytest.mark.parametrize("group", [4, 16])
+def test_two_lengths_are_grouped_on_both_axes_and_pad_less_than_their_sum(group):
+    # (regions, tokens) per example: a batch pads each axis to its own longest, so what it computes is
+    # len(batch) x (max regions + max tokens).
+    rng = np.random.default_rng(2)
+    lengths = np.stack([rng.integers(4, 20, size=1024), rng.integers(10, 40, size=1024)], axis=1)
+
+    def padding(batches):
+        real = sum(int(lengths[[i for _, i in b]].sum()) for b, _ in batches)
+        return 1 - real / sum(len(b) * int(lengths[[i for _, i in b]].max(axis=0).sum()) for b, _ in batches)
+
+    two = padding(take(EpochBatchSampler(1024, 16, seed=0, lengths=lengths, group=group), 64))
+    by_sum = padding(take(EpochBatchSampler(1024, 16, seed=0, lengths=lengths.sum(axis=1), group=group), 64))
+    plain = padding(take(EpochBatchSampler(1024, 16, seed=0), 64))
+    assert two < (0.7 if group >= 16 else 0.9) * by_sum and by_sum < plain
+    # One axis alone (the first, then the second) leaves the other mixed.
+    from vlberts.data.sampling import grouped_order
+
+    order = np.random.default_rng(0).permutation(1024)
+    lex = grouped_order(order, lengths[:, 0] * 100 + lengths[:, 1], 16, group, 0, 0)
+    one_axis = padding([([(0, i) for i in lex[k : k + 16]], None) for k in range(0, 1024, 16)])
+    assert two < one_axis
+
+
+def test_lengths_may_change_with_the_epoch():
+    rng = np.random.default_rng(3)
+    per_epoch = {e: rng.integers(5, 60, size=103) for e in range(3)}
+    calls = []
+
+    def lengths(epoch):
+        calls.append(epoch)
+        return per_epoch[epoch]
+
+    got = take(EpochBatchSampler(103, 8, seed=3, lengths=lengths, group=4), 39)
+    for e in range(3):  # each epoch grouped by its own lengths, as an array of them would group it
+        fixed = take(EpochBatchSampler(103, 8, seed=3, start=Position(e, 0), lengths=per_epoch[e], group=4), 13)
+        assert [b for b, _ in got[13 * e : 13 * (e + 1)]] == [b for b, _ in fixed]
+    assert calls == [0, 1, 2]  # once an epoch
+    resumed = take(EpochBatchSampler(103, 8, seed=3, start=got[20][1], lengths=lengths, group=4), 10)
+    assert [b for b, _ in resumed] == [b for b, _ in got[21:31]]
+
+
 def test_lengths_must_match_the_dataset():
     with pytest.raises(ValueError, match="3 lengths for 4 examples"):
         EpochBatchSampler(4, 2, seed=0, lengths=np.ones(3), group=2)
+    with pytest.raises(ValueError, match="3 lengths for 4 examples"):
+        take(EpochBatchSampler(4, 2, seed=0, lengths=lambda epoch: np.ones(3), group=2), 1)
 
 
 def test_prefetching_keeps_the_order_and_prepares_each_item_in_its_thread():

@@ -33,6 +33,7 @@ from vlberts.data.regions import (
     RegionSource,
     caption_inputs,
     detected_classes,
+    length_keys,
     load_regions,
     pad_sequences,
     region_counts,
@@ -153,9 +154,9 @@ class EntityData:
         return len(self.captions)
 
     def lengths(self) -> np.ndarray:
-        """(N,) each example's sequence length (tokens + regions), for length-grouped batches."""
+        """(N, 2) each example's regions and tokens (`length_keys`), for length-grouped batches."""
         regions = region_counts(self.regions, [c.image_id for c in self.captions], self.max_regions)
-        return np.array([len(c.ids) for c in self.captions]) + regions
+        return length_keys(regions, [len(c.ids) for c in self.captions])
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key

@@ -28,6 +28,7 @@ from vlberts.data.regions import (
     Regions,
     RegionSource,
     detected_classes,
+    length_keys,
     load_regions,
     pad_regions,
     pad_sequences,
@@ -87,11 +88,12 @@ class NLVR2Data:
         return len(self.examples)
 
     def lengths(self) -> np.ndarray:
-        """(N,) each example's encoder-row length (tokens + regions), for length-grouped batches."""
+        """(N, 2) each example's regions and tokens (`length_keys`), for length-grouped batches: with the
+        joint encoding both images' regions, with the pair encoding the larger image's."""
         left = region_counts(self.regions, [a for a, _ in self.images], self.max_regions)
         right = region_counts(self.regions, [b for _, b in self.images], self.max_regions)
         regions = left + right if self.encoding == "joint" else np.maximum(left, right)
-        return np.array([len(ids) for ids in self.ids]) + regions
+        return length_keys(regions, [len(ids) for ids in self.ids])
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key

@@ -33,7 +33,9 @@ from torch import Tensor
 
 from vlberts.data.batch import IMAGE_ONLY, PAIR, PretrainBatch, RegionTargets, VLInputs, bucket, select_tokens
 from vlberts.data.coco import CaptionRef
-from vlberts.data.regions import FetchedRecord, RegionSource, Regions, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.data.regions import (
+    FetchedRecord, RegionSource, Regions, length_keys, load_regions, pad_regions, pad_sequences, region_counts,
+)
 from vlberts.data.sampling import example_rng
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -148,12 +150,25 @@ class CaptionPretrainData:
     def __len__(self) -> int:
         return len(self.captions)
 
-    def lengths(self) -> np.ndarray:
-        """(N,) each example's expected sequence length (tokens + regions), for length-grouped batches.
-        The second caption is drawn per epoch, so a pair counts its first caption twice."""
-        text = np.array([len(ids) for ids in self.ids]) * (2 if self.pairs else 1) + (3 if self.pairs else 2)
-        regions = region_counts(self.regions, [c.image_id for c in self.captions], self.max_regions)
-        return np.minimum(text, self.max_text_len) + regions
+    def lengths(self, epoch: int) -> np.ndarray:
+        """(N, 2) each example's regions and tokens in `epoch` (`length_keys`), for length-grouped batches.
+        The text (a pair's second caption, a mismatched caption) is drawn per epoch: each example's first
+        draws are replayed here as `__getitem__` makes them, so the tokens are the ones its batch holds."""
+        tokens = [len(self._text(index, example_rng(self.seed, epoch, index))[0]) for index in range(len(self))]
+        return length_keys(region_counts(self.regions, [c.image_id for c in self.captions], self.max_regions), tokens)
+
+    def _text(self, index: int, rng: np.random.Generator) -> tuple[list[int], list[int], int]:
+        """(token ids, segment ids, match label) of example `index`'s text: the first draws from its `rng`."""
+        tok = self.tok
+        if self.pairs:
+            j, label = self._second_caption(index, rng)
+            a, b = truncate_front(self.ids[index], self.ids[j], self.max_text_len - 3)
+            return [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id], [0] * (len(a) + 2) + [1] * (len(b) + 1), label
+        label, text = MATCH, index
+        if self.mismatch_prob > 0 and rng.random() < self.mismatch_prob:
+            label, text = MISMATCH, self._caption_of_another_image(self.captions[index].image_id, rng)
+        a, _ = truncate_front(self.ids[text], [], self.max_text_len - 2)
+        return [tok.cls_id, *a, tok.sep_id], [0] * (len(a) + 2), label
 
     def _second_caption(self, index: int, rng: np.random.Generator) -> tuple[int, int]:
         image = self.captions[index].image_id
@@ -178,18 +193,7 @@ class CaptionPretrainData:
         rng = example_rng(self.seed, epoch, index)
         cap = self.captions[index]
         tok = self.tok
-        if self.pairs:
-            j, label = self._second_caption(index, rng)
-            a, b = truncate_front(self.ids[index], self.ids[j], self.max_text_len - 3)
-            ids = [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
-            segments = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-        else:
-            label, text = MATCH, index
-            if self.mismatch_prob > 0 and rng.random() < self.mismatch_prob:
-                label, text = MISMATCH, self._caption_of_another_image(cap.image_id, rng)
-            a, _ = truncate_front(self.ids[text], [], self.max_text_len - 2)
-            ids = [tok.cls_id, *a, tok.sep_id]
-            segments = [0] * len(ids)
+        ids, segments, label = self._text(index, rng)
         masked, labels = mask_tokens(
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
             token_probs=self.token_probs, continuation_ids=self.continuation_ids,

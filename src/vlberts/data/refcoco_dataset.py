@@ -23,7 +23,7 @@ from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.refcoco import RefExpression
-from vlberts.data.regions import RegionSource, detected_classes, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.refcoco import region_targets
 from vlberts.text.tokenizer import TextTokenizer
@@ -69,9 +69,9 @@ class RefData:
         return len(self.expressions)
 
     def lengths(self) -> np.ndarray:
-        """(N,) each example's sequence length (tokens + regions), for length-grouped batches."""
+        """(N, 2) each example's regions and tokens (`length_keys`), for length-grouped batches."""
         regions = region_counts(self.regions, [str(e.image_id) for e in self.expressions], self.max_regions)
-        return np.array([len(ids) for ids in self.ids]) + regions
+        return length_keys(regions, [len(ids) for ids in self.ids])
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key

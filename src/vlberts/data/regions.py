@@ -96,6 +96,12 @@ def region_counts(source: RegionSource, image_ids: list[str], max_regions: int) 
     return np.array([per_image[i] for i in image_ids], dtype=np.int64)
 
 
+def length_keys(regions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """(N, 2) each example's (regions, tokens): the two axes a batch pads separately, in the order length
+    grouping sorts by them (`data.sampling`)."""
+    return np.stack([np.asarray(regions, dtype=np.int64), np.asarray(tokens, dtype=np.int64)], axis=1)
+
+
 def length_order(items: Sequence[Any], regions: RegionSource, max_regions: int) -> np.ndarray:
     """Indices of `items` (each with `ids`, its token ids, and `image_id`) by token count, then region
     count (stable: ties keep the given order). Batches taken in this order hold examples of similar

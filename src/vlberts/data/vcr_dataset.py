@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
-from vlberts.data.regions import Regions, RegionSource, detected_classes, pad_regions, pad_sequences
+from vlberts.data.regions import Regions, RegionSource, detected_classes, length_keys, pad_regions, pad_sequences
 from vlberts.data.vcr import NUM_CHOICES, VCRExample, rationale_context, read_vcr_metadata, render_tokens
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -132,8 +132,9 @@ class VCRData:
         return len(self.examples)
 
     def lengths(self) -> np.ndarray:
-        """(N,) tokens of each question's longest choice + its objects (for length-grouped batches)."""
-        return np.array([max(len(c[0]) for c in cs) + len(ex.objects) for cs, ex in zip(self.choices, self.examples)])
+        """(N, 2) each question's objects (its regions) and its longest choice's tokens (`length_keys`), for
+        length-grouped batches."""
+        return length_keys([len(ex.objects) for ex in self.examples], [max(len(c[0]) for c in cs) for cs in self.choices])
 
     def object_regions_of(self, ex: VCRExample) -> tuple[Regions, np.ndarray]:
         """The regions of the example's objects (region k = object k) and the store rows they came from."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.data.regions import RegionSource, detected_classes, load_regions, pad_regions, pad_sequences, region_counts
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, pad_regions, pad_sequences, region_counts
 from vlberts.data.vqa import VQAExample
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -129,9 +129,9 @@ class VQAData:
         return len(self.examples)
 
     def lengths(self) -> np.ndarray:
-        """(N,) each example's sequence length (tokens + regions), for length-grouped batches."""
+        """(N, 2) each example's regions and tokens (`length_keys`), for length-grouped batches."""
         regions = region_counts(self.regions, [e.image_id for e in self.examples], self.max_regions)
-        return np.array([len(ids) for ids in self.ids]) + regions
+        return length_keys(regions, [len(ids) for ids in self.ids])
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key

@@ -74,7 +74,7 @@ class DemoConfig:
     shape_mask_prob: float = opt(0.7, "MLM selection probability of the world's shape words (0.15: plain VisualBERT)")
     colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
     procs: int = opt(2, "processes of pre-training and VQA fine-tuning on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
-    length_group: int = opt(16, "pre-training and VQA batches group examples of similar length in windows of this many batches (0: off)")
+    length_group: int = opt(64, "pre-training and VQA batches group examples of similar length (regions, then tokens) in windows of this many batches (0: off)")
     vqa_epochs: float = opt(4.0, "VQA fine-tuning epochs (quick: 0.5)")
     vqa_batch: int = opt(64, "VQA batch size")
     vqa_lr: float = opt(5e-4, "VQA peak learning rate")

@@ -544,14 +544,14 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         stream = batches(
             data, collate, batch_size=cfg.batch_size, seed=cfg.seed,
             start=Position.from_dict(state.data), num_workers=cfg.num_workers,
-            lengths=data.lengths() if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
+            lengths=data.lengths if cfg.length_group > 1 else None, group=cfg.length_group, dist=dist,
         )
         if documents or image_only:  # text-only and image-only samples, each source its own stream
             stream = build_sources(
                 cfg, data=data, collate=collate, start=state.data, tok=tok, store=store, documents=documents,
                 feature_dim=feature_dim, weights=weights, unpaired=unpaired, image_only=image_only,
                 region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), dist=dist,
-                lengths=data.lengths() if cfg.length_group > 1 else None,
+                lengths=data.lengths if cfg.length_group > 1 else None,
             )
 
     # Logged every record: the paper's objectives (0.0 when this run switches one off) and any others.
