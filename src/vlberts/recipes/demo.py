@@ -15,7 +15,8 @@ Every step calls the same recipe the CLI exposes for real data (`vlberts world b
 world and shorter schedules for smoke tests; its numbers are not expected to show the phenomena.
 `arch` picks the architecture (`ARCH-small`); every architecture writes the same summary keys, and
 two-stream models are analysed through their text-to-vision attention maps. Where an architecture shows
-the checked phenomena on the world only with other settings (LXMERT, ViLBERT, VL-BERT), its demo applies them
+the checked phenomena on the world only (or more often) with other settings (every one: VisualBERT's peak
+pre-training rate, LXMERT's, ViLBERT's and VL-BERT's length, ...), its demo applies them
 (`ARCH_DEMO`; `resolve`) unless given, and prints them. Steps 1-2 (`build_inputs`)
 and 3-7 (`run_model`) are separate functions so that `vlberts compare` (recipes/compare.py) builds the
 world and features once and runs steps 3-7 for each architecture on them.
@@ -66,11 +67,11 @@ class DemoConfig:
     images: int = opt(5000, "world images (quick: 400)")
     referring: str = opt("explicit", "how the world's captions refer to objects: explicit or minimal")
     arch: str = opt("visualbert", "architecture: visualbert, vilbert, vlbert, lxmert or wvisualbert, pre-trained with its "
-                    "paper's objectives; lxmert, vilbert, vlbert and wvisualbert change a few of these defaults (ARCH_DEMO in recipes/demo.py)")
+                    "paper's objectives; each changes a few of these defaults (ARCH_DEMO in recipes/demo.py; visualbert: --pretrain_lr=0.0015)")
     model: str = opt("", "named model configuration (`vlberts models`), in place of ARCH-small; its architecture wins over --arch")
     pretrain_steps: int = opt(4000, "pre-training updates (quick: 60)")
     pretrain_batch: int = opt(32, "pre-training batch size")
-    pretrain_lr: float = opt(1e-3, "pre-training peak learning rate")
+    pretrain_lr: float = opt(1e-3, "pre-training peak learning rate (the shared default; VisualBERT's demo: 0.0015, ARCH_DEMO)")
     shape_mask_prob: float = opt(0.7, "MLM selection probability of the world's shape words (0.15: plain VisualBERT)")
     colour_mask_prob: float = opt(0.3, "MLM selection probability of the world's colour words (0.15: plain VisualBERT)")
     procs: int = opt(2, "processes of pre-training and VQA fine-tuning on CPU (torchrun DDP, cores/procs threads each); 1: in this process")
