@@ -14,10 +14,10 @@ Every step calls the same recipe the CLI exposes for real data (`vlberts world b
 `pretrain`, `finetune vqa`, `analyze grounding`), with the settings below. `quick` runs a smaller
 world and shorter schedules for smoke tests; its numbers are not expected to show the phenomena.
 `arch` picks the architecture (`ARCH-small`); every architecture writes the same summary keys, and
-two-stream models are analysed through their text-to-vision attention maps. Where an architecture shows
-the checked phenomena on the world only (or more often) with other settings (every one: VisualBERT's peak
-pre-training rate, LXMERT's, ViLBERT's and VL-BERT's length, ...), its demo applies them
-(`ARCH_DEMO`; `resolve`) unless given, and prints them. Steps 1-2 (`build_inputs`)
+two-stream models are analysed through their text-to-vision attention maps. Each architecture's demo
+applies the few settings with which it shows the checked phenomena on the world, or shows them more often
+(VisualBERT's peak pre-training rate; LXMERT's, ViLBERT's and VL-BERT's length; W-VisualBERT's VQA epochs:
+`ARCH_DEMO`; `resolve`), unless given, and prints them. Steps 1-2 (`build_inputs`)
 and 3-7 (`run_model`) are separate functions so that `vlberts compare` (recipes/compare.py) builds the
 world and features once and runs steps 3-7 for each architecture on them.
 
