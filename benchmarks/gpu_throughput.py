@@ -257,11 +257,11 @@ def flop_check(analytic: Flops, counts: dict[str, int]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- device helpers
-def matmul_peak(device: torch.device, n: int, repeats: int, inner: int = 10) -> float:
-    """Measured bf16 matmul throughput (TFLOP/s): median over `repeats` of `inner` back-to-back n x n products."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+def matmul_peak(device: torch.device, n: int, repeats: int, inner: int = 10, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured matmul throughput (TFLOP/s) in `dtype`: median over `repeats` of `inner` back-to-back n x n products."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
 
     def products() -> None:
         for _ in range(inner):
@@ -273,12 +273,13 @@ def matmul_peak(device: torch.device, n: int, repeats: int, inner: int = 10) -> 
     return 2 * n**3 * inner / elapsed / 1e12
 
 
-def bf16_step(loss: Callable, device: torch.device) -> Callable:
+def autocast_step(loss: Callable, device: torch.device, precision: str = "bf16") -> Callable:
     """A `vs_hf` loss function as the recipe runs a step: copy the host batch over (`training.loop.to_device`,
-    the recipes' own: on a side stream, beside the previous step's kernels), forward in bf16 autocast."""
+    the recipes' own: on a side stream, beside the previous step's kernels), forward in bf16 autocast
+    (`precision="fp32"`: no autocast, for CPU smoke runs where the CPU has no bf16 instructions)."""
     def step(model, host: dict[str, Any]) -> torch.Tensor:
         data = to_device(host, device)
-        with autocast(device, "bf16"):
+        with autocast(device, precision):
             return loss(model, data)
     return step
 
@@ -382,7 +383,7 @@ def run_arch(name: str, args, device: torch.device, peak: float) -> dict[str, An
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         model.to(device).train()
-        fns[key] = train_fn(model, bf16_step(loss, device), build_optimizer(model, lr=1e-5), host)
+        fns[key] = train_fn(model, autocast_step(loss, device, args.precision), build_optimizer(model, lr=1e-5), host)
         try:
             first[key] = seconds(fns[key], device)  # compilation happens here for the compiled model
         except RuntimeError as e:
@@ -502,6 +503,9 @@ def main(argv: list[str] | None = None) -> None:
                          "that no attention call of ours takes a mask); the regions are all real either way")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--smoke", action="store_true", help="small CPU run that exercises the code path")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="the steps' autocast and the peak matmul's dtype (fp32: neither in bf16; for CPU smoke runs "
+                         "on CPUs without bf16 instructions, where bf16 is emulated and slow)")
     ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
@@ -551,19 +555,21 @@ def main(argv: list[str] | None = None) -> None:
         kind = "smoke run on CPU" if args.smoke else "run on CPU (--device cpu)"
         print(f"{'no CUDA device: ' if not cuda else ''}{kind}, numbers are not GPU measurements")
     t0 = time.perf_counter()
-    peak = matmul_peak(device, n, repeats=3 if small else 10, inner=2 if small else 10)
-    print(f"bf16 matmul peak (measured, {n}x{n}): {peak:.3f} TFLOP/s  [{time.perf_counter() - t0:.1f} s]")
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = matmul_peak(device, n, repeats=3 if small else 10, inner=2 if small else 10, dtype=dtype)
+    print(f"{args.precision} matmul peak (measured, {n}x{n}): {peak:.3f} TFLOP/s  [{time.perf_counter() - t0:.1f} s]")
     transfer = "pinned host batch copied to the GPU each step, on a side stream; " if device.type == "cuda" else ""
     if args.attention_kernel != "auto":
         print(f"our attention: {args.attention_kernel} (in that order where several; math where none can take the inputs)")
     text = "12-20 tokens padded to " if args.pad_text else ""
-    print(f"batch {args.batch} x ({text}{T} tokens + {R} regions of {vs_hf.D}-d); bf16 autocast, fused AdamW; {transfer}"
+    mode = "bf16 autocast" if args.precision == "bf16" else "fp32 (no autocast)"
+    print(f"batch {args.batch} x ({text}{T} tokens + {R} regions of {vs_hf.D}-d); {mode}, fused AdamW; {transfer}"
           f"median of {args.steps} interleaved steps after {args.warmup} warm-up, each timed alone; then the median of "
           f"{args.runs} runs of {args.run_steps} back-to-back steps")
 
     report: dict[str, Any] = {
         "device": dev_name, "device_type": device.type, "smoke": small, "caveat": caveat, "torch": torch.__version__,
-        "transformers": vs_hf.transformers.__version__, "peak_tflops": peak, "matmul_size": n,
+        "transformers": vs_hf.transformers.__version__, "peak_tflops": peak, "matmul_size": n, "precision": args.precision,
         "batch": args.batch, "tokens": T, "regions": R, "steps": args.steps, "warmup": args.warmup,
         "run_steps": args.run_steps, "runs": args.runs,
         "mfu_goal": GOAL_MFU, "attention_kernel": args.attention_kernel, "pad_text": args.pad_text, "archs": {},
