@@ -5,7 +5,7 @@ the same device, measured in the same run (issue 6, item 2).
     .venv/bin/python benchmarks/gpu_throughput.py [--arch visualbert|lxmert|all] [--batch 64] [--steps 20]
         [--warmup 3] [--run-steps 10] [--runs 3] [--compile] [--compile-modes default,reduce-overhead] [--sdpa-backends cudnn,efficient,math]
         [--attention-kernel auto|efficient|flash|cudnn|math|flash,efficient|...] [--pad-text] [--device cuda|cpu] [--smoke]
-        [--json PATH] [--threads N] [--profile DIR]
+        [--precision bf16|fp32] [--json PATH] [--threads N] [--profile DIR]
 
 Workload: the models, losses and batch shapes of `vs_hf.py` (same configuration and weights for ours and
 Hugging Face's; one batch of `--batch` examples, 20 tokens + 36 regions of 2048-d features), built there
@@ -56,7 +56,8 @@ Measurement:
 
 `--smoke`: the same pipeline with a small batch (2), 2 timed steps after 1 warm-up and a 1024^2 peak
 matmul, to exercise the code; on the CPU when there is no CUDA device (or with `--device cpu`), and then
-a line says that the numbers are not GPU measurements. Without a CUDA device, `--device cuda` (the
+a line says that the numbers are not GPU measurements (`--precision fp32` there where the CPU has no bf16
+instructions: bf16 is emulated on such a CPU, and slow). Without a CUDA device, `--device cuda` (the
 default) without `--smoke` stops with a one-line message. `--json PATH` writes every number (atomically).
 """
 
