@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlberts.analysis.representations import RepresentationSet, cross_modal_agreement, sample_instances, tsne
+from vlberts.analysis.representations import (
+    RepresentationSet, agreement_table, nearest_class_agreement, sample_instances, tsne,
+)
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
@@ -34,16 +36,31 @@ def test_tsne_keeps_separated_clusters_apart_and_is_deterministic():
         tsne(x[:2])
 
 
-def test_cross_modal_agreement_by_hand():
+def test_nearest_class_agreement_by_hand():
     # words a, b; regions a, b, b. Word 0 (a) is nearest region 0 (a): agrees; word 1 (b) is nearest
     # region 0 (a) too: disagrees. Chance: P(region class = a) = 1/3 for word 0, 2/3 for word 1 -> 1/2.
     reps = RepresentationSet(
         vectors=np.array([[1.0, 0.0], [0.9, 0.1], [1.0, 0.05], [0.0, 1.0], [-1.0, 0.2]]),
         classes=["a", "b", "a", "b", "b"], modalities=["word", "word", "region", "region", "region"],
     )
-    assert cross_modal_agreement(reps) == pytest.approx((50.0, 50.0))
+    assert nearest_class_agreement(reps) == pytest.approx((50.0, 50.0))
+    # Regions to words: region 0 (a) is nearest word 0 (a), regions 1 and 2 (b) word 1 (b): all agree;
+    # chance 1/2 for each.
+    assert nearest_class_agreement(reps, "region", "word") == pytest.approx((100.0, 50.0))
+    # Within one kind a row's nearest *other* row counts. Region 0 (a) is nearest region 1 (b, cosine 0.05
+    # against -0.97): disagrees; regions 1 and 2 (b) are each other's nearest: agree -> 2/3. Chance among
+    # the others: 0/2 for region 0, 1/2 for regions 1 and 2 -> 1/3. The two words are each other's
+    # nearest and differ: 0%, and neither has another word of its class: chance 0.
+    assert nearest_class_agreement(reps, "region", "region") == pytest.approx((200 / 3, 100 / 3))
+    assert nearest_class_agreement(reps, "word", "word") == pytest.approx((0.0, 0.0))
+    table = agreement_table(reps)  # every pair of the kinds present, tags absent
+    assert list(table) == ["word", "region"] and all(list(row) == ["word", "region"] for row in table.values())
+    assert table["region"]["region"] == pytest.approx((200 / 3, 100 / 3))
+    assert table["word"]["region"] == pytest.approx((50.0, 50.0))
     with pytest.raises(ValueError, match="no word or no tag"):
-        cross_modal_agreement(reps, key="tag")
+        nearest_class_agreement(reps, key="tag")
+    with pytest.raises(ValueError, match="one word representation: it has no other"):
+        nearest_class_agreement(RepresentationSet(reps.vectors[1:], reps.classes[1:], reps.modalities[1:]), "word", "word")
     with pytest.raises(ValueError, match="unknown modalities"):
         RepresentationSet(np.zeros((1, 2)), ["a"], ["pixel"])
 
@@ -68,7 +85,14 @@ def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "a word's nearest region has its class" in proc.stdout
+    assert "  words    -> words " in proc.stdout and "  tags     -> words " in proc.stdout
     rep = json.loads((out / "representations.json").read_text())
+    kinds = ["word", "region", "tag"]
+    assert list(rep["nearest_same_class"]) == kinds and all(list(r) == kinds for r in rep["nearest_same_class"].values())
+    assert rep["nearest_same_class"]["word"]["region"] == {"agreement": rep["word_nearest_region_same_class"],
+                                                          "chance": rep["chance"]}
+    for row in rep["nearest_same_class"].values():
+        assert all(0 <= v["agreement"] <= 100 and 0 <= v["chance"] <= 100 for v in row.values())
     n = rep["instances"]
     assert n >= 10 and rep["points"] == {"word": n, "region": n, "tag": n}
     assert all(c in {"circle", "square", "triangle", "star", "hexagon", "diamond", "cross"} for c in rep["classes"])

@@ -606,7 +606,8 @@ def analyze_representations_cmd(ctx: typer.Context, config: Optional[Path] = CON
 
     Instances are grounded phrases whose head word is a detector class and whose box a region of that
     class detects; the final states of the word, the region and (W-VisualBERT) the tag are drawn
-    together, and the share of words whose nearest region has their class is reported.
+    together, and the share of words whose nearest region has their class is reported (and the same
+    for every pair of kinds: a region's nearest other region, a word's nearest tag, ...).
 
     Example: vlberts analyze representations --model=runs/pt/model --entities=WORLD/flickr30k_entities
     --features=F.h5 --out=runs/representations
@@ -620,6 +621,9 @@ def analyze_representations_cmd(ctx: typer.Context, config: Optional[Path] = CON
     counts = ", ".join(f"{rep.reps.modalities.count(m)} {m}s" for m in ("word", "region", "tag") if m in rep.reps.modalities)
     typer.echo(f"{len(set(rep.reps.instances))} instances of {len(set(rep.reps.classes))} classes ({counts}); "
                f"a word's nearest region has its class {rep.agreement:.2f}% of the time (chance {rep.chance:.2f}%)")
+    typer.echo("nearest representation of the same class, % (chance), from each kind to each kind (itself left out):")
+    for query, row in rep.table.items():
+        typer.echo(f"  {query + 's':8s} -> " + ", ".join(f"{k}s {a:.2f} ({c:.2f})" for k, (a, c) in row.items()))
     typer.echo(f"wrote {', '.join(str(p) for p in rep.paths.values())}")
 
 

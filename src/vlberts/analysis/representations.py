@@ -14,9 +14,11 @@ state, and for W-VisualBERT with tags the tag's is the mean final state of that 
 Where the paper is silent: the head word as the label word, IoU >= 0.5 as "successfully detects", the
 first such region when several qualify.
 
-Next to the picture, one number says how aligned the spaces are without t-SNE's distortions: for each
-word, whether its nearest region representation (cosine, in the model's own space) has the word's class
-(`cross_modal_agreement`), against the chance of the class mix.
+Next to the picture, numbers say what it shows without t-SNE's distortions (`nearest_class_agreement`): for
+each word, whether its nearest region representation (cosine, in the model's own space) has the word's class,
+against the chance of the class mix; and the same for every pair of modalities drawn, one modality with
+itself included (a row's nearest *other* row of its kind). Words beside their tags and far from their
+regions, or regions grouped by image rather than by class, read off this table as they read off the figure.
 
 t-SNE (van der Maaten & Hinton 2008) is computed here, exactly (O(N^2), fine for the figure's <= 2,250
 points): Gaussian input affinities calibrated to a perplexity by bisection, Student-t output affinities,
@@ -59,21 +61,35 @@ class RepresentationSet:
             raise ValueError(f"unknown modalities {bad}; valid: {', '.join(MODALITIES)}")
 
 
-def cross_modal_agreement(reps: RepresentationSet, query: str = "word", key: str = "region") -> tuple[float, float]:
+def nearest_class_agreement(reps: RepresentationSet, query: str = "word", key: str = "region") -> tuple[float, float]:
     """(% of `query` rows whose nearest `key` row by cosine similarity has the same class, the chance
-    rate: the probability that a key drawn at random has the query's class, averaged over the queries)."""
+    rate: the probability that a key drawn at random has the query's class, averaged over the queries).
+    With `query == key` a row's nearest *other* row counts, and chance draws among the others."""
     q = np.array([m == query for m in reps.modalities])
     k = np.array([m == key for m in reps.modalities])
     if not q.any() or not k.any():
         raise ValueError(f"no {query} or no {key} representations")
+    same = query == key
+    if same and q.sum() < 2:
+        raise ValueError(f"one {query} representation: it has no other to be nearest to")
     v = reps.vectors / np.maximum(np.linalg.norm(reps.vectors, axis=1, keepdims=True), 1e-12)
-    nearest = (v[q] @ v[k].T).argmax(1)  # (Nq,)
+    sim = v[q] @ v[k].T  # (Nq, Nk)
+    if same:
+        np.fill_diagonal(sim, -np.inf)  # not itself
+    nearest = sim.argmax(1)  # (Nq,)
     classes = np.array(reps.classes)
     kc = classes[k]
     agree = float((kc[nearest] == classes[q]).mean())
     share = Counter(kc.tolist())
-    chance = float(np.mean([share[c] / len(kc) for c in classes[q]]))
+    chance = float(np.mean([(share[c] - same) / (len(kc) - same) for c in classes[q]]))
     return 100 * agree, 100 * chance
+
+
+def agreement_table(reps: RepresentationSet) -> dict[str, dict[str, tuple[float, float]]]:
+    """`nearest_class_agreement` for every (query, key) pair of the modalities present, in MODALITIES order:
+    table[query][key] = (agreement %, chance %)."""
+    present = [m for m in MODALITIES if reps.modalities.count(m) >= 2]
+    return {q: {k: nearest_class_agreement(reps, q, k) for k in present} for q in present}
 
 
 # --------------------------------------------------------------------------- t-SNE

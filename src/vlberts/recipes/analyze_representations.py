@@ -7,11 +7,12 @@
     run the pre-trained model on `[CLS] caption [SEP]` + the image's regions (+ the detector tags for
         W-VisualBERT with tags); take the final states of the head word's last subword, of the region, of
         the region's tag subwords (mean)
-    t-SNE of all of them together; the figure; how often a word's nearest region has its class
+    t-SNE of all of them together; the figure; how often a word's nearest region has its class, and the
+        same for every pair of modalities (a region's nearest other region, a word's nearest tag, ...)
 
     OUT/representations.png    Figure 2: one point per representation, colour = class, marker = modality
-    OUT/representations.json   counts, the cross-modal agreement and its chance rate, every point (class,
-                               modality, instance, x, y)
+    OUT/representations.json   counts, the word -> region agreement and its chance rate, the table of
+                               every pair of modalities, every point (class, modality, instance, x, y)
 
 Two-stream models whose streams differ in width (ViLBERT's visual stream) have no common space to draw
 the words and regions in: an error says so.
@@ -31,7 +32,7 @@ from vlberts.analysis.boxes import box_iou
 from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions
 from vlberts.analysis.representations import (
     RepresentationSet,
-    cross_modal_agreement,
+    agreement_table,
     sample_instances,
     save_representation_figure,
     tsne,
@@ -85,6 +86,7 @@ class RepresentationsReport:
     agreement: float  # % of words whose nearest region has their class
     chance: float
     paths: dict[str, Path]
+    table: dict[str, dict[str, tuple[float, float]]]  # [query][key] -> (% nearest key of the class, chance %)
 
 
 def find_instances(captions: list[EntityCaption], store: RegionStore, class_names: list[str],
@@ -191,7 +193,8 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
                            path=cfg.entities)
     reps = collect(model, captions, instances, store, tok, class_names, cfg, device)
     points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
-    agreement, chance = cross_modal_agreement(reps)
+    table = agreement_table(reps)
+    agreement, chance = table["word"]["region"]
 
     out = Path(cfg.out)
     paths = {"figure": out / "representations.png", "json": out / "representations.json"}
@@ -199,18 +202,21 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     save_representation_figure(points, reps, paths["figure"],
                                title=f"{arch}: final-layer representations ({len(instances)} instances, "
                                      f"{len(set(reps.classes))} classes)")
-    write_json(paths["json"], _to_json(cfg, reps, points, agreement, chance, skipped, time.perf_counter() - t0))
-    return RepresentationsReport(reps, points, agreement, chance, paths)
+    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, time.perf_counter() - t0))
+    return RepresentationsReport(reps, points, agreement, chance, paths, table)
 
 
-def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray, agreement: float, chance: float,
-             skipped: SkipCounts, seconds: float) -> dict[str, Any]:
+def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray,
+             table: dict[str, dict[str, tuple[float, float]]], skipped: SkipCounts, seconds: float) -> dict[str, Any]:
+    agreement, chance = table["word"]["region"]
     return {
         "model": cfg.model, "split": cfg.split,
         "instances": len(set(reps.instances)),
         "points": {m: reps.modalities.count(m) for m in ("word", "region", "tag") if m in reps.modalities},
         "classes": sorted(set(reps.classes)),
         "word_nearest_region_same_class": round(agreement, 2), "chance": round(chance, 2),
+        "nearest_same_class": {q: {k: {"agreement": round(a, 2), "chance": round(c, 2)} for k, (a, c) in row.items()}
+                               for q, row in table.items()},
         "skipped": skipped.to_dict(), "seconds": round(seconds, 2),
         "tsne": {"perplexity": cfg.perplexity, "iterations": cfg.iterations, "seed": cfg.seed},
         "rows": [{"class": c, "modality": m, "instance": i, "x": round(float(x), 3), "y": round(float(y), 3)}
