@@ -83,10 +83,17 @@ class Instance:
 class RepresentationsReport:
     reps: RepresentationSet
     points: np.ndarray  # (N, 2)
-    agreement: float  # % of words whose nearest region has their class
-    chance: float
     paths: dict[str, Path]
     table: dict[str, dict[str, tuple[float, float]]]  # [query][key] -> (% nearest key of the class, chance %)
+
+    @property
+    def agreement(self) -> float:
+        """% of words whose nearest region has their class (the headline entry of `table`)."""
+        return self.table["word"]["region"][0]
+
+    @property
+    def chance(self) -> float:
+        return self.table["word"]["region"][1]
 
 
 def find_instances(captions: list[EntityCaption], store: RegionStore, class_names: list[str],
@@ -194,7 +201,6 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     reps = collect(model, captions, instances, store, tok, class_names, cfg, device)
     points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
     table = agreement_table(reps)
-    agreement, chance = table["word"]["region"]
 
     out = Path(cfg.out)
     paths = {"figure": out / "representations.png", "json": out / "representations.json"}
@@ -203,7 +209,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
                                title=f"{arch}: final-layer representations ({len(instances)} instances, "
                                      f"{len(set(reps.classes))} classes)")
     write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, time.perf_counter() - t0))
-    return RepresentationsReport(reps, points, agreement, chance, paths, table)
+    return RepresentationsReport(reps, points, paths, table)
 
 
 def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray,
