@@ -319,3 +319,45 @@ def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line(tiny_world, tiny_
     with pytest.raises(VlbertsError, match=r"needs a C\+\+ compiler"):
         finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, tmp_path / "ft", compile=True))
     assert not (tmp_path / "pt").exists() and not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- 1\n- 2\n", "a config file must be a mapping of setting: value, got a list"),
+    ("1: 2\n", "setting names must be strings, got 1"),
+    ("just words\n", "a config file must be a mapping of setting: value, got a str"),
+])
+def test_a_config_file_that_is_not_a_mapping_of_names_is_one_line(text, message, tmp_path, capsys):
+    """`--config=FILE` holding a list, a bare string or a number as a key was a TypeError traceback or a
+    list of the string's letters as "unknown keys"."""
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    code, _, err = run_cli(["finetune", "vqa", f"--config={config}", f"--out={tmp_path / 'run'}"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{config}: {message}" in err
+
+
+def test_a_json_key_given_twice_is_an_error_naming_the_file_and_the_key(tmp_path):
+    """Python's JSON reader keeps the last of two equal keys: a GQA questions file, a VCR predictions file
+    or an NLVR2 image map with an id twice lost a record or swapped an answer without a word."""
+    from vlberts.errors import BadRecords
+    from vlberts.io import iter_jsonl
+
+    questions = tmp_path / "questions.json"
+    questions.write_text('{"q1": {"question": "Is it red?", "nested": {"a": 1, "b": 2}},\n'
+                         ' "q2": {"question": "Is it blue?"},\n "q1": {"question": "Is it green?"}}')
+    with pytest.raises(VlbertsError, match=r"questions\.json: key 'q1' appears twice in one JSON object"):
+        read_json(questions)
+    inner = tmp_path / "inner.json"
+    inner.write_text('[{"id": 1, "answer": "yes", "answer": "no"}]')  # at any depth
+    with pytest.raises(VlbertsError, match=r"inner\.json: key 'answer' appears twice"):
+        read_json(inner)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"a": {"a": 1}, "b": [{"a": 2}, {"a": 3}]}')  # one key in different objects is fine
+    assert read_json(nested) == {"a": {"a": 1}, "b": [{"a": 2}, {"a": 3}]}
+
+    lines = tmp_path / "records.jsonl"
+    lines.write_text('{"annot_id": "val-0"}\n{"annot_id": "val-1", "annot_id": "val-2"}\n{"annot_id": "val-3"}\n')
+    with pytest.raises(VlbertsError, match=r"records\.jsonl: record line 2: key 'annot_id' appears twice"):
+        list(iter_jsonl(lines))
+    bad = BadRecords(skip=True)  # --skip_bad drops the line and counts it
+    assert [rec["annot_id"] for _, rec in iter_jsonl(lines, bad)] == ["val-0", "val-3"] and bad.total == 1

@@ -181,6 +181,11 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise VlbertsError(f"malformed YAML: {first_line(e)}", path=path) from None
+    if not isinstance(data, dict):
+        raise VlbertsError(f"a config file must be a mapping of setting: value, got a {type(data).__name__}", path=path)
+    keys = [k for k in data if not isinstance(k, str)]
+    if keys:
+        raise VlbertsError(f"setting names must be strings, got {keys[0]!r}", path=path)
     return from_dict(cls, data, where=str(path))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -159,14 +160,37 @@ def read_text(path: str | Path) -> str:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice (raised by `unique_keys`)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} appears twice in one JSON object (a JSON reader keeps only the last)")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for `json.load(s)`: the object as a dict, or `DuplicateKey`. Python's JSON reader
+    keeps the last of two equal keys without a word; for an id-keyed file (GQA questions, VCR or NLVR2
+    predictions, an image map) that silently drops a record or replaces an answer."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKey(key)
+    return obj
+
+
 def read_json(path: str | Path) -> Any:
-    """Read a JSON file; a missing or malformed file is a one-line `VlbertsError` naming it."""
+    """Read a JSON file; a missing or malformed file, or an object naming a key twice, is a one-line
+    `VlbertsError` naming it."""
     path = require_file(path)
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
+    except DuplicateKey as e:
+        raise VlbertsError(str(e), path=path) from None
     except UnicodeDecodeError as e:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
@@ -183,10 +207,10 @@ def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tupl
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    error = VlbertsError(f"malformed JSON line: {e.msg} (column {e.colno})", path=path,
-                                         record=f"line {lineno}")
+                    rec = json.loads(line, object_pairs_hook=unique_keys)
+                except (json.JSONDecodeError, DuplicateKey) as e:
+                    what = str(e) if isinstance(e, DuplicateKey) else f"malformed JSON line: {e.msg} (column {e.colno})"
+                    error = VlbertsError(what, path=path, record=f"line {lineno}")
                     if bad is None:
                         raise error from None
                     bad.handle(error)
@@ -218,3 +242,28 @@ def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: o
     missing = [k for k in keys if k not in obj]
     if missing:
         raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)
+
+
+def require_box(box: Any, width: float, height: float, *, what: str | None = None, path: str | Path | None = None,
+                record: object = None) -> tuple[float, float, float, float]:
+    """`box` (x1, y1, x2, y2 pixel edges) as floats when it has positive width and height and lies inside a
+    `width` x `height` image, with one pixel of slack for rounding as the region store allows
+    (`features.record`); otherwise a one-line `VlbertsError` naming `path` and `record`. `what` is how
+    the message shows the box (default: its xyxy edges), e.g. as the file writes it."""
+    try:
+        x1, y1, x2, y2 = (float(v) for v in box)
+    except (TypeError, ValueError):
+        raise VlbertsError(f"expected a box of 4 numbers, got {box!r}", path=path, record=record) from None
+    shown = what or f"box ({x1:g}, {y1:g}, {x2:g}, {y2:g})"
+    edges = f" (x1, y1, x2, y2 = {x1:g}, {y1:g}, {x2:g}, {y2:g})" if what else ""
+    if not all(math.isfinite(v) for v in (x1, y1, x2, y2)):
+        raise VlbertsError(f"{shown} holds NaN or inf", path=path, record=record)
+    if not width > 0 or not height > 0:
+        raise VlbertsError(f"image size {width}x{height} must be positive", path=path, record=record)
+    if x2 <= x1 or y2 <= y1:
+        raise VlbertsError(f"{shown} has zero or negative width or height{edges}; expected x2 > x1 and y2 > y1",
+                           path=path, record=record)
+    if x1 < -1 or y1 < -1 or x2 > width + 1 or y2 > height + 1:
+        raise VlbertsError(f"{shown} lies outside the {width:g}x{height:g} image{edges}; expected 0 <= x1, "
+                           f"0 <= y1, x2 <= {width:g}, y2 <= {height:g} (one pixel of slack)", path=path, record=record)
+    return x1, y1, x2, y2
