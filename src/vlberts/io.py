@@ -244,12 +244,12 @@ def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: o
         raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)
 
 
-def require_box(box: Any, width: float, height: float, *, what: str | None = None, path: str | Path | None = None,
-                record: object = None) -> tuple[float, float, float, float]:
-    """`box` (x1, y1, x2, y2 pixel edges) as floats when it has positive width and height and lies inside a
-    `width` x `height` image, with one pixel of slack for rounding as the region store allows
-    (`features.record`); otherwise a one-line `VlbertsError` naming `path` and `record`. `what` is how
-    the message shows the box (default: its xyxy edges), e.g. as the file writes it."""
+def require_box(box: Any, width: float, height: float, *, what: str | None = None, allow_empty: bool = False,
+                path: str | Path | None = None, record: object = None) -> tuple[float, float, float, float]:
+    """`box` (x1, y1, x2, y2 pixel edges) as floats when it has positive width and height (with `allow_empty`,
+    zero is enough) and lies inside a `width` x `height` image, with one pixel of slack for rounding as the
+    region store allows (`features.record`); otherwise a one-line `VlbertsError` naming `path` and `record`.
+    `what` is how the message shows the box (default: its xyxy edges), e.g. as the file writes it."""
     try:
         x1, y1, x2, y2 = (float(v) for v in box)
     except (TypeError, ValueError):
@@ -260,8 +260,9 @@ def require_box(box: Any, width: float, height: float, *, what: str | None = Non
         raise VlbertsError(f"{shown} holds NaN or inf", path=path, record=record)
     if not width > 0 or not height > 0:
         raise VlbertsError(f"image size {width}x{height} must be positive", path=path, record=record)
-    if x2 <= x1 or y2 <= y1:
-        raise VlbertsError(f"{shown} has zero or negative width or height{edges}; expected x2 > x1 and y2 > y1",
+    if (x2 < x1 or y2 < y1) if allow_empty else (x2 <= x1 or y2 <= y1):
+        kind, op = ("negative", ">=") if allow_empty else ("zero or negative", ">")
+        raise VlbertsError(f"{shown} has {kind} width or height{edges}; expected x2 {op} x1 and y2 {op} y1",
                            path=path, record=record)
     if x1 < -1 or y1 < -1 or x2 > width + 1 or y2 > height + 1:
         raise VlbertsError(f"{shown} lies outside the {width:g}x{height:g} image{edges}; expected 0 <= x1, "

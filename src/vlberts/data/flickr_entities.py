@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_text
+from vlberts.io import read_text, require_box
 
 Box = tuple[float, float, float, float]
 SPLITS = ("train", "val", "test")
@@ -205,7 +205,9 @@ def read_entity_boxes(path: str | Path) -> EntityBoxes:
             xmin, ymin, xmax, ymax = (_int_text(bnd.find(t), t, path, where) for t in ("xmin", "ymin", "xmax", "ymax"))
             if xmax < xmin or ymax < ymin:
                 raise VlbertsError(f"empty box ({xmin}, {ymin}, {xmax}, {ymax})", path=path, record=where)
-            box = (float(xmin - 1), float(ymin - 1), float(xmax), float(ymax))  # 1-based inclusive -> 0-based edges
+            # 1-based inclusive -> 0-based edges, inside the <size> image (xmax may equal the width)
+            box = require_box((xmin - 1, ymin - 1, xmax, ymax), width, height, path=path, record=where,
+                              what=f"<bndbox> xmin, ymin, xmax, ymax = {xmin}, {ymin}, {xmax}, {ymax} (1-based)")
             for c in chains:
                 boxes.setdefault(c, []).append(box)
         else:
@@ -245,21 +247,25 @@ def read_flickr_entities(root: str | Path, image_id: str | int) -> FlickrEntitie
 
 
 def read_flickr_split(root: str | Path, split: str) -> list[str]:
-    """Image ids listed in `root`/{split}.txt, in file order."""
+    """Image ids listed in `root`/{split}.txt, in file order; an id listed twice is an error naming the line
+    (its captions would be read, trained on and scored twice)."""
     if split not in SPLITS:
         raise VlbertsError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     path = Path(root) / f"{split}.txt"
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
-    ids = []
-    for k, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    first: dict[str, int] = {}  # image id -> its line
+    for k, line in enumerate(read_text(path).split("\n"), 1):
         line = line.strip()
         if not line:
             continue
         if any(c.isspace() for c in line) or "/" in line:
             raise VlbertsError(f"not an image id: {line!r}", path=path, record=f"line {k}")
-        ids.append(line)
-    return ids
+        if line in first:
+            raise VlbertsError(f"image id {line} listed twice (first at line {first[line]}); expected each image "
+                               "once", path=path, record=f"line {k}")
+        first[line] = k
+    return list(first)
 
 
 def iter_flickr_entities(root: str | Path, split: str) -> Iterator[FlickrEntitiesImage]:

@@ -18,7 +18,8 @@ Format (formats-and-metrics.md §2.6; Yu et al. 2016; the refer API ``refer.py``
 * Splits of RefCOCO+ (UNC): ``train``, ``val``, ``testA`` (people), ``testB`` (other objects).
   `select_refs` follows ``refer.py getRefIds``: ``testA``/``testB``/``testC`` keep refs whose split
   *contains* the letter (so a ``testAB`` ref is in both), ``test`` keeps every split containing "test",
-  ``train``/``val``/``testAB``... match exactly.
+  ``train``/``val``/``testAB``... match exactly. A ref whose split is none of these names (`SPLITS`) is
+  an error naming it: `select_refs` would silently leave it out of every split.
 * Detections for the detected-region track (MAttNet ``res101_coco_minus_refer_notime_dets.json``): a
   list of ``{"image_id", "box": [x, y, w, h], "category_id", "score", ...}`` (`read_detections`).
 
@@ -34,13 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys, require_text, write_json
+from vlberts.io import read_json, require_box, require_keys, require_text, write_json
 from vlberts.safe_pickle import safe_load
 
 Box = tuple[float, float, float, float]
 
 _REF_KEYS = ("ref_id", "ann_id", "image_id", "category_id", "split", "sentences")
 _SENT_KEYS = ("sent_id", "sent")
+# The split names refer.py's getRefIds knows (`select_refs`); RefCOCO+ uses train, val, testA, testB.
+SPLITS = ("train", "val", "test", "testA", "testB", "testC", "testAB", "testBC", "testAC")
 
 
 def xywh_to_xyxy(box: Box) -> Box:
@@ -161,6 +164,11 @@ def _bbox(value: Any, *, path: Path, record: str) -> Box:
     return (float(value[0]), float(value[1]), float(value[2]), float(value[3]))
 
 
+def _shown(bbox: Box) -> str:
+    """A COCO bbox as the file writes it: ``[x, y, w, h]``."""
+    return "[" + ", ".join(f"{v:g}" for v in bbox) + "]"
+
+
 # --------------------------------------------------------------------------- refs
 
 
@@ -169,6 +177,9 @@ def _parse_ref(rec: Any, *, path: Path, record: str) -> Ref:
     ref_id = _int(rec["ref_id"], "ref_id", path=path, record=record)
     record = f"{record} (ref_id {ref_id})"
     category_id = _int(rec["category_id"], "category_id", path=path, record=record)
+    split = _str(rec["split"], "split", path=path, record=record)
+    if split not in SPLITS:
+        raise VlbertsError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}", path=path, record=record)
     if category_id < 1:
         raise VlbertsError(f"category_id {category_id}: COCO category ids are 1-based", path=path, record=record)
     sentences = rec["sentences"]
@@ -189,7 +200,7 @@ def _parse_ref(rec: Any, *, path: Path, record: str) -> Ref:
         ann_id=_int(rec["ann_id"], "ann_id", path=path, record=record),
         image_id=_int(rec["image_id"], "image_id", path=path, record=record),
         category_id=category_id,
-        split=_str(rec["split"], "split", path=path, record=record),
+        split=split,
         file_name=_str(rec.get("file_name", ""), "file_name", path=path, record=record),
         sentences=tuple(sents),
     )
@@ -248,7 +259,7 @@ def select_refs(refs: tuple[Ref, ...] | list[Ref], split: str) -> list[Ref]:
         return [r for r in refs if "test" in r.split]
     if split in ("train", "val", "testAB", "testBC", "testAC"):
         return [r for r in refs if r.split == split]
-    raise VlbertsError(f"unknown split {split!r} (train, val, test, testA, testB, testC, testAB, testBC, testAC)")
+    raise VlbertsError(f"unknown split {split!r} ({', '.join(SPLITS)})")
 
 
 # --------------------------------------------------------------------------- instances
@@ -257,8 +268,10 @@ def select_refs(refs: tuple[Ref, ...] | list[Ref], split: str) -> list[Ref]:
 def read_instances(
     path: str | Path, bad: BadRecords | None = None
 ) -> tuple[dict[int, CocoImage], dict[int, CocoAnnotation], dict[int, str]]:
-    """Read a COCO ``instances.json``: images, annotations and categories by id. With `bad` skipping, a
-    malformed annotation (or one whose image or category is missing) is dropped and counted instead."""
+    """Read a COCO ``instances.json``: images, annotations and categories by id. An annotation's bbox must lie
+    inside its image (one pixel of slack); zero-area boxes pass here (COCO train2014 holds a few) and are
+    refused as a ref's gold box (`read_refcoco`). With `bad` skipping, a malformed annotation (a repeated
+    id, a box outside the image, a missing image or category) is dropped and counted instead."""
     bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
@@ -281,6 +294,7 @@ def read_instances(
             raise VlbertsError(f"category id {cid}: COCO category ids are 1-based", path=path, record=where)
         categories[cid] = _str(rec["name"], "name", path=path, record=where)
     annotations: dict[int, CocoAnnotation] = {}
+    first: dict[int, int] = {}  # annotation id -> its index in the file
     for i, rec in enumerate(data["annotations"]):
         where = f"annotations[{i}]"
         try:
@@ -289,13 +303,21 @@ def read_instances(
                                  _int(rec["image_id"], "image_id", path=path, record=where),
                                  _int(rec["category_id"], "category_id", path=path, record=where),
                                  _bbox(rec["bbox"], path=path, record=where))
-            if ann.image_id not in images:
+            where = f"annotations[{i}] (id {ann.id})"
+            if ann.id in first:
+                raise VlbertsError(f"duplicate annotation id {ann.id} (first at annotations[{first[ann.id]}]); "
+                                   "expected unique ids", path=path, record=where)
+            img = images.get(ann.image_id)
+            if img is None:
                 raise VlbertsError(f"image_id {ann.image_id} is not in images", path=path, record=where)
             if ann.category_id not in categories:
                 raise VlbertsError(f"category_id {ann.category_id} is not in categories", path=path, record=where)
+            require_box(ann.box_xyxy, img.width, img.height, what=f"bbox {_shown(ann.bbox)}", allow_empty=True,
+                        path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
             continue
+        first[ann.id] = i
         annotations[ann.id] = ann
     return images, annotations, categories
 
@@ -303,9 +325,10 @@ def read_instances(
 def read_refcoco(refs_path: str | Path, instances_path: str | Path, bad: BadRecords | None = None) -> RefCocoData:
     """Read refs and instances and check that they agree (image, annotation and category of every ref).
 
-    With `bad` skipping, malformed records are dropped and counted (`read_refs`, `read_instances`), and so
-    is a ref whose image ("missing image") or annotation ("missing annotation") is not in the instances
-    or disagrees with them."""
+    A ref's annotation is its gold box, so it must have a positive width and height. With `bad` skipping,
+    malformed records are dropped and counted (`read_refs`, `read_instances`), and so is a ref whose image
+    ("missing image") or annotation ("missing annotation") is not in the instances or disagrees with them,
+    or whose gold box has zero area ("bad box")."""
     bad = bad if bad is not None else BadRecords()
     refs_path = Path(refs_path)
     all_refs = _read_refs(refs_path, bad)
@@ -330,6 +353,13 @@ def read_refcoco(refs_path: str | Path, instances_path: str | Path, bad: BadReco
                                    path=refs_path, record=where)
         except VlbertsError as err:
             bad.handle(err, "missing annotation")
+            continue
+        img = images[ref.image_id]
+        try:
+            require_box(ann.box_xyxy, img.width, img.height, what=f"bbox {_shown(ann.bbox)}", path=instances_path,
+                        record=f"annotation id {ann.id} (the gold box of ref_id {ref.ref_id})")
+        except VlbertsError as err:
+            bad.handle(err, "bad box")
             continue
         refs.append(ref)
     return RefCocoData(tuple(refs), images, annotations, categories)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vlberts.errors import VlbertsError
-from vlberts.io import iter_jsonl, read_json, require_keys
+from vlberts.io import iter_jsonl, read_json, require_box, require_keys
 
 NUM_CHOICES = 4
 
@@ -232,17 +232,28 @@ def read_vcr(path: str | Path, *, require_labels: bool = False) -> list[VCRExamp
     """Read a VCR JSON-lines file; examples in file order, blank lines skipped.
 
     Errors name the file and ``line N``: a malformed or truncated line, a token that is neither a word
-    nor a list of in-range object indices, a wrong number of choices, a bad label, or (with
-    `require_labels`) a missing label.
+    nor a list of in-range object indices, a wrong number of choices, a bad label, an annot_id seen on an
+    earlier line, or (with `require_labels`) a missing label.
     """
     examples = []
+    first: dict[str, int] = {}  # annot_id -> its line
     for lineno, rec in iter_jsonl(path):
         where = f"line {lineno}"
         ex = parse_vcr_record(rec, path=path, record=where)
         if require_labels and not ex.annotated:
             raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
+        check_unique_annot_id(ex, lineno, first, path=path)
         examples.append(ex)
     return examples
+
+
+def check_unique_annot_id(ex: VCRExample, lineno: int, first: dict[str, int], *, path: str | Path) -> None:
+    """Record `ex`'s annot_id in `first` (annot_id -> line); one already there is an error naming both lines
+    (the question would be trained on or scored twice)."""
+    if ex.annot_id in first:
+        raise VlbertsError(f"duplicate annot_id {ex.annot_id} (first at line {first[ex.annot_id]}); expected each "
+                           "question once", path=path, record=f"line {lineno}")
+    first[ex.annot_id] = lineno
 
 
 @dataclass(frozen=True)
@@ -257,7 +268,8 @@ class VCRMetadata:
 
 
 def read_vcr_metadata(path: str | Path) -> VCRMetadata:
-    """Read a VCR ``metadata_fn`` JSON (``boxes`` as [x1, y1, x2, y2, score], ``names``, ``width``, ``height``)."""
+    """Read a VCR ``metadata_fn`` JSON (``boxes`` as [x1, y1, x2, y2, score], ``names``, ``width``, ``height``);
+    each box must lie inside the width x height image (one pixel of slack) with a positive area."""
     path = Path(path)
     data = read_json(path)
     require_keys(data, ("boxes", "names", "width", "height"), path=path, record="metadata")
@@ -266,6 +278,10 @@ def read_vcr_metadata(path: str | Path) -> VCRMetadata:
         raise VlbertsError("names must be a list of class names", path=path, record="names")
     if not isinstance(boxes, list) or len(boxes) != len(names):
         raise VlbertsError(f"boxes must be a list with one box per name ({len(names)})", path=path, record="boxes")
+    for key in ("width", "height"):
+        v = data[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise VlbertsError(f"{key} must be a positive integer, got {v!r}", path=path, record="metadata")
     out_boxes, scores = [], []
     for k, b in enumerate(boxes):
         if (not isinstance(b, list) or len(b) != 5
@@ -273,10 +289,6 @@ def read_vcr_metadata(path: str | Path) -> VCRMetadata:
             raise VlbertsError(f"expected [x1, y1, x2, y2, score], got {b!r}", path=path, record=f"boxes[{k}]")
         if b[2] < b[0] or b[3] < b[1]:
             raise VlbertsError(f"box has x2 < x1 or y2 < y1: {b!r}", path=path, record=f"boxes[{k}]")
-        out_boxes.append((float(b[0]), float(b[1]), float(b[2]), float(b[3])))
+        out_boxes.append(require_box(b[:4], data["width"], data["height"], path=path, record=f"boxes[{k}]"))
         scores.append(float(b[4]))
-    for key in ("width", "height"):
-        v = data[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise VlbertsError(f"{key} must be a positive integer, got {v!r}", path=path, record="metadata")
     return VCRMetadata(data["width"], data["height"], tuple(out_boxes), tuple(scores), tuple(names))

@@ -192,6 +192,8 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
         store.preload()
     train = _with_features(data.expressions(cfg.train_split), cfg.train_split, store, bad)
     evals = {s: _with_features(data.expressions(s), s, store, bad) for s in eval_splits}
+    if bad.total and dist.main:  # first, so that an error below for an emptied split shows what was skipped
+        print(bad.warning(), file=sys.stderr)
     if not train:
         raise VlbertsError(f"no training expressions in split {cfg.train_split!r}", path=cfg.refs)
     if sum(len(ex) for ex in evals.values()) != len({e.sent_id for ex in evals.values() for e in ex}):
@@ -199,8 +201,6 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
                            "name each split once")
     if cfg.track == "gt":
         check_gold_store(data, {e.image_id for ex in (train, *evals.values()) for e in ex}, store, cfg.max_regions)
-    if bad.total and dist.main:
-        print(bad.warning(), file=sys.stderr)
 
     model_cfg, _ = read_model_config(cfg.init)
     tok = TextTokenizer.load(cfg.init)

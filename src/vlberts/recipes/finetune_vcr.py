@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.vcr import VCRExample, parse_vcr_record, read_vcr, read_vcr_metadata
+from vlberts.data.vcr import VCRExample, check_unique_annot_id, parse_vcr_record, read_vcr, read_vcr_metadata
 from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRData, collate_vcr
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
@@ -80,12 +80,13 @@ CONFIG_CLASS = FinetuneVCRConfig
 
 def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) -> list[VCRExample]:
     """The records of a VCR jsonl file (`data.vcr.parse_vcr_record`, blank lines skipped); a malformed line or
-    record (or, with `require_labels`, an unlabelled one) is an error naming the file and line, or with
-    `bad.skip` dropped and counted, reading on."""
+    record (or, with `require_labels`, an unlabelled one, or an annot_id seen on an earlier line) is an error
+    naming the file and line, or with `bad.skip` dropped and counted, reading on."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
     out = []
+    first: dict[str, int] = {}  # annot_id -> its line
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     for lineno, raw in enumerate(lines, 1):
@@ -102,6 +103,7 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
             ex = parse_vcr_record(rec, path=path, record=where)
             if require_labels and not ex.annotated:
                 raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
+            check_unique_annot_id(ex, lineno, first, path=path)
         except VlbertsError as err:
             bad.handle(err)
             continue
@@ -197,6 +199,9 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     if cfg.object_regions not in OBJECT_REGIONS:
         raise VlbertsError(f"unknown --object_regions {cfg.object_regions!r}; valid: {', '.join(OBJECT_REGIONS)}")
     metadata_dir = Path(cfg.metadata_dir) if cfg.metadata_dir else Path(cfg.train_file).parent / "metadata"
+    if cfg.object_regions == "iou" and not metadata_dir.is_dir():  # else every record fails (or is skipped) alike
+        raise VlbertsError("metadata folder not found: --object_regions=iou reads each record's metadata_fn from it "
+                           "(default: metadata/ next to --train_file); pass --metadata_dir=DIR", path=metadata_dir)
 
     bad = BadRecords(skip=cfg.skip_bad)
     store = RegionStore(cfg.features)
@@ -206,11 +211,12 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
     train = usable_examples(train, cfg.train_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
     evaluation = usable_examples(evaluation, cfg.eval_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
-    require_eval_examples(evaluation, cfg.eval_file)
-    if not train:
-        raise VlbertsError("no usable training questions", path=cfg.train_file)
-    if bad.total and dist.main:
+    if bad.total and dist.main:  # first, so that an error below for an emptied file shows what was skipped
         print(bad.warning(), file=sys.stderr)
+    if not train:
+        raise VlbertsError("no usable training questions (the file holds none, or --skip_bad dropped them all)",
+                           path=cfg.train_file)
+    require_eval_examples(evaluation, cfg.eval_file)
 
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
@@ -283,7 +289,12 @@ def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predic
     jsonl file (`tasks.vcr.score_logits`: Q->AR = both argmaxes right), with chance levels."""
     examples = _labelled(annotations)
     qa, qar = read_vcr_predictions(qa_predictions), read_vcr_predictions(qar_predictions)
+    known = {ex.annot_id for ex in examples}
     for path, preds in ((qa_predictions, qa), (qar_predictions, qar)):
+        unknown = [annot_id for annot_id in preds if annot_id not in known]
+        if unknown:  # as the submission path (`read_submission`): a prediction for another file's question
+            raise VlbertsError(f"annot_id {unknown[0]} is not a question of {annotations} ({len(unknown)} such); "
+                               "expected predictions for its questions only", path=path, record=f"annot_id {unknown[0]}")
         missing = [ex.annot_id for ex in examples if ex.annot_id not in preds]
         if missing:
             raise VlbertsError(f"no prediction for {len(missing)} of {len(examples)} questions (first: {missing[0]})",
