@@ -94,14 +94,21 @@ class ParseMismatch(ValueError):
     """A parse whose words are not the caption's words (another tokenisation, another sentence)."""
 
 
+class ParseNotTree(ValueError):
+    """A parse whose heads do not form one tree: no root or several, or a cycle."""
+
+
 def arcs_from_parse(sentence: ConlluSentence, words: Sequence[str]) -> list[Arc]:
     """The arcs of a CoNLL-U sentence over the caption `words`, root arc left out.
 
     Words must agree one to one and exactly (same count, same forms, case included): the analysis
     indexes the caption's subwords by word, so a parse of a differently tokenised sentence would
-    silently pair the wrong words. Raises `ParseMismatch` naming the first difference.
+    silently pair the wrong words. Raises `ParseMismatch` naming the first difference, and `ParseNotTree`
+    for heads that are no tree (its arcs would be scored as if they were a parse).
     """
     check_parse_words(sentence, words)
+    if not sentence.is_tree():
+        raise ParseNotTree(f"parse {sentence.sent_id!r} is not a tree: it needs exactly one root (HEAD 0) and no cycle")
     return [Arc(head - 1, rel, dep - 1) for head, rel, dep in sentence.arcs() if head != 0]
 
 

@@ -123,15 +123,24 @@ def _coco_from(obj: Any, path: Path) -> CocoCaptions:
             raise VlbertsError("id must be an integer or string and file_name a string", path=path, record=where)
         if rec["id"] in images:
             raise VlbertsError(f"duplicate image id {rec['id']!r}", path=path, record=where)
-        images[rec["id"]] = CocoImage(rec["id"], rec["file_name"], _opt_int(rec, "width", path=path, record=where),
-                                      _opt_int(rec, "height", path=path, record=where))
+        size = [_opt_int(rec, key, path=path, record=where) for key in ("width", "height")]
+        for key, v in zip(("width", "height"), size):
+            if v is not None and v <= 0:
+                raise VlbertsError(f"image {rec['id']!r}: {key} must be a positive integer, got {v}",
+                                   path=path, record=where)
+        images[rec["id"]] = CocoImage(rec["id"], rec["file_name"], *size)
     captions = []
+    caption_at: dict[int | str, int] = {}  # annotation id -> its index
     for k, rec in enumerate(_list_field(obj, "annotations", path=path, record="top level")):
         where = f"annotations[{k}]"
         require_keys(rec, ("id", "image_id", "caption"), path=path, record=where)
         require_text(rec["caption"], "caption", path=path, record=where)
         if not _is_id(rec["id"]):
             raise VlbertsError(f"id must be an integer or a string, got {rec['id']!r}", path=path, record=where)
+        if rec["id"] in caption_at:
+            raise VlbertsError(f"duplicate annotation id {rec['id']!r} (also annotations[{caption_at[rec['id']]}])",
+                               path=path, record=where)
+        caption_at[rec["id"]] = k
         if rec["image_id"] not in images:
             raise VlbertsError(f"image_id {rec['image_id']!r} is not among the file's images", path=path, record=where)
         captions.append(CocoCaption(rec["id"], rec["image_id"], rec["caption"]))

@@ -38,6 +38,7 @@ from vlberts.data.regions import (
 )
 from vlberts.data.sampling import example_rng
 from vlberts.errors import VlbertsError
+from vlberts.features.record import cls_prob_misfit
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.objectives.matching import sample_qa_target
 from vlberts.objectives.regions import RegionMaskRule, mask_regions, mask_tags_jointly
@@ -76,6 +77,8 @@ class RegionSetup:
     replace_from_other_image: the rule's random replacements are features of another image (LXMERT's
         `random_feat`); otherwise another region of the same image.
     labels: which `LABEL_FIELDS` the examples carry as targets.
+    soft_cls_prob: cls_prob is a soft target (ViLBERT's KL, VL-BERT's soft RoI classification): each row
+        used is checked to be a distribution (`features.record.cls_prob_misfit`).
     tag_subwords: W-VisualBERT tags, class c -> subword ids of its name (None: no tags); attr_subwords
         likewise for attributes, each box's tag being its attribute with `tag_attr_prob` (reference §3.6).
     """
@@ -84,6 +87,7 @@ class RegionSetup:
     zero_in_data: bool = True
     replace_from_other_image: bool = False
     labels: tuple[str, ...] = ()
+    soft_cls_prob: bool = False
     tag_subwords: tuple[tuple[int, ...], ...] | None = None
     attr_subwords: tuple[tuple[int, ...], ...] | None = None
     tag_attr_prob: float = 0.15
@@ -241,6 +245,10 @@ class CaptionPretrainData:
         out.update(masked=m.mask, corrupted=m.corrupted, orig_feats=regions.feats)
         for name in setup.labels:
             out[name] = np.asarray(getattr(rec, name)[:n])
+        if setup.soft_cls_prob and "cls_prob" in out:
+            problem = cls_prob_misfit(out["cls_prob"])
+            if problem:
+                raise VlbertsError(problem, path=getattr(self.regions, "path", None), record=f"image {image}")
         if setup.tag_subwords is not None:
             attr = setup.attr_subwords
             use_attr = rng.random(n) < setup.tag_attr_prob if attr is not None else None

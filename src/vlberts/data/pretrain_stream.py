@@ -71,6 +71,7 @@ class ShardCorpus:
             raise VlbertsError("shards hold no region features (written without a store)", path=self.path)
         self.feature_dim, self.fields, self.metadata = index_store(index, self.path)
         self._cls_prob: int | None = None
+        self.head_sizes: dict[str, int] = {}  # obj_id / attr_id -> the model head's classes (set by pretrain)
 
     def info(self) -> dict[str, Any]:
         """`RegionStore.info`'s head-size entry: the number of cls_prob columns (read from one sample)."""
@@ -83,12 +84,12 @@ class ShardCorpus:
         return {"num_classes_cls_prob": self._cls_prob}
 
     def record(self, sample: dict[str, Any]) -> RegionRecord:
-        """A sample's regions, checked against this index (`shards.check_sample_record`)."""
+        """A sample's regions, checked against this index and the model's heads (`shards.check_sample_record`)."""
         info = self.info()
         return check_sample_record(
             sample, sample_record(sample), feature_dim=self.feature_dim, fields=self.fields,
             cls_prob_width=info["num_classes_cls_prob"], classes=self.metadata.classes,
-            attributes=self.metadata.attributes)
+            attributes=self.metadata.attributes, head_sizes=self.head_sizes)
 
 
 class ChunkRegions:

@@ -82,6 +82,7 @@ def read_retrieval_split(
     data = read_karpathy(path, bad=bad)
     captions: list[RetrievalCaption] = []
     image_ids: list[str] = []
+    sentid_image: dict[int, str] = {}  # sentid -> the image it was first seen in (the score index's caption ids)
     for im in data.split(split):
         image_id = str(im.image_id)
         if not im.sentences:
@@ -90,12 +91,20 @@ def read_retrieval_split(
         if image_id in image_ids:
             bad.handle(VlbertsError("image listed twice", path=path, record=f"image {image_id}"))
             continue
+        ids = [s.sentid for s in im.sentences if s.sentid is not None]
+        dup = next((i for k, i in enumerate(ids) if i in sentid_image or i in ids[:k]), None)
+        if dup is not None:
+            where = f"also in image {sentid_image[dup]}" if dup in sentid_image else "twice in this image"
+            bad.handle(VlbertsError(f"duplicate sentid {dup} ({where}); each sentence needs its own id", path=path,
+                                    record=f"image {image_id}"))
+            continue
         if regions is not None and image_id not in regions:
             bad.handle(VlbertsError(f"image {image_id} of {path} not in the region store",
                                     path=store_path or getattr(regions, "path", None), record=image_id),
                        "missing features")
             continue
         image_ids.append(image_id)
+        sentid_image.update((i, image_id) for i in ids)
         for s in im.sentences:
             cid = s.sentid if s.sentid is not None else len(captions)
             captions.append(RetrievalCaption(cid, image_id, s.raw))

@@ -42,7 +42,7 @@ import re
 import sys
 import tarfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata, record_misfit
+from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_path, read_json, require_text, write_json
 from vlberts.training.distributed import DistInfo
@@ -361,10 +361,11 @@ def _sample_error(sample: dict[str, Any], message: str) -> VlbertsError:
 
 def check_sample_record(sample: dict[str, Any], rec: RegionRecord, *, feature_dim: int, fields: Sequence[str],
                         cls_prob_width: int | None, classes: list[str] | None,
-                        attributes: list[str] | None) -> RegionRecord:
+                        attributes: list[str] | None, head_sizes: Mapping[str, int] | None = None) -> RegionRecord:
     """A sample's record against the corpus its index describes, as a region store's fixed dataset shapes
     and metadata hold its records (`record_misfit`): every field the index lists, the feature width, the
-    cls_prob width (read off the first sample: the index does not state it), the class and attribute ids."""
+    cls_prob width (read off the first sample: the index does not state it), the class and attribute ids;
+    and, given `head_sizes` (obj_id / attr_id -> a model head's classes), the ids against the model."""
     missing = [f for f in fields if getattr(rec, f, None) is None]
     if missing:
         raise _sample_error(sample, f"has no {', '.join(missing)}, which the index lists for every sample")
@@ -374,6 +375,9 @@ def check_sample_record(sample: dict[str, Any], rec: RegionRecord, *, feature_di
                            holder="shard set")
     if misfit:
         raise _sample_error(sample, misfit)
+    head = labels_misfit({"obj_id": rec.obj_id, "attr_id": rec.attr_id}, dict(head_sizes or {}), holder="model head")
+    if head:
+        raise _sample_error(sample, head[0])
     return rec
 
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from vlberts.errors import VlbertsError
 
+CLS_PROB_ATOL = 1e-2  # |row sum - 1| allowed of a cls_prob row used as a soft target
+
 # Characters that would break a TSV line or a one-line error message.
 _BAD_ID_CHARS = ("\t", "\n", "\r")
 
@@ -53,10 +55,38 @@ def record_misfit(rec: "RegionRecord", *, cls_prob_width: int | None, classes: l
     if (cls_prob_width is not None and rec.cls_prob is not None and rec.num_boxes
             and rec.cls_prob.shape[1] != cls_prob_width):
         return f"cls_prob has {rec.cls_prob.shape[1]} classes but the {holder} holds {cls_prob_width}"
-    for ids, vocab in (("obj_id", classes), ("attr_id", attributes)):
-        a = getattr(rec, ids)
-        if a is not None and vocab is not None and a.size and a.max() >= len(vocab):  # (< 0: the record refuses)
-            return f"{ids} outside the {holder}'s {len(vocab)}-entry vocabulary (range {a.min()}..{a.max()})"
+    misfit = labels_misfit({"obj_id": rec.obj_id, "attr_id": rec.attr_id},
+                           {"obj_id": None if classes is None else len(classes),
+                            "attr_id": None if attributes is None else len(attributes)}, holder=holder)
+    return None if misfit is None else misfit[0]
+
+
+def labels_misfit(labels: dict[str, np.ndarray | None], sizes: dict[str, int | None],
+                  holder: str = "store") -> tuple[str, int] | None:
+    """(what is wrong, row of the first bad index) when a class index array (obj_id, attr_id) reaches past
+    the size its `holder` gives it (a vocabulary's entries, a model head's classes), else None. One check
+    for a record against its store or shard set (`record_misfit`) and a whole store against a model."""
+    for ids, a in labels.items():
+        size = sizes.get(ids)
+        if a is None or size is None or not a.size:
+            continue
+        bad = np.flatnonzero(a >= size)  # (< 0: the record refuses)
+        if bad.size:
+            return f"{ids} outside the {holder}'s {size}-entry vocabulary (range {a.min()}..{a.max()})", int(bad[0])
+    return None
+
+
+def cls_prob_misfit(cls_prob: np.ndarray, atol: float = CLS_PROB_ATOL) -> str | None:
+    """What is wrong with cls_prob as a soft target, or None: each row must be a distribution (sum 1 within
+    `atol`; a float16 row of 1601 classes rounds to within about 5e-4). Stores may hold other scores for
+    hard targets and tags; a KL or soft cross-entropy against them is no loss the paper trains."""
+    if not len(cls_prob):
+        return None
+    sums = cls_prob.astype(np.float64).sum(1)  # (N,)
+    bad = np.flatnonzero(np.abs(sums - 1.0) > atol)
+    if bad.size:
+        return (f"cls_prob row {int(bad[0])} sums to {sums[bad[0]]:.3g}, not 1 (within {atol}): soft targets "
+                "need the detector's class distribution")
     return None
 
 

@@ -459,6 +459,14 @@ class RegionStore:
     def get_many(self, image_ids: Iterable[str | int]) -> list[RegionRecord]:
         return [self.get(image_id) for image_id in image_ids]
 
+    def box_column(self, name: str) -> np.ndarray:
+        """One per-box dataset read whole, in row order (obj_id, attr_id: 8 bytes a box)."""
+        return self._dataset(name)[()]
+
+    def image_at_row(self, row: int) -> str:
+        """The id of the image whose regions hold per-box row `row` (images with no boxes never do)."""
+        return self._ids[int(np.searchsorted(self._offset, row, side="right")) - 1]
+
     def records(self, block_rows: int = 8192) -> Iterator[RegionRecord]:
         """Every record in write order, reading `block_rows` box rows per HDF5 read (for exports)."""
         n_img = len(self._ids)

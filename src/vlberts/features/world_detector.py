@@ -57,6 +57,7 @@ from vlberts.features.record import RegionRecord
 from vlberts.features.selection import SelectionConfig, nms_max_conf, select_by_confidence
 from vlberts.features.world_scenes import WorldImage, WorldScenes, WorldVocab, load_image
 from vlberts.io import atomic_open, atomic_path
+from vlberts.models.weights import values_misfit
 
 EXTRACTOR_NAME = "vlberts-world-detector"
 DETECTOR_FORMAT = "vlberts-world-detector"
@@ -589,6 +590,9 @@ def load_detector(path: str | Path) -> tuple[WorldDetector, DetectorInfo, str]:
         raise VlbertsError(f"weights do not fit the config: {str(e).splitlines()[-1].strip()}", path=path) from None
     if missing or unexpected:
         raise VlbertsError(f"weights do not fit the config: missing {missing[:3]}, unexpected {unexpected[:3]}", path=path)
+    problem = values_misfit(state, model.state_dict())  # NaN weights would only show as NaN confidences later
+    if problem:
+        raise VlbertsError(f"tensor {problem[0]} {problem[1]}", path=path)
     model.eval()
     info = DetectorInfo(cfg, vocab, prop, meta.get("train", {}), meta.get("val", {}))
     return model, info, hashlib.sha256(data).hexdigest()

@@ -29,7 +29,7 @@ from vlberts.models.outputs import VLOutput
 from vlberts.models.vilbert import ViLBertModel
 from vlberts.models.visualbert import VisualBertModel
 from vlberts.models.vlbert import VLBertModel
-from vlberts.models.weights import load_into, read_state_dict
+from vlberts.models.weights import find_weights, load_into, read_state_dict
 from vlberts.models.wvisualbert import WVisualBertModel
 
 ENCODERS: dict[str, type[nn.Module]] = {
@@ -90,11 +90,13 @@ TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task mode
 def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> None:
     """Load the encoder of a vlberts model directory (pre-training, VQA/GQA or any `VLEncoder` task model)
     into `encoder`, strictly: every encoder weight must be there."""
-    sd = read_state_dict(directory)
+    weights = find_weights(directory)
+    sd = read_state_dict(weights)
     for prefix in (ENCODER_PREFIX[encoder.arch] + ".", TASK_PREFIX):
         mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         if mine:
-            load_into(encoder.model, mine, source=directory)
+            names = {k[len(prefix):]: k for k in sd if k.startswith(prefix)}  # errors give the file's keys
+            load_into(encoder.model, mine, source=weights, file_names=names)
             return
     raise VlbertsError(f"no {encoder.arch} encoder weights (keys {ENCODER_PREFIX[encoder.arch]}.* or "
                        f"{TASK_PREFIX}*) in model directory", path=directory)

@@ -7,7 +7,7 @@ Our own checkpoints are safetensors + JSON. Foreign `.bin`/`.pth` files are read
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -89,7 +89,8 @@ def load_into(
     """Copy `sd` into `model`, checking names and shapes.
 
     Any key the model lacks, any model key the file lacks, or any shape disagreement is a one-line
-    `VlbertsError` naming the first few offending keys, unless the predicates allow it. Returns the
+    `VlbertsError` naming the first few offending keys, unless the predicates allow it; so is a tensor of
+    another kind than the model's (`values_misfit`: integer for float) or one holding NaN or inf. Returns the
     model keys left at their initial values. `file_names` maps renamed keys back to the names in the
     file, so that errors about keys from the file also give the name the user can find there.
     """
@@ -117,8 +118,38 @@ def load_into(
         problems.append("unexpected keys: " + ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else ""))
     if problems:
         raise VlbertsError("weights do not fit the model; " + "; ".join(problems), path=source)
-    model.load_state_dict({k: v for k, v in sd.items() if k in own}, strict=False)
+    kept = {k: v for k, v in sd.items() if k in own}
+    problem = values_misfit(kept, own)
+    if problem:
+        key, what = problem
+        raise VlbertsError(f"tensor {shown(key)} {what}", path=source)
+    model.load_state_dict(kept, strict=False)
     return [k for k in own if k not in sd and k not in tied]
+
+
+def _kind(t: Tensor) -> str:
+    if t.is_floating_point():
+        return "floating-point"
+    return "bool" if t.dtype == torch.bool else "complex" if t.is_complex() else "integer"
+
+
+def first_nonfinite(tensors: Mapping[str, Tensor]) -> str | None:
+    """The key of the first floating-point tensor holding NaN or inf, or None."""
+    return next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+
+
+def values_misfit(sd: Mapping[str, Tensor], own: Mapping[str, Tensor]) -> tuple[str, str] | None:
+    """(key, what is wrong) for the first tensor of `sd` whose kind (floating-point, integer, bool) is not
+    its model tensor's in `own`, or that holds NaN or inf; None when all fit. `load_state_dict` would cast
+    an int64 tensor into a float parameter silently; float16 / bfloat16 / float32 differ only in precision."""
+    for k, v in sd.items():
+        if k in own and _kind(v) != _kind(own[k]):
+            kind = _kind(own[k])
+            expected = {"floating-point": "a float32, float16 or bfloat16", "integer": "an integer"}.get(kind, f"a {kind}")
+            return k, (f"is stored as {str(v.dtype).removeprefix('torch.')} but the model's is "
+                       f"{str(own[k].dtype).removeprefix('torch.')}; expected {expected} tensor")
+    bad = first_nonfinite(sd)
+    return (bad, "holds NaN or inf") if bad is not None else None
 
 
 def tied_aliases(model: nn.Module) -> set[str]:

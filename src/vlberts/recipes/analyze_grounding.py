@@ -32,9 +32,9 @@ with the caption index the 0-based line of Sentences/<image id>.txt); "none" ski
 `vlberts[parse]`; `vlberts.data.spacy_parse`): spaCy's tokens are aligned to the caption's words and its
 ClearNLP labels mapped to the Stanford labels of Table 2 (compound -> nn, nummod -> num, acl -> partmod, ...);
 a caption whose tokens cannot be aligned is skipped and counted, its message in grounding.json.
-Without parses only entity grounding runs and the report says so. A caption without a parse, or whose
-parse's words differ from the caption's words, is skipped by the syntactic analysis and counted with
-its caption id; entity grounding still uses it.
+Without parses only entity grounding runs and the report says so. A caption without a parse, whose
+parse's words differ from the caption's words, or whose parse is not a tree (one root, no cycle), is skipped
+by the syntactic analysis and counted with its caption id; entity grounding still uses it.
 
 `--mask_pos=ADJ[,VERB,...]` (a diagnostic, not the paper's analysis) replaces every subword of the words
 with those parts of speech (UPOS, from the parses) by [MASK] before the forward passes, so that the heads
@@ -68,6 +68,7 @@ from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
     ParseMismatch,
+    ParseNotTree,
     SyntacticAccumulator,
     SyntacticInput,
     SyntacticResult,
@@ -321,7 +322,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     syntactic = syn.result() if syn is not None else None
     if syn is not None and syn.skipped:  # on stderr as well as in grounding.json: parses the user gave
         first = next(iter(syn.skipped_examples.items()), ("", []))
-        print(f"warning: syntactic grounding skipped {sum(syn.skipped.values())} captions ("
+        source = "" if getattr(cfg, "parser", "") else f"{resolve_parses(cfg)[0]}: "  # the CoNLL-U file read
+        print(f"warning: {source}syntactic grounding skipped {sum(syn.skipped.values())} captions ("
               + ", ".join(f"{k}: {v}" for k, v in sorted(syn.skipped.items()))
               + (f"; first: {first[1][0]}, {first[0]}" if first[1] else "") + "); counts in grounding.json",
               file=sys.stderr)
@@ -398,6 +400,9 @@ def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence],
         arcs = arcs_from_parse(sentence, cap.words)
     except ParseMismatch:
         syn.skip("parse words differ", cap.caption_id)
+        return
+    except ParseNotTree:
+        syn.skip("parse is not a tree (one root, no cycle)", cap.caption_id)
         return
     syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
     if text_syn is not None and inp.text_attn is not None:

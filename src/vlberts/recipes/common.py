@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import shutil
@@ -131,11 +132,21 @@ def save_run_config(out: Path, cfg: Any, name: str = "run_config.yaml") -> None:
 
 def fine_tuning_setting(model_dir: str | Path, key: str, default: int) -> int:
     """A positive integer setting (max_text_len, max_regions) of the fine-tuning run that wrote `model_dir`
-    (RUN/run_config.json beside RUN/model), or `default` when the run's config is not there: what plain
-    inference (`vlberts predict`) lays its inputs out with unless told otherwise."""
+    (RUN/run_config.json beside RUN/model), or `default` when the run's config or the key is not there: what
+    plain inference (`vlberts predict`) lays its inputs out with unless told otherwise. A value that is there
+    but not a positive integer is an error: the default would lay the inputs out unlike training."""
     run_config = Path(model_dir).parent / "run_config.json"
-    value = read_json(run_config).get(key) if run_config.is_file() else None
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+    if not run_config.is_file():
+        return default
+    settings = read_json(run_config)
+    if not isinstance(settings, dict):
+        raise VlbertsError(f"expected a JSON object of settings, got {type(settings).__name__}", path=run_config)
+    if key not in settings:
+        return default
+    value = settings[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise VlbertsError(f"must be a positive integer, got {json.dumps(value)}", path=run_config, record=key)
+    return value
 
 
 def progress(disable: bool | None = None) -> Progress:

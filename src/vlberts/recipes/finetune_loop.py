@@ -39,7 +39,7 @@ from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
 from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.models.weights import load_into, read_state_dict
+from vlberts.models.weights import find_weights, load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
 from vlberts.training.distributed import (
     DistInfo,
@@ -135,7 +135,8 @@ def read_task_model(directory: str | Path, task: str, name: str, hint: str = "")
 
 def load_task_weights(model: nn.Module, directory: str | Path) -> nn.Module:
     """Fill a task model built from `read_task_model`'s config with the directory's weights (checked)."""
-    load_into(model, read_state_dict(directory), source=directory)
+    weights = find_weights(directory)
+    load_into(model, read_state_dict(weights), source=weights)
     return model
 
 

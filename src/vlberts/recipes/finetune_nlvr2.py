@@ -23,6 +23,7 @@ object {name: store image id} (the world's ``nlvr2/images.json``) maps them firs
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,8 +75,12 @@ CONFIG_CLASS = FinetuneNLVR2Config
 def read_image_map(path: str | Path) -> dict[str, str]:
     """{NLVR2 image name: store image id} from a JSON object; ids may be strings or integers."""
     raw = read_json(path)
-    if not isinstance(raw, dict) or not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in raw.values()):
+    if not isinstance(raw, dict):
         raise VlbertsError("image map must be a JSON object {image name: image id (string or integer)}", path=path)
+    for name, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+            raise VlbertsError(f"image id must be a non-empty string or an integer, got {json.dumps(value)}",
+                               path=path, record=name)
     return {str(k): str(v) for k, v in raw.items()}
 
 

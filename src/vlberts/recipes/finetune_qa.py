@@ -25,6 +25,7 @@ torchrun, checkpointed and exactly resumable, then predict + score. The task rec
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from vlberts.models.lxmert import LxmertForVQA
 from vlberts.models.vilbert import ViLBertForVQA
 from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import VLBertForVQA
-from vlberts.models.weights import load_into, read_safetensors
+from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
@@ -125,12 +126,16 @@ def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = Tr
     other pre-training heads are left behind."""
     model_cfg, meta = read_model_config(init)
     model = qa_model(model_cfg, len(vocab))
-    sd = read_safetensors(Path(init) / "model.safetensors")
+    weights = Path(init) / "model.safetensors"
+    sd = read_safetensors(weights)
     prefix = model.encoder_name + "."
     load_into(
-        model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=init,
+        model, {k: v for k, v in sd.items() if k.startswith(prefix)}, source=weights,
         allow_missing=lambda k: k.startswith("classifier."),
     )
+    bad = first_nonfinite(sd)  # the pre-training heads too: `copy_qa_head` may start from them
+    if bad is not None:
+        raise VlbertsError(f"tensor {bad} holds NaN or inf", path=weights)
     return model, model_cfg, copy_qa_head(model, sd, meta.get("qa_answers", ()), vocab) if qa_head_init else 0
 
 
@@ -161,8 +166,25 @@ def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answe
 def load_qa_model(directory: str | Path, task: str) -> tuple[VQAModel, AnswerVocab, TextTokenizer]:
     """Load a model directory fine-tuned on `task` ("vqa", "gqa") by `finetune_qa` (any architecture)."""
     model_cfg, meta = read_task_model(directory, task, task.upper())
-    vocab = AnswerVocab(tuple(meta["answers"]))
+    vocab = AnswerVocab(model_answers(meta, Path(directory) / "config.json"))
     return load_task_weights(qa_model(model_cfg, len(vocab)), directory), vocab, TextTokenizer.load(directory)
+
+
+def model_answers(meta: Mapping[str, Any], path: Path) -> tuple[str, ...]:
+    """The answer classes a fine-tuned model's config.json lists ("answers"): strings, each once. A null
+    would be predicted as "None", and a duplicate makes two classes one answer. "" stays allowed: training
+    writes it for answers that normalise to nothing ("a", "the")."""
+    answers = meta.get("answers")
+    if not isinstance(answers, list) or not answers:
+        raise VlbertsError("\"answers\" must be a non-empty list of answer strings", path=path)
+    first: dict[str, int] = {}
+    for k, a in enumerate(answers):
+        if not isinstance(a, str):
+            raise VlbertsError(f"answer must be a string, got {json.dumps(a)}", path=path, record=f"answers[{k}]")
+        if a in first:
+            raise VlbertsError(f"duplicate answer {a!r} (also answers[{first[a]}])", path=path, record=f"answers[{k}]")
+        first[a] = k
+    return tuple(answers)
 
 
 def qa_data(

@@ -289,6 +289,24 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
 
 # --------------------------------------------------------------------------- evaluate (zero-shot, fine-tuned, saved)
 
+def check_caption_ids(index: dict, path: Path) -> None:
+    """The score index's caption_ids (optional): one per row, each once (one sentid per caption)."""
+    ids = index.get("caption_ids")
+    if ids is None:
+        return
+    if not isinstance(ids, list) or len(ids) != len(index["caption_image_ids"]):
+        raise VlbertsError("caption_ids must be a list with one id per caption_image_ids entry", path=path)
+    first: dict = {}
+    for k, cid in enumerate(ids):
+        if isinstance(cid, (list, dict)):
+            raise VlbertsError(f"caption id must be an integer or a string, got {type(cid).__name__}", path=path,
+                               record=f"caption_ids[{k}]")
+        if cid in first:
+            raise VlbertsError(f"duplicate caption id {cid!r} (also caption_ids[{first[cid]}])", path=path,
+                               record=f"caption_ids[{k}]")
+        first[cid] = k
+
+
 def rescore(scores_path: str | Path) -> dict:
     """Metrics of a saved score matrix, its rows and columns read from the score_index.json beside it."""
     path = Path(scores_path)
@@ -298,9 +316,11 @@ def rescore(scores_path: str | Path) -> dict:
         scores = np.load(path, allow_pickle=False)
     except (ValueError, OSError) as e:
         raise VlbertsError(f"not a .npy score matrix ({e})", path=path) from None
-    index = read_json(path.parent / "score_index.json")
+    index_path = path.parent / "score_index.json"
+    index = read_json(index_path)
     if not isinstance(index, dict) or not {"caption_image_ids", "image_ids"} <= set(index):
-        raise VlbertsError("needs caption_image_ids and image_ids", path=path.parent / "score_index.json")
+        raise VlbertsError("needs caption_image_ids and image_ids", path=index_path)
+    check_caption_ids(index, index_path)
     shape = (len(index["caption_image_ids"]), len(index["image_ids"]))
     if scores.ndim != 2 or scores.shape != shape:
         raise VlbertsError(f"score matrix has shape {scores.shape}, its score_index.json says {shape} "

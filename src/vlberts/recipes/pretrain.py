@@ -48,6 +48,7 @@ from vlberts.data.text_corpus import read_documents
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
+from vlberts.features.record import labels_misfit
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json, write_json
 from vlberts.models.bert_init import init_text_from_bert
@@ -363,6 +364,44 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Classifier objectives: the class-index field each reads and the store quantity its head is sized by.
+LABEL_HEADS: dict[str, tuple[str, str]] = {"obj": ("obj_id", "classes"), "attr": ("attr_id", "attributes")}
+
+
+def head_label_sizes(recipe: ArchRecipe, model_cfg: Any, weights: dict[str, float]) -> dict[str, int]:
+    """obj_id / attr_id -> the number of classes of the model head the run's objectives train on them."""
+    field_of = {quantity: name for name, quantity in recipe.head_sizes.items()}
+    return {ids: int(getattr(model_cfg, field_of[quantity])) for objective, (ids, quantity) in LABEL_HEADS.items()
+            if objective in weights and quantity in field_of}
+
+
+def check_store_labels(store: RegionStore | ShardCorpus, head_sizes: dict[str, int], reads: set[str]) -> None:
+    """The class indices the run reads (`reads`: obj_id, attr_id), against the store's vocabularies and the
+    model's heads, before training: one past a head is an IndexError in the loss mid-run. A region store's
+    are read whole here (8 bytes a box); a shard set's are checked as each sample is read
+    (`shards.check_sample_record`), which this sets up."""
+    if isinstance(store, ShardCorpus):
+        store.head_sizes = {k: v for k, v in head_sizes.items() if k in reads}
+        return
+    meta = store.metadata
+    vocab = {"obj_id": None if meta.classes is None else len(meta.classes),
+             "attr_id": None if meta.attributes is None else len(meta.attributes)}
+    for ids in ("obj_id", "attr_id"):
+        if ids not in reads or ids not in store.fields:
+            continue
+        labels = {ids: store.box_column(ids)}  # (B,)
+        for holder, sizes in (("store", vocab), ("model head", head_sizes)):
+            misfit = labels_misfit(labels, sizes, holder=holder)
+            if misfit is None:
+                continue
+            message, row = misfit
+            if holder == "model head":  # heads are sized from the store's vocabularies, when it has them
+                message += ("; --init's heads are smaller than the store's vocabulary" if vocab[ids] is not None else
+                            "; the store names no vocabulary to size the heads from (import it with --classes and "
+                            "--attributes)")
+            raise VlbertsError(message, path=store.path, record=f"image {store.image_at_row(row)}")
+
+
 MISMATCHED_TARGETS = ("auto", "keep", "drop")
 
 
@@ -402,6 +441,7 @@ def region_setup(
         rule=recipe.region_rule, zero_in_data=recipe.zero_in_data,
         replace_from_other_image=recipe.replace_from_other_image,
         labels=tuple(k for k in LABEL_FIELDS if k in needs), tag_subwords=tags, attr_subwords=attrs,
+        soft_cls_prob="region_kl" in weights or ("roi_cls" in weights and recipe.roi_target == "soft"),
     )
 
 
@@ -511,6 +551,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     # replaces them; they only pad batches alongside the boxes).
     feature_dim = store.feature_dim if end_to_end else model_cfg.visual_dim
     tags_in = "tags" in recipe.model_inputs and getattr(model_cfg, "use_tags", False)
+    reads = {f for name in weights for f in NEEDS.get(name, ())} | ({"obj_id", "attr_id"} if tags_in else set())
+    check_store_labels(store, head_label_sizes(recipe, model_cfg, weights), reads)
 
     make_data = partial(
         CaptionPretrainData, tokenizer=tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,

@@ -29,7 +29,7 @@ from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
-from vlberts.models.weights import load_into, read_safetensors, tied_aliases
+from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
 FORMAT = "vlberts/1"
@@ -229,11 +229,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def _require_finite_tensors(tensors: dict[str, torch.Tensor], *, path: Path) -> None:
     """A checkpoint is written only after its update's losses were checked, so NaN or inf in it means a
     damaged file; resuming from it would fail only at the next log step, blaming the learning rate."""
-    for key, value in tensors.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            earlier = sorted(q.name for q in path.parent.parent.glob("step_*") if q.name < path.parent.name)
-            hint = f"write {earlier[-1]} into checkpoints/latest to resume from it" if earlier else "start a new run"
-            raise VlbertsError(f"tensor {key} holds NaN or inf (a damaged checkpoint); {hint}", path=path)
+    key = first_nonfinite(tensors)
+    if key is not None:
+        earlier = sorted(q.name for q in path.parent.parent.glob("step_*") if q.name < path.parent.name)
+        hint = f"write {earlier[-1]} into checkpoints/latest to resume from it" if earlier else "start a new run"
+        raise VlbertsError(f"tensor {key} holds NaN or inf (a damaged checkpoint); {hint}", path=path)
 
 
 def restore_checkpoint(
