@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlberts.analysis.syntactic import ParseNotTree, SyntacticAccumulator, arcs_from_parse
+from vlberts.analysis.syntactic import Arc, ParseNotTree, SyntacticAccumulator, arcs_from_parse
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.conllu import parse_conllu
 from vlberts.data.retrieval import read_retrieval_split
@@ -217,17 +217,30 @@ CYCLE = """# sent_id = 8_2
 """
 
 
-def test_a_parse_that_is_no_tree_is_skipped_and_counted_with_its_id():
+def test_a_parse_with_a_cycle_is_skipped_and_counted_with_its_id():
     sentence = parse_conllu(CYCLE, "p.conllu")["8_2"]
     words = ("a", "red", "cube")
-    with pytest.raises(ParseNotTree, match="parse '8_2' is not a tree"):
+    with pytest.raises(ParseNotTree, match="parse '8_2': following the heads, some word never reaches a root"):
         arcs_from_parse(sentence, words)
     syn = SyntacticAccumulator()
     _add_syntactic(syn, {"8_2": sentence}, SimpleNamespace(caption_id="8_2", words=words), inp=None)
-    assert syn.skipped == {"parse is not a tree (one root, no cycle)": 1}
-    assert syn.skipped_examples == {"parse is not a tree (one root, no cycle)": ["8_2"]}
+    assert syn.skipped == {"parse has a cycle (a word that reaches no root)": 1}
+    assert syn.skipped_examples == {"parse has a cycle (a word that reaches no root)": ["8_2"]}
     fixed = parse_conllu(CYCLE.replace("1\troot", "0\troot"), "p.conllu")["8_2"]
     assert len(arcs_from_parse(fixed, words)) == 2
+    # A caption parsed as two sentences has two roots (spaCy on "a cube. a ball."): both trees are read.
+    two = parse_conllu(TWO_SENTENCES, "p.conllu")["9_0"]
+    assert not two.is_tree() and arcs_from_parse(two, ("a", "cube", "a", "ball")) == [
+        Arc(1, "det", 0), Arc(3, "det", 2)]
+
+
+TWO_SENTENCES = """# sent_id = 9_0
+# text = a cube a ball
+1\ta\ta\tDET\tDT\t_\t2\tdet\t_\t_
+2\tcube\tcube\tNOUN\tNN\t_\t0\troot\t_\t_
+3\ta\ta\tDET\tDT\t_\t4\tdet\t_\t_
+4\tball\tball\tNOUN\tNN\t_\t0\troot\t_\t_
+"""
 
 
 def test_an_nlvr2_image_map_value_must_be_an_image_id(tmp_path):

@@ -95,7 +95,7 @@ class ParseMismatch(ValueError):
 
 
 class ParseNotTree(ValueError):
-    """A parse whose heads do not form one tree: no root or several, or a cycle."""
+    """A parse whose heads do not lead every word to a root: a cycle, or no root at all."""
 
 
 def arcs_from_parse(sentence: ConlluSentence, words: Sequence[str]) -> list[Arc]:
@@ -104,11 +104,12 @@ def arcs_from_parse(sentence: ConlluSentence, words: Sequence[str]) -> list[Arc]
     Words must agree one to one and exactly (same count, same forms, case included): the analysis
     indexes the caption's subwords by word, so a parse of a differently tokenised sentence would
     silently pair the wrong words. Raises `ParseMismatch` naming the first difference, and `ParseNotTree`
-    for heads that are no tree (its arcs would be scored as if they were a parse).
+    for heads that do not lead every word to a root (its arcs would be scored as if they were a parse); a
+    caption parsed as two sentences (two roots) is read.
     """
     check_parse_words(sentence, words)
-    if not sentence.is_tree():
-        raise ParseNotTree(f"parse {sentence.sent_id!r} is not a tree: it needs exactly one root (HEAD 0) and no cycle")
+    if not sentence.reaches_roots():
+        raise ParseNotTree(f"parse {sentence.sent_id!r}: following the heads, some word never reaches a root (HEAD 0)")
     return [Arc(head - 1, rel, dep - 1) for head, rel, dep in sentence.arcs() if head != 0]
 
 

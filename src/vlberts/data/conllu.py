@@ -57,13 +57,20 @@ class ConlluSentence:
 
     def is_tree(self) -> bool:
         """A single root, and every word reaches it by following heads (no cycles)."""
+        return sum(h == 0 for h in self.heads) == 1 and self.reaches_roots()
+
+    def reaches_roots(self) -> bool:
+        """Every word reaches a root (HEAD 0) by following heads: no cycle, no head outside the sentence. One
+        tree, or several where a caption holds two sentences (spaCy's parse of "A dog runs. It is wet.")."""
         heads = self.heads
         n = len(heads)
-        if n == 0 or sum(h == 0 for h in heads) != 1:
+        if n == 0:
             return False
         for i in range(1, n + 1):
             j, steps = i, 0
             while j != 0:
+                if not 1 <= j <= n:
+                    return False
                 j = heads[j - 1]
                 steps += 1
                 if steps > n:

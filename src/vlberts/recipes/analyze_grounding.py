@@ -33,7 +33,7 @@ with the caption index the 0-based line of Sentences/<image id>.txt); "none" ski
 ClearNLP labels mapped to the Stanford labels of Table 2 (compound -> nn, nummod -> num, acl -> partmod, ...);
 a caption whose tokens cannot be aligned is skipped and counted, its message in grounding.json.
 Without parses only entity grounding runs and the report says so. A caption without a parse, whose
-parse's words differ from the caption's words, or whose parse is not a tree (one root, no cycle), is skipped
+parse's words differ from the caption's words, or whose heads do not lead every word to a root (a cycle), is skipped
 by the syntactic analysis and counted with its caption id; entity grounding still uses it.
 
 `--mask_pos=ADJ[,VERB,...]` (a diagnostic, not the paper's analysis) replaces every subword of the words
@@ -402,7 +402,7 @@ def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence],
         syn.skip("parse words differ", cap.caption_id)
         return
     except ParseNotTree:
-        syn.skip("parse is not a tree (one root, no cycle)", cap.caption_id)
+        syn.skip("parse has a cycle (a word that reaches no root)", cap.caption_id)
         return
     syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
     if text_syn is not None and inp.text_attn is not None:
