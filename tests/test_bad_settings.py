@@ -326,10 +326,11 @@ def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line(tiny_world, tiny_
     ("- 1\n- 2\n", "a config file must be a mapping of setting: value, got a list"),
     ("1: 2\n", "setting names must be strings, got 1"),
     ("just words\n", "a config file must be a mapping of setting: value, got a str"),
+    ("lr: 0.001\nepochs: 2\nlr: 0.1\n", "malformed YAML: setting 'lr' given twice (line 3)"),
 ])
 def test_a_config_file_that_is_not_a_mapping_of_names_is_one_line(text, message, tmp_path, capsys):
     """`--config=FILE` holding a list, a bare string or a number as a key was a TypeError traceback or a
-    list of the string's letters as "unknown keys"."""
+    list of the string's letters as "unknown keys"; a setting given twice ran with the last value."""
     config = tmp_path / "run.yaml"
     config.write_text(text)
     code, _, err = run_cli(["finetune", "vqa", f"--config={config}", f"--out={tmp_path / 'run'}"], capsys)
@@ -362,3 +363,10 @@ def test_a_json_key_given_twice_is_an_error_naming_the_file_and_the_key(tmp_path
         list(iter_jsonl(lines))
     bad = BadRecords(skip=True)  # --skip_bad drops the line and counts it
     assert [rec["annot_id"] for _, rec in iter_jsonl(lines, bad)] == ["val-0", "val-3"] and bad.total == 1
+    # VCR's fine-tuning reader parses its lines itself: the same rule there
+    from vlberts.recipes.finetune_vcr import read_vcr_file
+
+    vcr = tmp_path / "val.jsonl"
+    vcr.write_text('\n{"annot_id": "val-1", "annot_id": "val-2"}\n')
+    with pytest.raises(VlbertsError, match=r"val\.jsonl: record line 2: key 'annot_id' appears twice"):
+        read_vcr_file(vcr, BadRecords(), require_labels=False)

@@ -172,13 +172,30 @@ def from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
         raise VlbertsError(f"{where}: {e}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a mapping naming one key twice is an error: PyYAML keeps the last
+    value, so a config file setting `lr` twice would run with whichever comes later without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # a list or mapping as a key: `load_yaml` refuses it as a setting name
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"setting {key!r} given twice (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(cls: type[C], path: str | Path) -> C:
     """Read a config dataclass from a YAML file."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("config file not found", path=path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise VlbertsError(f"malformed YAML: {first_line(e)}", path=path) from None
     if not isinstance(data, dict):

@@ -25,6 +25,7 @@ import numpy as np
 from vlberts.errors import first_line, VlbertsError
 from vlberts.features.record import RegionRecord
 from vlberts.features.tsv import b64_rows
+from vlberts.io import DuplicateKey, unique_keys
 from vlberts.safe_pickle import safe_load, safe_loads
 
 Source = Iterator[tuple[str, bytes, RegionRecord]]
@@ -134,11 +135,13 @@ def read_vlbert_json(src: str | Path) -> Source:
     src = Path(src)
     for name, data in _json_files(src):
         try:
-            obj = json.loads(data)
+            obj = json.loads(data, object_pairs_hook=unique_keys)
             yield f"file {name}", data, _record(obj, VLBERT_FIELDS)
         except json.JSONDecodeError as e:
             raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=src,
                                record=f"file {name}") from None
+        except DuplicateKey as e:
+            raise VlbertsError(str(e), path=src, record=f"file {name}") from None
         except VlbertsError as e:
             raise VlbertsError(e.message, path=src, record=f"file {name}") from None
 

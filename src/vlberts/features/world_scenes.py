@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from vlberts.errors import VlbertsError
-from vlberts.io import iter_jsonl
+from vlberts.io import DuplicateKey, iter_jsonl, unique_keys
 
 _IMAGE_KEYS = ("image_id", "file_name", "width", "height", "split", "objects")
 _OBJECT_KEYS = ("shape", "colour", "size", "box")
@@ -89,8 +89,8 @@ def read_world_vocab(root: Path) -> WorldVocab:
     path = root / "world.json"
     if path.is_file():
         try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            meta = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKey) as e:
             raise VlbertsError(f"malformed JSON ({e})", path=path) from None
         if not isinstance(meta, dict):
             raise VlbertsError("expected a JSON object", path=path)

@@ -36,7 +36,7 @@ from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRData, collate_vcr
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import read_json, write_json
+from vlberts.io import DuplicateKey, read_json, unique_keys, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
@@ -95,11 +95,13 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
         where = f"line {lineno}"
         try:
             try:
-                rec = json.loads(raw.decode("utf-8"))
+                rec = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
             except UnicodeDecodeError as e:
                 raise VlbertsError(f"not UTF-8 text ({e.reason})", path=path, record=where) from None
             except json.JSONDecodeError as e:
                 raise VlbertsError(f"malformed JSON line: {e.msg}", path=path, record=where) from None
+            except DuplicateKey as e:
+                raise VlbertsError(str(e), path=path, record=where) from None
             ex = parse_vcr_record(rec, path=path, record=where)
             if require_labels and not ex.annotated:
                 raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
