@@ -89,7 +89,7 @@ def _vqa_model(path: Path, answers: list) -> Path:
 
 
 @pytest.mark.parametrize("answers, record, message", [
-    (["no", "no", "2"], "answers[1]", "duplicate answer 'no' (also answers[0])"),
+    (["no", "no", "2"], "answers[1]", "duplicate answer 'no' (first at answers[0])"),
     (["no", None, "2"], "answers[1]", "answer must be a string, got null"),
     (["no", 3, "2"], "answers[1]", "answer must be a string, got 3"),
 ])
@@ -202,7 +202,7 @@ def test_coco_caption_ids_are_unique_and_image_sizes_positive(tmp_path):
     path = _coco(tmp_path, annotations=(1, "id", 5))
     with pytest.raises(VlbertsError) as err:
         read_caption_refs(path)
-    assert str(err.value) == f"{path}: record annotations[1]: duplicate annotation id 5 (also annotations[0])"
+    assert str(err.value) == f"{path}: record annotations[1]: duplicate annotation id 5 (first at annotations[0])"
     path = _coco(tmp_path, images=(1, "height", 0))
     with pytest.raises(VlbertsError) as err:
         read_caption_refs(path)
@@ -293,4 +293,4 @@ def test_retrieval_caption_ids_are_unique(tmp_path):
     (tmp_path / "score_index.json").write_text(json.dumps({**index, "caption_ids": [10, 11, 20, 10]}))
     with pytest.raises(VlbertsError) as err:
         rescore(tmp_path / "scores.npy")
-    assert str(err.value) == f"{tmp_path / 'score_index.json'}: record caption_ids[3]: duplicate caption id 10 (also caption_ids[0])"
+    assert str(err.value) == f"{tmp_path / 'score_index.json'}: record caption_ids[3]: duplicate caption id 10 (first at caption_ids[0])"

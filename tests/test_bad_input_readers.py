@@ -106,7 +106,7 @@ def test_refcoco_duplicate_annotation_id(tmp_path):
     with pytest.raises(VlbertsError) as err:
         read_instances(inst_p)
     assert str(err.value) == (f"{inst_p}: record annotations[3] (id 102): duplicate annotation id 102 (first at "
-                              "annotations[1]); expected unique ids")
+                              "annotations[1])")
 
 
 def test_refcoco_unknown_split_names_the_ref(tmp_path):
@@ -165,8 +165,8 @@ def test_flickr_split_file_listing_an_image_twice(tmp_path):
     (tmp_path / "test.txt").write_text("8\n9\n\n8\n")
     with pytest.raises(VlbertsError) as err:
         read_flickr_split(tmp_path, "test")
-    assert str(err.value) == (f"{tmp_path / 'test.txt'}: record line 4: image id 8 listed twice (first at line 1); "
-                              "expected each image once")
+    assert str(err.value) == (f"{tmp_path / 'test.txt'}: record line 4: duplicate image id '8' (first at "
+                              "line 1)")
     (tmp_path / "test.txt").write_text("8\n9\n")
     assert read_flickr_split(tmp_path, "test") == ["8", "9"]
 
@@ -205,7 +205,7 @@ def _vcr_line(annot_id: str, **over) -> str:
 def test_vcr_duplicate_annot_id_names_both_lines(tmp_path):
     path = tmp_path / "val.jsonl"
     path.write_text(_vcr_line("val-0") + _vcr_line("val-1") + "\n" + _vcr_line("val-0"))
-    message = f"{path}: record line 4: duplicate annot_id val-0 (first at line 1); expected each question once"
+    message = f"{path}: record line 4: duplicate annot_id 'val-0' (first at line 1)"
     with pytest.raises(VlbertsError) as err:
         read_vcr(path)
     assert str(err.value) == message

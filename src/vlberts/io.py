@@ -244,6 +244,17 @@ def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: o
         raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)
 
 
+def require_unique(seen: dict[Any, object], key: Any, at: object, *, what: str, path: str | Path | None,
+                   record: object = None) -> None:
+    """Note that `key` (an id) appears `at` this place of the file (a line, a list position); one seen before
+    is a one-line `VlbertsError` naming both places: the record would be trained on or scored twice, or
+    replace the first. `record` (default `at`) is how the error names this place."""
+    if key in seen:
+        raise VlbertsError(f"duplicate {what} {key!r} (first at {seen[key]})", path=path,
+                           record=at if record is None else record)
+    seen[key] = at
+
+
 def require_box(box: Any, width: float, height: float, *, what: str | None = None, allow_empty: bool = False,
                 path: str | Path | None = None, record: object = None) -> tuple[float, float, float, float]:
     """`box` (x1, y1, x2, y2 pixel edges) as floats when it has positive width and height (with `allow_empty`,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys, require_text
+from vlberts.io import read_json, require_keys, require_text, require_unique
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 
@@ -130,17 +130,14 @@ def _coco_from(obj: Any, path: Path) -> CocoCaptions:
                                    path=path, record=where)
         images[rec["id"]] = CocoImage(rec["id"], rec["file_name"], *size)
     captions = []
-    caption_at: dict[int | str, int] = {}  # annotation id -> its index
+    caption_at: dict[int | str, object] = {}  # annotation id -> where it first appears
     for k, rec in enumerate(_list_field(obj, "annotations", path=path, record="top level")):
         where = f"annotations[{k}]"
         require_keys(rec, ("id", "image_id", "caption"), path=path, record=where)
         require_text(rec["caption"], "caption", path=path, record=where)
         if not _is_id(rec["id"]):
             raise VlbertsError(f"id must be an integer or a string, got {rec['id']!r}", path=path, record=where)
-        if rec["id"] in caption_at:
-            raise VlbertsError(f"duplicate annotation id {rec['id']!r} (also annotations[{caption_at[rec['id']]}])",
-                               path=path, record=where)
-        caption_at[rec["id"]] = k
+        require_unique(caption_at, rec["id"], where, what="annotation id", path=path)
         if rec["image_id"] not in images:
             raise VlbertsError(f"image_id {rec['image_id']!r} is not among the file's images", path=path, record=where)
         captions.append(CocoCaption(rec["id"], rec["image_id"], rec["caption"]))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_text, require_box
+from vlberts.io import read_text, require_box, require_unique
 
 Box = tuple[float, float, float, float]
 SPLITS = ("train", "val", "test")
@@ -254,17 +254,14 @@ def read_flickr_split(root: str | Path, split: str) -> list[str]:
     path = Path(root) / f"{split}.txt"
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
-    first: dict[str, int] = {}  # image id -> its line
+    first: dict[str, object] = {}  # image id -> its line
     for k, line in enumerate(read_text(path).split("\n"), 1):
         line = line.strip()
         if not line:
             continue
         if any(c.isspace() for c in line) or "/" in line:
             raise VlbertsError(f"not an image id: {line!r}", path=path, record=f"line {k}")
-        if line in first:
-            raise VlbertsError(f"image id {line} listed twice (first at line {first[line]}); expected each image "
-                               "once", path=path, record=f"line {k}")
-        first[line] = k
+        require_unique(first, line, f"line {k}", what="image id", path=path)
     return list(first)
 
 

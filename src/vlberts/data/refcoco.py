@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_box, require_keys, require_text, write_json
+from vlberts.io import read_json, require_box, require_keys, require_text, require_unique, write_json
 from vlberts.safe_pickle import safe_load
 
 Box = tuple[float, float, float, float]
@@ -294,7 +294,7 @@ def read_instances(
             raise VlbertsError(f"category id {cid}: COCO category ids are 1-based", path=path, record=where)
         categories[cid] = _str(rec["name"], "name", path=path, record=where)
     annotations: dict[int, CocoAnnotation] = {}
-    first: dict[int, int] = {}  # annotation id -> its index in the file
+    first: dict[int, object] = {}  # annotation id -> where it first appears
     for i, rec in enumerate(data["annotations"]):
         where = f"annotations[{i}]"
         try:
@@ -304,9 +304,6 @@ def read_instances(
                                  _int(rec["category_id"], "category_id", path=path, record=where),
                                  _bbox(rec["bbox"], path=path, record=where))
             where = f"annotations[{i}] (id {ann.id})"
-            if ann.id in first:
-                raise VlbertsError(f"duplicate annotation id {ann.id} (first at annotations[{first[ann.id]}]); "
-                                   "expected unique ids", path=path, record=where)
             img = images.get(ann.image_id)
             if img is None:
                 raise VlbertsError(f"image_id {ann.image_id} is not in images", path=path, record=where)
@@ -314,10 +311,10 @@ def read_instances(
                 raise VlbertsError(f"category_id {ann.category_id} is not in categories", path=path, record=where)
             require_box(ann.box_xyxy, img.width, img.height, what=f"bbox {_shown(ann.bbox)}", allow_empty=True,
                         path=path, record=where)
+            require_unique(first, ann.id, f"annotations[{i}]", what="annotation id", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
             continue
-        first[ann.id] = i
         annotations[ann.id] = ann
     return images, annotations, categories
 

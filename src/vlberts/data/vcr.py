@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vlberts.errors import VlbertsError
-from vlberts.io import iter_jsonl, read_json, require_box, require_keys
+from vlberts.io import iter_jsonl, read_json, require_box, require_keys, require_unique
 
 NUM_CHOICES = 4
 
@@ -236,24 +236,15 @@ def read_vcr(path: str | Path, *, require_labels: bool = False) -> list[VCRExamp
     earlier line, or (with `require_labels`) a missing label.
     """
     examples = []
-    first: dict[str, int] = {}  # annot_id -> its line
+    first: dict[str, object] = {}  # annot_id -> its line
     for lineno, rec in iter_jsonl(path):
         where = f"line {lineno}"
         ex = parse_vcr_record(rec, path=path, record=where)
         if require_labels and not ex.annotated:
             raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
-        check_unique_annot_id(ex, lineno, first, path=path)
+        require_unique(first, ex.annot_id, where, what="annot_id", path=path)
         examples.append(ex)
     return examples
-
-
-def check_unique_annot_id(ex: VCRExample, lineno: int, first: dict[str, int], *, path: str | Path) -> None:
-    """Record `ex`'s annot_id in `first` (annot_id -> line); one already there is an error naming both lines
-    (the question would be trained on or scored twice)."""
-    if ex.annot_id in first:
-        raise VlbertsError(f"duplicate annot_id {ex.annot_id} (first at line {first[ex.annot_id]}); expected each "
-                           "question once", path=path, record=f"line {lineno}")
-    first[ex.annot_id] = lineno
 
 
 @dataclass(frozen=True)

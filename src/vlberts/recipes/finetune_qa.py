@@ -38,7 +38,7 @@ from vlberts.data.regions import RegionSource
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import write_json
+from vlberts.io import require_unique, write_json
 from vlberts.models.builders import arch_of
 from vlberts.models.lxmert import LxmertForVQA
 from vlberts.models.vilbert import ViLBertForVQA
@@ -177,13 +177,11 @@ def model_answers(meta: Mapping[str, Any], path: Path) -> tuple[str, ...]:
     answers = meta.get("answers")
     if not isinstance(answers, list) or not answers:
         raise VlbertsError("\"answers\" must be a non-empty list of answer strings", path=path)
-    first: dict[str, int] = {}
+    first: dict[str, object] = {}  # answer -> where it first appears
     for k, a in enumerate(answers):
         if not isinstance(a, str):
             raise VlbertsError(f"answer must be a string, got {json.dumps(a)}", path=path, record=f"answers[{k}]")
-        if a in first:
-            raise VlbertsError(f"duplicate answer {a!r} (also answers[{first[a]}])", path=path, record=f"answers[{k}]")
-        first[a] = k
+        require_unique(first, a, f"answers[{k}]", what="answer", path=path)
     return tuple(answers)
 
 

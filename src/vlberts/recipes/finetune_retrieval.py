@@ -53,7 +53,7 @@ from vlberts.data.retrieval import (
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_open, read_json, write_json
+from vlberts.io import atomic_open, read_json, require_unique, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
@@ -296,15 +296,12 @@ def check_caption_ids(index: dict, path: Path) -> None:
         return
     if not isinstance(ids, list) or len(ids) != len(index["caption_image_ids"]):
         raise VlbertsError("caption_ids must be a list with one id per caption_image_ids entry", path=path)
-    first: dict = {}
+    first: dict = {}  # caption id -> where it first appears
     for k, cid in enumerate(ids):
         if isinstance(cid, (list, dict)):
             raise VlbertsError(f"caption id must be an integer or a string, got {type(cid).__name__}", path=path,
                                record=f"caption_ids[{k}]")
-        if cid in first:
-            raise VlbertsError(f"duplicate caption id {cid!r} (also caption_ids[{first[cid]}])", path=path,
-                               record=f"caption_ids[{k}]")
-        first[cid] = k
+        require_unique(first, cid, f"caption_ids[{k}]", what="caption id", path=path)
 
 
 def rescore(scores_path: str | Path) -> dict:

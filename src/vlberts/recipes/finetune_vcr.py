@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.vcr import VCRExample, check_unique_annot_id, parse_vcr_record, read_vcr, read_vcr_metadata
+from vlberts.data.vcr import VCRExample, parse_vcr_record, read_vcr, read_vcr_metadata
 from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRData, collate_vcr
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import DuplicateKey, read_json, unique_keys, write_json
+from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
@@ -86,7 +86,7 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
     out = []
-    first: dict[str, int] = {}  # annot_id -> its line
+    first: dict[str, object] = {}  # annot_id -> its line
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     for lineno, raw in enumerate(lines, 1):
@@ -105,7 +105,7 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
             ex = parse_vcr_record(rec, path=path, record=where)
             if require_labels and not ex.annotated:
                 raise VlbertsError("missing field answer_label or rationale_label", path=path, record=where)
-            check_unique_annot_id(ex, lineno, first, path=path)
+            require_unique(first, ex.annot_id, where, what="annot_id", path=path)
         except VlbertsError as err:
             bad.handle(err)
             continue
