@@ -199,3 +199,20 @@ def test_command_names_bad_caption_and_runs_without_parses(tiny_world, tiny_pret
     data = json.loads((tmp_path / "b" / "attention_graphs.json").read_text())
     assert data["pos_shares"] is None and "no parses" in data["pos_note"]
     assert data["object_relations"] is None and "--scenes=none" in data["object_relations_note"]
+
+
+def test_command_skip_bad_drops_an_image_missing_from_the_store(tiny_world, tiny_pretrained, tmp_path, capsys):
+    import shutil
+
+    ents = tmp_path / "ents"
+    shutil.copytree(tiny_world.entities, ents)
+    (ents / "val.txt").write_text("424242\n" + (ents / "val.txt").read_text())
+    base = ["analyze", "attention-graphs", f"--model={tiny_pretrained}", f"--entities={ents}",
+            f"--features={tiny_world.store}", "--split=val", "--figures=0"]
+    code, output = run_cli([*base, f"--out={tmp_path / 'a'}"], capsys)
+    assert code == 2 and "record 424242: image id 424242 of split val not in store" in output
+    code, output = run_cli([*base, f"--out={tmp_path / 'b'}", "--skip_bad=true"], capsys)
+    assert code == 0, output
+    assert "warning: skipped 1 bad records (1 missing features)" in output
+    data = json.loads((tmp_path / "b" / "attention_graphs.json").read_text())
+    assert data["bad_records"]["missing features"] == 1 and data["captions"] > 0

@@ -14,11 +14,11 @@ import pytest
 
 from test_bad_settings import run_cli
 from vlberts.data.flickr_entities import read_entity_boxes, read_flickr_split
+from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.data.refcoco import read_instances, read_refcoco, read_refs
 from vlberts.data.vcr import read_vcr, read_vcr_metadata
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import require_box
-from vlberts.recipes.finetune_flickr_entities import read_split_images
 from vlberts.recipes.finetune_refcoco import FinetuneRefCocoConfig, finetune_refcoco
 from vlberts.recipes.finetune_vcr import FinetuneVCRConfig, evaluate_vcr, finetune_vcr, read_vcr_file
 

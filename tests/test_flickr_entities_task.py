@@ -34,8 +34,8 @@ from vlberts.recipes.finetune_flickr_entities import (
     finetune_flickr_entities,
     load_flickr_entities_model,
     predict_flickr_entities,
-    read_split_images,
 )
+from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.errors import BadRecords
 from vlberts.tasks.flickr_entities import (
     evaluate_predictions,

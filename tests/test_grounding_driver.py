@@ -229,8 +229,50 @@ def test_cli_analyze_grounding_and_missing_image(tiny_world, tiny_pretrained, tm
         capture_output=True, text=True,
     )
     assert proc.returncode == 2
-    assert "image id 424242 not in store" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"error: {tiny_world.store}: record 424242: image id 424242 of split test not in "
+                                   "store (1 of the 1 images missing)")
     assert not (tmp_path / "h").exists()
+
+
+def test_analyze_grounding_skip_bad_drops_and_counts_bad_images(tiny_world, tiny_pretrained, tmp_path):
+    """A real Flickr30K Entities split can hold an image the store lacks or an Annotations file with a box
+    outside its image: without --skip_bad the first stops the analysis naming it; with it both images are
+    dropped, counted in grounding.json and warned about, and the rest is analysed exactly as without them."""
+    import re
+    import shutil
+
+    ents = tmp_path / "ents"
+    shutil.copytree(tiny_world.entities, ents)
+    good = (ents / "test.txt").read_text().split()
+    broken = good[1]
+    xml = ents / "Annotations" / f"{broken}.xml"
+    text, n = re.subn(r"<xmax>\d+</xmax>", "<xmax>99999</xmax>", xml.read_text(), count=1)
+    assert n == 1
+    xml.write_text(text)
+    (ents / "test.txt").write_text("\n".join(["424242", *good]) + "\n")
+    args = [str(VLBERTS), "analyze", "grounding", f"--model={tiny_pretrained}", f"--entities={ents}",
+            f"--features={tiny_world.store}", "--explorer_examples=0", "--qualitative=0"]
+
+    proc = subprocess.run([*args, f"--out={tmp_path / 'strict'}"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "record 424242: image id 424242 of split test not in store (1 of the" in proc.stderr
+
+    proc = subprocess.run([*args, f"--out={tmp_path / 'lenient'}", "--skip_bad=true"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert ("warning: skipped 2 bad records (1 malformed entities file, 1 missing features); first: "
+            f"{tiny_world.store}: record 424242") in proc.stderr
+    data = json.loads((tmp_path / "lenient" / "grounding.json").read_text())
+    bad = data["bad_records"]
+    assert (bad["total"], bad["malformed entities file"], bad["missing features"]) == (2, 1, 1)
+    assert "Images dropped by --skip_bad: 2" in (tmp_path / "lenient" / "grounding.md").read_text()
+
+    # The same numbers as a split file that never listed the two images.
+    (ents / "test.txt").write_text("\n".join(i for i in good if i != broken) + "\n")
+    clean = analyze_grounding(GroundingConfig(model=str(tiny_pretrained), entities=str(ents),
+                                              features=str(tiny_world.store), out=str(tmp_path / "clean"),
+                                              explorer_examples=0, qualitative=0)).result
+    assert data["n_entities"] == clean.n_entities > 0
+    assert np.allclose(np.asarray(data["accuracy"]), clean.accuracy)
 
 
 def one_captioned_image(tmp_path):

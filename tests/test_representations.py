@@ -5,6 +5,7 @@ representations` draws the words, regions and tags of a W-VisualBERT checkpoint.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,19 @@ def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path)
     assert all(c in {"circle", "square", "triangle", "star", "hexagon", "diamond", "cross"} for c in rep["classes"])
     assert 0 <= rep["chance"] <= 100 and len(rep["rows"]) == 3 * n
     assert (out / "representations.png").stat().st_size > 10_000
+
+    # An image the store lacks, listed first: an error naming it, or with --skip_bad dropped and counted.
+    ents = tmp_path / "ents"
+    shutil.copytree(tiny_world.entities, ents)
+    (ents / "train.txt").write_text("424242\n" + (ents / "train.txt").read_text())
+    args = [str(VLBERTS), "analyze", "representations", f"--model={model}", f"--entities={ents}",
+            f"--features={tiny_world.store}", "--split=train", "--per_class=10", "--iterations=100"]
+    proc = subprocess.run([*args, f"--out={tmp_path / 'strict'}"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "record 424242: image id 424242 of split train not in store" in proc.stderr
+    proc = subprocess.run([*args, f"--out={tmp_path / 'lenient'}", "--skip_bad=true"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lenient = json.loads((tmp_path / "lenient" / "representations.json").read_text())
+    assert lenient["bad_records"]["missing features"] == 1 and lenient["instances"] == n
 
     bad = subprocess.run([str(VLBERTS), "analyze", "representations", f"--model={model}", f"--out={out}"],
                          capture_output=True, text=True)

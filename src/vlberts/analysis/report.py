@@ -36,7 +36,7 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.2f}"
 
 
-def _md_text(s: str) -> str:
+def md_text(s: str) -> str:
     """Free text safe inside a Markdown table or line: no pipes, no line breaks, no raw HTML tags."""
     s = " ".join(str(s).split())
     for ch in ("\\", "|", "<", ">", "*", "_", "`", "[", "]"):
@@ -103,7 +103,7 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
     best_active = result.best_active_head
     cmp = ">=" if o.active_inclusive else ">"
     lines = [
-        f"## {_md_text(title)}",
+        f"## {md_text(title)}",
         "",
         f"- entities: {result.n_entities} in {result.n_captions} captions",
         f"- baseline (most confident region): {_pct(result.baseline_accuracy)}%",
@@ -141,18 +141,18 @@ def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = 
     ]
     for row in result.table2(k, directions=directions):
         head = row.head.label + ("" if row.head.active else " (inactive)")
-        lines.append(f"| {_md_text(row.relation)} | {row.count} | {_pct(row.baseline)} | {_pct(row.head.accuracy)} | {head} |")
+        lines.append(f"| {md_text(row.relation)} | {row.count} | {_pct(row.baseline)} | {_pct(row.head.accuracy)} | {head} |")
     return "\n".join(lines) + "\n"
 
 
 def syntactic_summary_markdown(result: SyntacticResult, k: int = 10, *, title: str = "Syntactic grounding") -> str:
     """A Markdown section: counts, skipped captions, Table 2 pooled over directions and per direction."""
     skipped = ", ".join(
-        f"{_md_text(reason)} {n} (e.g. {', '.join(_md_text(c) for c in result.skipped_examples.get(reason, []))})"
+        f"{md_text(reason)} {n} (e.g. {', '.join(md_text(c) for c in result.skipped_examples.get(reason, []))})"
         for reason, n in result.skipped.items()
     ) or "none"
     lines = [
-        f"## {_md_text(title)}",
+        f"## {md_text(title)}",
         "",
         f"- captions with a matching parse: {result.n_captions}; captions skipped: {skipped}",
         f"- arcs: {result.n_arcs} (root excluded); without a word in a grounded entity: "

@@ -20,15 +20,16 @@ Letters: B batch (captions), T text length, P phrases per caption, R regions.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
-from vlberts.data.flickr_entities import Box, FlickrEntitiesImage
+from vlberts.data.flickr_entities import Box, FlickrEntitiesImage, read_flickr_entities, read_flickr_split
 from vlberts.data.regions import (
     RegionSource,
     caption_inputs,
@@ -38,9 +39,37 @@ from vlberts.data.regions import (
     pad_sequences,
     region_counts,
 )
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.flickr_entities import positive_regions, skip_reason
 from vlberts.text.tokenizer import TextTokenizer
+
+
+def read_split_images(
+    entities: str | Path, split: str, store: Container[str], bad: BadRecords, *, store_path: str | Path = "",
+    max_images: int = 0,
+) -> list[FlickrEntitiesImage]:
+    """The split's images (its first `max_images` if > 0) with their captions and boxes. An image missing
+    from the store or whose Sentences/Annotations file is malformed is an error naming it, or with
+    `bad` skipping (--skip_bad) is dropped and counted ("missing features", "malformed entities file").
+    The store is checked first, so a split the store does not cover fails before any file is parsed."""
+    ids = read_flickr_split(entities, split)
+    if max_images:
+        ids = ids[:max_images]
+    missing = {i for i in ids if i not in store}
+    images = []
+    for image_id in ids:
+        if image_id in missing:
+            bad.handle(VlbertsError(f"image id {image_id} of split {split} not in store ({len(missing)} of the "
+                                    f"{len(ids)} images missing)", path=store_path or getattr(store, "path", ""),
+                                    record=image_id),
+                       "missing features")
+            continue
+        try:
+            images.append(read_flickr_entities(entities, image_id))
+        except VlbertsError as err:
+            bad.handle(err, "malformed entities file")
+    return images
 
 
 @dataclass(frozen=True)

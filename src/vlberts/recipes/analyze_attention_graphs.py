@@ -55,14 +55,13 @@ from vlberts.analysis.entities import EntityCaption, SkipCounts, attention_batch
 from vlberts.analysis.graph_figures import GraphExample, save_cross_figure, save_language_figure, save_objects_figure
 from vlberts.analysis.syntactic import ParseMismatch, check_parse_words
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.data.spacy_parse import load_spacy
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
-from vlberts.recipes.analyze_grounding import image_bytes, load_parses, resolve_images
+from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, resolve_images
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_pretraining_model
@@ -91,6 +90,8 @@ class AttentionGraphsConfig:
     top_k: int = opt(5, "region pairs drawn on the image (the strongest of the first region layer)")
     images: str = opt("auto", "images for the object figure: auto (<entities>/../images), a directory, or none")
     max_images: int = opt(0, "analyse only the split's first N images (0: all)")
+    skip_bad: bool = opt(False, "drop images whose Sentences/Annotations file is malformed and images missing from "
+                         "the store, counting them (a warning and bad_records in the JSON) instead of stopping")
     max_text_len: int = opt(64, "subwords per caption incl. [CLS]/[SEP]")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     batch_size: int = opt(64, "captions per forward pass")
@@ -164,14 +165,9 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
     tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
-    ids = read_flickr_split(cfg.entities, cfg.split)
-    if cfg.max_images:
-        ids = ids[: cfg.max_images]
-    missing = [i for i in ids if i not in store]
-    if missing:
-        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features,
-                           record=missing[0])
-    captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, SkipCounts())
+    images, bad = analysis_images(cfg, store)
+    ids = [im.image_id for im in images]
+    captions = entity_captions(images, tok, cfg.max_text_len, SkipCounts())
     if not captions:
         raise VlbertsError(f"no caption in split {cfg.split!r}", path=cfg.entities)
     drawn_ids = pick_captions(cfg, captions)
@@ -224,6 +220,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
         "object_relations": relations.result(views.object_layer),
         "object_relations_note": scenes_note,
         "skipped": dict(sorted(skipped.items())),
+        "bad_records": bad.to_dict(),
         "parser_alignment_failures": dict(list(parse_failed.items())[:20]),
         "seconds": round(time.perf_counter() - t0, 2),
     }

@@ -64,7 +64,7 @@ from vlberts.analysis.explorer import ExplorerExample, ExplorerInfo, explorer_ex
 from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
 from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
-from vlberts.analysis.report import summary_markdown, syntactic_summary_markdown
+from vlberts.analysis.report import md_text, summary_markdown, syntactic_summary_markdown
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
     ParseMismatch,
@@ -77,10 +77,11 @@ from vlberts.analysis.syntactic import (
 from vlberts.analysis.text_syntax import TextSyntaxAccumulator, TextSyntaxResult
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.conllu import ConlluSentence, read_conllu
-from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
+from vlberts.data.flickr_entities import FlickrEntitiesImage
+from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.data.spacy_parse import load_spacy, parse_captions, parser_name
 from vlberts.data.vqa_dataset import model_tag_subwords
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
@@ -101,6 +102,8 @@ class GroundingConfig:
     iou_threshold: float = opt(0.5, "a region agrees with the annotation at IoU >= this")
     active_threshold: float = opt(0.2, "heads with more than this mean share of attention on regions are 'active'")
     max_images: int = opt(0, "analyse only the split's first N images (0: all)")
+    skip_bad: bool = opt(False, "drop images whose Sentences/Annotations file is malformed and images missing from "
+                         "the store, counting them (a warning and bad_records in grounding.json) instead of stopping")
     max_text_len: int = opt(64, "subwords per caption incl. [CLS]/[SEP]; phrases cut off are skipped")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     batch_size: int = opt(64, "captions per forward pass")
@@ -139,6 +142,7 @@ class GroundingReport:
     mask_pos: list[str] = field(default_factory=list)  # --mask_pos as UPOS tags (empty: nothing masked)
     mask_note: str = ""  # with --mask_pos: which words were masked, in how many captions
     text_syntax: TextSyntaxResult | None = None  # syntactic heads among the words (None: no parses)
+    bad_records: dict = field(default_factory=dict)  # --skip_bad: images dropped, by kind, and the first message
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -249,12 +253,6 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
     tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
-    ids = read_flickr_split(cfg.entities, cfg.split)
-    if cfg.max_images:
-        ids = ids[: cfg.max_images]
-    missing = [i for i in ids if i not in store]
-    if missing:
-        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features, record=missing[0])
 
     if cfg.parser and cfg.parses not in ("auto", "none"):
         raise VlbertsError("--parser and --parses=FILE both name parses; give one")
@@ -273,8 +271,9 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     qual_ids = [c.strip() for c in cfg.qualitative_captions.split(",") if c.strip()]
     images = resolve_images(cfg) if cfg.explorer_examples or cfg.qualitative or qual_ids else None
 
+    split_images, bad = analysis_images(cfg, store)
     skipped = SkipCounts()
-    captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
+    captions = entity_captions(split_images, tok, cfg.max_text_len, skipped)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
     captions, mask_note = apply_mask_pos(mask_pos, captions, parses, tok, cfg.entities)
@@ -338,7 +337,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
-                             None if text_syn is None else text_syn.result())
+                             None if text_syn is None else text_syn.result(), bad.to_dict())
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -355,6 +354,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
+        if bad.total:
+            f.write(f"Images dropped by --skip_bad: {bad.total} ({_skips(dict(bad.counts))}; first: {md_text(bad.first)}).\n\n")
         if mask_note:
             f.write(f"Inputs: {mask_note}.\n\n")
         if syntactic is None:
@@ -369,6 +370,21 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                     "tracks syntax in the text only.\n\n")
             f.write(report.text_syntax.markdown(list(syntactic.counts)[: cfg.top_k]))
     return report
+
+
+def analysis_images(cfg: Any, store: RegionStore) -> tuple[list[FlickrEntitiesImage], BadRecords]:
+    """The split's images an analysis reads (`cfg`: entities, split, max_images, skip_bad), and what
+    --skip_bad dropped (a warning on stderr; the caller writes `bad.to_dict()` to its JSON). An image
+    missing from the store or with a malformed Sentences/Annotations file stops the analysis unless
+    --skip_bad; with nothing left it stops either way."""
+    bad = BadRecords(skip=cfg.skip_bad)
+    images = read_split_images(cfg.entities, cfg.split, store, bad, max_images=cfg.max_images)
+    if bad.total:
+        print(bad.warning(), file=sys.stderr)
+    if not images:
+        raise VlbertsError(f"no image of split {cfg.split!r} is left to analyse ({bad.total} dropped by --skip_bad)",
+                           path=Path(cfg.entities) / f"{cfg.split}.txt")
+    return images, bad
 
 
 def _check_qualitative_ids(qual_ids: list[str], captions: list[EntityCaption], split: str) -> None:
@@ -421,6 +437,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "features": cfg.features,
         "attention_maps": report.maps,
         "skipped_phrases": report.skipped,
+        "bad_records": report.bad_records,
         "seconds": report.seconds,
         "syntactic_grounding": None if report.syntactic is None else report.syntactic.to_dict(),
         "syntactic_grounding_note": report.syntactic_note,

@@ -38,13 +38,13 @@ from vlberts.analysis.representations import (
     tsne,
 )
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.flickr_entities import read_flickr_entities, read_flickr_split
 from vlberts.data.regions import FetchedRecord, caption_inputs, detected_tags, load_regions
 from vlberts.data.vqa_dataset import detector_tag_subwords
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
+from vlberts.recipes.analyze_grounding import analysis_images
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_pretraining_model
@@ -62,6 +62,9 @@ class RepresentationsConfig:
     perplexity: float = opt(30.0, "t-SNE perplexity")
     iterations: int = opt(750, "t-SNE gradient steps")
     seed: int = opt(0, "seed of the instance sample and of t-SNE")
+    max_images: int = opt(0, "read only the split's first N images (0: all)")
+    skip_bad: bool = opt(False, "drop images whose Sentences/Annotations file is malformed and images missing from "
+                         "the store, counting them (a warning and bad_records in the JSON) instead of stopping")
     max_text_len: int = opt(64, "subwords per caption incl. [CLS]/[SEP]")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     batch_size: int = opt(64, "captions per forward pass")
@@ -185,13 +188,9 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     if not class_names or "obj_id" not in store.fields:
         raise VlbertsError("the store has no detector class names (metadata classes) and obj_id: instances are "
                            "phrases whose class the detector found", path=cfg.features)
-    ids = read_flickr_split(cfg.entities, cfg.split)
-    missing = [i for i in ids if i not in store]
-    if missing:
-        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} images affected)", path=cfg.features,
-                           record=missing[0])
+    images, bad = analysis_images(cfg, store)
     skipped = SkipCounts()
-    captions = entity_captions((read_flickr_entities(cfg.entities, i) for i in ids), tok, cfg.max_text_len, skipped)
+    captions = entity_captions(images, tok, cfg.max_text_len, skipped)
     found = find_instances(captions, store, class_names, cfg.max_regions, skipped)
     keep = sample_instances([f.label for f in found], cfg.per_class, cfg.classes, cfg.seed)
     instances = [found[i] for i in keep]
@@ -208,12 +207,13 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     save_representation_figure(points, reps, paths["figure"],
                                title=f"{arch}: final-layer representations ({len(instances)} instances, "
                                      f"{len(set(reps.classes))} classes)")
-    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, time.perf_counter() - t0))
+    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, bad, time.perf_counter() - t0))
     return RepresentationsReport(reps, points, paths, table)
 
 
 def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray,
-             table: dict[str, dict[str, tuple[float, float]]], skipped: SkipCounts, seconds: float) -> dict[str, Any]:
+             table: dict[str, dict[str, tuple[float, float]]], skipped: SkipCounts, bad: BadRecords,
+             seconds: float) -> dict[str, Any]:
     agreement, chance = table["word"]["region"]
     return {
         "model": cfg.model, "split": cfg.split,
@@ -223,7 +223,7 @@ def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.nda
         "word_nearest_region_same_class": round(agreement, 2), "chance": round(chance, 2),
         "nearest_same_class": {q: {k: {"agreement": round(a, 2), "chance": round(c, 2)} for k, (a, c) in row.items()}
                                for q, row in table.items()},
-        "skipped": skipped.to_dict(), "seconds": round(seconds, 2),
+        "skipped": skipped.to_dict(), "bad_records": bad.to_dict(), "seconds": round(seconds, 2),
         "tsne": {"perplexity": cfg.perplexity, "iterations": cfg.iterations, "seed": cfg.seed},
         "rows": [{"class": c, "modality": m, "instance": i, "x": round(float(x), 3), "y": round(float(y), 3)}
                  for c, m, i, (x, y) in zip(reps.classes, reps.modalities, reps.instances, points)],

@@ -32,8 +32,13 @@ from pathlib import Path
 import torch
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.flickr_entities import FlickrEntitiesImage, read_flickr_entities, read_flickr_split
-from vlberts.data.flickr_entities_dataset import EntityData, PhraseCaption, collate_entities, phrase_captions
+from vlberts.data.flickr_entities_dataset import (
+    EntityData,
+    PhraseCaption,
+    collate_entities,
+    phrase_captions,
+    read_split_images,
+)
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
@@ -75,26 +80,6 @@ def load_flickr_entities_model(directory: str | Path) -> tuple[FlickrEntitiesMod
     """Load a model directory written by this recipe (any architecture)."""
     model_cfg, _ = read_task_model(directory, "flickr_entities", "Flickr30K Entities")
     return load_task_weights(FlickrEntitiesModel(model_cfg), directory), TextTokenizer.load(directory)
-
-
-def read_split_images(
-    entities: str | Path, split: str, store: RegionStore, bad: BadRecords
-) -> list[FlickrEntitiesImage]:
-    """The split's images with their captions; a malformed Sentences/Annotations file or an image missing
-    from the store is an error naming it, or with --skip_bad the image is dropped and counted."""
-    images = []
-    for image_id in read_flickr_split(entities, split):
-        try:
-            image = read_flickr_entities(entities, image_id)
-        except VlbertsError as err:
-            bad.handle(err, "malformed entities file")
-            continue
-        if image_id not in store:
-            bad.handle(VlbertsError(f"image id {image_id} of split {split} not in store", path=store.path,
-                                    record=image_id), "missing features")
-            continue
-        images.append(image)
-    return images
 
 
 def entity_data(model: FlickrEntitiesModel, captions: list[PhraseCaption], store: RegionStore, tok: TextTokenizer,
