@@ -34,7 +34,8 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert KEYS <= set(summary)
     assert summary["num_layers"] == 2 and 1 <= summary["grounding_best_layer"] <= 2
     assert summary["images"] == 48 and summary["quick"] is True
-    assert summary["arch_settings"] == {"pretrain_lr": 0.0015}  # VisualBERT's own demo setting (ARCH_DEMO)
+    # VisualBERT's own demo settings (ARCH_DEMO), with the value in use (TOY gives --vqa_epochs).
+    assert summary["arch_settings"] == {"pretrain_lr": 0.0015, "vqa_epochs": 0.2}
     assert "lr: 0.0015" in (out / "pretrain_config.yaml").read_text()
     for step in ("world", "features", "pretrain", "probe", "vqa", "grounding", "grounding_nouns_masked"):
         assert step in summary["timings"]
@@ -145,7 +146,8 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
     assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
     assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0)  # its §4.1
-    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate; given, the rate wins.
-    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3)
+    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate and 3 VQA epochs; given, the
+    # rate wins.
+    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=3.0)
     assert resolve(DemoConfig(pretrain_lr=1e-3), explicit={"pretrain_lr"}).pretrain_lr == 1e-3
     assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture
