@@ -46,8 +46,7 @@ from vlberts.text.tokenizer import TextTokenizer
 
 
 def read_split_images(
-    entities: str | Path, split: str, store: Container[str], bad: BadRecords, *, store_path: str | Path = "",
-    max_images: int = 0,
+    entities: str | Path, split: str, store: Container[str], bad: BadRecords, *, max_images: int = 0
 ) -> list[FlickrEntitiesImage]:
     """The split's images (its first `max_images` if > 0) with their captions and boxes. An image missing
     from the store or whose Sentences/Annotations file is malformed is an error naming it, or with
@@ -61,7 +60,7 @@ def read_split_images(
     for image_id in ids:
         if image_id in missing:
             bad.handle(VlbertsError(f"image id {image_id} of split {split} not in store ({len(missing)} of the "
-                                    f"{len(ids)} images missing)", path=store_path or getattr(store, "path", ""),
+                                    f"{len(ids)} images missing)", path=getattr(store, "path", ""),
                                     record=image_id),
                        "missing features")
             continue
