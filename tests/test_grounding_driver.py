@@ -464,3 +464,40 @@ def test_the_probe_batches_by_length_and_scores_each_item_by_its_own_row(tmp_pat
     out = visual_word_accuracy(model, items, store, batch_size=3, device="cpu")
     assert out["per_word"] == {f"w{k}": 100.0 if k % 2 == 0 else 0.0 for k in range(8)}
     assert out["accuracy"] == 50.0
+
+
+def test_a_fine_tuned_model_is_analysed_through_its_encoder(tiny_world, tiny_pretrained, tmp_path):
+    """`--model` may name a fine-tuned model (here VQA): its encoder is loaded strictly, its task head left
+    behind, and the analysis is the one of a pre-training model holding that encoder. A run directory in
+    place of its model directory is a one-line error naming RUN/model."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from test_finetune_vqa import vqa_cfg
+
+    from vlberts.recipes.finetune_vqa import finetune_vqa
+    from vlberts.training.checkpoint import load_attention_model, save_model_dir
+
+    vqa = finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "vqa", epochs=0.5, ckpt_every=100))
+    model, cfg, meta = load_attention_model(vqa)
+    assert meta["task"] == "vqa"
+    tuned, pretrained = load_file(str(Path(vqa) / "model.safetensors")), load_file(str(tiny_pretrained / "model.safetensors"))
+    encoder = {k: v for k, v in model.state_dict().items() if k.startswith("bert.")}
+    assert encoder and all(torch.equal(v, tuned[k]) for k, v in encoder.items())
+    assert any(not torch.equal(v, pretrained[k]) for k, v in encoder.items())  # fine-tuning moved the encoder
+
+    same = tmp_path / "same"
+    save_model_dir(same, model, cfg)
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        shutil.copy(Path(vqa) / name, same / name)
+    common = dict(entities=str(tiny_world.entities), features=str(tiny_world.store), explorer_examples=0, qualitative=0)
+    a = analyze_grounding(GroundingConfig(model=str(vqa), out=str(tmp_path / "a"), **common))
+    b = analyze_grounding(GroundingConfig(model=str(same), out=str(tmp_path / "b"), **common))
+    assert (a.model_task, b.model_task) == ("vqa", "")
+    np.testing.assert_array_equal(a.result.accuracy, b.result.accuracy)
+    assert json.loads((tmp_path / "a" / "grounding.json").read_text())["model_task"] == "vqa"
+
+    with pytest.raises(VlbertsError, match=r"not a model directory \(no config.json\): a run directory\? its model is "):
+        analyze_grounding(GroundingConfig(model=str(tmp_path / "vqa"), out=str(tmp_path / "c"), **common))
+    with pytest.raises(VlbertsError, match=r"not a model directory \(no vocab.txt\): a run directory\? its model is "):
+        TextTokenizer.load(tmp_path / "vqa")  # as `vlberts finetune TASK --init=RUN` reads it first

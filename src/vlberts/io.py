@@ -151,6 +151,15 @@ def require_file(path: str | Path) -> Path:
     return path
 
 
+def refuse_run_directory(directory: str | Path, name: str) -> None:
+    """Where a model directory was expected but `directory` lacks `name` and holds a `model/` that has it, a
+    one-line error naming the run's model directory (`vlberts pretrain --out=RUN` writes RUN/model)."""
+    directory = Path(directory)
+    if not (directory / name).is_file() and (directory / "model" / name).is_file():
+        raise VlbertsError(f"not a model directory (no {name}): a run directory? its model is {directory / 'model'}",
+                           path=directory)
+
+
 def read_text(path: str | Path) -> str:
     """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`."""
     path = require_file(path)

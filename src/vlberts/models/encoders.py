@@ -90,13 +90,19 @@ TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task mode
 def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> None:
     """Load the encoder of a vlberts model directory (pre-training, VQA/GQA or any `VLEncoder` task model)
     into `encoder`, strictly: every encoder weight must be there."""
+    load_encoder_module(encoder.model, encoder.arch, directory)
+
+
+def load_encoder_module(module: nn.Module, arch: str, directory: str | Path) -> None:
+    """`load_encoder_weights` into `arch`'s bare encoder module (`ENCODERS[arch]`, e.g. the one a pre-training
+    model holds under `ENCODER_PREFIX[arch]`)."""
     weights = find_weights(directory)
     sd = read_state_dict(weights)
-    for prefix in (ENCODER_PREFIX[encoder.arch] + ".", TASK_PREFIX):
+    for prefix in (ENCODER_PREFIX[arch] + ".", TASK_PREFIX):
         mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         if mine:
             names = {k[len(prefix):]: k for k in sd if k.startswith(prefix)}  # errors give the file's keys
-            load_into(encoder.model, mine, source=weights, file_names=names)
+            load_into(module, mine, source=weights, file_names=names)
             return
-    raise VlbertsError(f"no {encoder.arch} encoder weights (keys {ENCODER_PREFIX[encoder.arch]}.* or "
-                       f"{TASK_PREFIX}*) in model directory", path=directory)
+    raise VlbertsError(f"no {arch} encoder weights (keys {ENCODER_PREFIX[arch]}.* or {TASK_PREFIX}*) in model "
+                       "directory", path=directory)

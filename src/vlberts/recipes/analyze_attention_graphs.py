@@ -64,7 +64,7 @@ from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, resolve_images
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import load_pretraining_model
+from vlberts.training.checkpoint import load_attention_model
 from vlberts.world.relations import scene_geometry
 from vlberts.world.scene import read_scenes
 
@@ -159,7 +159,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     nlp = load_spacy(cfg.parser) if cfg.parser else None
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    model, model_cfg, _ = load_pretraining_model(cfg.model)
+    model, model_cfg, meta = load_attention_model(cfg.model)
     model.to(device)
     arch = arch_of(model_cfg)
     tok = TextTokenizer.load(cfg.model)
@@ -209,7 +209,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
 
     pos = positional.result()
     data: dict[str, Any] = {
-        "model": cfg.model, "arch": arch, "split": cfg.split, "captions": len(captions),
+        "model": cfg.model, "model_task": meta.get("task"), "arch": arch, "split": cfg.split, "captions": len(captions),
         "maps": {k: {"reads": VIEW_NAMES[k], "maps": v} for k, v in views.describe.items()},
         "shapes": {k: {"layers": int(getattr(views, k).shape[0]), "heads": int(getattr(views, k).shape[2])}
                    for k in ("language", "objects", "cross")},

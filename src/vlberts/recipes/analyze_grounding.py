@@ -87,7 +87,7 @@ from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import load_pretraining_model
+from vlberts.training.checkpoint import load_attention_model
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ class GroundingReport:
     mask_note: str = ""  # with --mask_pos: which words were masked, in how many captions
     text_syntax: TextSyntaxResult | None = None  # syntactic heads among the words (None: no parses)
     bad_records: dict = field(default_factory=dict)  # --skip_bad: images dropped, by kind, and the first message
+    model_task: str = ""  # the task a fine-tuned model was trained on ("": a pre-trained model)
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -248,7 +249,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
 
-    model, model_cfg, _ = load_pretraining_model(cfg.model)
+    model, model_cfg, meta = load_attention_model(cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
@@ -337,7 +338,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         paths["qualitative"] = out / "qualitative"
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
-                             None if text_syn is None else text_syn.result(), bad.to_dict())
+                             None if text_syn is None else text_syn.result(), bad.to_dict(),
+                             str(meta.get("task", "")))
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -354,6 +356,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     with atomic_open(paths["markdown"]) as f:
         f.write(summary_markdown(result, cfg.top_k, title=f"Entity grounding ({cfg.split} split)"))
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
+        if report.model_task:
+            f.write(f"Model: fine-tuned on {md_text(report.model_task)} (its encoder; no head is read).\n\n")
         if bad.total:
             f.write(f"Images dropped by --skip_bad: {bad.total} ({_skips(dict(bad.counts))}; first: {md_text(bad.first)}).\n\n")
         if mask_note:
@@ -434,6 +438,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         **report.result.to_dict(),
         "split": cfg.split,
         "model": cfg.model,
+        "model_task": report.model_task or None,  # fine-tuned on this task: its encoder's maps
         "features": cfg.features,
         "attention_maps": report.maps,
         "skipped_phrases": report.skipped,

@@ -47,7 +47,7 @@ from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.training.checkpoint import load_pretraining_model
+from vlberts.training.checkpoint import load_attention_model
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
         raise VlbertsError("--classes and --per_class must be >= 1")
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    model, model_cfg, _ = load_pretraining_model(cfg.model)
+    model, model_cfg, meta = load_attention_model(cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
@@ -207,16 +207,16 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     save_representation_figure(points, reps, paths["figure"],
                                title=f"{arch}: final-layer representations ({len(instances)} instances, "
                                      f"{len(set(reps.classes))} classes)")
-    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, bad, time.perf_counter() - t0))
+    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, bad, meta.get("task"), time.perf_counter() - t0))
     return RepresentationsReport(reps, points, paths, table)
 
 
 def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray,
              table: dict[str, dict[str, tuple[float, float]]], skipped: SkipCounts, bad: BadRecords,
-             seconds: float) -> dict[str, Any]:
+             task: str | None, seconds: float) -> dict[str, Any]:
     agreement, chance = table["word"]["region"]
     return {
-        "model": cfg.model, "split": cfg.split,
+        "model": cfg.model, "model_task": task, "split": cfg.split,
         "instances": len(set(reps.instances)),
         "points": {m: reps.modalities.count(m) for m in ("word", "region", "tag") if m in reps.modalities},
         "classes": sorted(set(reps.classes)),

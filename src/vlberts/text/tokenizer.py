@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_open, read_json, write_json
+from vlberts.io import atomic_open, read_json, refuse_run_directory, write_json
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -116,6 +116,7 @@ class TextTokenizer:
     def load(cls, directory: str | Path) -> TextTokenizer:
         """Load what `save` wrote (or any BERT checkpoint directory holding `vocab.txt`)."""
         directory = Path(directory)
+        refuse_run_directory(directory, "vocab.txt")
         cfg_path = directory / "tokenizer_config.json"
         lowercase = read_json(cfg_path).get("do_lower_case", True) if cfg_path.is_file() else True
         return cls.from_vocab(directory / "vocab.txt", lowercase=lowercase)

@@ -27,8 +27,9 @@ from torch import nn
 
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, write_json
+from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, refuse_run_directory, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
+from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
@@ -67,6 +68,7 @@ def _write_model_dir(directory: Path, state: dict[str, torch.Tensor], cfg: Any, 
 def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
     """The architecture config and the whole `config.json` of a vlberts model directory."""
     directory = Path(directory)
+    refuse_run_directory(directory, "config.json")
     meta = read_json(directory / "config.json")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise VlbertsError(f"not a vlberts model directory (config.json format is not {FORMAT!r})", path=directory / "config.json")
@@ -99,6 +101,20 @@ def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[
     cfg, meta = read_model_config(directory)
     model = build_pretraining_model(cfg)
     load_into(model, read_safetensors(directory / "model.safetensors"), source=directory / "model.safetensors")
+    return model, cfg, meta
+
+
+def load_attention_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """The model whose attention maps and hidden states an analysis reads (`model.encode`), with the whole
+    `config.json`. A pre-trained model directory loads as `load_pretraining_model` does; a fine-tuned one
+    (config.json names its "task": VQA, NLVR2, RefCOCO+, ...) loads its encoder, strictly, into the
+    pre-training model of its architecture, whose heads stay as initialised: no analysis reads a head."""
+    cfg, meta = read_model_config(directory)
+    if "task" not in meta:
+        return load_pretraining_model(directory)
+    model = build_pretraining_model(cfg)
+    arch = arch_of(cfg)
+    load_encoder_module(getattr(model, ENCODER_PREFIX[arch]), arch, directory)
     return model, cfg, meta
 
 
