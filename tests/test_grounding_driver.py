@@ -257,7 +257,7 @@ def test_analyze_grounding_skip_bad_drops_and_counts_bad_images(tiny_world, tiny
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "record 424242: image id 424242 of split test not in store (1 of the" in proc.stderr
 
-    proc = subprocess.run([*args, f"--out={tmp_path / 'lenient'}", "--skip_bad=true"], capture_output=True, text=True)
+    proc = subprocess.run([*args, f"--out={tmp_path / 'lenient'}", "--skip-bad"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert ("warning: skipped 2 bad records (1 malformed entities file, 1 missing features); first: "
             f"{tiny_world.store}: record 424242") in proc.stderr

@@ -663,12 +663,12 @@ def demo_cmd(
 
     Further settings as --key=value; run `vlberts show-config demo` for them.
     """
-    from vlberts.config import parse_overrides
+    from vlberts.config import flag_names, parse_overrides
     from vlberts.recipes import demo as recipe
 
     extra = list(ctx.args)
     cfg = recipe.config_from_args([f"--out={out}", f"--quick={quick}", f"--seed={seed}", *extra])
-    cfg = recipe.resolve(cfg, explicit=set(parse_overrides(extra)))
+    cfg = recipe.resolve(cfg, explicit=set(parse_overrides(extra, flag_names(type(cfg)))))
     s = recipe.run_demo(cfg, log=lambda m: typer.echo(m, err=True))
     typer.echo(recipe.format_summary(s, out))
 
@@ -692,14 +692,14 @@ def compare_cmd(
 
     Further settings (the demo's) as --key=value; run `vlberts show-config compare` for them.
     """
-    from vlberts.config import parse_overrides
+    from vlberts.config import flag_names, parse_overrides
     from vlberts.recipes import compare as recipe
     from vlberts.recipes.demo import resolve
 
     extra = list(ctx.args)
     given = [f"--archs={archs}"] if archs is not None else []
     cfg = recipe.config_from_args([f"--out={out}", f"--quick={quick}", *given, *extra])
-    cfg = resolve(cfg, explicit=set(parse_overrides(extra)))
+    cfg = resolve(cfg, explicit=set(parse_overrides(extra, flag_names(type(cfg)))))
     result = recipe.run_compare(cfg, log=lambda m: typer.echo(m, err=True))
     typer.echo(recipe.markdown_table(result))
     typer.echo(f"wrote {out / recipe.RESULTS_MD} and {out / recipe.RESULTS_JSON}; per architecture: {out}/ARCH/report.html")

@@ -206,13 +206,29 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
     return from_dict(cls, data, where=str(path))
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn ``["--lr=1e-4", "--model.hidden_size=64", "steps=10"]`` into a nested dict of strings."""
+def flag_names(cls: type) -> frozenset[str]:
+    """The dotted names of a config dataclass's bool settings, nested dataclasses included: the settings
+    that a bare `--name` (no `=value`) on the command line turns on."""
+    out: set[str] = set()
+    for name, tp in typing.get_type_hints(cls).items():
+        if tp is bool:
+            out.add(name)
+        elif dataclasses.is_dataclass(tp):
+            out.update(f"{name}.{sub}" for sub in flag_names(tp))
+    return frozenset(out)
+
+
+def parse_overrides(args: list[str], flags: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    """Turn ``["--lr=1e-4", "--model.hidden_size=64", "steps=10"]`` into a nested dict of strings; a bare
+    ``--name`` of a setting in `flags` (`flag_names`: the bool ones) means ``--name=true``."""
     out: dict[str, Any] = {}
     for arg in args:
         key, sep, value = arg.lstrip("-").partition("=")
+        if not sep and key.replace("-", "_") in flags:
+            sep, value = "=", "true"
         if not sep or not key:
-            raise VlbertsError(f"override {arg!r} is not of the form --key=value")
+            raise VlbertsError(f"override {arg!r} is not of the form --key=value"
+                               + (" (only on/off settings may be given without a value)" if key else ""))
         node = out
         parts = key.replace("-", "_").split(".")
         for p in parts[:-1]:
@@ -236,7 +252,7 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def apply_overrides(cfg: C, args: list[str] | dict[str, Any]) -> C:
     """Return `cfg` with `--key=value` overrides applied and validated."""
-    upd = parse_overrides(args) if isinstance(args, list) else args
+    upd = parse_overrides(args, flag_names(type(cfg))) if isinstance(args, list) else args
     if not upd:
         return cfg
     return from_dict(type(cfg), merge(to_dict(cfg), upd), where=type(cfg).__name__)
