@@ -34,12 +34,14 @@ finetune_app = typer.Typer(help="Fine-tune a pre-trained model on a downstream t
 evaluate_app = typer.Typer(help="Score predictions with a task's official metric.", no_args_is_help=True)
 analyze_app = typer.Typer(help="Look inside a model: attention-head grounding analysis.", no_args_is_help=True)
 predict_app = typer.Typer(help="Answer a questions file with a fine-tuned model (plain inference).", no_args_is_help=True)
+models_app = typer.Typer(help="The named model configurations, and released checkpoints imported as model directories.")
 app.add_typer(world_app, name="world")
 app.add_typer(features_app, name="features")
 app.add_typer(finetune_app, name="finetune")
 app.add_typer(evaluate_app, name="evaluate")
 app.add_typer(analyze_app, name="analyze")
 app.add_typer(predict_app, name="predict")
+app.add_typer(models_app, name="models")
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -740,15 +742,44 @@ def show_config(command: str = typer.Argument(..., help=f"One of: {', '.join(SHO
     typer.echo(field_help(module.CONFIG_CLASS).replace("\n\n", "\n"))
 
 
-@app.command("models")
-def models_cmd() -> None:
-    """List the named model configurations (for --model)."""
+@models_app.callback(invoke_without_command=True)
+def models_cmd(ctx: typer.Context) -> None:
+    """List the named model configurations (for --model); `vlberts models import` converts a released checkpoint."""
+    if ctx.invoked_subcommand is not None:
+        return
     from vlberts.models.builders import MODEL_CONFIGS, model_config
 
     for name in MODEL_CONFIGS:
         c = model_config(name)
         typer.echo(f"{name:27s} {c.describe()}")
     typer.echo("(visual_dim is set from the feature store when a run builds the model)")
+
+
+@models_app.command("import")
+def models_import(
+    src: Path = typer.Argument(..., help="The released checkpoint: a directory (hf-*) or a weights file (vilbert, vlbert)."),
+    format: str = typer.Option(..., "--format", help="hf-visualbert, hf-lxmert (Hugging Face save_pretrained "
+                               "directories), vilbert (vilbert-multi-task .bin), vlbert (VL-BERT .model)."),
+    out: Path = typer.Option(..., help="The vlberts model directory to write."),
+    vocab: Optional[Path] = typer.Option(None, help="The BERT vocab.txt the checkpoint was trained with (default: "
+                                         "one beside SRC)."),
+    config: Optional[Path] = typer.Option(None, help="vilbert only: the original JSON config of the weights "
+                                          "(default: the released base config, 6 co-attention layers)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (once the new one is complete)."),
+) -> None:
+    """Write a released checkpoint as a vlberts model directory, for every command that takes a model
+    (`analyze grounding --model`, `finetune TASK --init`, `pretrain --init`).
+
+    Example: vlberts models import visualbert-coco-pre/ --format hf-visualbert --vocab bert-base-uncased/vocab.txt
+    --out models/visualbert-coco
+    """
+    from vlberts.models.builders import arch_of
+    from vlberts.models.importing import import_model
+
+    model, path = import_model(src, format, out, vocab=vocab, config=config, overwrite=overwrite)
+    n = sum(p.numel() for p in model.parameters())
+    typer.echo(f"imported {src} ({format}) as {arch_of(model.cfg)}, {model.cfg.describe()}, {n / 1e6:.1f}M "
+               f"parameters: wrote {path}")
 
 
 # --------------------------------------------------------------------------- evaluate

@@ -1,0 +1,112 @@
+"""Foreign checkpoints as vlberts model directories (`vlberts models import`).
+
+The converters (`convert_hf`, `convert_hf_lxmert`, `convert_vilbert`, `convert_vlbert`) load a released
+checkpoint into our pre-training model in Python. `import_model` writes what they load as a model
+directory (`model.safetensors` + `config.json` + the checkpoint's `vocab.txt`), so that every command
+that takes a model (`analyze grounding`, `finetune TASK --init`, `pretrain --init`, ...) reads the
+released weights, e.g. the paper's own analysis on the released VisualBERT COCO checkpoint:
+
+    vlberts models import visualbert-coco-pre/ --format hf-visualbert --vocab bert-base-uncased/vocab.txt \
+        --out models/visualbert-coco
+    vlberts analyze grounding --model=models/visualbert-coco --entities=flickr30k_entities --features=F.h5
+
+Heads the file does not hold (a bare `VisualBertModel`, an LXMERT file without its QA head) stay as the
+converter initialised them, as when loading in Python; `config.json` records where the weights came from.
+The directory is written under a temporary name and renamed once complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from vlberts.errors import VlbertsError
+from vlberts.io import atomic_dir, read_json
+from vlberts.text.tokenizer import TextTokenizer
+
+
+def _hf_visualbert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_hf import load_hf_visualbert
+
+    return load_hf_visualbert(src)
+
+
+def _hf_lxmert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_hf_lxmert import load_hf_lxmert
+
+    return load_hf_lxmert(src)
+
+
+def _vilbert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_vilbert import load_original_vilbert
+
+    return load_original_vilbert(src, config)  # None: the released base config (6 co-attention layers)
+
+
+def _vlbert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_vlbert import load_original_vlbert
+
+    # Region features come from a store, so the released end-to-end ResNet (if any) is left behind.
+    return load_original_vlbert(src, drop_backbone=True)
+
+
+# format -> (loader, what SRC is)
+FORMATS: dict[str, tuple[Callable[[Path, Path | None], nn.Module], str]] = {
+    "hf-visualbert": (_hf_visualbert, "a Hugging Face save_pretrained directory (VisualBertModel or VisualBertForPreTraining)"),
+    "hf-lxmert": (_hf_lxmert, "a Hugging Face save_pretrained directory (LxmertModel or LxmertForPreTraining)"),
+    "vilbert": (_vilbert, "facebookresearch/vilbert-multi-task weights (.bin); --config its JSON config"),
+    "vlbert": (_vlbert, "jackroos/VL-BERT weights (PREFIX-EPOCH.model or a state dict)"),
+}
+
+
+def find_vocab(src: Path, vocab: Path | None) -> Path:
+    """The BERT `vocab.txt` the checkpoint was trained with: `vocab` if given, else one beside SRC."""
+    if vocab is not None:
+        return vocab
+    here = src if src.is_dir() else src.parent
+    if (here / "vocab.txt").is_file():
+        return here / "vocab.txt"
+    raise VlbertsError("no vocab.txt beside the checkpoint: pass --vocab with the BERT vocabulary it was trained "
+                       "with (e.g. bert-base-uncased's vocab.txt)", path=src)
+
+
+def _lowercase(src: Path, vocab: Path) -> bool:
+    """do_lower_case from a tokenizer_config.json beside the vocabulary or the checkpoint (default: True,
+    as every released checkpoint of the five papers uses uncased BERT)."""
+    for here in (vocab.parent, src if src.is_dir() else src.parent):
+        cfg = here / "tokenizer_config.json"
+        if cfg.is_file():
+            value = read_json(cfg).get("do_lower_case", True)
+            if not isinstance(value, bool):
+                raise VlbertsError(f"do_lower_case must be true or false, got {value!r}", path=cfg)
+            return value
+    return True
+
+
+def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Path | None = None,
+                 config: str | Path | None = None, overwrite: bool = False) -> tuple[nn.Module, Path]:
+    """Convert `src` (of format `fmt`, one of `FORMATS`) and write it as the vlberts model directory `out`;
+    returns the converted model and `out`."""
+    from vlberts.training.checkpoint import save_model_dir
+
+    src, out = Path(src), Path(out)
+    if fmt not in FORMATS:
+        raise VlbertsError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if not src.exists():
+        raise VlbertsError("checkpoint not found", path=src)
+    if config is not None and fmt != "vilbert":
+        raise VlbertsError(f"--config is read for --format vilbert only (the {fmt} checkpoint carries its config)")
+    vocab_file = find_vocab(src, None if vocab is None else Path(vocab))
+    tok = TextTokenizer.from_vocab(vocab_file, lowercase=_lowercase(src, vocab_file))
+    loader, _ = FORMATS[fmt]
+    model = loader(src, None if config is None else Path(config))
+    cfg = model.cfg
+    if tok.vocab_size > cfg.vocab_size:
+        raise VlbertsError(f"holds {tok.vocab_size} tokens but the checkpoint has {cfg.vocab_size} word embeddings "
+                           "(the vocabulary of another model?)", path=vocab_file)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        save_model_dir(tmp, model, cfg, extra={"imported_from": str(src), "import_format": fmt})
+        tok.save(tmp)
+    return model, out

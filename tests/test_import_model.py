@@ -1,0 +1,161 @@
+"""`vlberts models import`: a released checkpoint written as a vlberts model directory. The directory loads
+back as every command loads a model, with the converter's outputs to the bit; the grounding analysis runs
+on an imported Hugging Face VisualBERT; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlberts.data.batch import VLInputs
+from vlberts.features.store import RegionStore
+from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
+from vlberts.text.tokenizer import TextTokenizer
+from vlberts.training.checkpoint import load_pretraining_model
+
+transformers = pytest.importorskip("transformers")
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VLBERTS), "models", "import", *args], capture_output=True, text=True)
+
+
+def _batch(V: int, D: int, seed: int = 0, B: int = 2, T: int = 7, R: int = 5) -> VLInputs:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, V, (B, T), generator=g)
+    xy = torch.rand(B, R, 2, generator=g) * 0.5
+    boxes = torch.cat([xy, xy + torch.rand(B, R, 2, generator=g) * 0.5], dim=-1)
+    return VLInputs(ids, torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.bool),
+                    torch.randn(B, R, D, generator=g), boxes, torch.ones(B, R, dtype=torch.bool))
+
+
+def _vocab(path: Path, n: int) -> Path:
+    """A BERT vocab.txt of `n` tokens: the five specials, then words."""
+    path.write_text("".join(f"{t}\n" for t in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(n - 5))]))
+    return path
+
+
+def _randomised(hf):
+    """Every parameter random (HF starts biases at 0 and LayerNorms at 1, which would hide a misplaced one)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return hf.eval()
+
+
+def test_hf_visualbert_imports_loads_back_and_is_analysed(tiny_world, tiny_pretrained, tmp_path):
+    from vlberts.models.convert_hf import load_hf_visualbert
+
+    vocab = (tiny_pretrained / "vocab.txt").read_text().splitlines()
+    dim = RegionStore(tiny_world.store).feature_dim
+    hf = _randomised(transformers.VisualBertForPreTraining(transformers.VisualBertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        visual_embedding_dim=dim, max_position_embeddings=80, type_vocab_size=2)))
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    shutil.copy(tiny_pretrained / "vocab.txt", src / "vocab.txt")  # found beside the checkpoint
+
+    proc = _run(str(src), "--format=hf-visualbert", f"--out={tmp_path / 'm'}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith(f"wrote {tmp_path / 'm'}") and "as visualbert, 3 layers x 4 heads" in proc.stdout
+    meta = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert meta["import_format"] == "hf-visualbert" and meta["imported_from"] == str(src) and "task" not in meta
+    assert TextTokenizer.load(tmp_path / "m").vocab_size == len(vocab)
+
+    ours, _, _ = load_pretraining_model(tmp_path / "m")  # strictly, as every command loads a model
+    ref = load_hf_visualbert(src)
+    x = _batch(len(vocab), dim)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.match_logits, b.match_logits)
+
+    rep = analyze_grounding(GroundingConfig(model=str(tmp_path / "m"), entities=str(tiny_world.entities),
+                                            features=str(tiny_world.store), out=str(tmp_path / "g"),
+                                            explorer_examples=0, qualitative=0))
+    assert rep.result.accuracy.shape == (3, 4) and rep.result.n_entities > 0
+
+
+def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path):
+    from vlberts.models.convert_hf_lxmert import load_hf_lxmert
+
+    hf = _randomised(transformers.LxmertForPreTraining(transformers.LxmertConfig(
+        vocab_size=40, hidden_size=32, num_attention_heads=2, intermediate_size=37, l_layers=2, r_layers=1,
+        x_layers=2, visual_feat_dim=16, max_position_embeddings=64, num_qa_labels=7, num_object_labels=11,
+        num_attr_labels=5)))
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    vocab = _vocab(tmp_path / "vocab.txt", 15)
+
+    proc = _run(str(src), "--format=hf-lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'm'}")
+    assert proc.returncode == 0, proc.stderr
+    ours, cfg, _ = load_pretraining_model(tmp_path / "m")
+    assert (cfg.num_qa_labels, cfg.num_object_labels, cfg.num_attr_labels) == (7, 11, 5)
+    assert TextTokenizer.load(tmp_path / "m").vocab_size == 15
+    ref = load_hf_lxmert(src)
+    x = _batch(40, 16)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    for name in ("mlm_logits", "match_logits", "obj_logits", "attr_logits", "feat_pred", "qa_logits"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path):
+    from test_vilbert import ORIGINAL_CONFIG, _original_state_dict, _write_original
+
+    from vlberts.models.convert_vilbert import load_original_vilbert
+
+    weights, config = _write_original(tmp_path, _original_state_dict())
+    vocab = _vocab(tmp_path / "vocab.txt", 100)
+    proc = _run(str(weights), "--format=vilbert", f"--config={config}", f"--out={tmp_path / 'm'}")  # vocab beside it
+    assert proc.returncode == 0, proc.stderr
+    ours, cfg, _ = load_pretraining_model(tmp_path / "m")
+    assert cfg.v_hidden_size == ORIGINAL_CONFIG["v_hidden_size"]
+    assert TextTokenizer.load(tmp_path / "m").vocab_size == len(vocab.read_text().splitlines())
+    ref = load_original_vilbert(weights, config)
+    x = _batch(100, 16)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.encoded.pooled, b.encoded.pooled)
+
+
+def test_bad_imports_are_one_line(tmp_path):
+    hf = transformers.VisualBertModel(transformers.VisualBertConfig(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
+        visual_embedding_dim=8))
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    out = tmp_path / "m"
+
+    def error(*args: str) -> str:
+        proc = _run(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert error(str(src), "--format=hf-visualbert", f"--out={out}") == (
+        f"error: {src}: no vocab.txt beside the checkpoint: pass --vocab with the BERT vocabulary it was trained "
+        "with (e.g. bert-base-uncased's vocab.txt)")
+    assert "unknown format 'hf-visualbrt'; valid: hf-visualbert, hf-lxmert, vilbert, vlbert" in error(
+        str(src), "--format=hf-visualbrt", f"--out={out}")
+    big = _vocab(tmp_path / "big.txt", 13)
+    assert error(str(src), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (
+        f"error: {big}: holds 13 tokens but the checkpoint has 12 word embeddings (the vocabulary of another model?)")
+    assert error(str(tmp_path / "nothing"), "--format=hf-lxmert", f"--vocab={big}", f"--out={out}") == (
+        f"error: {tmp_path / 'nothing'}: checkpoint not found")
+    assert not out.exists()  # nothing half-written
+
+    small = _vocab(tmp_path / "vocab.txt", 12)
+    assert _run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}").returncode == 0
+    assert "already exists and is not empty (pass --overwrite to replace it)" in error(
+        str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}")
+    assert _run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}", "--overwrite").returncode == 0
