@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,11 +19,17 @@ from vlberts.training.checkpoint import load_pretraining_model
 
 transformers = pytest.importorskip("transformers")
 
-VLBERTS = Path(sys.executable).with_name("vlberts")
+@pytest.fixture
+def run(capsys):
+    """`vlberts models import ARGS` in this process (the entry point `main`, as the installed command runs it):
+    (exit code, stdout, stderr)."""
+    from test_bad_settings import run_cli
 
+    def run_import(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # what the test printed before (transformers' save_pretrained progress) is not ours
+        return run_cli(["models", "import", *args], capsys)
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(VLBERTS), "models", "import", *args], capture_output=True, text=True)
+    return run_import
 
 
 def _batch(V: int, D: int, seed: int = 0, B: int = 2, T: int = 7, R: int = 5) -> VLInputs:
@@ -52,7 +56,7 @@ def _randomised(hf):
     return hf.eval()
 
 
-def test_hf_visualbert_imports_loads_back_and_is_analysed(tiny_world, tiny_pretrained, tmp_path):
+def test_hf_visualbert_imports_loads_back_and_is_analysed(tiny_world, tiny_pretrained, tmp_path, run):
     from vlberts.models.convert_hf import load_hf_visualbert
 
     vocab = (tiny_pretrained / "vocab.txt").read_text().splitlines()
@@ -64,9 +68,9 @@ def test_hf_visualbert_imports_loads_back_and_is_analysed(tiny_world, tiny_pretr
     hf.save_pretrained(src)
     shutil.copy(tiny_pretrained / "vocab.txt", src / "vocab.txt")  # found beside the checkpoint
 
-    proc = _run(str(src), "--format=hf-visualbert", f"--out={tmp_path / 'm'}")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith(f"wrote {tmp_path / 'm'}") and "as visualbert, 3 layers x 4 heads" in proc.stdout
+    code, out_, err = run(str(src), "--format=hf-visualbert", f"--out={tmp_path / 'm'}")
+    assert code == 0, err
+    assert out_.strip().endswith(f"wrote {tmp_path / 'm'}") and "as visualbert, 3 layers x 4 heads" in out_
     meta = json.loads((tmp_path / "m" / "config.json").read_text())
     assert meta["import_format"] == "hf-visualbert" and meta["imported_from"] == str(src) and "task" not in meta
     assert TextTokenizer.load(tmp_path / "m").vocab_size == len(vocab)
@@ -84,7 +88,7 @@ def test_hf_visualbert_imports_loads_back_and_is_analysed(tiny_world, tiny_pretr
     assert rep.result.accuracy.shape == (3, 4) and rep.result.n_entities > 0
 
 
-def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path):
+def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path, run):
     from vlberts.models.convert_hf_lxmert import load_hf_lxmert
 
     hf = _randomised(transformers.LxmertForPreTraining(transformers.LxmertConfig(
@@ -95,8 +99,8 @@ def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path):
     hf.save_pretrained(src)
     vocab = _vocab(tmp_path / "vocab.txt", 15)
 
-    proc = _run(str(src), "--format=hf-lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'm'}")
-    assert proc.returncode == 0, proc.stderr
+    code, out_, err = run(str(src), "--format=hf-lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'm'}")
+    assert code == 0, err
     ours, cfg, _ = load_pretraining_model(tmp_path / "m")
     assert (cfg.num_qa_labels, cfg.num_object_labels, cfg.num_attr_labels) == (7, 11, 5)
     assert TextTokenizer.load(tmp_path / "m").vocab_size == 15
@@ -108,15 +112,15 @@ def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path):
+def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path, run):
     from test_vilbert import ORIGINAL_CONFIG, _original_state_dict, _write_original
 
     from vlberts.models.convert_vilbert import load_original_vilbert
 
     weights, config = _write_original(tmp_path, _original_state_dict())
     vocab = _vocab(tmp_path / "vocab.txt", 100)
-    proc = _run(str(weights), "--format=vilbert", f"--config={config}", f"--out={tmp_path / 'm'}")  # vocab beside it
-    assert proc.returncode == 0, proc.stderr
+    code, out_, err = run(str(weights), "--format=vilbert", f"--config={config}", f"--out={tmp_path / 'm'}")  # vocab beside it
+    assert code == 0, err
     ours, cfg, _ = load_pretraining_model(tmp_path / "m")
     assert cfg.v_hidden_size == ORIGINAL_CONFIG["v_hidden_size"]
     assert TextTokenizer.load(tmp_path / "m").vocab_size == len(vocab.read_text().splitlines())
@@ -127,7 +131,34 @@ def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path):
     assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.encoded.pooled, b.encoded.pooled)
 
 
-def test_bad_imports_are_one_line(tmp_path):
+def test_original_vlbert_imports_with_a_config_and_loads_back(tmp_path, run):
+    from test_convert_vlbert import CFG, original_state_dict
+
+    from vlberts.config import to_dict
+    from vlberts.models.convert_vlbert import load_original_vlbert
+
+    weights = tmp_path / "vl-bert_tiny_e2e-0009.model"
+    torch.save({"state_dict": original_state_dict()}, weights)
+    _vocab(tmp_path / "vocab.txt", CFG.vocab_size)
+    config = tmp_path / "changes.json"
+    config.write_text(json.dumps(to_dict(CFG)))  # every setting: the tiny config the weights were written for
+    code, out_, err = run(str(weights), "--format=vlbert", f"--config={config}", f"--out={tmp_path / 'm'}")
+    assert code == 0, err
+    ours, cfg, _ = load_pretraining_model(tmp_path / "m")
+    assert cfg == CFG
+    ref = load_original_vlbert(weights, CFG, drop_backbone=True)
+    x = _batch(CFG.vocab_size, CFG.visual_dim)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.encoded.pooled, b.encoded.pooled)
+
+    config.write_text(json.dumps({"num_region_clases": 81}))
+    code, out_, err = run(str(weights), "--format=vlbert", f"--config={config}", f"--out={tmp_path / 'n'}")
+    assert code == 2 and "num_region_clases" in err and "num_region_classes" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bad_imports_are_one_line(tmp_path, run):
     hf = transformers.VisualBertModel(transformers.VisualBertConfig(
         vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
         visual_embedding_dim=8))
@@ -136,9 +167,9 @@ def test_bad_imports_are_one_line(tmp_path):
     out = tmp_path / "m"
 
     def error(*args: str) -> str:
-        proc = _run(*args)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        lines = proc.stderr.strip().splitlines()
+        code, _, err = run(*args)
+        assert code == 2 and "Traceback" not in err, err
+        lines = err.strip().splitlines()
         assert len(lines) == 1, lines
         return lines[0]
 
@@ -155,7 +186,7 @@ def test_bad_imports_are_one_line(tmp_path):
     assert not out.exists()  # nothing half-written
 
     small = _vocab(tmp_path / "vocab.txt", 12)
-    assert _run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}").returncode == 0
+    assert run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}")[0] == 0
     assert "already exists and is not empty (pass --overwrite to replace it)" in error(
         str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}")
-    assert _run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}", "--overwrite").returncode == 0
+    assert run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}", "--overwrite")[0] == 0

@@ -763,8 +763,9 @@ def models_import(
     out: Path = typer.Option(..., help="The vlberts model directory to write."),
     vocab: Optional[Path] = typer.Option(None, help="The BERT vocab.txt the checkpoint was trained with (default: "
                                          "one beside SRC)."),
-    config: Optional[Path] = typer.Option(None, help="vilbert only: the original JSON config of the weights "
-                                          "(default: the released base config, 6 co-attention layers)."),
+    config: Optional[Path] = typer.Option(None, help="vilbert: the original JSON config of the weights (default: "
+                                          "the released base config, 6 co-attention layers); vlbert: a JSON object "
+                                          "of settings to change from vlbert-base, e.g. {\"num_region_classes\": 81}."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (once the new one is complete)."),
 ) -> None:
     """Write a released checkpoint as a vlberts model directory, for every command that takes a model

@@ -46,10 +46,21 @@ def _vilbert(src: Path, config: Path | None) -> nn.Module:
 
 
 def _vlbert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.config import from_dict, to_dict
+    from vlberts.models.builders import vlbert_base
     from vlberts.models.convert_vlbert import load_original_vlbert
+    from vlberts.models.vlbert import VLBertConfig
 
+    # The released files carry no config: vlbert-base, with the settings a --config JSON object changes
+    # (e.g. {"num_region_classes": 81}, {"with_match_head": true}); unknown names list the valid ones.
+    cfg = vlbert_base()
+    if config is not None:
+        changes = read_json(config)
+        if not isinstance(changes, dict):
+            raise VlbertsError("a VL-BERT --config must be a JSON object of settings", path=config)
+        cfg = from_dict(VLBertConfig, {**to_dict(cfg), **changes}, where=str(config))
     # Region features come from a store, so the released end-to-end ResNet (if any) is left behind.
-    return load_original_vlbert(src, drop_backbone=True)
+    return load_original_vlbert(src, cfg, drop_backbone=True)
 
 
 # format -> (loader, what SRC is)
@@ -57,7 +68,8 @@ FORMATS: dict[str, tuple[Callable[[Path, Path | None], nn.Module], str]] = {
     "hf-visualbert": (_hf_visualbert, "a Hugging Face save_pretrained directory (VisualBertModel or VisualBertForPreTraining)"),
     "hf-lxmert": (_hf_lxmert, "a Hugging Face save_pretrained directory (LxmertModel or LxmertForPreTraining)"),
     "vilbert": (_vilbert, "facebookresearch/vilbert-multi-task weights (.bin); --config its JSON config"),
-    "vlbert": (_vlbert, "jackroos/VL-BERT weights (PREFIX-EPOCH.model or a state dict)"),
+    "vlbert": (_vlbert, "jackroos/VL-BERT weights (PREFIX-EPOCH.model or a state dict); --config a JSON object of "
+                        "settings to change from vlbert-base"),
 }
 
 
@@ -96,8 +108,9 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
         raise VlbertsError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
     if not src.exists():
         raise VlbertsError("checkpoint not found", path=src)
-    if config is not None and fmt != "vilbert":
-        raise VlbertsError(f"--config is read for --format vilbert only (the {fmt} checkpoint carries its config)")
+    if config is not None and fmt not in ("vilbert", "vlbert"):
+        raise VlbertsError(f"--config is read for --format vilbert and vlbert only (the {fmt} checkpoint carries its "
+                           "config)")
     vocab_file = find_vocab(src, None if vocab is None else Path(vocab))
     tok = TextTokenizer.from_vocab(vocab_file, lowercase=_lowercase(src, vocab_file))
     loader, _ = FORMATS[fmt]
