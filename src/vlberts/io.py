@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -183,9 +184,8 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     predictions, an image map) that silently drops a record or replaces an answer."""
     obj = dict(pairs)
     if len(obj) < len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise DuplicateKey(key)
+        counts = Counter(k for k, _ in pairs)
+        raise DuplicateKey(next(k for k, _ in pairs if counts[k] > 1))
     return obj
 
 
