@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bad_settings import run_cli
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
@@ -29,16 +30,17 @@ SCHEDULES = {"gqa": (1.0, 1.0, 1), "nlvr2": (0.4, 1.0, 1), "retrieval": (1.0, 1.
 
 # The demo test's toy settings (tests/test_demo.py): the point is that every step runs, not the numbers.
 TOY = ["--images=48", "--pretrain_steps=4", "--pretrain_batch=8", "--vqa_epochs=0.2", "--detector_epochs=1"]
-# The tests of what compare does with its runs (seeds, continuing) train in its own process: each torchrun
-# launch costs about 5 s of process start-up at this scale, and the first test runs every step through
-# torchrun, as the demo's default of 2 processes does.
+# Every test here trains in compare's own process (--procs=1): a torchrun launch costs 6-7 s of process
+# start-up on 2 cores (torchrun and both ranks import torch), 14 launches in the first test. Compare runs its
+# steps through the demo's `run_model` and `run_procs`, whose torchrun path tests/test_demo.py runs for
+# every architecture (pre-training and VQA) and tests/test_distributed_tasks.py for the other tasks.
 IN_PROCESS = ["--procs=1"]
 
 
 def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     out = tmp_path / "cmp"
     proc = subprocess.run([str(VLBERTS), "compare", "--quick", "--archs=visualbert,lxmert", "--tasks=vqa,gqa,nlvr2,retrieval,refcoco,vcr",
-                           "--out", str(out), *TOY], capture_output=True, text=True)
+                           "--out", str(out), *TOY, *IN_PROCESS], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
     # One world and one feature store, at OUT/; the architectures' directories hold none.
@@ -89,21 +91,20 @@ def test_compare_builds_inputs_once_and_writes_one_row_per_arch(tmp_path):
     assert "| visualbert |" in proc.stdout and "| lxmert |" in proc.stdout  # the table is printed
 
 
-def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path):
+def test_compare_rejects_an_unknown_arch_in_one_line(tmp_path, capsys):
     out = tmp_path / "cmp"
-    proc = subprocess.run([str(VLBERTS), "compare", "--archs=visualbert,vilbrt", "--out", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
+    code, _, err = run_cli(["compare", "--archs=visualbert,vilbrt", "--out", str(out)], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "unknown architecture 'vilbrt'" in lines[0] and "lxmert" in lines[0]
     assert not out.exists()  # nothing was built
 
-    proc = subprocess.run([str(VLBERTS), "compare", "--tasks=vqa,nlvr3", "--out", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 2 and "unknown task 'nlvr3' in --tasks; valid: vqa, gqa" in proc.stderr
+    code, _, err = run_cli(["compare", "--tasks=vqa,nlvr3", "--out", str(out)], capsys)
+    assert code == 2 and "unknown task 'nlvr3' in --tasks; valid: vqa, gqa" in err
     assert not out.exists()
 
-    proc = subprocess.run([str(VLBERTS), "compare", "--seeds=0,x", "--out", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--seeds must be a count or comma-separated integers, got '0,x'" in proc.stderr
+    code, _, err = run_cli(["compare", "--seeds=0,x", "--out", str(out)], capsys)
+    assert code == 2 and "--seeds must be a count or comma-separated integers, got '0,x'" in err
     assert not out.exists()
 
 

@@ -4,7 +4,9 @@ processes; a VQA fine-tuning run does too, and its ranks share the predictions w
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -230,16 +232,17 @@ def test_torchrun_pretrain_logs_once_and_resumes_exactly(tiny_world, tmp_path):
     assert (ref / "model" / "model.safetensors").is_file()
 
     # Interrupted after 5 updates (last checkpoint: step 3), resumed by 2 processes again.
-    run = tmp_path / "run"
+    run, one = tmp_path / "run", tmp_path / "one"
     assert _torchrun(_pretrain_args(tiny_world, run, "--stop_after=5")).returncode == 0
+    shutil.copytree(run, one)  # the interrupted run, resumed below by one process
+    settings = json.loads((one / "run_config.json").read_text())
+    (one / "run_config.json").write_text(json.dumps({**settings, "out": str(one)}))  # the copy's own --out
     proc = _torchrun(_pretrain_args(tiny_world, run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = MetricsLog.read(run / "metrics.jsonl")
     assert [r["mlm_loss"] for r in log] == [r["mlm_loss"] for r in ref_log]
 
     # The same checkpoint resumed by one process: positions are global, so it trains on.
-    one = tmp_path / "one"
-    assert _torchrun(_pretrain_args(tiny_world, one, "--stop_after=3")).returncode == 0
     proc = subprocess.run([str(VLBERTS), *_pretrain_args(tiny_world, one)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in MetricsLog.read(one / "metrics.jsonl")] == list(range(1, 9))
@@ -373,9 +376,6 @@ def test_matching_negatives_come_from_the_whole_dataset_alike_on_one_and_two_ran
     2 ranks and 1 process then log the same matching and MLM losses and end with the same weights.
     (Retrieval's distractors are drawn the same way, data/retrieval.py; tests/test_distributed_tasks.py
     compares its 1- and 2-process fine-tuning.)"""
-    import json
-    import shutil
-
     from safetensors.torch import load_file
 
     init = tmp_path / "init"  # the tiny VisualBERT without dropout (rank-seeded dropout masks differ)
