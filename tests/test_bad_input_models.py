@@ -294,3 +294,95 @@ def test_retrieval_caption_ids_are_unique(tmp_path):
     with pytest.raises(VlbertsError) as err:
         rescore(tmp_path / "scores.npy")
     assert str(err.value) == f"{tmp_path / 'score_index.json'}: record caption_ids[3]: duplicate caption id 10 (first at caption_ids[0])"
+
+
+# --------------------------------------------------------------------------- model configurations and foreign files
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "swish"}, "unknown activation 'swish'; valid: gelu"),  # failed when the model was built
+    ({"hidden_dropout": 1.5}, "hidden_dropout: must be at most 1, got 1.5"),
+    ({"layer_norm_eps": -1.0}, "layer_norm_eps: must be more than 0, got -1"),  # NaN activations, exit 0
+    ({"vocab_size": -5}, "vocab_size: must be at least 1, got -5"),
+    ({"num_layers": 0}, "num_layers: must be at least 1, got 0"),
+])  # fmt: skip
+def test_a_model_directorys_config_out_of_range_names_the_file(tmp_path, change, message):
+    directory = _model_dir(tmp_path / "m")
+    meta = json.loads((directory / "config.json").read_text())
+    meta["config"].update(change)
+    (directory / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(VlbertsError) as err:
+        load_pretraining_model(directory)
+    assert str(err.value).startswith(f"{directory / 'config.json'}: ") and message in str(err.value)
+    # ViLBERT's single-stream baseline has no visual layers: a depth of 0 stays valid where it means that
+    assert model_config("vilbert-single-stream").v_num_layers == 0
+
+
+def test_foreign_configs_are_objects_of_valid_values_and_name_their_file(tmp_path):
+    from vlberts.models.convert_hf import load_hf_visualbert, visualbert_config_from_hf
+
+    hf = {"vocab_size": 30, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "intermediate_size": 37, "visual_embedding_dim": 16}
+    assert visualbert_config_from_hf({**hf, "hidden_size": "32", "num_hidden_layers": 2.0}).hidden_size == 32
+    for change, message in (({"hidden_act": "bogus"}, "unknown activation 'bogus'"),
+                            ({"attention_probs_dropout_prob": 2}, "attention_dropout: must be at most 1, got 2"),
+                            ({"num_attention_heads": 5}, "hidden_size 32 is not a multiple of num_heads 5"),
+                            ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
+                            ({"hidden_size": "wide"}, "hidden_size: expected an integer, got 'wide'")):
+        with pytest.raises(VlbertsError, match=f"^my/config.json.*{message}"):
+            visualbert_config_from_hf({**hf, **change}, where="my/config.json")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(VlbertsError) as err:
+        load_hf_visualbert(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'config.json'}: expected a JSON object, got list"
+
+
+def test_a_weights_pickle_with_other_objects_is_refused_in_one_line_and_a_truncated_one_named(tmp_path):
+    from vlberts.models.weights import read_state_dict
+
+    evil = tmp_path / "evil" / "pytorch_model.bin"
+    evil.parent.mkdir()
+    torch.save({"w": torch.zeros(2), "where": Path("/")}, evil)  # a PosixPath: not a tensor
+    with pytest.raises(VlbertsError) as err:
+        read_state_dict(evil)
+    message = str(err.value)
+    assert message.startswith(f"{evil}: refused: the file holds pickled objects other than tensors (") and "\n" not in message
+    assert "weights_only=False" not in message  # torch's own advice to load it unsafely is not passed on
+    cut = tmp_path / "cut" / "pytorch_model.bin"
+    cut.parent.mkdir()
+    torch.save({"w": torch.zeros(1000)}, cut)
+    cut.write_bytes(cut.read_bytes()[:300])
+    with pytest.raises(VlbertsError, match=r"cannot read weights \(truncated, corrupt, or not a PyTorch weights file\)"):
+        read_state_dict(cut)
+
+
+def test_a_bert_vocabulary_holds_the_special_tokens_and_utf8_lines(tmp_path):
+    from vlberts.text.tokenizer import TextTokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\ncube\nball\n")  # no [MASK]: it would be added past the table
+    with pytest.raises(VlbertsError) as err:
+        TextTokenizer.from_vocab(vocab)
+    assert str(err.value) == f"{vocab}: vocabulary has no [MASK] token (a BERT vocabulary holds [PAD], [UNK], [CLS], [SEP], [MASK])"
+    vocab.write_bytes(b"[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\ncaf\xe9\n")  # Latin-1
+    with pytest.raises(VlbertsError, match=rf"^{vocab}: record line 6: not UTF-8 text"):
+        TextTokenizer.from_vocab(vocab)
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\ncube\n")
+    (tmp_path / "tokenizer_config.json").write_text('{"do_lower_case": "no"}')
+    with pytest.raises(VlbertsError, match="do_lower_case must be true or false, got 'no'"):
+        TextTokenizer.load(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"do_lower_case": false}')
+    assert TextTokenizer.load(tmp_path).lowercase is False and TextTokenizer.load(tmp_path).vocab_size == 6
+
+
+def test_a_stores_region_classes_past_its_own_class_names_stop_the_representation_views(tmp_path):
+    from vlberts.features.store import RegionStore
+
+    cfg = _world(tmp_path, classes=["cube", "ball", "cone"], attributes=["red", "blue", "green"])
+    RegionStore(cfg.features).require_ids_in_vocabulary("obj_id")  # as written: fits
+    with h5py.File(cfg.features, "r+") as f:  # the class names cut short, past the writer's own check
+        obj = f["obj_id"][()]
+        obj[9] = 7  # image 3's second box
+        f["obj_id"][...] = obj
+    with pytest.raises(VlbertsError) as err:
+        RegionStore(cfg.features).require_ids_in_vocabulary("obj_id")
+    assert str(err.value) == f"{cfg.features}: record image 3: obj_id outside the store's 3-entry vocabulary (range 0..7)"

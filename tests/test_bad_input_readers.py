@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from test_bad_settings import run_cli
-from vlberts.data.flickr_entities import read_entity_boxes, read_flickr_split
+from vlberts.data.flickr_entities import read_entity_boxes, read_entity_sentences, read_flickr_split
 from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.data.refcoco import read_instances, read_refcoco, read_refs
 from vlberts.data.vcr import read_vcr, read_vcr_metadata
@@ -297,3 +297,36 @@ def test_finetune_refcoco_all_train_refs_skipped_shows_the_skips_first(tiny_worl
         finetune_refcoco(cfg)
     err = capsys.readouterr().err
     assert err.startswith(f"warning: skipped {n} bad records ({n} missing annotation); first: "), err
+
+
+def test_flickr_sentences_file_without_a_caption(tmp_path):
+    # its image would drop out of every count of an analysis without a word
+    path = tmp_path / "8.txt"
+    path.write_text("\n\n")
+    with pytest.raises(VlbertsError) as err:
+        read_entity_sentences(path)
+    assert str(err.value) == f"{path}: holds no caption (an image's Sentences file has one per line)"
+
+
+# --------------------------------------------------------------------------- the world's scenes.jsonl
+
+def _scene_line(image_id: int, box: list[int]) -> str:
+    obj = {"object_id": 1, "shape": "circle", "colour": "red", "size": "small", "box": box}
+    return json.dumps({"image_id": image_id, "width": 64, "height": 64, "split": "test", "objects": [obj]})
+
+
+def test_scene_boxes_inside_the_image_and_each_image_once(tmp_path):
+    from vlberts.world.scene import read_scenes
+
+    path = tmp_path / "scenes.jsonl"
+    path.write_text(_scene_line(1, [2, 2, 10, 10]) + "\n" + _scene_line(2, [0, 0, 64, 64]) + "\n")
+    assert [s.image_id for s, _ in read_scenes(path)] == [1, 2]
+    for lines, message in (
+        ([_scene_line(1, [10, 10, 5, 5])], "record line 1 object 0: box (10, 10, 5, 5) has zero or negative width"),
+        ([_scene_line(1, [-50, -50, 500, 500])], "record line 1 object 0: box (-50, -50, 500, 500) lies outside the 64x64 image"),
+        ([_scene_line(1, [2, 2, 10, 10]), _scene_line(1, [3, 3, 9, 9])], "record line 2: duplicate image_id 1 (first at line 1)"),
+    ):
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(VlbertsError) as err:
+            read_scenes(path)
+        assert str(err.value).startswith(f"{path}: {message}"), str(err.value)

@@ -85,6 +85,12 @@ def test_negative_objective_weights_and_unknown_devices_are_refused(tiny_pretrai
         parse_objectives("mlm=-1", RECIPES["visualbert"], model_cfg)
     with pytest.raises(VlbertsError, match="weight 'nan'"):
         parse_objectives("mlm=nan", RECIPES["visualbert"], model_cfg)
+    # a repeated name (the later weight would win) and all weights 0 (nothing trained, a model written anyway)
+    with pytest.raises(VlbertsError, match="objective 'mlm' given twice in --objectives=mlm=1,mlm=2"):
+        parse_objectives("mlm=1,mlm=2", RECIPES["visualbert"], model_cfg)
+    with pytest.raises(VlbertsError, match="--objectives=mlm=0,match=0: every weight is 0"):
+        parse_objectives("mlm=0,match=0", RECIPES["visualbert"], model_cfg)
+    assert parse_objectives("mlm=0,match=1", RECIPES["visualbert"], model_cfg) == {"mlm": 0.0, "match": 1.0}
     with pytest.raises(VlbertsError, match="unknown device 'tpu'; valid: auto, cpu, cuda, cuda:N"):
         resolve_device("tpu")
     with pytest.raises(VlbertsError, match="unknown device 'cpu:1'"):
@@ -370,3 +376,13 @@ def test_a_json_key_given_twice_is_an_error_naming_the_file_and_the_key(tmp_path
     vcr.write_text('\n{"annot_id": "val-1", "annot_id": "val-2"}\n')
     with pytest.raises(VlbertsError, match=r"val\.jsonl: record line 2: key 'annot_id' appears twice"):
         read_vcr_file(vcr, BadRecords(), require_labels=False)
+
+
+def test_negative_seeds_are_refused_before_anything_runs(tmp_path, capsys):
+    # numpy's generators take non-negative seeds only: a negative one was a traceback mid-run
+    code, _, err = run_cli(["pretrain", f"--out={tmp_path / 'run'}", "--seed=-1"], capsys)
+    assert code == 2 and "PretrainConfig.seed: must be at least 0, got -1" in err and len(err.strip().splitlines()) == 1
+    from vlberts.recipes.compare import CompareConfig, seed_list
+
+    with pytest.raises(VlbertsError, match="--seeds must name non-negative seeds, got '1,-3'"):
+        seed_list(CompareConfig(seeds="1,-3"))

@@ -195,6 +195,18 @@ def test_mismatches_are_one_line_errors_naming_the_keys(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(VlbertsError, match="no config.json"):
         init_text_from_bert(build_pretraining_model(visualbert_tiny(**VB)), tmp_path / "nowhere")
+    # a tensor of integers would be cast into the float weights by the copy without a word; NaN copied
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "model.safetensors")
+    key = next(k for k in sd if k.endswith("layer.0.attention.self.query.weight"))
+    for bad, message in ((sd[key].long(), "is stored as int64 but the model's is float32"),
+                         (sd[key].clone().fill_(float("nan")), "holds NaN or inf")):
+        save_file({**sd, key: bad}, tmp_path / "model.safetensors")
+        with pytest.raises(VlbertsError) as err:
+            init_text_from_bert(build_pretraining_model(visualbert_tiny(**VB)), tmp_path)
+        assert str(err.value).startswith(f"{tmp_path}: tensor {key} ") and message in str(err.value)
+    save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(VlbertsError, match="LXMERT"):
         init_text_from_bert(build_pretraining_model(visualbert_tiny(**VB)), tmp_path, cross_from=0)
 

@@ -121,9 +121,19 @@ _COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckp
            "max_images", "stop_after", "feature_dim")
 _FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "warmup", "text_ratio",
               "corpus_share", "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
+# The model configurations (models/*.py) are read through `from_dict` too: from a model directory's
+# config.json and from the converters of released configs. Their sizes are counts, their dropouts fractions.
+_MODEL_COUNTS = ("hidden_size", "num_heads", "intermediate_size", "num_layers", "max_position_embeddings",
+                 "type_vocab_size", "visual_dim", "v_hidden_size", "v_num_heads", "v_intermediate_size",
+                 "bi_hidden_size", "bi_num_heads")
+_MODEL_DEPTHS = ("v_num_layers", "language_layers", "relation_layers", "cross_layers")  # 0: ViLBERT's single stream
+_MODEL_FRACTIONS = ("hidden_dropout", "attention_dropout", "v_hidden_dropout", "v_attention_dropout")
 SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    **{name: (1, None, False) for name in _COUNTS},
-    **{name: (0, 1, False) for name in _FRACTIONS},
+    **{name: (1, None, False) for name in _COUNTS + _MODEL_COUNTS},
+    **{name: (0, 1, False) for name in _FRACTIONS + _MODEL_FRACTIONS},
+    **{name: (0, None, False) for name in _MODEL_DEPTHS},
+    "layer_norm_eps": (0, None, True),
+    "seed": (0, None, False),  # numpy's generators take non-negative seeds only
     **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",
                                            "vqa_epochs")},
     **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "min_boxes",

@@ -204,6 +204,14 @@ def read_json(path: str | Path) -> Any:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON file that must hold one object (a config, a map): anything else is an error naming the file."""
+    obj = read_json(path)
+    if not isinstance(obj, dict):
+        raise VlbertsError(f"expected a JSON object, got {type(obj).__name__ if obj is not None else 'null'}", path=path)
+    return obj
+
+
 def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, parsed record) for each non-blank line of a JSON-lines file; a malformed or truncated
     line, or bytes that are not UTF-8, is an error naming the file and the line. With `bad` a malformed

@@ -158,10 +158,14 @@ def parse_entity_sentence(line: str, *, path: str | Path = "<string>", record: o
 
 
 def read_entity_sentences(path: str | Path) -> list[EntitySentence]:
-    """All captions of one Sentences/<id>.txt file (blank lines skipped), in file order."""
+    """All captions of one Sentences/<id>.txt file (blank lines skipped), in file order; a file without
+    one is an error (Flickr30K Entities gives each image 5): its image would drop out of every count."""
     lines = read_text(path).split("\n")
-    return [parse_entity_sentence(line, path=path, record=f"line {k}")
-            for k, line in enumerate(lines, 1) if line.strip()]
+    sentences = [parse_entity_sentence(line, path=path, record=f"line {k}")
+                 for k, line in enumerate(lines, 1) if line.strip()]
+    if not sentences:
+        raise VlbertsError("holds no caption (an image's Sentences file has one per line)", path=path)
+    return sentences
 
 
 # --------------------------------------------------------------------------- Annotations

@@ -35,7 +35,7 @@ import h5py
 import numpy as np
 
 from vlberts.errors import VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id, record_misfit
+from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id, labels_misfit, record_misfit
 from vlberts.io import atomic_path
 
 STORE_FORMAT = "vlberts-region-store"
@@ -462,6 +462,17 @@ class RegionStore:
     def box_column(self, name: str) -> np.ndarray:
         """One per-box dataset read whole, in row order (obj_id, attr_id: 8 bytes a box)."""
         return self._dataset(name)[()]
+
+    def require_ids_in_vocabulary(self, ids: str) -> None:
+        """Every box's `ids` (obj_id or attr_id) inside the store's own vocabulary of them (metadata `classes`
+        or `attributes`), where it names one; else a one-line error naming the store and the first image whose
+        regions reach past it (a record written elsewhere, or metadata cut short)."""
+        vocab = {"obj_id": self.metadata.classes, "attr_id": self.metadata.attributes}[ids]
+        if vocab is None or ids not in self.fields:
+            return
+        misfit = labels_misfit({ids: self.box_column(ids)}, {ids: len(vocab)})
+        if misfit is not None:
+            raise VlbertsError(misfit[0], path=self.path, record=f"image {self.image_at_row(misfit[1])}")
 
     def image_at_row(self, row: int) -> str:
         """The id of the image whose regions hold per-box row `row` (images with no boxes never do)."""

@@ -63,12 +63,12 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json
+from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig
 from vlberts.models.vilbert import ViLBertConfig
 from vlberts.models.visualbert import VisualBertConfig
 from vlberts.models.vlbert import VLBertConfig
-from vlberts.models.weights import read_state_dict, rename_keys, tied_aliases
+from vlberts.models.weights import read_state_dict, rename_keys, tied_aliases, values_misfit
 from vlberts.models.wvisualbert import WVisualBertConfig
 
 # Checkpoint key normalisation: every key becomes a `BertForPreTraining` name.
@@ -239,7 +239,7 @@ def read_bert_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Te
     path = Path(path)
     if not (path / "config.json").is_file():
         raise VlbertsError("not a Hugging Face BERT directory (no config.json)", path=path)
-    config = read_json(path / "config.json")
+    config = read_json_object(path / "config.json")
     sd = rename_keys(read_state_dict(path), BERT_RULES)
     # The MLM output bias is one tensor tied under two names; some saves keep only the decoder's.
     bias = sd.pop("cls.predictions.decoder.bias", None)
@@ -325,6 +325,10 @@ def init_text_from_bert(
         raise VlbertsError(
             "BERT checkpoint does not fit the model (vocabulary or width differ): " + ", ".join(bad[:3]), path=path
         )
+    # An integer tensor would be cast into the float weights by copy_ without a word; NaN or inf copied.
+    problem = values_misfit({b: sd[b] for b in mapping.values()}, {b: own[ours] for ours, b in mapping.items()})
+    if problem is not None:
+        raise VlbertsError(f"tensor {problem[0]} {problem[1]}", path=path)
 
     with torch.no_grad():
         for ours, b in mapping.items():

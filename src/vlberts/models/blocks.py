@@ -83,6 +83,9 @@ class BertTextConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        for name in ("hidden_act", "v_hidden_act"):  # the visual stream's own, where there is one (ViLBERT)
+            if hasattr(self, name):
+                activation(getattr(self, name))  # an unknown name fails here, not when the model is built
 
     @property
     def block(self) -> BlockConfig:

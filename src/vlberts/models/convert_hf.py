@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json
+from vlberts.config import from_dict
+from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining
 from vlberts.models.weights import load_into, read_state_dict, rename_keys
@@ -30,12 +31,15 @@ HF_VISUALBERT_RULES = [
 _HEAD_PREFIX = "cls."
 
 
-def visualbert_config_from_hf(hf: dict) -> VisualBertConfig:
-    """Translate a HF `VisualBertConfig` dict; settings we do not implement are errors, not ignored."""
+def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> VisualBertConfig:
+    """Translate a HF `VisualBertConfig` dict (`where`: its file, for messages); settings we do not implement
+    are errors, not ignored, and so are values of the wrong type or out of range (`config.from_dict`)."""
     if hf.get("bypass_transformer"):
-        raise VlbertsError("bypass_transformer=True (VisualBERT without early fusion) is not supported by this converter")
+        raise VlbertsError(f"{where}: bypass_transformer=True (VisualBERT without early fusion) is not supported by this converter")
+    if hf.get("tie_word_embeddings") is False:
+        raise VlbertsError(f"{where}: tie_word_embeddings=False (an MLM decoder apart from the word embeddings) is not supported")
     try:
-        return VisualBertConfig(
+        settings = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
@@ -53,7 +57,8 @@ def visualbert_config_from_hf(hf: dict) -> VisualBertConfig:
             special_visual_initialize=hf.get("special_visual_initialize", True),
         )
     except KeyError as e:
-        raise VlbertsError(f"HF VisualBERT config lacks {e.args[0]}") from None
+        raise VlbertsError(f"{where} lacks {e.args[0]}") from None
+    return from_dict(VisualBertConfig, settings, where=where)
 
 
 def load_hf_visualbert(path: str | Path) -> VisualBertForPreTraining:
@@ -62,7 +67,7 @@ def load_hf_visualbert(path: str | Path) -> VisualBertForPreTraining:
     A bare `VisualBertModel` has no pre-training heads; those stay freshly initialised.
     """
     path = Path(path)
-    cfg = visualbert_config_from_hf(read_json(path / "config.json"))
+    cfg = visualbert_config_from_hf(read_json_object(path / "config.json"), where=str(path / "config.json"))
     model = VisualBertForPreTraining(cfg)
     sd = rename_keys(read_state_dict(path), HF_VISUALBERT_RULES)
     has_heads = any(k.startswith(_HEAD_PREFIX) for k in sd)

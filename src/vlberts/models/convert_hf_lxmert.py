@@ -31,7 +31,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json
+from vlberts.config import from_dict
+from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
 from vlberts.models.weights import load_into, read_state_dict, rename_key
 
@@ -51,13 +52,14 @@ HF_LXMERT_RULES = [
 _HEAD_PREFIXES = ("cls.", "obj_predict_head.", "answer_head.")
 
 
-def lxmert_config_from_hf(hf: dict) -> LxmertConfig:
-    """Translate a HF `LxmertConfig` dict; settings we do not implement are errors, not ignored."""
+def lxmert_config_from_hf(hf: dict, where: str = "HF LXMERT config") -> LxmertConfig:
+    """Translate a HF `LxmertConfig` dict (`where`: its file, for messages); settings we do not implement are
+    errors, not ignored, and so are values of the wrong type or out of range (`config.from_dict`)."""
     if hf.get("tie_word_embeddings") is False:
-        raise VlbertsError("tie_word_embeddings=False (an MLM decoder apart from the word embeddings) is not supported")
+        raise VlbertsError(f"{where}: tie_word_embeddings=False (an MLM decoder apart from the word embeddings) is not supported")
     obj = hf.get("task_obj_predict", True)
     try:
-        return LxmertConfig(
+        settings = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_heads=hf["num_attention_heads"],
@@ -80,15 +82,14 @@ def lxmert_config_from_hf(hf: dict) -> LxmertConfig:
             num_qa_labels=hf.get("num_qa_labels", 9500) if hf.get("task_qa", True) else 0,
         )
     except KeyError as e:
-        raise VlbertsError(f"HF LXMERT config lacks {e.args[0]}") from None
-    except ValueError as e:
-        raise VlbertsError(f"HF LXMERT config: {e}") from None
+        raise VlbertsError(f"{where} lacks {e.args[0]}") from None
+    return from_dict(LxmertConfig, settings, where=where)
 
 
 def load_hf_lxmert(path: str | Path) -> LxmertForPreTraining:
     """Load a HF LXMERT checkpoint directory into our `LxmertForPreTraining`."""
     path = Path(path)
-    cfg = lxmert_config_from_hf(read_json(path / "config.json"))
+    cfg = lxmert_config_from_hf(read_json_object(path / "config.json"), where=str(path / "config.json"))
     model = LxmertForPreTraining(cfg)
     sd, file_names = {}, {}
     for k, v in read_state_dict(path).items():

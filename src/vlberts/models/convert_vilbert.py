@@ -54,7 +54,8 @@ import torch
 from torch import Tensor
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json
+from vlberts.config import from_dict
+from vlberts.io import read_json_object
 from vlberts.models.builders import vilbert_base
 from vlberts.models.vilbert import ViLBertConfig, ViLBertForPreTraining
 from vlberts.models.weights import load_into, read_state_dict, rename_key
@@ -88,22 +89,23 @@ _TIED_DECODER = "cls.predictions.decoder.weight"
 _WORDS = "bert.embeddings.word_embeddings.weight"
 
 
-def vilbert_config_from_original(orig: dict[str, Any]) -> ViLBertConfig:
+def vilbert_config_from_original(orig: dict[str, Any], where: str = "original ViLBERT config") -> ViLBertConfig:
     """Translate an original ViLBERT JSON config (e.g. `bert_base_6layer_6conect.json`).
 
     Training switches in it (`visual_target`, `predict_feature`, `fast_mode`, `fixed_*_layer`,
     `in_batch_pairs`, `objective`, ...) are not architecture and are ignored, as are
     `bi_intermediate_size`, `bi_attention_type` and `v_initializer_range`, which the original model never
-    reads. Settings we do not implement are errors."""
+    reads. Settings we do not implement are errors, and so are values of the wrong type or out of range
+    (`config.from_dict`); `where` (its file) is named in the messages."""
     if orig.get("fusion_method", orig.get("pooling_method", "mul")) != "mul":
-        raise VlbertsError("only fusion_method 'mul' (the paper's h_IMG * h_CLS) is supported")
+        raise VlbertsError(f"{where}: only fusion_method 'mul' (the paper's h_IMG * h_CLS) is supported")
     for flag in ("dynamic_attention", "task_specific_tokens"):
         if orig.get(flag):
-            raise VlbertsError(f"{flag}=true is not supported by vlberts' ViLBERT")
+            raise VlbertsError(f"{where}: {flag}=true is not supported by vlberts' ViLBERT")
     if orig.get("with_coattention", True) is False:
-        raise VlbertsError("with_coattention=false is not supported; use empty t/v_biattention_id instead")
+        raise VlbertsError(f"{where}: with_coattention=false is not supported; use empty t/v_biattention_id instead")
     try:
-        return ViLBertConfig(
+        settings = dict(
             vocab_size=orig["vocab_size"],
             hidden_size=orig["hidden_size"],
             num_heads=orig["num_attention_heads"],
@@ -125,14 +127,13 @@ def vilbert_config_from_original(orig: dict[str, Any]) -> ViLBertConfig:
             v_attention_dropout=orig.get("v_attention_probs_dropout_prob", 0.1),
             bi_hidden_size=orig["bi_hidden_size"],
             bi_num_heads=orig["bi_num_attention_heads"],
-            t_biattention_id=tuple(orig["t_biattention_id"]),
-            v_biattention_id=tuple(orig["v_biattention_id"]),
+            t_biattention_id=orig["t_biattention_id"],
+            v_biattention_id=orig["v_biattention_id"],
             num_region_classes=orig.get("v_target_size", 1601),
         )
     except KeyError as e:
-        raise VlbertsError(f"original ViLBERT config lacks {e.args[0]}") from None
-    except ValueError as e:
-        raise VlbertsError(f"original ViLBERT config: {e}") from None
+        raise VlbertsError(f"{where} lacks {e.args[0]}") from None
+    return from_dict(ViLBertConfig, settings, where=where)
 
 
 def load_vilbert_state_dict(
@@ -179,6 +180,6 @@ def load_original_vilbert(
     if config is None:
         config = vilbert_base()
     elif not isinstance(config, ViLBertConfig):
-        config = vilbert_config_from_original(read_json(Path(config)))
+        config = vilbert_config_from_original(read_json_object(config), where=str(config))
     model = ViLBertForPreTraining(config)
     return load_vilbert_state_dict(model, read_state_dict(path), source=path, drop_prefixes=drop_prefixes)

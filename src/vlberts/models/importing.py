@@ -23,8 +23,8 @@ from pathlib import Path
 from torch import nn
 
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_dir, read_json
-from vlberts.text.tokenizer import TextTokenizer
+from vlberts.io import atomic_dir, read_json_object
+from vlberts.text.tokenizer import TextTokenizer, read_do_lower_case
 
 
 def _hf_visualbert(src: Path, config: Path | None) -> nn.Module:
@@ -55,9 +55,7 @@ def _vlbert(src: Path, config: Path | None) -> nn.Module:
     # (e.g. {"num_region_classes": 81}, {"with_match_head": true}); unknown names list the valid ones.
     cfg = vlbert_base()
     if config is not None:
-        changes = read_json(config)
-        if not isinstance(changes, dict):
-            raise VlbertsError("a VL-BERT --config must be a JSON object of settings", path=config)
+        changes = read_json_object(config)  # a JSON object of settings
         cfg = from_dict(VLBertConfig, {**to_dict(cfg), **changes}, where=str(config))
     # Region features come from a store, so the released end-to-end ResNet (if any) is left behind.
     return load_original_vlbert(src, cfg, drop_backbone=True)
@@ -90,10 +88,7 @@ def _lowercase(src: Path, vocab: Path) -> bool:
     for here in (vocab.parent, src if src.is_dir() else src.parent):
         cfg = here / "tokenizer_config.json"
         if cfg.is_file():
-            value = read_json(cfg).get("do_lower_case", True)
-            if not isinstance(value, bool):
-                raise VlbertsError(f"do_lower_case must be true or false, got {value!r}", path=cfg)
-            return value
+            return read_do_lower_case(cfg)
     return True
 
 

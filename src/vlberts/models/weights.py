@@ -6,7 +6,9 @@ Our own checkpoints are safetensors + JSON. Foreign `.bin`/`.pth` files are read
 
 from __future__ import annotations
 
+import pickle
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -50,9 +52,19 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     if path.suffix == ".safetensors":
         return read_safetensors(path)
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, pickle with arbitrary objects, ...
-        raise VlbertsError(f"cannot read weights: {first_line(e)}", path=path) from None
+        with warnings.catch_warnings():  # e.g. a plain pickle's legacy-format UserWarning: the error below says it
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused it: never retried without
+        # torch's message: boilerplate lines around the one that says what was refused
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        what = next((ln for ln in lines if not ln.startswith(("Weights only load failed", "Please file an issue",
+                                                              "Check the documentation"))), first_line(e))
+        raise VlbertsError(f"refused: the file holds pickled objects other than tensors ({what}); a weights file "
+                           "loads only as a state dict of tensors (torch.load weights_only=True)", path=path) from None
+    except Exception as e:  # truncated or corrupt file, not a torch file, ...
+        raise VlbertsError(f"cannot read weights (truncated, corrupt, or not a PyTorch weights file): {first_line(e)}",
+                           path=path) from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]  # common training-checkpoint wrapper
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):

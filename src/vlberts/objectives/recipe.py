@@ -163,6 +163,8 @@ def parse_objectives(spec: str, recipe: ArchRecipe, model_cfg: Any) -> dict[str,
     weights: dict[str, float] = {}
     for item in spec.split(","):
         name, eq, value = item.strip().partition("=")
+        if name in weights:
+            raise VlbertsError(f"objective {name!r} given twice in --objectives={spec}")
         if name not in OBJECTIVES:
             raise VlbertsError(f"unknown objective {name!r}; valid: {', '.join(OBJECTIVES)}")
         if name not in have:
@@ -174,6 +176,8 @@ def parse_objectives(spec: str, recipe: ArchRecipe, model_cfg: Any) -> dict[str,
         if not math.isfinite(weights[name]) or weights[name] < 0:
             raise VlbertsError(f"objective {name}: weight {value!r} must be a finite number >= 0 "
                                "(a negative weight would maximise the loss)")
+    if not any(weights.values()):
+        raise VlbertsError(f"--objectives={spec}: every weight is 0, so nothing would be trained; give one a weight > 0")
     return weights
 
 

@@ -217,7 +217,8 @@ RESULTS_JSON, RESULTS_MD = "results.json", "results.md"  # issue 3's DIR/results
 
 def seed_list(cfg: CompareConfig) -> list[int]:
     """The seeds of the model runs: --seeds=K is K seeds from --seed (issue 3's `--seeds K`), --seeds=A,B,...
-    those seeds, no --seeds --seed alone; a malformed, repeated or non-positive count is an error."""
+    those seeds, no --seeds --seed alone; a malformed, repeated or negative seed, or a non-positive count, is an
+    error."""
     text = cfg.seeds.strip()
     if not text:
         return [cfg.seed]
@@ -231,6 +232,8 @@ def seed_list(cfg: CompareConfig) -> list[int]:
         return list(range(cfg.seed, cfg.seed + numbers[0]))
     if not numbers or len(set(numbers)) != len(numbers):
         raise VlbertsError(f"--seeds must name distinct seeds, got {cfg.seeds!r}")
+    if min(numbers) < 0:  # numpy's generators take non-negative seeds only
+        raise VlbertsError(f"--seeds must name non-negative seeds, got {cfg.seeds!r}")
     return numbers
 
 

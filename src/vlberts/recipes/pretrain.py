@@ -50,7 +50,7 @@ from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
 from vlberts.features.record import labels_misfit
 from vlberts.features.store import RegionStore
-from vlberts.io import read_json, write_json
+from vlberts.io import read_json_object, write_json
 from vlberts.models.bert_init import init_text_from_bert
 from vlberts.models.builders import arch_of, build_pretraining_model, model_config
 from vlberts.objectives.recipe import (
@@ -233,7 +233,7 @@ def bert_tokenizer(cfg: PretrainConfig) -> TextTokenizer:
                 path=src / "vocab.txt",
             )
     if (bert / "config.json").is_file():
-        size = read_json(bert / "config.json").get("vocab_size")
+        size = read_json_object(bert / "config.json").get("vocab_size")
         if size != tok.vocab_size:
             raise VlbertsError(
                 f"vocab.txt has {tok.vocab_size} tokens but the BERT checkpoint's vocabulary has {size} "
@@ -384,21 +384,17 @@ def check_store_labels(store: RegionStore | ShardCorpus, head_sizes: dict[str, i
         store.head_sizes = {k: v for k, v in head_sizes.items() if k in reads}
         return
     meta = store.metadata
-    vocab = {"obj_id": None if meta.classes is None else len(meta.classes),
-             "attr_id": None if meta.attributes is None else len(meta.attributes)}
+    vocab = {"obj_id": meta.classes, "attr_id": meta.attributes}
     for ids in ("obj_id", "attr_id"):
         if ids not in reads or ids not in store.fields:
             continue
-        labels = {ids: store.box_column(ids)}  # (B,)
-        for holder, sizes in (("store", vocab), ("model head", head_sizes)):
-            misfit = labels_misfit(labels, sizes, holder=holder)
-            if misfit is None:
-                continue
-            message, row = misfit
-            if holder == "model head":  # heads are sized from the store's vocabularies, when it has them
-                message += ("; --init's heads are smaller than the store's vocabulary" if vocab[ids] is not None else
-                            "; the store names no vocabulary to size the heads from (import it with --classes and "
-                            "--attributes)")
+        store.require_ids_in_vocabulary(ids)
+        misfit = labels_misfit({ids: store.box_column(ids)}, head_sizes, holder="model head")  # (B,) ids
+        if misfit is not None:
+            message, row = misfit  # heads are sized from the store's vocabularies, when it has them
+            message += ("; --init's heads are smaller than the store's vocabulary" if vocab[ids] is not None else
+                        "; the store names no vocabulary to size the heads from (import it with --classes and "
+                        "--attributes)")
             raise VlbertsError(message, path=store.path, record=f"image {store.image_at_row(row)}")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_open, read_json, refuse_run_directory, write_json
+from vlberts.io import atomic_open, read_json_object, refuse_run_directory, write_json
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -28,6 +28,14 @@ class Encoded:
 
     ids: list[int]
     word_tokens: list[list[int]]  # word index -> positions in `ids` (0-based, before [CLS] is added)
+
+
+def read_do_lower_case(path: str | Path) -> bool:
+    """`do_lower_case` of a Hugging Face `tokenizer_config.json` (absent: true, as in uncased BERT)."""
+    value = read_json_object(path).get("do_lower_case", True)
+    if not isinstance(value, bool):
+        raise VlbertsError(f"do_lower_case must be true or false, got {value!r}", path=path)
+    return value
 
 
 class TextTokenizer:
@@ -91,14 +99,20 @@ class TextTokenizer:
         if not vocab_file.is_file():
             raise VlbertsError("vocabulary file not found", path=vocab_file)
         vocab: dict[str, int] = {}
-        with open(vocab_file, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                token = line.rstrip("\n")
+        with open(vocab_file, "rb") as f:
+            for i, raw in enumerate(f):
+                try:
+                    token = raw.decode("utf-8").rstrip("\n")
+                except UnicodeDecodeError as e:
+                    raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start} of the line)", path=vocab_file,
+                                       record=f"line {i + 1}") from None
                 if token in vocab:
                     raise VlbertsError(f"duplicate token {token!r}", path=vocab_file, record=f"line {i + 1}")
                 vocab[token] = i
-        if "[UNK]" not in vocab:
-            raise VlbertsError("vocabulary has no [UNK] token", path=vocab_file)
+        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        if missing:  # the pipeline would add them past the embedding table, or read [MASK] as a word
+            raise VlbertsError(f"vocabulary has no {', '.join(missing)} token{'s' if len(missing) > 1 else ''} "
+                               f"(a BERT vocabulary holds {', '.join(SPECIAL_TOKENS)})", path=vocab_file)
         model = models.WordPiece(vocab=vocab, unk_token="[UNK]", max_input_chars_per_word=100)
         return cls(cls._pipeline(model, lowercase), lowercase)
 
@@ -118,7 +132,7 @@ class TextTokenizer:
         directory = Path(directory)
         refuse_run_directory(directory, "vocab.txt")
         cfg_path = directory / "tokenizer_config.json"
-        lowercase = read_json(cfg_path).get("do_lower_case", True) if cfg_path.is_file() else True
+        lowercase = read_do_lower_case(cfg_path) if cfg_path.is_file() else True
         return cls.from_vocab(directory / "vocab.txt", lowercase=lowercase)
 
     # ------------------------------------------------------------------ use

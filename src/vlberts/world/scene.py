@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_jsonl, require_keys
+from vlberts.io import read_jsonl, require_box, require_keys, require_unique
 from vlberts.world.vocab import BACKGROUND_TONES, COLOUR_NAMES, SHAPES, SIZE_EXTENTS_128
 
 Box = tuple[int, int, int, int]
@@ -305,12 +305,20 @@ def scene_from_json(rec: dict, *, path: str | Path = "", record: object = None) 
         )
     except (TypeError, ValueError, KeyError) as e:
         raise VlbertsError(f"malformed scene: {e}", path=path, record=record) from None
+    for k, o in enumerate(scene.objects):  # the relations and IoUs read from the boxes need them inside the image
+        require_box(o.box, scene.width, scene.height, path=path, record=f"{record} object {k}")
     return scene, str(rec["split"])
 
 
 def read_scenes(path: str | Path) -> list[tuple[Scene, str]]:
-    """Read a world's `scenes.jsonl` -> [(Scene, split)] in file order (image id order)."""
-    return [scene_from_json(rec, path=path, record=f"line {i}") for i, rec in enumerate(read_jsonl(path), 1)]
+    """Read a world's `scenes.jsonl` -> [(Scene, split)] in file order (image id order); an image listed
+    twice is an error (which of its scenes holds?)."""
+    scenes, seen = [], {}
+    for i, rec in enumerate(read_jsonl(path), 1):
+        scene, split = scene_from_json(rec, path=path, record=f"line {i}")
+        require_unique(seen, scene.image_id, f"line {i}", what="image_id", path=path)
+        scenes.append((scene, split))
+    return scenes
 
 
 def scene_line(scene: Scene, split: str) -> str:
