@@ -55,8 +55,12 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
         with warnings.catch_warnings():  # e.g. a plain pickle's legacy-format UserWarning: the error below says it
             warnings.simplefilter("ignore")
             sd = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only refused it: never retried without
-        # torch's message: boilerplate lines around the one that says what was refused
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):  # e.g. "pickle data was truncated"
+            raise VlbertsError(f"cannot read weights (truncated, corrupt, or not a PyTorch weights file): "
+                               f"{first_line(e)}", path=path) from None
+        # weights_only refused an object (never retried without): torch's message has boilerplate lines
+        # around the one that says what was refused
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         what = next((ln for ln in lines if not ln.startswith(("Weights only load failed", "Please file an issue",
                                                               "Check the documentation"))), first_line(e))
