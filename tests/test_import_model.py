@@ -183,6 +183,10 @@ def test_bad_imports_are_one_line(tmp_path, run):
         f"error: {big}: holds 13 tokens but the checkpoint has 12 word embeddings (the vocabulary of another model?)")
     assert error(str(tmp_path / "nothing"), "--format=hf-lxmert", f"--vocab={big}", f"--out={out}") == (
         f"error: {tmp_path / 'nothing'}: checkpoint not found")
+    weights = next(src.glob("model.safetensors"))  # the file, where the format reads its folder
+    assert error(str(weights), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (
+        f"error: {weights}: --format hf-visualbert reads a save_pretrained directory (config.json and the weights), "
+        f"not a file: give its folder, {src}")
     assert not out.exists()  # nothing half-written
 
     small = _vocab(tmp_path / "vocab.txt", 12)

@@ -103,6 +103,9 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
         raise VlbertsError(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
     if not src.exists():
         raise VlbertsError("checkpoint not found", path=src)
+    if fmt.startswith("hf-") and not src.is_dir():
+        raise VlbertsError(f"--format {fmt} reads a save_pretrained directory (config.json and the weights), not a "
+                           f"file: give its folder, {src.parent}", path=src)
     if config is not None and fmt not in ("vilbert", "vlbert"):
         raise VlbertsError(f"--config is read for --format vilbert and vlbert only (the {fmt} checkpoint carries its "
                            "config)")
