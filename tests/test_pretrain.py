@@ -179,7 +179,7 @@ def test_cli_pretrain_bad_override_and_missing_image(tiny_world, tmp_path):
         capture_output=True, text=True,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "image id 999999 not in store" in proc.stderr and str(tiny_world.store) in proc.stderr
+    assert f"{tiny_world.store}: record 999999: image id 999999 of {bad} not in store (1 sentences of that file" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (out / "model").exists()
 

@@ -135,6 +135,18 @@ def test_image_qa_needs_lxmert_and_questions(tiny_world, tmp_path):
     assert proc.returncode == 2 and "vilbert has no answer head" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_question_whose_image_is_not_in_the_store_names_its_file(tiny_world, tmp_path):
+    gqa = json.loads(Path(qa_files(tiny_world)["qa_gqa_questions"]).read_text())
+    qid = next(iter(gqa))
+    gqa[qid]["imageId"] = "99999"
+    bad = tmp_path / "gqa.json"
+    bad.write_text(json.dumps(gqa))
+    with pytest.raises(VlbertsError) as err:
+        pretrain(cfg_for(tiny_world, tmp_path / "run", qa_gqa_questions=str(bad)))
+    assert str(err.value) == (f"{tiny_world.store}: record 99999: image id 99999 of {bad} not in store "
+                              "(1 sentences of that file affected)")
+
+
 def test_lxmert_without_questions_has_no_qa_head(tiny_world, tmp_path):
     out = pretrain(cfg_for(tiny_world, tmp_path / "noqa", qa_vqa_questions="", qa_vqa_annotations="",
                            qa_gqa_questions="", steps=2))

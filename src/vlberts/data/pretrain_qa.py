@@ -39,6 +39,7 @@ class PretrainQA:
     sentences: list[CaptionRef]  # (image id, question) pairs
     targets: list[SoftTarget]  # per sentence; empty labels = no QA label
     answers: AnswerVocab  # the joint answer table
+    sources: tuple[tuple[str, int], ...] = ()  # (questions file, its sentences), in the order of `sentences`
 
     @property
     def labelled(self) -> int:
@@ -70,4 +71,5 @@ def read_pretrain_qa(
     sentences = [CaptionRef(str(ex.image_id), ex.question) for ex in vqa] + [
         CaptionRef(str(ex.image_id), ex.question) for ex in gqa]
     targets = [soft_target(ex.answers, answers) for ex in vqa] + [gqa_target(ex, answers) for ex in gqa]
-    return PretrainQA(sentences, targets, answers)
+    sources = tuple((str(f), n) for f, n in ((vqa_questions, len(vqa)), (gqa_questions, len(gqa))) if f)
+    return PretrainQA(sentences, targets, answers, sources)

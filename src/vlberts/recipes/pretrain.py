@@ -398,6 +398,18 @@ def check_store_labels(store: RegionStore | ShardCorpus, head_sizes: dict[str, i
             raise VlbertsError(message, path=store.path, record=f"image {store.image_at_row(row)}")
 
 
+def require_images(sentences: list[CaptionRef], sources: list[tuple[str, int]], store: RegionStore) -> None:
+    """Every sentence's image in the store; else a one-line error naming the store, the first missing image
+    and the file its sentence came from (`sources`: (file, sentences) in the order of `sentences`)."""
+    start = 0
+    for path, n in sources:
+        missing = [c.image_id for c in sentences[start:start + n] if c.image_id not in store]
+        if missing:
+            raise VlbertsError(f"image id {missing[0]} of {path} not in store ({len(missing)} sentences of that file "
+                               "affected)", path=store.path, record=missing[0])
+        start += n
+
+
 MISMATCHED_TARGETS = ("auto", "keep", "drop")
 
 
@@ -486,14 +498,15 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     captions, image_only = withhold_captions(cfg, captions, store) if not streamed else (captions, [])
     documents = read_documents(cfg.text_corpus) if cfg.text_corpus else []
     qa_targets = None
+    sources = [(cfg.captions, len(captions))]  # the file each run of sentences comes from, in order
     if qa is not None:  # questions join the sentences; captions carry no QA label
         qa_targets = [SoftTarget((), ())] * len(captions) + qa.targets
         captions = captions + qa.sentences
+        sources += qa.sources
     if cfg.preload_features and not streamed:
         store.preload()
-    missing = [] if streamed else [c.image_id for c in captions if c.image_id not in store]
-    if missing:
-        raise VlbertsError(f"image id {missing[0]} not in store ({len(missing)} sentences affected)", path=cfg.features, record=missing[0])
+    if not streamed:
+        require_images(captions, sources, store)
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
     tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
     if dist.main:  # rank 0 trains (or loads) and saves the vocabulary; the others load the saved one
