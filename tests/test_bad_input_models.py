@@ -378,11 +378,11 @@ def test_a_stores_region_classes_past_its_own_class_names_stop_the_representatio
     from vlberts.features.store import RegionStore
 
     cfg = _world(tmp_path, classes=["cube", "ball", "cone"], attributes=["red", "blue", "green"])
-    RegionStore(cfg.features).require_ids_in_vocabulary("obj_id")  # as written: fits
+    assert len(RegionStore(cfg.features).vocabulary_ids("obj_id")) == 6 * 4  # as written: fits (6 images, 4 boxes each)
     with h5py.File(cfg.features, "r+") as f:  # the class names cut short, past the writer's own check
         obj = f["obj_id"][()]
         obj[9] = 7  # image 3's second box
         f["obj_id"][...] = obj
     with pytest.raises(VlbertsError) as err:
-        RegionStore(cfg.features).require_ids_in_vocabulary("obj_id")
+        RegionStore(cfg.features).vocabulary_ids("obj_id")
     assert str(err.value) == f"{cfg.features}: record image 3: obj_id outside the store's 3-entry vocabulary (range 0..7)"

@@ -180,7 +180,7 @@ def test_bad_imports_are_one_line(tmp_path, run):
         str(src), "--format=hf-visualbrt", f"--out={out}")
     big = _vocab(tmp_path / "big.txt", 13)
     assert error(str(src), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (
-        f"error: {big}: holds 13 tokens but the checkpoint has 12 word embeddings (the vocabulary of another model?)")
+        f"error: {big}: holds 13 tokens but the checkpoint has 12 word embeddings (a vocabulary from another model?)")
     assert error(str(tmp_path / "nothing"), "--format=hf-lxmert", f"--vocab={big}", f"--out={out}") == (
         f"error: {tmp_path / 'nothing'}: checkpoint not found")
     weights = next(src.glob("model.safetensors"))  # the file, where the format reads its folder

@@ -463,16 +463,17 @@ class RegionStore:
         """One per-box dataset read whole, in row order (obj_id, attr_id: 8 bytes a box)."""
         return self._dataset(name)[()]
 
-    def require_ids_in_vocabulary(self, ids: str) -> None:
-        """Every box's `ids` (obj_id or attr_id) inside the store's own vocabulary of them (metadata `classes`
-        or `attributes`), where it names one; else a one-line error naming the store and the first image whose
-        regions reach past it (a record written elsewhere, or metadata cut short)."""
+    def vocabulary_ids(self, ids: str) -> np.ndarray:
+        """Every box's `ids` (obj_id or attr_id; (boxes,), row order), checked to lie inside the store's own
+        vocabulary of them (metadata `classes` or `attributes`) where it names one; else a one-line error
+        naming the store and the first image whose regions reach past it (a record written elsewhere, or
+        metadata cut short)."""
+        column = self.box_column(ids)
         vocab = {"obj_id": self.metadata.classes, "attr_id": self.metadata.attributes}[ids]
-        if vocab is None or ids not in self.fields:
-            return
-        misfit = labels_misfit({ids: self.box_column(ids)}, {ids: len(vocab)})
+        misfit = None if vocab is None else labels_misfit({ids: column}, {ids: len(vocab)})
         if misfit is not None:
             raise VlbertsError(misfit[0], path=self.path, record=f"image {self.image_at_row(misfit[1])}")
+        return column
 
     def image_at_row(self, row: int) -> str:
         """The id of the image whose regions hold per-box row `row` (images with no boxes never do)."""

@@ -96,7 +96,7 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
                  config: str | Path | None = None, overwrite: bool = False) -> tuple[nn.Module, Path]:
     """Convert `src` (of format `fmt`, one of `FORMATS`) and write it as the vlberts model directory `out`;
     returns the converted model and `out`."""
-    from vlberts.training.checkpoint import save_model_dir
+    from vlberts.training.checkpoint import require_vocab_fits, save_model_dir
 
     src, out = Path(src), Path(out)
     if fmt not in FORMATS:
@@ -114,9 +114,7 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     loader, _ = FORMATS[fmt]
     model = loader(src, None if config is None else Path(config))
     cfg = model.cfg
-    if tok.vocab_size > cfg.vocab_size:
-        raise VlbertsError(f"holds {tok.vocab_size} tokens but the checkpoint has {cfg.vocab_size} word embeddings "
-                           "(the vocabulary of another model?)", path=vocab_file)
+    require_vocab_fits(vocab_file, cfg, holder="the checkpoint")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_model_dir(tmp, model, cfg, extra={"imported_from": str(src), "import_format": fmt})
         tok.save(tmp)

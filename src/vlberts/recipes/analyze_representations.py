@@ -188,7 +188,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     if not class_names or "obj_id" not in store.fields:
         raise VlbertsError("the store has no detector class names (metadata classes) and obj_id: instances are "
                            "phrases whose class the detector found", path=cfg.features)
-    store.require_ids_in_vocabulary("obj_id")  # a region's class is its name in class_names
+    store.vocabulary_ids("obj_id")  # checked: a region's class is its name in class_names
     images, bad = analysis_images(cfg, store)
     skipped = SkipCounts()
     captions = entity_captions(images, tok, cfg.max_text_len, skipped)

@@ -388,8 +388,7 @@ def check_store_labels(store: RegionStore | ShardCorpus, head_sizes: dict[str, i
     for ids in ("obj_id", "attr_id"):
         if ids not in reads or ids not in store.fields:
             continue
-        store.require_ids_in_vocabulary(ids)
-        misfit = labels_misfit({ids: store.box_column(ids)}, head_sizes, holder="model head")  # (B,) ids
+        misfit = labels_misfit({ids: store.vocabulary_ids(ids)}, head_sizes, holder="model head")  # (B,) ids
         if misfit is not None:
             message, row = misfit  # heads are sized from the store's vocabularies, when it has them
             message += ("; --init's heads are smaller than the store's vocabulary" if vocab[ids] is not None else

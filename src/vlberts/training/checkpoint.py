@@ -78,20 +78,21 @@ def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
         cfg = config_from_dict(meta["arch"], meta["config"])
     except VlbertsError as e:
         raise VlbertsError(e.message, path=directory / "config.json") from None
-    _require_vocab_fits(directory / "vocab.txt", cfg)
+    require_vocab_fits(directory / "vocab.txt", cfg)
     return cfg, meta
 
 
-def _require_vocab_fits(vocab: Path, cfg: Any) -> None:
-    """A vocab.txt with more tokens than the model has word embeddings is another model's vocabulary: its
-    extra tokens would index past the table. Fewer is allowed (tables padded to a multiple of 8 or 64)."""
+def require_vocab_fits(vocab: Path, cfg: Any, holder: str = "the model in config.json") -> None:
+    """A vocab.txt with more tokens than the model (`holder`, for the message) has word embeddings is another
+    model's vocabulary: its extra tokens would index past the table. Fewer is allowed (tables padded to a
+    multiple of 8 or 64). Model directories and `models import` alike."""
     size = getattr(cfg, "vocab_size", None)
     if size is None or not vocab.is_file():
         return
     with open(vocab, "rb") as f:
         tokens = sum(1 for _ in f)
     if tokens > size:
-        raise VlbertsError(f"holds {tokens} tokens but the model in config.json has {size} word embeddings "
+        raise VlbertsError(f"holds {tokens} tokens but {holder} has {size} word embeddings "
                            "(a vocabulary from another model?)", path=vocab)
 
 
