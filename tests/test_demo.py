@@ -134,13 +134,14 @@ def test_demo_runs_every_architecture_with_the_same_summary(tmp_path, arch):
     assert ("text-to-vision" in maps) == (arch in ("vilbert", "lxmert")), maps  # two-stream: cross-attention
     # An architecture's own demo settings (ARCH_DEMO) reach its runs and are printed; --pretrain_steps given wins.
     own = {"lxmert": {"pretrain_steps": 4, "mismatched_targets": "drop", "qa_loss": "kl"},
-           "vilbert": {"pretrain_steps": 4}, "vlbert": {"pretrain_steps": 4}, "wvisualbert": {"vqa_epochs": 0.2}}[arch]
+           "vilbert": {"pretrain_steps": 4}, "vlbert": {"pretrain_steps": 4}, "wvisualbert": {"vqa_epochs": 0.2, "vqa_batch": 32}}[arch]
     assert summary["arch_settings"] == own
     if own:
         assert f"{arch}'s demo settings: " + " ".join(f"--{k}={v}" for k, v in own.items()) in proc.stdout
     assert ("demo settings, in place of the shared defaults" in (out / "report.html").read_text()) == bool(own)
     pre, vqa = (json.loads((out / step / "run_config.json").read_text()) for step in ("pretrain", "vqa"))
     assert (pre["mismatched_targets"] == "drop" and vqa["loss"] == "kl") == (arch == "lxmert"), (pre, vqa)
+    assert vqa["batch_size"] == (32 if arch == "wvisualbert" else 64), vqa  # W-VisualBERT §4.1's batch
 
 
 def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare():
@@ -154,7 +155,7 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert (given.pretrain_steps, given.mismatched_targets, given.qa_loss) == (4000, "drop", "bce")
     assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
     assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
-    assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0)  # its §4.1
+    assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0, vqa_batch=32)  # §4.1
     # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate and 3 VQA epochs; given, the
     # rate wins.
     assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=3.0)
