@@ -125,7 +125,7 @@ ARCH_DEMO: dict[str, dict[str, Any]] = {
     "vilbert": {"pretrain_steps": 12000},
     "vlbert": {"pretrain_steps": 12000},
     # W-VisualBERT fine-tunes VQA for its paper's 8 epochs at its batch of 32 (§4.1). On a 2-core AVX2 CPU, from
-    # its demo checkpoint: 66.91, 76.81 and 71.99% at VQA seeds 0-2 (1.98-2.28x the majority answer), against
+    # its demo checkpoint: 66.91, 76.81, 71.99 and 70.42% at VQA seeds 0-3 (1.98-2.28x the majority answer), against
     # 60.40 and 60.14% at the shared batch of 64 (1.69x with the shared 4 epochs). Its pre-training never puts a
     # caption beside its image, and meets none of the other checks at any length tried (README, "Every
     # architecture's full demo").
