@@ -280,6 +280,17 @@ def test_build_is_deterministic_whatever_the_workers(tmp_path):
     assert set(meta["vocab"]["shapes"]) == set(SHAPES)
 
 
+def test_the_build_summary_names_every_data_set_it_wrote(tmp_path):
+    info = build_world(tmp_path / "w", n_images=12, seed=SEED)
+    written = {p.name for p in (tmp_path / "w").iterdir() if p.is_dir()} - {"images", "annotations", "vocab"}
+    names = {"vqa": "VQA v2", "gqa": "GQA", "nlvr2": "NLVR2", "vcr": "VCR", "refcoco+": "RefCOCO+",
+             "flickr30k_entities": "Flickr30K Entities", "parses": "CoNLL-U", "text": "text documents"}
+    assert written == set(names)  # a new export needs its name in the summary (and here)
+    summary = info.summary()
+    assert all(name in summary for name in names.values()), summary
+    assert f"{info.n_refcoco_refs} RefCOCO+ refs" in summary and info.n_refcoco_refs > 0
+
+
 def test_build_is_atomic_and_refuses_to_overwrite(tmp_path):
     out = _build(tmp_path, "w", n=20)
     with pytest.raises(VlbertsError, match="already exists"):
