@@ -69,7 +69,8 @@ class FinetuneConfig:
     batch_size: int = opt(64, "examples per micro-batch")
     grad_accum: int = opt(1, "micro-batches per update")
     lr: float = opt(5e-5, "peak learning rate")
-    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised head")
+    head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised head (its weights decayed "
+                              "as the body's, its biases and LayerNorms not)")
     warmup: float = opt(0.1, "fraction of updates spent warming up")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
@@ -179,12 +180,7 @@ def finetune_loop(
         compile_model(model, cfg.compile_mode)
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     steps = num_updates(cfg, len(data))
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    if cfg.head_lr_mult != 1.0:  # a separate group for the new head
-        head = [p for n, p in model.named_parameters() if n.startswith(tuple(head_prefixes))]
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if all(p is not h for h in head)]
-        optimizer.add_param_group({"params": head, "weight_decay": 0.0, "lr": cfg.lr * cfg.head_lr_mult})
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, head_prefixes=head_prefixes, head_lr_mult=cfg.head_lr_mult)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise

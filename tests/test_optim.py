@@ -1,0 +1,85 @@
+"""The optimizer every run builds (`training.optim`): BERT's weight-decay exclusions, the fine-tuning head's
+learning-rate groups, and the warm-up / decay schedule, against values written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vlberts.training.optim import build_optimizer, linear_warmup_decay
+
+
+class Tiny(nn.Module):
+    """A body (an embedding, a dense layer and a LayerNorm) and a head, with the decoder tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = nn.Embedding(10, 4)
+        self.dense = nn.Linear(4, 4)
+        self.LayerNorm = nn.LayerNorm(4)
+        self.decoder = nn.Linear(4, 10, bias=False)
+        self.decoder.weight = self.embeddings.weight  # tied: one parameter, listed once
+        self.classifier = nn.Sequential(nn.Linear(4, 3))
+        self.classifier.add_module("LayerNorm", nn.LayerNorm(3))
+
+
+def groups_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[float, float]]:
+    """parameter name -> (its group's lr, weight decay); every parameter in exactly one group."""
+    where = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            assert id(p) not in where, "a parameter in two groups"
+            where[id(p)] = (g["lr"], g["weight_decay"])
+    return {n: where[id(p)] for n, p in model.named_parameters()}  # named_parameters lists a tied one once
+
+
+def test_biases_and_layer_norms_are_not_decayed_and_tied_weights_are_stepped_once():
+    model = Tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.01)
+    assert len(opt.param_groups) == 2
+    assert groups_by_name(model, opt) == {
+        "embeddings.weight": (1e-3, 0.01), "dense.weight": (1e-3, 0.01), "dense.bias": (1e-3, 0.0),
+        "LayerNorm.weight": (1e-3, 0.0), "LayerNorm.bias": (1e-3, 0.0),
+        "classifier.0.weight": (1e-3, 0.01), "classifier.0.bias": (1e-3, 0.0),
+        "classifier.LayerNorm.weight": (1e-3, 0.0), "classifier.LayerNorm.bias": (1e-3, 0.0),
+    }
+    assert sum(len(g["params"]) for g in opt.param_groups) == 9  # the tied decoder weight is not a tenth
+
+
+def test_the_head_learns_faster_under_the_same_weight_decay_rule():
+    model = Tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.01, head_prefixes=("classifier.",), head_lr_mult=20.0)
+    assert [(g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [
+        (1e-3, 0.01, 2), (1e-3, 0.0, 3), (pytest.approx(2e-2), 0.01, 1), (pytest.approx(2e-2), 0.0, 3)]
+    by_name = groups_by_name(model, opt)
+    assert by_name["classifier.0.weight"] == (pytest.approx(2e-2), 0.01)  # decayed, as the body's weights
+    assert by_name["classifier.0.bias"] == (pytest.approx(2e-2), 0.0)
+    assert by_name["dense.weight"] == (1e-3, 0.01)
+    # A multiplier of 1 keeps the two body groups; prefixes that match nothing leave out the head's.
+    assert len(build_optimizer(model, 1e-3, head_prefixes=("classifier.",)).param_groups) == 2
+    assert len(build_optimizer(model, 1e-3, head_prefixes=("nothing.",), head_lr_mult=5.0).param_groups) == 2
+
+
+def lrs(warmup: int, total: int, base: float = 1.0, mult: float = 1.0) -> list[list[float]]:
+    """The lr of each group at updates 0..total, as a training loop sees them (step, then scheduler.step)."""
+    model = Tiny()
+    opt = build_optimizer(model, base, head_prefixes=("classifier.",), head_lr_mult=mult)
+    sched = linear_warmup_decay(opt, warmup, total)
+    out = []
+    for _ in range(total + 1):
+        out.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warm_up_then_linear_decay_to_zero():
+    # warm-up 4 of 10 updates: 1/4, 2/4, 3/4, 1, then (10 - k) / 6 for k = 4..10.
+    expected = [0.25, 0.5, 0.75, 1.0, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0]
+    assert [r[0] for r in lrs(4, 10)] == pytest.approx(expected)
+    assert [r[0] for r in lrs(0, 5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])  # no warm-up
+    # Every group follows the schedule from its own peak: the head at 20x.
+    head = lrs(4, 10, base=1e-3, mult=20.0)
+    assert [r[2] for r in head] == pytest.approx([20 * 1e-3 * f for f in expected])
+    assert [r[0] for r in head] == pytest.approx([1e-3 * f for f in expected])
