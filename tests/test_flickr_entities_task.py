@@ -39,6 +39,7 @@ from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.errors import BadRecords
 from vlberts.tasks.flickr_entities import (
     evaluate_predictions,
+    hits_at_k,
     positive_regions,
     rank_regions,
     score_regions,
@@ -92,6 +93,11 @@ def test_recall_upper_bound_and_union_rule_by_hand():
     assert cut.recall == {1: 0.0, 5: 25.0, 10: 50.0} and cut.upper_bound == 75.0
     with pytest.raises(VlbertsError, match="unknown iou_rule 'box'"):
         positive_regions(REGIONS, [R0], "box")
+    # R@K reads the first K ranked regions: a positive ranked exactly 5th is an R@5 hit, 10th an R@10 hit.
+    assert hits_at_k([True]) == {1: True, 5: True, 10: True}
+    assert hits_at_k([False] * 4 + [True]) == {1: False, 5: True, 10: True}
+    assert hits_at_k([False] * 9 + [True]) == {1: False, 5: False, 10: True}
+    assert hits_at_k([False] * 10 + [True]) == {1: False, 5: False, 10: False}
 
 
 class FakeStore:
