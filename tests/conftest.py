@@ -102,8 +102,7 @@ def random_init_dir(arch: str, pretrained: Path, out: Path) -> Path:
     visual_dim = json.loads((pretrained / "config.json").read_text())["config"]["visual_dim"]
     torch.manual_seed(0)
     cfg = model_config(arch, vocab_size=tok.vocab_size, visual_dim=visual_dim)
-    save_model_dir(out, build_pretraining_model(cfg), cfg)
-    tok.save(out)
+    save_model_dir(out, build_pretraining_model(cfg), cfg, tokenizer=tok)
     return out
 
 

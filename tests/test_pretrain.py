@@ -57,6 +57,31 @@ def test_interrupted_run_resumes_exactly(tiny_world, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_model_directory_is_finished_only_when_config_json_is_there(tiny_world, tmp_path, monkeypatch):
+    """A continued demo or comparison keeps a pre-training whose model/config.json exists, so config.json is
+    the last file written: interrupted while the final directory is written (here in its tokenizer files),
+    the run leaves no config.json, and the same command then finishes the directory."""
+    from vlberts.text.tokenizer import TextTokenizer
+
+    out = tmp_path / "run"
+    real_save = TextTokenizer.save
+
+    def interrupted(self, directory):
+        if Path(directory) == out / "model":
+            raise KeyboardInterrupt
+        real_save(self, directory)
+
+    monkeypatch.setattr(TextTokenizer, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(cfg_for(tiny_world, out))
+    assert not (out / "model" / "config.json").exists()
+    monkeypatch.setattr(TextTokenizer, "save", real_save)
+    assert pretrain(cfg_for(tiny_world, out)) == out / "model"
+    assert {"vocab.txt", "tokenizer_config.json", "model.safetensors", "config.json"} <= {
+        p.name for p in (out / "model").iterdir()}
+    assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == list(range(1, 9))  # nothing trained twice
+
+
 def test_resume_refuses_changed_settings(tiny_world, tmp_path):
     run = tmp_path / "run"
     pretrain(cfg_for(tiny_world, run, stop_after=4))

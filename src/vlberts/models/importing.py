@@ -116,6 +116,5 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     cfg = model.cfg
     require_vocab_fits(vocab_file, cfg, holder="the checkpoint")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_model_dir(tmp, model, cfg, extra={"imported_from": str(src), "import_format": fmt})
-        tok.save(tmp)
+        save_model_dir(tmp, model, cfg, extra={"imported_from": str(src), "import_format": fmt}, tokenizer=tok)
     return model, out

@@ -250,9 +250,7 @@ def finetune_loop(
     if step < steps:  # stopped by --stop_after, as if interrupted
         return None
     final = out / "model"
-    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main)
-    if dist.main and tokenizer is not None:
-        tokenizer.save(final)
+    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main, tokenizer=tokenizer)
     # Sharded, every rank now holds the whole model, so that each can predict its own slice of the
     # evaluation examples (any number of batches) with no collective in the forward.
     gather_for_inference(model)

@@ -690,9 +690,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     extra = {"trained_by": "pretrain", "steps": step}
     if qa is not None:  # the answer names of the image-QA head's rows (VQA fine-tuning can reuse them)
         extra["qa_answers"] = list(qa.answers.answers)
-    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main)  # every rank: gathered if sharded
-    if dist.main:
-        tok.save(final)
+    save_model_dir(final, model, model_cfg, extra=extra, write=dist.main, tokenizer=tok)  # every rank: gathered if sharded
     barrier(dist)
     return final
 

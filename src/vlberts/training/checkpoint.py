@@ -18,7 +18,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from vlberts.models.builders import arch_of, build_pretraining_model, config_fro
 from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
+
+if TYPE_CHECKING:
+    from vlberts.text.tokenizer import TextTokenizer
 
 FORMAT = "vlberts/1"
 
@@ -47,19 +50,26 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model_dir(
-    directory: str | Path, model: nn.Module, cfg: Any, extra: dict[str, Any] | None = None, *, write: bool = True
+    directory: str | Path, model: nn.Module, cfg: Any, extra: dict[str, Any] | None = None, *, write: bool = True,
+    tokenizer: TextTokenizer | None = None,
 ) -> None:
-    """Write `model.safetensors` + `config.json` into `directory` (each file atomically). Distributed, every
-    rank calls it and only `write` (rank 0) writes: a sharded model is gathered from all ranks first."""
+    """Write `model.safetensors` + `config.json` (and, given a `tokenizer`, its `vocab.txt` and
+    `tokenizer_config.json`) into `directory`, each file atomically and `config.json` last: a directory
+    with `config.json` is complete, which is how a continued demo or comparison tells a finished run (an
+    interruption between the files leaves none). Distributed, every rank calls it and only `write` (rank 0)
+    writes: a sharded model is gathered from all ranks first."""
     if not write and not is_sharded(model):
         return
     state = _unique_state(model)
     if write:
-        _write_model_dir(Path(directory), state, cfg, extra)
+        _write_model_dir(Path(directory), state, cfg, extra, tokenizer)
 
 
-def _write_model_dir(directory: Path, state: dict[str, torch.Tensor], cfg: Any, extra: dict[str, Any] | None) -> None:
+def _write_model_dir(directory: Path, state: dict[str, torch.Tensor], cfg: Any, extra: dict[str, Any] | None,
+                     tokenizer: TextTokenizer | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tokenizer.save(directory)
     with atomic_path(directory / "model.safetensors") as tmp:
         save_file(state, str(tmp), metadata={"format": FORMAT})
     write_json(directory / "config.json", {"format": FORMAT, "arch": arch_of(cfg), "config": to_dict(cfg), **(extra or {})})
