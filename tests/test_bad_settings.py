@@ -281,6 +281,20 @@ def test_an_output_path_that_is_a_file_is_one_line(tiny_world, tmp_path, capsys)
     assert code == 2 and str(tmp_path / "taken") in err and len(err.strip().splitlines()) == 1
 
 
+def test_an_output_path_under_a_file_names_the_file_in_the_way(tiny_world, tmp_path, capsys):
+    """`--out=notes.txt/run`: mkdir reports EEXIST (or ENOTDIR) naming only part of the path; the line says
+    which file is in the way, for a new run directory, a world and a region store alike."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a file")
+    expected = f"error: {notes}: is a file, where the output path needs a folder"
+    for args in (["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+                  "--model=visualbert-tiny", "--steps=2", "--batch_size=4", f"--out={notes / 'run'}"],
+                 ["world", "build", "--out", str(notes / "world"), "--images", "5"],
+                 ["extract", "--world", str(tiny_world.root), "--out", str(notes / "deep" / "x.h5")]):
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and err.strip() == expected, (args[0], err)
+
+
 def test_a_partly_labelled_evaluation_file_is_predicted_with_a_warning(tiny_world, tiny_pretrained, tmp_path, capsys):
     lines = nlvr2_file(tiny_world, "test1").read_text().splitlines()
     partly = tmp_path / "test1.json"

@@ -215,10 +215,10 @@ def test_the_peers_of_a_rank_that_failed_say_so_in_one_line(tiny_world, tmp_path
     (taken / "tokenizer").write_text("a file")
     proc = _torchrun(_pretrain_args(tiny_world, taken))
     worker_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert f"error: {taken / 'tokenizer'}: File exists" in worker_lines, proc.stderr[-3000:]
+    assert f"error: {taken / 'tokenizer'}: is a file, where the output path needs a folder" in worker_lines, proc.stderr[-3000:]
     # Rank 1 says so in one line (torchrun may also stop it first, with SIGTERM: then it says nothing).
     assert "[rank1]: Traceback" not in proc.stderr and "Connection closed by peer" not in proc.stderr
-    assert set(worker_lines) <= {f"error: {taken / 'tokenizer'}: File exists",
+    assert set(worker_lines) <= {f"error: {taken / 'tokenizer'}: is a file, where the output path needs a folder",
                                  "error: rank 1 stopped: another rank failed (its error is above)"}
 
 

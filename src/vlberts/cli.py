@@ -955,6 +955,18 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
+def _os_error_line(e: OSError) -> str:
+    """One line for an OSError on a path the user gave. A path that runs through a file ("--out=notes.txt/run")
+    fails as ENOTDIR or, in a mkdir of its parents, as EEXIST naming only the file: say which file is in the way."""
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and e.filename is not None:
+        path = Path(e.filename)
+        blocker = next((q for q in (path, *path.parents) if q.is_file()), None)
+        if blocker is not None and (blocker != path or e.errno == errno.EEXIST):
+            return f"{blocker}: is a file, where the output path needs a folder"
+    where = f"{e.filename}: " if e.filename is not None else ""
+    return f"{where}{e.strerror or e}"
+
+
 def _peer_failed(err: RuntimeError) -> bool:
     """A collective failed because another torchrun rank exited (after printing its own error): this rank's
     traceback would only bury that error. True only inside a process group."""
@@ -1030,8 +1042,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # missing or read-only folder, ...) or a full disk: their fix too, in one line. Anything else is a bug.
         if e.filename is None and e.errno not in _DISK_ERRNOS:
             raise
-        where = f"{e.filename}: " if e.filename is not None else ""
-        typer.echo(f"error: {where}{e.strerror or e}", err=True)
+        typer.echo(f"error: {_os_error_line(e)}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     except RuntimeError as e:
         if not _peer_failed(e):
