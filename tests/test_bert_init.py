@@ -195,6 +195,18 @@ def test_mismatches_are_one_line_errors_naming_the_keys(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(VlbertsError, match="no config.json"):
         init_text_from_bert(build_pretraining_model(visualbert_tiny(**VB)), tmp_path / "nowhere")
+    # A number written as a string in config.json is read as the number ("2" heads), as our configs read one;
+    # what is no number says so.
+    conf = json.loads((tmp_path / "config.json").read_text())
+    for value, outcome in (("2", None), ("two", "num_attention_heads='two': not a whole number"), ("4", "num_attention_heads=4 ")):
+        (tmp_path / "config.json").write_text(json.dumps({**conf, "num_attention_heads": value}))
+        model = build_pretraining_model(visualbert_tiny(**VB))
+        if outcome is None:
+            init_text_from_bert(model, tmp_path)
+        else:
+            with pytest.raises(VlbertsError, match=outcome):
+                init_text_from_bert(model, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
     # a tensor of integers would be cast into the float weights by the copy without a word; NaN copied
     from safetensors.torch import load_file, save_file
 

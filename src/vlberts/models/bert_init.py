@@ -266,6 +266,12 @@ def _check_config(bert: dict[str, Any], cfg: Any, path: Path) -> None:
          bert.get("position_embedding_type", "absolute"), "absolute"),
     ]
     for theirs, ours, a, b in checks:
+        if isinstance(a, str) and isinstance(b, (int, float)) and not isinstance(b, bool):
+            try:  # a number written as a string ("4"), read as our own configs read one
+                a = type(b)(a)
+            except ValueError:
+                kind = "whole number" if isinstance(b, int) else "number"
+                raise VlbertsError(f"BERT checkpoint has {theirs}={a!r}: not a {kind}", path=path) from None
         if a != b:
             raise VlbertsError(f"BERT checkpoint has {theirs}={a!r} but the model has {ours}={b!r}", path=path)
 
