@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vlberts.data.coco import read_caption_refs
-from vlberts.data.pretrain import MATCH, CaptionPretrainData, collate_pretrain, unpaired_view
+from vlberts.data.pretrain import MATCH, MISMATCH, CaptionPretrainData, collate_pretrain, unpaired_view
 from vlberts.data.batch import PretrainBatch
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
@@ -116,6 +116,22 @@ def _data(world, arch: str, **kw) -> tuple[CaptionPretrainData, TextTokenizer]:
     setup = region_setup(recipe, dict(weights), store, tok, with_tags=arch == "wvisualbert")
     data = CaptionPretrainData(caps, store, tok, pairs=False, seed=2, mismatch_prob=0.5, region_setup=setup, **kw)
     return data, tok
+
+
+def test_half_the_texts_are_the_images_own(tiny_world):
+    """VisualBERT §3.3: the second caption describes the image half of the time and is a random caption of
+    another image otherwise; ViLBERT's alignment and LXMERT's matching replace the one caption at
+    `mismatch_prob`. Counted over every example of 4 epochs."""
+    caps = read_caption_refs(str(tiny_world.captions_train))
+    store = RegionStore(tiny_world.store)
+    tok = TextTokenizer.train([c.text for c in caps], vocab_size=200)
+    for kw, matched_share in ((dict(pairs=True), 0.5), (dict(pairs=False, mismatch_prob=0.5), 0.5),
+                              (dict(pairs=False, mismatch_prob=0.2), 0.8), (dict(pairs=False), 1.0)):
+        data = CaptionPretrainData(caps, store, tok, seed=7, **kw)
+        labels = [data[(epoch, i)]["match"] for epoch in range(4) for i in range(len(data))]
+        share = labels.count(MATCH) / len(labels)
+        assert set(labels) <= {MATCH, MISMATCH}
+        assert abs(share - matched_share) < 3.5 * (0.25 / len(labels)) ** 0.5 + 1e-9, (kw, share, len(labels))
 
 
 def test_each_examples_lengths_are_those_of_its_batch_in_every_epoch(tiny_world):
