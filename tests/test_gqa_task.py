@@ -87,6 +87,20 @@ def test_gqa_targets_are_one_hot_on_the_exact_answer(tiny_world):
     assert not len(rare) and gqa_target(train[0], rare).dropped == (train[0].answer,)
 
 
+
+def test_gqa_answer_classes_by_hand():
+    """Answers given by at least `min_count` questions, most frequent first, ties alphabetical; answers are
+    normalised as GQA's evaluation compares them before they are counted."""
+    from vlberts.data.gqa import GQAExample
+
+    answers = ["yes", "no", "Yes", "left", "left", "red", "no", "yes"]  # yes 3, no 2, left 2, red 1
+    train = [GQAExample(str(i), "1", "q?", answer=a) for i, a in enumerate(answers)]
+    assert normalize_gqa_answer("Yes") == "yes"
+    assert build_answer_vocab(train, 1).answers == ("yes", "left", "no", "red")
+    assert build_answer_vocab(train, 2).answers == ("yes", "left", "no")  # exactly 2 is enough
+    assert build_answer_vocab(train, 3).answers == ("yes",)
+
+
 @pytest.fixture(scope="module")
 def lxmert_pretrained(tiny_world, tmp_path_factory) -> Path:
     return pretrain(PretrainConfig(
