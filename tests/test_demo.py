@@ -161,3 +161,23 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=3.0)
     assert resolve(DemoConfig(pretrain_lr=1e-3), explicit={"pretrain_lr"}).pretrain_lr == 1e-3
     assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture
+
+
+def test_the_four_checks_at_their_boundaries():
+    """The demo's [ok] lines (`html_report.phenomena`, printed and in report.html) on summaries made by hand:
+    each check holds at its threshold and fails just below it; the best layer must be above the middle."""
+    from vlberts.analysis.html_report import phenomena
+
+    def checks(**kw) -> list[bool]:
+        s = dict(mlm_visual_word_acc=45.0, mlm_visual_word_acc_regions_zeroed=20.0, vqa_accuracy=60.0,
+                 vqa_majority_baseline=30.0, grounding_best_head_acc=50.0, grounding_baseline_acc=25.0,
+                 grounding_best_layer=4, num_layers=6)
+        return [ok for _, ok in phenomena({**s, **kw})]
+
+    assert checks() == [True, True, True, True]  # every one exactly at its threshold: 25 points, 2x, 2x, layer 4 of 6
+    assert checks(mlm_visual_word_acc=44.99) == [False, True, True, True]
+    assert checks(vqa_accuracy=59.99) == [True, False, True, True]
+    assert checks(grounding_best_head_acc=49.99) == [True, True, False, True]
+    assert checks(grounding_best_layer=3) == [True, True, True, False]  # layer 3 of 6: the lower half
+    assert checks(grounding_best_layer=3, num_layers=5)[3] and not checks(grounding_best_layer=2, num_layers=5)[3]
+    assert checks(grounding_best_layer=2, num_layers=2)[3] and not checks(grounding_best_layer=1, num_layers=2)[3]
