@@ -83,3 +83,23 @@ def test_warm_up_then_linear_decay_to_zero():
     head = lrs(4, 10, base=1e-3, mult=20.0)
     assert [r[2] for r in head] == pytest.approx([20 * 1e-3 * f for f in expected])
     assert [r[0] for r in head] == pytest.approx([1e-3 * f for f in expected])
+
+
+def test_a_checkpoint_whose_optimizer_groups_differ_is_a_one_line_error(tmp_path):
+    """A run checkpointed with other parameter groups (e.g. before `--head_lr_mult` kept the head's weight
+    decay, one head group instead of two) cannot take its optimizer state: one error naming the checkpoint."""
+    from vlberts.errors import VlbertsError
+    from vlberts.models.builders import build_pretraining_model, visualbert_tiny
+    from vlberts.training.checkpoint import TrainState, restore_checkpoint, save_checkpoint
+
+    cfg = visualbert_tiny(vocab_size=50)
+    model = build_pretraining_model(cfg)
+    opt = build_optimizer(model, 1e-3)
+    ckpt = save_checkpoint(tmp_path, model=model, cfg=cfg, optimizer=opt, scheduler=linear_warmup_decay(opt, 1, 10),
+                           state=TrainState(step=1, data={}, extra={}))
+    same = build_optimizer(model, 1e-3)
+    assert restore_checkpoint(ckpt, model=model, optimizer=same, scheduler=linear_warmup_decay(same, 1, 10)).step == 1
+    other = build_optimizer(model, 1e-3, head_prefixes=("cls.",), head_lr_mult=5.0)
+    assert len(other.param_groups) == 4
+    with pytest.raises(VlbertsError, match=r"state\.json: the optimizer state does not fit this run's parameter groups"):
+        restore_checkpoint(ckpt, model=model, optimizer=other, scheduler=linear_warmup_decay(other, 1, 10))

@@ -286,7 +286,12 @@ def restore_checkpoint(
             for name, v in st.items():
                 if isinstance(v, torch.Tensor) and idx < len(params) and v.shape == params[idx].shape:
                     st[name] = shard_like(v, params[idx])
-    optimizer.load_state_dict(opt_state)
+    try:
+        optimizer.load_state_dict(opt_state)
+    except ValueError as e:  # other parameter groups: a checkpoint of another vlberts version or another model
+        raise VlbertsError(f"the optimizer state does not fit this run's parameter groups ({e}); the checkpoint was "
+                           "written by another version of vlberts or for another model: start the run in a new --out",
+                           path=path / "state.json") from None
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     set_rng_state({k: v for k, v in tensors.items() if k.startswith("rng.")}, meta["rng"])
