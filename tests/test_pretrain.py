@@ -57,6 +57,30 @@ def test_interrupted_run_resumes_exactly(tiny_world, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_torn_last_log_record_is_dropped_on_resume(tiny_world, tmp_path):
+    """Killed while appending a record, a run leaves a torn last line in metrics.jsonl; resuming drops it
+    (its step is after the last checkpoint) and the log ends as the uninterrupted run's."""
+    ref = tmp_path / "ref"
+    pretrain(cfg_for(tiny_world, ref))
+    run = tmp_path / "run"
+    assert pretrain(cfg_for(tiny_world, run, stop_after=5)) is None
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 6, "loss": 3.')  # the append cut short
+    assert [r["step"] for r in MetricsLog.read(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]  # reading skips it
+    assert pretrain(cfg_for(tiny_world, run)) == run / "model"
+    untimed = [{k: v for k, v in r.items() if k != "seconds"} for r in MetricsLog.read(run / "metrics.jsonl")]
+    assert untimed == [{k: v for k, v in r.items() if k != "seconds"} for r in MetricsLog.read(ref / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("text, line", [('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n', 2),
+                                        ('{"step": 1}\n[2]\n', 2), ('{"loss": 1.0}\n', 1)])
+def test_a_bad_log_line_before_the_last_is_an_error_naming_it(tmp_path, text, line):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    with pytest.raises(VlbertsError, match=rf"metrics.jsonl: line {line} is not"):
+        MetricsLog(path, resume_step=1)
+
+
 def test_model_directory_is_finished_only_when_config_json_is_there(tiny_world, tmp_path, monkeypatch):
     """A continued demo or comparison keeps a pre-training whose model/config.json exists, so config.json is
     the last file written: interrupted while the final directory is written (here in its tokenizer files),

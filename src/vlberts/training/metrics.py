@@ -2,6 +2,9 @@
 
 Each line is one record with a `step`. On resume, records after the checkpoint's step are dropped
 (their steps will be run again), so the log of a resumed run equals the log of an uninterrupted one.
+A run killed while appending a record leaves a torn last line (no newline at its end, not JSON); its step
+is after the last checkpoint (a record is logged before its step's checkpoint is written), so resuming
+drops it with the others and reading skips it. A bad line anywhere else is an error naming the line.
 
 With `tensorboard=True` (the recipes' `--tensorboard=true`; SPEC §6 "TensorBoard optional") every numeric
 field of every record is also written as a TensorBoard scalar under its JSONL name, at the record's step,
@@ -32,9 +35,9 @@ class MetricsLog:
         if resume_step is None:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept = [r for r in _records(self.path) if r["step"] <= resume_step]
             with atomic_open(self.path) as f:
-                f.writelines(line + "\n" for line in kept)
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         self.board = _summary_writer(self.path.parent / TENSORBOARD_DIR, resume_step) if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -54,9 +57,27 @@ class MetricsLog:
     @staticmethod
     def read(path: str | Path) -> list[dict[str, Any]]:
         path = Path(path)
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        return _records(path) if path.exists() else []
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics log, less a torn last line (see the module docstring)."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")  # the last item is "" when the file ends with a newline, the torn line if not
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # no newline after it: an append cut short
+                break
+            raise VlbertsError(f"line {n} is not JSON (a metrics log has one JSON record per line)", path=path) from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise VlbertsError(f"line {n} is not a record with a whole-number 'step'", path=path)
+        records.append(record)
+    return records
 
 
 def _summary_writer(directory: Path, resume_step: int | None) -> Any:
