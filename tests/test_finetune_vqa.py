@@ -55,6 +55,33 @@ def test_finetune_writes_model_predictions_and_metrics(tiny_world, tiny_pretrain
     assert model.classifier.out_features == len(vocab) == metrics["num_answers"]
 
 
+def test_a_fixed_answer_table_sets_the_classes_and_their_order(tiny_world, tiny_pretrained, tmp_path):
+    """--answer_vocab (LXMERT's trainval_ans2label.json form): the table's classes in its index order, answers
+    the training set gives rarely (or never) included, min_answer_count unused; an empty table is an error."""
+    from vlberts.tasks.vqa import build_answer_vocab, normalize_answer
+    from vlberts.data.vqa import read_vqa
+
+    tq, ta = tiny_world.vqa("train")
+    counted = build_answer_vocab(read_vqa(tq, ta), min_count=2).answers
+    table = [*reversed(counted[:6]), "an answer nobody gives"]  # not the counted order, one never a target
+    (tmp_path / "ans2label.json").write_text(json.dumps({a: i for i, a in enumerate(table)}))
+    out = tmp_path / "vqa"
+    final = finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, out, epochs=0.25, min_answer_count=10**6,
+                                 answer_vocab=str(tmp_path / "ans2label.json")))
+    model, vocab, _ = load_vqa_model(final)
+    assert list(vocab.answers) == table and model.classifier.out_features == len(table)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["num_answers"] == len(table)
+    # the training questions whose answers are none of the table's classes are counted
+    expected = sum(1 for ex in read_vqa(tq, ta) if not {normalize_answer(a) for a in ex.answers} & set(table))
+    assert metrics["train_questions_without_target"] == expected > 0
+    assert {p["answer"] for p in json.loads((out / "predictions.json").read_text())} <= set(table)
+
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(VlbertsError, match=r"empty.json: the answer table is empty"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "e", answer_vocab=str(tmp_path / "empty.json")))
+
+
 def test_finetune_resume_equals_uninterrupted(tiny_world, tiny_pretrained, tmp_path):
     """Also with the first part's batches drawn ahead in a thread (`--prefetch`, a GPU's default): the same run."""
     finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref"))

@@ -49,7 +49,7 @@ from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
-from vlberts.tasks.vqa import AnswerVocab, vqa_bce_loss, vqa_kl_loss
+from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
 from vlberts.training.distributed import DistInfo, barrier, merge_over_ranks
@@ -84,6 +84,10 @@ class FinetuneQAConfig(FinetuneConfig):
     eval_questions: str = opt("", "questions json to predict and score after training (optional)")
     out: str = opt("runs/qa", "run directory")
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes")
+    answer_vocab: str = opt("", "a fixed answer table instead of the one counted from the training answers: a JSON "
+                                "list of answers (class i = item i) or an {answer: index} object, e.g. LXMERT's "
+                                "trainval_ans2label.json (VQA v2's 3,129, counted over train+val); min_answer_count "
+                                "is then unused")
     loss: str = opt("auto", "auto (the architecture's paper: kl for VisualBERT, bce for the others), bce (BCE x answers) or kl")
     max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
@@ -244,7 +248,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
 
     bad = BadRecords(skip=cfg.skip_bad)
     train, eval_examples = task.read(cfg, bad)
-    vocab = task.answer_vocab(train, cfg.min_answer_count)
+    vocab = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
                            path=getattr(cfg, task.answers_field))

@@ -3,7 +3,8 @@
 The shared answer-classifier fine-tuning (`recipes.finetune_qa`: the head of each architecture, the
 loss, the loop, prediction) with VQA's part of it (`VQA`): training reads VQA v2 questions +
 annotations and a region store; the answer vocabulary is built from the training answers (answers
-given by at least `min_answer_count` questions; 9 gives VQA v2's 3,129); targets are the VQA soft
+given by at least `min_answer_count` questions; 9 over train+val gives VQA v2's 3,129), or read from a
+fixed table (`answer_vocab`, e.g. LXMERT's trainval_ans2label.json); targets are the VQA soft
 scores; after training the model predicts the evaluation questions, writes them in the official
 results format, and scores them with the official VQA accuracy next to the majority-answer baseline.
 
@@ -44,7 +45,9 @@ from vlberts.text.tokenizer import TextTokenizer
 class FinetuneVQAConfig(FinetuneQAConfig):
     train_questions: str = opt("", "VQA v2 questions json of the training split")
     out: str = opt("runs/vqa", "run directory")
-    min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 gives VQA v2's 3129)")
+    min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 over VQA v2 train+val "
+                                        "gives the 3,129 of LXMERT and ViLBERT; over train alone fewer: for theirs, "
+                                        "--answer_vocab=trainval_ans2label.json)")
     train_annotations: str = opt("", "VQA v2 annotations json of the training split")
     eval_annotations: str = opt("", "annotations json of the evaluation questions (optional; scores them)")
 

@@ -371,6 +371,8 @@ def read_answer_vocab(path: str | Path) -> AnswerVocab:
         raise VlbertsError("expected a JSON list of answers or an {answer: index} object", path=path)
     if len(set(answers)) != len(answers):
         raise VlbertsError("answer vocabulary has duplicate entries", path=path)
+    if not answers:
+        raise VlbertsError("the answer table is empty", path=path)
     return AnswerVocab(tuple(answers))
 
 
