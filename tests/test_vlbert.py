@@ -299,3 +299,23 @@ def test_checkpoint_round_trip(tmp_path):
     assert cfg2 == cfg
     x = _inputs()
     torch.testing.assert_close(loaded.eval()(x).mlm_logits, model(x).mlm_logits)
+
+
+@pytest.mark.parametrize("task", ["VQA", "RefCOCO+", "VCR", "NLVR2", "Flickr30K Entities", "retrieval"])
+def test_every_task_model_refuses_an_end_to_end_vlbert_up_front(task):
+    """Fine-tuning reads stored region features: an end-to-end VL-BERT is one line naming the task when its
+    task model is built, not an error from the first forward pass (VQA's was a bare ValueError there)."""
+    from vlberts.errors import VlbertsError
+    from vlberts.models.builders import vlbert_e2e_tiny
+    from vlberts.models.flickr_entities import FlickrEntitiesModel
+    from vlberts.models.nlvr2 import NLVR2Model
+    from vlberts.models.refcoco import RefCocoModel
+    from vlberts.models.retrieval import RetrievalModel
+    from vlberts.models.vcr import VCRModel
+    from vlberts.models.vlbert import VLBertForVQA
+
+    build = {"VQA": lambda c: VLBertForVQA(c, 5), "RefCOCO+": RefCocoModel, "VCR": VCRModel,
+             "NLVR2": lambda c: NLVR2Model(c, "pair"), "Flickr30K Entities": FlickrEntitiesModel,
+             "retrieval": RetrievalModel}[task]
+    with pytest.raises(VlbertsError, match=rf"^{task}.* reads stored region features; an end-to-end VL-BERT"):
+        build(vlbert_e2e_tiny())

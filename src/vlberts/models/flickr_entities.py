@@ -33,9 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.data.batch import TagInputs, VLInputs
-from vlberts.errors import VlbertsError
 from vlberts.models.blocks import init_bert_weights
 from vlberts.models.encoders import VLEncoder
+from vlberts.models.vlbert import require_region_features
 
 
 class PhraseRegionAttention(nn.Module):
@@ -75,9 +75,7 @@ class FlickrEntitiesModel(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        if getattr(cfg, "end_to_end", False):
-            raise VlbertsError("Flickr30K Entities fine-tuning reads stored region features; an end-to-end VL-BERT "
-                               "(end_to_end=true) needs image pixels, which this task does not load")
+        require_region_features(cfg, "Flickr30K Entities fine-tuning")
         self.cfg = cfg
         self.encoder = VLEncoder(cfg)
         self.alignment = PhraseRegionAttention(self.encoder.hidden_size, self.encoder.vision_size, cfg.num_heads)

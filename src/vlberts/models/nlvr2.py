@@ -48,6 +48,7 @@ from vlberts.errors import VlbertsError
 from vlberts.models.blocks import init_bert_weights
 from vlberts.models.builders import arch_of
 from vlberts.models.encoders import VLEncoder
+from vlberts.models.vlbert import require_region_features
 
 DEFAULT_ENCODING = {"visualbert": "joint", "lxmert": "pair", "vilbert": "pair", "vlbert": "pair", "wvisualbert": "pair"}
 JOINT_ARCHS = ("visualbert",)  # architectures with a visual segment embedding (module docstring)
@@ -65,9 +66,7 @@ def resolve_encoding(cfg: Any, encoding: str = "auto") -> str:
     if enc == "joint" and cfg.type_vocab_size < 2:
         raise VlbertsError(f"the joint encoding needs two visual segments, the config has type_vocab_size "
                            f"{cfg.type_vocab_size}")
-    if getattr(cfg, "end_to_end", False):
-        raise VlbertsError("an end-to-end VL-BERT reads image pixels, which NLVR2 fine-tuning does not load; "
-                           "use a model on precomputed region features")
+    require_region_features(cfg, "NLVR2 fine-tuning")
     return enc
 
 

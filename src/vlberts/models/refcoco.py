@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.batch import TagInputs, VLInputs
-from vlberts.errors import VlbertsError
 from vlberts.models.blocks import init_bert_weights
 from vlberts.models.encoders import VLEncoder
+from vlberts.models.vlbert import require_region_features
 
 
 class LinearRegionScorer(nn.Module):
@@ -83,9 +83,7 @@ class RefCocoModel(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        if getattr(cfg, "end_to_end", False):
-            raise VlbertsError("RefCOCO+ fine-tuning reads stored region features; an end-to-end VL-BERT "
-                               "(end_to_end=true) needs image pixels, which this task does not load")
+        require_region_features(cfg, "RefCOCO+ fine-tuning")
         self.cfg = cfg
         self.encoder = VLEncoder(cfg)
         self.head = SCORERS[self.encoder.arch]

@@ -50,9 +50,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.batch import TagInputs, VLInputs
-from vlberts.errors import VlbertsError
 from vlberts.models.blocks import init_bert_weights
 from vlberts.models.encoders import VLEncoder
+from vlberts.models.vlbert import require_region_features
 from vlberts.objectives.recipe import RECIPES
 
 # architecture -> its caption layout (module docstring)
@@ -80,9 +80,7 @@ class RetrievalModel(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        if getattr(cfg, "end_to_end", False):
-            raise VlbertsError("retrieval reads stored region features; an end-to-end VL-BERT (end_to_end=true) "
-                               "needs image pixels, which this task does not load")
+        require_region_features(cfg, "retrieval")
         self.cfg = cfg
         self.encoder = VLEncoder(cfg)
         self.arch = self.encoder.arch

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from vlberts.data.vcr import NUM_CHOICES
 from vlberts.data.vcr_dataset import JOIN, VCRBatch
-from vlberts.errors import VlbertsError
 from vlberts.models.blocks import init_bert_weights
 from vlberts.models.encoders import VLEncoder
+from vlberts.models.vlbert import require_region_features
 
 
 class VCRModel(nn.Module):
@@ -41,9 +41,7 @@ class VCRModel(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        if getattr(cfg, "end_to_end", False):
-            raise VlbertsError("VCR here reads stored region features; an end-to-end VL-BERT (end_to_end=true) "
-                               "needs image pixels, which this task does not load")
+        require_region_features(cfg, "VCR fine-tuning")
         self.cfg = cfg
         self.encoder = VLEncoder(cfg)
         self.arch = self.encoder.arch

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,7 @@ from vlberts.models.blocks import (
     key_bias,
     selected_text,
 )
+from vlberts.errors import VlbertsError
 from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
 
 # Released code `coordinate_embeddings`: normalised coordinates are scaled by 100 and divided by
@@ -382,6 +383,14 @@ class VLBertForPreTraining(nn.Module):
         )
 
 
+def require_region_features(cfg: Any, task: str) -> None:
+    """Fine-tuning reads stored region features: an end-to-end VL-BERT (its CNN and RoIAlign in the model, fed
+    image pixels) is refused up front, naming the task, for every task model and the analyses alike."""
+    if getattr(cfg, "end_to_end", False):
+        raise VlbertsError(f"{task} reads stored region features; an end-to-end VL-BERT (end_to_end=true) needs "
+                           "image pixels, which this task does not load: use a model on precomputed region features")
+
+
 # Released VQA config (`CLASSIFIER_TYPE: 2fc`, `CLASSIFIER_HIDDEN_SIZE: 2048`): the answer MLP's width.
 VQA_CLASSIFIER_HIDDEN = 2048
 
@@ -401,6 +410,7 @@ class VLBertForVQA(nn.Module):
 
     def __init__(self, cfg: VLBertConfig, num_answers: int):
         super().__init__()
+        require_region_features(cfg, "VQA fine-tuning")
         self.cfg = cfg
         self.bert = VLBertModel(cfg)
         H = VQA_CLASSIFIER_HIDDEN
