@@ -12,6 +12,7 @@ import pytest
 from vlberts.analysis.boxes import box_iou
 from vlberts.analysis.grounding import GroundingEntity, GroundingInput, GroundingOptions
 from vlberts.analysis.syntactic import (
+    PAPER_TABLE2,
     Arc,
     ParseMismatch,
     SyntacticAccumulator,
@@ -155,6 +156,10 @@ def test_accuracies_per_relation_head_and_direction():
     assert rows == [("det", 4, 0.5, "1-1", 1.0), ("nsubj", 1, 0.0, "1-1", 1.0), ("pobj", 1, 1.0, "2-1", 1.0)]
     assert [r.relation for r in res.table2(2)] == ["det", "nsubj"]
     assert [r.relation for r in res.table2(1, directions=True)] == ["det (dep->head)"]
+    # The paper's ten relations in its order, those scored here, whatever their frequency; k does not cut them.
+    assert [r.relation for r in res.table2(1, relations=PAPER_TABLE2)] == ["det", "pobj", "nsubj"]
+    assert [r.relation for r in res.table2(relations=("pobj", "prep", "det"), directions=True)] == [
+        "pobj (head->dep)", "det (dep->head)", "det (head->dep)"]
 
 
 def test_token_option_and_iou_rule_are_those_of_entity_grounding():
@@ -265,6 +270,8 @@ def test_recipe_writes_table2_and_figure4_and_matches_a_brute_force_count(tiny_w
     assert {"det", "amod", "nsubj", "pobj"} <= set(syn["counts"])
     assert len(syn["table2"]) == min(10, len(syn["counts"]))
     assert [r["relation"] for r in syn["table2"]] == list(syn["counts"])[: len(syn["table2"])]
+    assert [r["relation"] for r in syn["table2_paper_relations"]] == [r for r in PAPER_TABLE2 if r in syn["counts"]]
+    assert "### The paper's ten relations" in (out / "grounding.md").read_text()
     for name, r in syn["relations"].items():  # pooled = sum of its directions
         parts = [v["n_instances"] for k, v in syn["by_direction"].items() if k.startswith(name + " (")]
         assert r["n_instances"] == sum(parts) > 0

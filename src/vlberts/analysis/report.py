@@ -8,11 +8,13 @@ escaped; Markdown free text has its table-breaking characters escaped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jinja2
 import numpy as np
 
 from vlberts.analysis.grounding import GroundingResult, HeadScore
-from vlberts.analysis.syntactic import SyntacticResult
+from vlberts.analysis.syntactic import PAPER_TABLE2, SyntacticResult
 
 
 def best_heads(result: GroundingResult, k: int = 10, *, active_only: bool = False) -> list[HeadScore]:
@@ -131,7 +133,8 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
     return "\n".join(lines) + "\n"
 
 
-def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = False) -> str:
+def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = False,
+                    relations: Sequence[str] | None = None) -> str:
     """The paper's Table 2 as Markdown: relation, number of instances, baseline (%), best head's
     accuracy (%), best head (<layer>-<head>). A head marked "(inactive)" is the best of a relation for
     which no head is active (Table 2 lists active heads only; see `Table2Row`)."""
@@ -139,7 +142,7 @@ def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = 
         "| type | instances | baseline (%) | accuracy (%) | head |",
         "|:---|---:|---:|---:|:---|",
     ]
-    for row in result.table2(k, directions=directions):
+    for row in result.table2(k, directions=directions, relations=relations):
         head = row.head.label + ("" if row.head.active else " (inactive)")
         lines.append(f"| {md_text(row.relation)} | {row.count} | {_pct(row.baseline)} | {_pct(row.head.accuracy)} | {head} |")
     return "\n".join(lines) + "\n"
@@ -172,5 +175,11 @@ def syntactic_summary_markdown(result: SyntacticResult, k: int = 10, *, title: s
         "### Per direction",
         "",
         table2_markdown(result, k, directions=True),
+        "### The paper's ten relations (both directions)",
+        "",
+        "The relations the paper's Table 2 lists (the ten most common in its Flickr30K parses), those with scored "
+        f"instances here: {', '.join(r for r in PAPER_TABLE2 if r in result.relations) or 'none'}.",
+        "",
+        table2_markdown(result, k, relations=PAPER_TABLE2),
     ]
     return "\n".join(lines)

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlberts.analysis.syntactic import PAPER_TABLE2
 from vlberts.world.relations import Geometry, Referents, scene_geometry, scene_referents, values_of
 from vlberts.world.scene import Scene
 from vlberts.world.vocab import NUMBER_WORDS, RELATION_WORDS, SHAPE_PLURALS
 
-STANFORD_TABLE2 = ("det", "pobj", "amod", "nsubj", "prep", "dobj", "punct", "partmod", "nn", "num")
+STANFORD_TABLE2 = PAPER_TABLE2  # the world's parses hold every relation the paper's Table 2 lists
 SCENE_LOCAL_ID = 10
 FIRST_GROUP_LOCAL_ID = 11
 CHAIN_FACTOR = 100  # chain id = image_id * CHAIN_FACTOR + local id
