@@ -13,7 +13,8 @@ peteanderson80/bottom-up-attention `tools/generate_tsv.py`, for every image:
 So a RoI's confidence is its best score over the classes in which it survives NMS: a duplicate
 box around an already-kept object loses that class and keeps only its (low) other scores.
 Papers' policies: fixed 36 (min = max = 36, LXMERT, ViLBERT), 10-36 above threshold (VisualBERT,
-BUTD), 10-100 (BUTD adaptive, VL-BERT), 144 (VL-BERT's Conceptual Captions fallback).
+BUTD), 10-100 (BUTD adaptive, VL-BERT), and VisualBERT's NLVR2 features: 150 Detectron boxes an image of
+which its loader keeps the first 144 (`image_feature_cap`; here `--max_regions=144` on a store of them).
 
 Order: BUTD keeps RoI-index order when the count is between MIN and MAX and confidence order
 otherwise. `order="confidence"` (our default) sorts every image by confidence, descending, so that
