@@ -778,6 +778,9 @@ def models_import(
     from vlberts.models.importing import import_model
 
     model, path = import_model(src, format, out, vocab=vocab, config=config, overwrite=overwrite)
+    if getattr(model, "left_out_head", None):
+        typer.echo(f"left out: {model.left_out_head} (no place for it in the pre-training model; config.json's "
+                   "left_out)")
     n = sum(p.numel() for p in model.parameters())
     typer.echo(f"imported {src} ({format}) as {arch_of(model.cfg)}, {model.cfg.describe()}, {n / 1e6:.1f}M "
                f"parameters: wrote {path}")

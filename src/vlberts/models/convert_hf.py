@@ -5,6 +5,37 @@ Our parameter names follow BERT's, so the map is short: HF's `visual_bert.` pref
 is dropped because ours is tied too. Works for checkpoints saved by `save_pretrained`
 (`config.json` + `model.safetensors` or `pytorch_model.bin`).
 
+The rename table, applied in order to every key of the file:
+
+| # | Hugging Face key                                   | vlberts key                                   |
+|---|----------------------------------------------------|-----------------------------------------------|
+| 1 | `visual_bert.`                                     | `bert.`                                       |
+| 2 | `embeddings.` / `encoder.` / `pooler.` (bare model) | `bert.embeddings.` / `bert.encoder.` / ...    |
+| 3 | `cls.predictions.decoder.{weight,bias}`            | dropped: tied to the word embeddings / `cls.predictions.bias` |
+| 4 | `*.position_ids` (saved by old versions)           | dropped: not a parameter                      |
+| 5 | `cls.predictions.`, `cls.seq_relationship.`        | unchanged                                     |
+
+`load_hf_visualbert` reads what each HF class holds into our `VisualBertForPreTraining`:
+
+| HF class (config.json `architectures`) | encoder | MLM + sentence-image heads | task head, left out           |
+|----------------------------------------|---------|----------------------------|-------------------------------|
+| `VisualBertModel`                      | loaded  | freshly initialised        | -                             |
+| `VisualBertForPreTraining`             | loaded  | loaded                     | -                             |
+| `VisualBertForQuestionAnswering`       | loaded  | freshly initialised        | `cls.weight`, `cls.bias` (answers) |
+| `VisualBertForVisualReasoning`         | loaded  | freshly initialised        | `cls.weight`, `cls.bias` (NLVR2) |
+| `VisualBertForMultipleChoice`          | loaded  | freshly initialised        | `cls.weight`, `cls.bias` (1 score) |
+| `VisualBertForRegionToPhraseAlignment` | loaded  | loaded (HF keeps them)     | `attention.{query,key,value}.{weight,bias}` |
+
+A task head is recognised by its keys and, when config.json lists `architectures` (save_pretrained writes
+it), by that class too: the three classifiers share their names, and a head that is not the listed class's
+is an error. The model's `left_out_head` says which head was left out (None when none was), and
+`vlberts models import` records it in the written config.json (`left_out`) and prints it. Any other missing,
+unexpected or mis-shaped key is a `VlbertsError` naming the first offending keys.
+
+`VisualBertForQuestionAnswering`'s head is our `VisualBertForVQA`'s (dropout + linear on the [MASK] before
+[SEP]; HF reads text position `attention_mask.sum(1) - 2`): `load_hf_visualbert_vqa` loads encoder and
+classifier (`cls.` -> `classifier.`), with as many answers as `cls.weight` has rows.
+
 LXMERT's converter lives in `convert_hf_lxmert.py` (its rename table is longer); `load_hf_lxmert` is
 re-exported here so that every Hugging Face loader is reachable from this module.
 """
@@ -17,8 +48,8 @@ from vlberts.errors import VlbertsError
 from vlberts.config import from_dict
 from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
-from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining
-from vlberts.models.weights import load_into, read_state_dict, rename_keys
+from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining, VisualBertForVQA
+from vlberts.models.weights import load_into, read_state_dict, rename_key, rename_keys
 
 HF_VISUALBERT_RULES = [
     (r"^visual_bert\.", "bert."),
@@ -29,6 +60,22 @@ HF_VISUALBERT_RULES = [
 ]
 
 _HEAD_PREFIX = "cls."
+_PRETRAINING_HEADS = ("cls.predictions.", "cls.seq_relationship.")
+_CLASSIFIER = ("cls.weight", "cls.bias")
+# HF's fine-tuned classes -> (the keys of their task head, which our pre-training model has no place for;
+# what the head is). The three classifiers share their names: config.json's `architectures` tells them apart.
+HF_VISUALBERT_TASK_HEADS: dict[str, tuple[tuple[str, ...], str]] = {
+    "VisualBertForQuestionAnswering": (_CLASSIFIER, "answer classifier on the [MASK] before [SEP]"),
+    "VisualBertForVisualReasoning": (_CLASSIFIER, "NLVR2 classifier on the pooled output"),
+    "VisualBertForMultipleChoice": (_CLASSIFIER, "choice scorer on the pooled output"),
+    "VisualBertForRegionToPhraseAlignment": (
+        tuple(f"attention.{m}.{p}" for m in ("query", "key", "value") for p in ("weight", "bias")),
+        "region-to-phrase attention",
+    ),
+}
+_TASK_KEYS = {k for keys, _ in HF_VISUALBERT_TASK_HEADS.values() for k in keys}
+# HF classes whose files hold the MLM and sentence-image heads
+_WITH_PRETRAINING_HEADS = ("VisualBertForPreTraining", "VisualBertForRegionToPhraseAlignment")
 
 
 def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> VisualBertConfig:
@@ -61,21 +108,104 @@ def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> 
     return from_dict(VisualBertConfig, settings, where=where)
 
 
-def load_hf_visualbert(path: str | Path) -> VisualBertForPreTraining:
-    """Load a HF `VisualBertModel` or `VisualBertForPreTraining` checkpoint directory.
+def _architectures(hf: dict, where: str) -> list[str] | None:
+    """config.json's `architectures` (the HF classes save_pretrained wrote it from), or None when absent."""
+    archs = hf.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise VlbertsError(f"{where}: architectures: expected a list of class names, got {archs!r}")
+    return archs
 
-    A bare `VisualBertModel` has no pre-training heads; those stay freshly initialised.
+
+def _read(path: Path) -> tuple[VisualBertConfig, list[str] | None, dict, dict[str, str]]:
+    """config.json (translated, and its architectures) and the renamed weights with their names in the file."""
+    where = str(path / "config.json")
+    hf = read_json_object(path / "config.json")
+    cfg = visualbert_config_from_hf(hf, where=where)
+    raw = read_state_dict(path)
+    names = {rename_key(k, HF_VISUALBERT_RULES): k for k in raw}
+    return cfg, _architectures(hf, where), rename_keys(raw, HF_VISUALBERT_RULES), names
+
+
+def _task_head(sd: dict, archs: list[str] | None, cfg: VisualBertConfig, path: Path) -> tuple[list[str], str | None]:
+    """The keys of the task head `sd` holds and what it is (None: no task head). With `architectures`, the
+    head must be that class's; without, its keys must be one class's whole head, or they stay unexpected."""
+    present = sorted(k for k in sd if k in _TASK_KEYS)
+    if archs is not None:
+        listed = [a for a in archs if a in HF_VISUALBERT_TASK_HEADS]
+        expected = set(HF_VISUALBERT_TASK_HEADS[listed[0]][0]) if listed else set()
+        missing, extra = sorted(expected - set(sd)), sorted(set(present) - expected)
+        if missing or extra:
+            problems = ([f"missing keys: {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected keys: {', '.join(extra)}"] if extra else [])
+            raise VlbertsError(f"the task head does not fit config.json's architectures {archs}; "
+                               + "; ".join(problems), path=path)
+        classes = listed[:1]
+    else:
+        classes = [a for a, (keys, _) in HF_VISUALBERT_TASK_HEADS.items() if set(keys) == set(present)]
+    if not present or not classes:
+        return [], None
+    # the head reads the encoder's hidden states: a weight of another width is another model's
+    weights = [k for k in present if k.endswith("weight")]
+    bad = [f"{k} {tuple(sd[k].shape)}, {k[:-6]}bias {tuple(sd[k[:-6] + 'bias'].shape)}" for k in weights
+           if sd[k].ndim != 2 or sd[k].shape[1] != cfg.hidden_size or sd[k[:-6] + "bias"].shape != sd[k].shape[:1]]
+    if bad:
+        raise VlbertsError(f"weights do not fit the model; shape mismatch: {', '.join(bad)} (the task head reads "
+                           f"hidden size {cfg.hidden_size})", path=path)
+    keys = ", ".join(HF_VISUALBERT_TASK_HEADS[classes[0]][0])
+    if classes[0] == "VisualBertForRegionToPhraseAlignment":
+        return present, f"VisualBertForRegionToPhraseAlignment's region-to-phrase attention ({keys})"
+    n = sd["cls.weight"].shape[0]
+    outputs = f"{keys}: {n} output{'s' if n != 1 else ''}"
+    if archs is None:  # only the architectures tell the three classifiers apart
+        return present, (f"a task classifier ({outputs}) of {', '.join(classes[:-1])} or {classes[-1]} (config.json "
+                         "names no architecture)")
+    name = classes[0]
+    vqa = "; load_hf_visualbert_vqa loads it" if name == "VisualBertForQuestionAnswering" else ""
+    return present, f"{name}'s {HF_VISUALBERT_TASK_HEADS[name][1]} ({outputs}{vqa})"
+
+
+def load_hf_visualbert(path: str | Path) -> VisualBertForPreTraining:
+    """Load a HF `VisualBertModel`, `VisualBertForPreTraining` or fine-tuned task checkpoint directory
+    (the table in the module docstring).
+
+    Pre-training heads the file does not hold stay freshly initialised. A task head is left out, and the
+    model's `left_out_head` says which (None: none was).
     """
     path = Path(path)
-    cfg = visualbert_config_from_hf(read_json_object(path / "config.json"), where=str(path / "config.json"))
+    cfg, archs, sd, names = _read(path)
     model = VisualBertForPreTraining(cfg)
-    sd = rename_keys(read_state_dict(path), HF_VISUALBERT_RULES)
-    has_heads = any(k.startswith(_HEAD_PREFIX) for k in sd)
+    head_keys, left_out = _task_head(sd, archs, cfg, path)
+    sd = {k: v for k, v in sd.items() if k not in head_keys}
+    # the MLM and sentence-image heads: all or none (cls.weight, a task classifier, is not one of them)
+    has_heads = any(k.startswith(_PRETRAINING_HEADS) for k in sd) or bool(set(archs or ()) & set(_WITH_PRETRAINING_HEADS))
     load_into(
         model,
         sd,
         source=path,
         allow_missing=(lambda k: k.startswith(_HEAD_PREFIX)) if not has_heads else (lambda k: False),
+        file_names=names,
     )
     model.tie_weights()
+    model.left_out_head = left_out
+    return model
+
+
+def load_hf_visualbert_vqa(path: str | Path) -> VisualBertForVQA:
+    """Load a HF `VisualBertForQuestionAnswering` checkpoint directory, encoder and answer classifier, as our
+    `VisualBertForVQA` (the same head: HF's `attention_mask.sum(1) - 2` is the [MASK] of `[CLS] question
+    [MASK] [SEP]`, our `answer_pos`); the number of answers is `cls.weight`'s rows. A config.json that lists
+    another architecture is an error; one that lists none is taken at its keys' word."""
+    path = Path(path)
+    cfg, archs, sd, names = _read(path)
+    if archs is not None and "VisualBertForQuestionAnswering" not in archs:
+        raise VlbertsError(f"{path / 'config.json'}: architectures {archs}: not a VisualBertForQuestionAnswering "
+                           "checkpoint (load_hf_visualbert loads its encoder)")
+    weight = sd.get("cls.weight")
+    if weight is None or weight.ndim != 2:
+        raise VlbertsError("no answer classifier (cls.weight, 2-d) in the weights: not a "
+                           "VisualBertForQuestionAnswering checkpoint", path=path)
+    model = VisualBertForVQA(cfg, num_answers=weight.shape[0])
+    rules = [(r"^cls\.(weight|bias)$", r"classifier.\1")]
+    load_into(model, rename_keys(sd, rules), source=path,
+              file_names={rename_key(k, rules): f for k, f in names.items()})
     return model

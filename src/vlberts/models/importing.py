@@ -12,6 +12,9 @@ released weights, e.g. the paper's own analysis on the released VisualBERT COCO 
 
 Heads the file does not hold (a bare `VisualBertModel`, an LXMERT file without its QA head) stay as the
 converter initialised them, as when loading in Python; `config.json` records where the weights came from.
+A fine-tuned Hugging Face VisualBERT (`VisualBertForQuestionAnswering`, ...) gives its encoder: its task head
+has no place in the pre-training model, and `config.json`'s `left_out` says which head was left out (the
+command prints it too).
 The directory is written under a temporary name and renamed once complete.
 """
 
@@ -63,7 +66,10 @@ def _vlbert(src: Path, config: Path | None) -> nn.Module:
 
 # format -> (loader, what SRC is)
 FORMATS: dict[str, tuple[Callable[[Path, Path | None], nn.Module], str]] = {
-    "hf-visualbert": (_hf_visualbert, "a Hugging Face save_pretrained directory (VisualBertModel or VisualBertForPreTraining)"),
+    "hf-visualbert": (_hf_visualbert, "a Hugging Face save_pretrained directory (VisualBertModel, VisualBertForPreTraining, "
+                                      "or a fine-tuned VisualBertForQuestionAnswering, VisualBertForVisualReasoning, "
+                                      "VisualBertForMultipleChoice or VisualBertForRegionToPhraseAlignment: its encoder, "
+                                      "the task head left out and named in config.json's left_out)"),
     "hf-lxmert": (_hf_lxmert, "a Hugging Face save_pretrained directory (LxmertModel or LxmertForPreTraining)"),
     "vilbert": (_vilbert, "facebookresearch/vilbert-multi-task weights (.bin); --config its JSON config"),
     "vlbert": (_vlbert, "jackroos/VL-BERT weights (PREFIX-EPOCH.model or a state dict); --config a JSON object of "
@@ -115,6 +121,10 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     model = loader(src, None if config is None else Path(config))
     cfg = model.cfg
     require_vocab_fits(vocab_file, cfg, holder="the checkpoint")
+    extra = {"imported_from": str(src), "import_format": fmt}
+    left_out = getattr(model, "left_out_head", None)  # a task head the model has no place for (convert_hf)
+    if left_out:
+        extra["left_out"] = left_out
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_model_dir(tmp, model, cfg, extra={"imported_from": str(src), "import_format": fmt}, tokenizer=tok)
+        save_model_dir(tmp, model, cfg, extra=extra, tokenizer=tok)
     return model, out
