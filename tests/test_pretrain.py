@@ -81,6 +81,22 @@ def test_a_bad_log_line_before_the_last_is_an_error_naming_it(tmp_path, text, li
         MetricsLog(path, resume_step=1)
 
 
+def test_zero_steps_writes_the_untrained_network_for_the_no_pretraining_control(tiny_world, tmp_path):
+    """`--steps=0`: the model directory of the network as the seed initialises it (no update, no checkpoint),
+    with the run's vocabulary, so every `finetune TASK --init` reads it as the no-pre-training control."""
+    a = pretrain(cfg_for(tiny_world, tmp_path / "a", steps=0))
+    b = pretrain(cfg_for(tiny_world, tmp_path / "b", steps=0))
+    trained = pretrain(cfg_for(tiny_world, tmp_path / "t", steps=2))
+    assert a == tmp_path / "a" / "model" and json.loads((a / "config.json").read_text())["steps"] == 0
+    assert not (tmp_path / "a" / "checkpoints").exists() or not any((tmp_path / "a" / "checkpoints").iterdir())
+    assert (a / "vocab.txt").read_text() == (trained / "vocab.txt").read_text()
+    wa, wb, wt = (load_file(str(d / "model.safetensors")) for d in (a, b, trained))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # the seed's initialisation, reproducibly
+    assert any(not torch.equal(wa[k], wt[k]) for k in wa)  # and not a trained network
+    model, _, _ = load_pretraining_model(a)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_model_directory_is_finished_only_when_config_json_is_there(tiny_world, tmp_path, monkeypatch):
     """A continued demo or comparison keeps a pre-training whose model/config.json exists, so config.json is
     the last file written: interrupted while the final directory is written (here in its tokenizer files),

@@ -116,7 +116,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 # setting must be finite.
 _COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckpt_every", "log_every", "grad_accum",
            "iterations", "max_steps", "pretrain_batch", "vqa_batch", "procs", "per_class", "classes", "top_k",
-           "steps", "pretrain_steps", "images", "max_boxes", "min_answer_count", "qa_min_answer_count",
+           "pretrain_steps", "images", "max_boxes", "min_answer_count", "qa_min_answer_count",
            "detector_epochs", "detector_steps", "shuffle_buffer", "vocab_size", "max_regions", "eval_images",
            "max_images", "stop_after", "feature_dim")
 _FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "warmup", "text_ratio",
@@ -132,6 +132,7 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     **{name: (1, None, False) for name in _COUNTS + _MODEL_COUNTS},
     **{name: (0, 1, False) for name in _FRACTIONS + _MODEL_FRACTIONS},
     **{name: (0, None, False) for name in _MODEL_DEPTHS},
+    "steps": (0, None, False),  # `pretrain --steps=0`: the untrained network, the no-pre-training control
     "layer_norm_eps": (0, None, True),
     "seed": (0, None, False),  # numpy's generators take non-negative seeds only
     **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",

@@ -11,7 +11,7 @@ text-only batches, with `nsp`), `--unpaired_images` adds H-VisualBERT's image-on
 writes an atomic checkpoint (model, optimizer, scheduler, RNG, data position); started again on the
 same run directory it resumes from the newest one and reproduces the uninterrupted run exactly.
 
-    RUN/run_config.yaml   the resolved config
+    RUN/run_config.json   the resolved config
     RUN/metrics.jsonl     one record per logged step
     RUN/checkpoints/      training checkpoints (`latest` names the newest)
     RUN/model/            the final model directory (weights, config, vocabulary)
@@ -122,7 +122,7 @@ class PretrainConfig:
         "objectives and weights, e.g. mlm=1,match=1,region_kl=1; empty: the architecture's paper recipe "
         f"(objectives: {', '.join(OBJECTIVES)})",
     )
-    steps: int = opt(1000, "optimizer updates")
+    steps: int = opt(1000, "optimizer updates (0: write the untrained network, the no-pre-training control)")
     batch_size: int = opt(64, "examples per micro-batch")
     grad_accum: int = opt(1, "micro-batches per update")
     lr: float = opt(1e-4, "peak learning rate")
