@@ -163,19 +163,21 @@ def test_a_run_recorded_before_a_setting_existed_resumes_with_its_default(tiny_w
     assert pretrain(cfg_for(tiny_world, run)) == run / "model"
 
 
-def test_loader_workers_count_when_shards_are_split_among_them(tmp_path):
-    """Streamed shards are dealt out to the loader's workers, so their number changes the order."""
+def test_loader_workers_are_refused_with_shards_and_free_on_resume(tmp_path):
+    """Streamed shards are read in the training process, so --num_workers with --shards is one line, not a
+    setting silently unused; a file-based run may change its workers on resume (they change no number)."""
     from dataclasses import dataclass
 
+    with pytest.raises(VlbertsError, match="--num_workers: streamed shards are read and decoded in the training"):
+        pretrain(PretrainConfig(shards=str(tmp_path / "shard-index.json"), num_workers=2, out=str(tmp_path / "run")))
+
     @dataclass
-    class Streamed:
-        shards: str = "shards/shard-index.json"
+    class Run:
+        captions: str = "captions.json"
         num_workers: int = 0
 
-    loop.check_same_run(tmp_path, Streamed())
-    loop.check_same_run(tmp_path, Streamed(num_workers=0))
-    with pytest.raises(VlbertsError, match="num_workers 0 -> 2"):
-        loop.check_same_run(tmp_path, Streamed(num_workers=2))
+    loop.check_same_run(tmp_path, Run())
+    loop.check_same_run(tmp_path, Run(num_workers=2))
 
 
 def test_losses_fall_and_model_directory_loads(tiny_world, tmp_path):

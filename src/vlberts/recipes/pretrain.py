@@ -464,6 +464,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     streamed = bool(cfg.shards)
     if streamed and (cfg.captions or cfg.features):
         raise VlbertsError("give either --shards or --captions and --features")
+    if streamed and cfg.num_workers:
+        raise VlbertsError("--num_workers: streamed shards are read and decoded in the training process (on a GPU "
+                           "by one thread ahead of it), not by loader workers; leave --num_workers at 0 with --shards")
     if not streamed and (not cfg.captions or not cfg.features):
         raise VlbertsError("pretrain needs --captions=FILE and --features=STORE (or --shards=INDEX)")
     if cfg.init and cfg.bert_init:

@@ -276,10 +276,11 @@ def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradSc
 # whether it shards the model (FSDP checkpoints are whole models, as unsharded ones) or compiles it, in
 # whichever mode (no weight or name changes), which attention kernel it uses (the same function), whether it
 # draws its batches ahead or mirrors its log to TensorBoard, and where its run directory is (the record was
-# found in it: a moved directory, or one named by another path, is the same run). Loader workers join them
-# where each example draws from its own random stream (`data.sampling.example_rng`); streamed shards are
-# split among the workers, so there they count.
-UNNUMBERED = ("stop_after", "fsdp", "compile", "compile_mode", "attention_kernel", "prefetch", "tensorboard", "out")
+# found in it: a moved directory, or one named by another path, is the same run), and how many loader workers
+# it has (each example draws from its own random stream, `data.sampling.example_rng`; streamed shards are read
+# in the training process, `pretrain` refuses workers with --shards).
+UNNUMBERED = ("stop_after", "fsdp", "compile", "compile_mode", "attention_kernel", "prefetch", "tensorboard", "out",
+              "num_workers")
 
 
 def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
@@ -288,9 +289,8 @@ def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
     and the device it picks on this machine, and `--precision=auto` and the precision it picks there."""
     path = out / "run_config.json"
     if path.is_file():
-        ignore = UNNUMBERED + (() if getattr(cfg, "shards", "") else ("num_workers",))
-        before = {k: v for k, v in read_json(path).items() if k not in ignore}
-        now = {k: v for k, v in to_dict(cfg).items() if k not in ignore}
+        before = {k: v for k, v in read_json(path).items() if k not in UNNUMBERED}
+        now = {k: v for k, v in to_dict(cfg).items() if k not in UNNUMBERED}
         # A setting the record lacks was added to vlberts after the run started: its default is the old behaviour.
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         diff = [k for k in changed_settings(before, now)
