@@ -126,3 +126,60 @@ def test_cli_extracts_a_folder(weights, images, tmp_path):
     run = subprocess.run([str(VLBERTS), "features", "extract", "--images", str(tmp_path / "none"), "--weights",
                           str(weights), "--out", str(tmp_path / "t.h5")], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip().endswith("not a directory of images")
+
+
+def test_given_boxes_are_described_exactly_under_the_files_ids(weights, images, tmp_path):
+    """--boxes (RefCOCO+'s ground-truth track, VCR's boxes): only the boxes file's images, each at exactly its
+    boxes in its order, feature = the box head's output there (its classifier's distribution recomputed from the
+    stored feature), under the file's ids: a COCO id finds `COCO_val2014_000000000007.jpg`."""
+    import json
+
+    from vlberts.features.frcnn import read_given_boxes
+
+    instances = {"images": [{"id": 7}, {"id": 2}], "annotations": [
+        {"image_id": 7, "bbox": [10.0, 20.0, 50.0, 30.0]}, {"image_id": 2, "bbox": [0, 0, 64, 64]},
+        {"image_id": 7, "bbox": [150.5, 5.0, 40.0, 90.0]}]}
+    (tmp_path / "instances.json").write_text(json.dumps(instances))
+    out = extract_folder(images, weights, tmp_path / "g.h5", settings=SMALL, boxes=tmp_path / "instances.json")
+    model, _, _ = build_detector(weights, SMALL)
+    with RegionStore(out) as store:
+        assert sorted(store.ids()) == ["2", "7"]  # image 1 is not in the file
+        assert store.metadata.settings["box_policy"] == "given"
+        seven = store.get("7")
+        np.testing.assert_array_equal(seven.boxes, [[10, 20, 60, 50], [150.5, 5, 190.5, 95]])  # xywh -> xyxy, in order
+        assert (seven.image_w, seven.image_h) == (200, 100)
+        with torch.no_grad():
+            logits, _ = model.roi_heads.box_predictor(torch.from_numpy(seven.features))
+        np.testing.assert_allclose(logits.softmax(-1).numpy(), seven.cls_prob, rtol=1e-5, atol=1e-6)
+        # the feature is the box head's at that box: pool it by hand at the resized box
+        img = torch.from_numpy(np.array(Image.open(images / "COCO_val2014_000000000007.jpg").convert("RGB"))
+                               ).permute(2, 0, 1).float() / 255
+        with torch.no_grad():
+            batch, _ = model.transform([img])
+            feats = model.backbone(batch.tensors)
+            h1, w1 = batch.image_sizes[0]
+            box = torch.tensor([[10.0, 20.0, 60.0, 50.0]]) * torch.tensor([w1 / 200, h1 / 100] * 2)
+            want = model.roi_heads.box_head(model.roi_heads.box_roi_pool(feats, [box], batch.image_sizes))
+        np.testing.assert_allclose(seven.features[0], want[0].numpy(), rtol=1e-4, atol=1e-4)  # batched with another image
+        np.testing.assert_array_equal(store.get("2").boxes, [[0, 0, 64, 64]])
+
+    # the {image id: xyxy boxes} form, and one-line errors naming the record
+    (tmp_path / "plain.json").write_text(json.dumps({"COCO_val2014_000000000007": [[1, 2, 30, 40]]}))
+    assert read_given_boxes(tmp_path / "plain.json")["COCO_val2014_000000000007"].tolist() == [[1, 2, 30, 40]]
+    for bad, match in [({"annotations": [{"image_id": 7, "bbox": [1, 2, 3]}]}, r"annotations\[0\]: a box must be four"),
+                       ({"7": [[5, 5, 5, 9]]}, r"record 7: a box has no positive width"),
+                       ({"99": [[0, 0, 4, 4]]}, r"record 99: no image file for image id 99")]:
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(VlbertsError, match=match):
+            extract_folder(images, weights, tmp_path / "b.h5", settings=SMALL, boxes=tmp_path / "bad.json")
+    assert not (tmp_path / "b.h5").exists()
+
+
+def test_cli_given_boxes(weights, images, tmp_path):
+    (tmp_path / "boxes.json").write_text('{"7": [[1, 2, 30, 40], [0, 0, 200, 100]]}')
+    run = subprocess.run([str(VLBERTS), "features", "extract", "--images", str(images), "--weights", str(weights),
+                          "--out", str(tmp_path / "s.h5"), "--min-size", "64", "--max-size", "256",
+                          "--boxes", str(tmp_path / "boxes.json"), "--device", "cpu"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    with RegionStore(tmp_path / "s.h5") as store:
+        assert store.ids() == ["7"] and store.get("7").num_boxes == 2
