@@ -163,9 +163,12 @@ def features_extract(
     batch_images: int = typer.Option(2, min=1, help="Images per detector pass."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
+    boxes: Optional[Path] = typer.Option(None, help="Describe these boxes instead of detecting: COCO instances "
+                                         "(e.g. RefCOCO+'s instances.json, its ground-truth track) or a JSON "
+                                         "{image id: [[x1, y1, x2, y2], ...]} in pixels; only its images are extracted."),
 ) -> None:
     """Detect and describe the regions of a folder of images with a torchvision Faster R-CNN (your weights)."""
-    from vlberts.features.frcnn import DetectorSettings, extract_folder, image_files
+    from vlberts.features.frcnn import DetectorSettings, extract_folder, image_files, read_given_boxes
     from vlberts.features.importers import read_vocab
     from vlberts.features.selection import SelectionConfig
     from vlberts.recipes.common import progress, resolve_device, set_threads
@@ -180,8 +183,8 @@ def features_extract(
 
     start = time.perf_counter()
     with progress() as bar:
-        task = bar.add_task("extract", total=len(image_files(images)))
-        extract_folder(images, weights, out, selection=selection,
+        task = bar.add_task("extract", total=len(read_given_boxes(boxes)) if boxes else len(image_files(images)))
+        extract_folder(images, weights, out, selection=selection, boxes=boxes,
                        settings=DetectorSettings(min_size=min_size, max_size=max_size, proposals=proposals),
                        dtype="float16" if float16 else "float32", classes=None if classes is None else read_vocab(classes),
                        batch_images=batch_images, device=resolve_device(device), overwrite=overwrite,
@@ -788,6 +791,17 @@ def models_import(
 
 # --------------------------------------------------------------------------- evaluate
 
+def _record_options(ctx: typer.Context) -> None:
+    """OUT/run_config.json of an evaluate command that has no config dataclass (nothing without --out): its
+    options as given, named as on the command line (`io.write_run_config`, which loads no torch: these
+    scoring commands never need it)."""
+    from vlberts.io import write_run_config
+
+    out = ctx.params.get("out")
+    if out is not None:
+        write_run_config(out, {p.name: ctx.params[p.name] for p in ctx.command.params if p.name in ctx.params})
+
+
 def _write_metrics(out: Path, metrics: dict, lines: list[str]) -> None:
     """The end of an evaluate command: OUT/metrics.json, the score lines, what was written."""
     from vlberts.io import write_json
@@ -800,6 +814,7 @@ def _write_metrics(out: Path, metrics: dict, lines: list[str]) -> None:
 
 @evaluate_app.command("vqa")
 def evaluate_vqa(
+    ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {question_id, answer}."),
     questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json)."),
     annotations: Path = typer.Option(..., help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json)."),
@@ -808,6 +823,7 @@ def evaluate_vqa(
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
     from vlberts.tasks.vqa import evaluate_predictions
 
+    _record_options(ctx)
     metrics = evaluate_predictions(predictions, questions, annotations)
     types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
     _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})"])
@@ -815,6 +831,7 @@ def evaluate_vqa(
 
 @evaluate_app.command("gqa")
 def evaluate_gqa(
+    ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {questionId, prediction}."),
     questions: Path = typer.Option(..., help="GQA questions JSON with answers (<split>_balanced_questions.json)."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
@@ -824,6 +841,7 @@ def evaluate_gqa(
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
     from vlberts.tasks.gqa import evaluate_predictions
 
+    _record_options(ctx)
     metrics = evaluate_predictions(predictions, questions, train_questions)
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])
@@ -856,6 +874,7 @@ def evaluate_vcr_cmd(
 
 @evaluate_app.command("refcoco")
 def evaluate_refcoco(
+    ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Predictions: a JSON list of {sent_id, ref_id, box: [x, y, w, h]} (pixels)."),
     refs: Path = typer.Option(..., help="refs(unc).p (restricted unpickler) or refs.json."),
     instances: Path = typer.Option(..., help="COCO instances.json of the refs."),
@@ -865,6 +884,7 @@ def evaluate_refcoco(
     """Score RefCOCO+ predictions: correct when IoU(predicted box, gold box) >= 0.5; write OUT/metrics.json."""
     from vlberts.tasks.refcoco import evaluate_predictions
 
+    _record_options(ctx)
     metrics = evaluate_predictions(predictions, refs, instances, splits.split(",") if splits else None)
     _write_metrics(out, metrics, [f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions"
                                   for split, r in metrics["splits"].items()])
@@ -872,6 +892,7 @@ def evaluate_refcoco(
 
 @evaluate_app.command("flickr_entities")
 def evaluate_flickr_entities(
+    ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Predictions: a JSON list of phrase rows (image_id, split, sentence, "
                                                "chain_id, first_word_index, boxes [[x, y, w, h], ...] best first, scores)."),
     entities: Path = typer.Option(..., help="Flickr30K Entities directory (Sentences/, Annotations/, SPLIT.txt)."),
@@ -888,6 +909,7 @@ def evaluate_flickr_entities(
     from vlberts.features.store import RegionStore
     from vlberts.tasks.flickr_entities import evaluate_predictions
 
+    _record_options(ctx)
     store = RegionStore(features) if features is not None else None
     metrics = evaluate_predictions(predictions, entities, split, rule=iou_rule, store=store, max_regions=max_regions)
     _write_metrics(out, metrics, [_flickr_entities_line(split, metrics)])
@@ -895,6 +917,7 @@ def evaluate_flickr_entities(
 
 @evaluate_app.command("nlvr2")
 def evaluate_nlvr2(
+    ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official predictions CSV: identifier,True|False per line."),
     statements: Path = typer.Option(..., help="Labelled NLVR2 statements (JSON lines, e.g. test1.json)."),
     out: Optional[Path] = typer.Option(None, help="Directory to write metrics.json into (optional)."),
@@ -907,6 +930,7 @@ def evaluate_nlvr2(
     from vlberts.io import write_json
     from vlberts.tasks.nlvr2 import evaluate_predictions
 
+    _record_options(ctx)
     metrics = evaluate_predictions(predictions, statements, train_statements)
     typer.echo(json.dumps(metrics, indent=2))
     if out is not None:

@@ -141,6 +141,18 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
         f.write("\n")
 
 
+def write_run_config(out: str | Path, settings: dict[str, Any]) -> None:
+    """OUT/run_config.json for a run that does not train (an analysis, `vlberts predict`, `vlberts evaluate`),
+    written as it starts, as training runs write theirs (`training.loop.start_or_resume`): the run's settings,
+    paths as strings. A training run's own record (beside its model/ or checkpoints/) is never replaced: a
+    resumed run and `vlberts predict` read it."""
+    out = Path(out)
+    if (out / "run_config.json").is_file() and ((out / "model").is_dir() or (out / "checkpoints").is_dir()):
+        raise VlbertsError("is a training run's directory (its run_config.json records that run); give this "
+                           "command another --out", path=out)
+    write_json(out / "run_config.json", {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
+
+
 def require_file(path: str | Path) -> Path:
     """`path` as a Path when it is a file; a missing path, or a directory where a file is expected, is a
     one-line `VlbertsError` naming it."""

@@ -9,6 +9,7 @@
                  regions -> regions maps   -> is the most attended other region a related object?
     draw the figures for a few captions; write the numbers
 
+    OUT/run_config.json             every setting of the run, defaults included (written before the forward passes)
     OUT/attention_graphs.json       which maps stand for the three encoders; per layer and head the mean
                                     attention to the next and to the previous token, the best head of each
                                     and the uniform baseline; per tag the share of the regions' attention
@@ -62,7 +63,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, resolve_images
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 from vlberts.world.relations import scene_geometry
@@ -175,6 +176,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     scenes_path, scenes_note = resolve_scenes(cfg)
     scenes = gold_relations(scenes_path, set(ids)) if scenes_path else None
     images = resolve_images(cfg) if drawn_ids else None
+    write_run_config(cfg.out, cfg)  # before the forward passes
 
     positional, shares, relations = PositionalAccumulator(), TagShareAccumulator(), RelationAccumulator()
     skipped: Counter = Counter()

@@ -9,6 +9,7 @@
                  with its text-to-text attention -> TextSyntaxAccumulator (syntactic heads among the words)
     write the numbers, Figures 3 and 4 and the tables
 
+    OUT/run_config.json            every setting of the run, defaults included (written before the forward passes)
     OUT/grounding.json             every head's accuracy and region mass, baseline, upper bound, options,
                                    skips; "syntactic_grounding": per relation the same, Table 2, counts;
                                    "text_syntax": per relation and direction, each head's accuracy at
@@ -82,10 +83,11 @@ from vlberts.data.flickr_entities_dataset import read_split_images
 from vlberts.data.spacy_parse import load_spacy, parse_captions, parser_name
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -253,6 +255,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
+    warn_feature_mismatch(store, cfg.model)  # one warning line if the model was trained on other features
     tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
 
     if cfg.parser and cfg.parses not in ("auto", "none"):
@@ -288,6 +291,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     show_ids = {c.caption_id for c in analysed[: cfg.explorer_examples]}
     with_two = [c for c in analysed if len(c.entities) >= 2]  # the figures draw captions with two entities
     draw_ids = set(qual_ids) or {c.caption_id for c in with_two[: cfg.qualitative]}
+    write_run_config(out, cfg)  # the inputs are read and checked; the forward passes are the long part
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
                             total=len(captions), info="")

@@ -10,6 +10,7 @@
     t-SNE of all of them together; the figure; how often a word's nearest region has its class, and the
         same for every pair of modalities (a region's nearest other region, a word's nearest tag, ...)
 
+    OUT/run_config.json        every setting of the run, defaults included (written before the forward passes)
     OUT/representations.png    Figure 2: one point per representation, colour = class, marker = modality
     OUT/representations.json   counts, the word -> region agreement and its chance rate, the table of
                                every pair of modalities, every point (class, modality, instance, x, y)
@@ -45,7 +46,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images
-from vlberts.recipes.common import opt, progress, resolve_device, set_threads
+from vlberts.recipes.common import opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -198,6 +199,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     if len(instances) < 2:
         raise VlbertsError(f"{len(instances)} instance(s) found in split {cfg.split!r} (skipped: {skipped.to_dict()})",
                            path=cfg.entities)
+    write_run_config(cfg.out, cfg)  # before the forward passes and t-SNE
     reps = collect(model, captions, instances, store, tok, class_names, cfg, device)
     points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
     table = agreement_table(reps)

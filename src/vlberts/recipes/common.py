@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json
+from vlberts.io import write_run_config as write_settings
 from vlberts.training.loop import auto_device_type, precision_in_effect
 
 
@@ -128,6 +129,11 @@ def set_threads() -> None:
 def save_run_config(out: Path, cfg: Any, name: str = "run_config.yaml") -> None:
     with atomic_open(out / name) as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def write_run_config(out: str | Path, cfg: Any) -> None:
+    """OUT/run_config.json of a run that does not train, from its config dataclass (`io.write_run_config`)."""
+    write_settings(out, to_dict(cfg))
 
 
 def fine_tuning_setting(model_dir: str | Path, key: str, default: int) -> int:

@@ -46,7 +46,7 @@ from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.flickr_entities import FlickrEntitiesModel, grounding_loss
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.flickr_entities import IOU_RULES, TOP_K, candidates, rank_regions, score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -179,6 +179,7 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    features, mismatch = check_features(store, cfg.init, dist)
     train_skipped: Counter = Counter()
     train_captions = phrase_captions(train_images, tok, cfg.max_text_len, train_skipped)
     train_data = entity_data(model, train_captions, store, tok, max_regions=cfg.max_regions, rule=cfg.iou_rule,
@@ -186,7 +187,7 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
     if not len(train_data):
         raise VlbertsError(f"no training phrase of split {cfg.train_split!r} has a positive region",
                            path=Path(cfg.entities) / f"{cfg.train_split}.txt")
-    extra = {"task": "flickr_entities", "iou_rule": cfg.iou_rule}
+    extra = {"task": "flickr_entities", "iou_rule": cfg.iou_rule, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist,
         extra=extra, collate=lambda items: collate_entities(items, tok.pad_id),
@@ -203,7 +204,8 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
     metrics: dict = {"iou_rule": cfg.iou_rule, "max_regions": cfg.max_regions, "train_captions": len(train_data),
                      "train_phrases": train_phrases,
                      "train_skipped_phrases": {**dict(sorted(train_skipped.items())), "no positive region": no_positive},
-                     "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(), "splits": {}}
+                     "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(),
+                     **mismatch, "splits": {}}
     rows: list[dict] = []
     for split, images in eval_images.items():
         skipped: Counter = Counter()

@@ -17,9 +17,13 @@ and says how a batch is scored; `finetune_loop` does the rest the same way for e
 A task recipe reads top to bottom as
 
     out, device, dist = start_finetune(cfg, "nlvr2", required=("init", "train_statements", "features"))
-    ... read the data, build the model ...
+    ... read the data and the store, build the model ...
+    features, mismatch = check_features(store, cfg.init, dist)   # a warning if init was trained on other features
     final = finetune_loop(cfg, out=out, model=model, ..., tokenizer=tok)   # OUT/model, or None if stopped
-    ... predict, score, write metrics.json ...
+    ... predict, score, write metrics.json (with **mismatch) ...
+
+and passes `extra={..., "features": features}` so that the fine-tuned model records the features it was
+trained on, as the pre-trained one did.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
+from vlberts.features.identity import warn_feature_mismatch
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
 from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
@@ -104,6 +109,17 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
     return Path(cfg.out), device, dist
+
+
+def check_features(store: Any, init: str | Path, dist: DistInfo | None = None,
+                   ignore: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """The store's feature identity (`features.identity`), for the fine-tuned model's config.json
+    ("features"), and {"feature_mismatch": line} for metrics.json when `init`'s config.json records the
+    features of another extractor or settings (other than the settings named in `ignore`), the line also
+    printed once as a warning (rank 0); else {}. Never an error: fine-tuning on other features can be
+    deliberate."""
+    identity, line = warn_feature_mismatch(store, init, main=dist is None or dist.main, ignore=ignore)
+    return identity, {} if line is None else {"feature_mismatch": line}
 
 
 def require_eval_examples(examples: Sequence[Any], path: str) -> None:

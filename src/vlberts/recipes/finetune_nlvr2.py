@@ -43,7 +43,7 @@ from vlberts.io import read_json, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -188,10 +188,11 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    features, mismatch = check_features(store, cfg.init, dist)
     data = nlvr2_data(model, train, train_images, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions)
 
     # Train through the shared loop.
-    extra = {"task": "nlvr2", "encoding": model.encoding}
+    extra = {"task": "nlvr2", "encoding": model.encoding, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_nlvr2(items, tok.pad_id),
@@ -205,7 +206,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
     metrics: dict[str, Any] = {
         "encoding": model.encoding, "train_examples": len(train),
         "train_labels": {"True": sum(1 for ex in train if ex.label), "False": sum(1 for ex in train if not ex.label)},
-        "eval_examples": len(evals), "steps": num_updates(cfg, len(data)), "skipped_records": bad.to_dict(),
+        "eval_examples": len(evals), "steps": num_updates(cfg, len(data)), "skipped_records": bad.to_dict(), **mismatch,
     }
     if evals:
         preds = predict_nlvr2(model, tok, evals, eval_images, store, max_regions=cfg.max_regions,

@@ -47,7 +47,7 @@ from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
@@ -267,10 +267,11 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    features, mismatch = check_features(store, cfg.init, dist)
     data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
                    target=task.target)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
-    extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head}
+    extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head, "features": features}
     final = finetune_loop(
         cfg, out=out, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra, tokenizer=tok,
         collate=lambda ex: collate_vqa(ex, len(vocab), tok.pad_id),
@@ -282,7 +283,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
 
     metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
-               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied}
+               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, **mismatch}
     if cfg.eval_questions:
         preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
                            max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,

@@ -39,12 +39,13 @@ from vlberts.data.refcoco import RefCocoData, RefExpression, read_refcoco, xywh_
 from vlberts.data.refcoco_dataset import RefData, collate_refcoco
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.identity import BOX_SELECTION
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -140,7 +141,8 @@ def check_gold_store(data: RefCocoData, image_ids: set[int], store: RegionStore,
             raise VlbertsError(
                 f"--track=gt needs a store whose regions are exactly each image's instance boxes (at most "
                 f"--max_regions={max_regions}); this image's {len(boxes)} regions are not its {len(want)} instance "
-                f"boxes (write such a store with `vlberts extract --boxes gold`)", path=store.path,
+                f"boxes (write such a store with `vlberts features extract --boxes instances.json` from your images, "
+                f"or `vlberts extract --boxes gold` on the world)", path=store.path,
                 record=f"image {image_id}")
 
 
@@ -211,9 +213,11 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    # The gt track's store holds the gold boxes on purpose: only a difference in the features of a box warns.
+    features, mismatch = check_features(store, cfg.init, dist, ignore=BOX_SELECTION if cfg.track == "gt" else ())
     train_data = ref_data(model, train, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
                           soft=cfg.soft_iou)
-    extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou}
+    extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_refcoco(items, tok.pad_id),
@@ -227,7 +231,8 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
 
     metrics: dict = {"track": cfg.track, "head": model.head, "soft_iou": cfg.soft_iou,
                      "train_expressions": len(train), "train_refs": len({e.ref_id for e in train}),
-                     "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(), "splits": {}}
+                     "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(),
+                     **mismatch, "splits": {}}
     rows: list[dict] = []
     for split, exprs in evals.items():
         if not exprs:

@@ -57,8 +57,8 @@ from vlberts.io import atomic_open, read_json, require_unique, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
-from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads
-from vlberts.recipes.finetune_loop import finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads, write_run_config
+from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -252,13 +252,14 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    features, mismatch = check_features(store, cfg.init, dist)
     # ViLBERT §4: hard negatives among the nearest neighbours of the target image (data.retrieval).
     neighbours = nearest_neighbours(image_embeddings(store, train.image_ids, cfg.max_regions), cfg.hard_negatives)
     encoder = pair_encoder(model, [c.text for c in train.captions], store, tok, max_text_len=cfg.max_text_len,
                            max_regions=cfg.max_regions)
     data = RetrievalGroups(train, encoder, neighbours, cfg.seed)
     extra = {"task": "retrieval", "head": "linear_on_pooled", "head_init": head_init,
-             "text_format": model.text_format, "hard_negatives": int(neighbours.shape[1])}
+             "text_format": model.text_format, "hard_negatives": int(neighbours.shape[1]), "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
         collate=lambda groups: collate_groups(groups, tok.pad_id),
@@ -272,7 +273,7 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
     metrics: dict = {"mode": "fine-tuned", "arch": model.arch, "head_init": head_init,
                      "train_captions": len(train.captions), "train_images": len(train.image_ids),
                      "hard_negatives": int(neighbours.shape[1]), "steps": num_updates(cfg, len(data)),
-                     "skipped_records": bad.to_dict()}
+                     "skipped_records": bad.to_dict(), **mismatch}
     if evaluation is not None:
         scores, seconds = rank_split(model, tok, evaluation, store, max_text_len=cfg.max_text_len,
                                      max_regions=cfg.max_regions, batch_size=cfg.eval_batch_size, device=device,
@@ -340,6 +341,7 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
     if cfg.scores:
         if cfg.init:
             raise VlbertsError("give either --scores (re-score a saved matrix) or --init (score with a model)")
+        write_run_config(out, cfg)
         metrics = {"mode": "rescored", "scores": str(cfg.scores), **rescore(cfg.scores)}
         write_json(out / "metrics.json", metrics)
         return metrics
@@ -366,6 +368,8 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
         raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects "
                            f"{model.cfg.visual_dim}-d", path=cfg.features)
     tok = TextTokenizer.load(cfg.init)
+    if dist.main:
+        write_run_config(out, cfg)
     scores, seconds = rank_split(model, tok, split, store, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
                                  batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)
     metrics = {"mode": "zero-shot" if cfg.zero_shot else "fine-tuned", "arch": model.arch, "init": str(cfg.init),

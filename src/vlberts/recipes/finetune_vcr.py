@@ -40,7 +40,7 @@ from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, wri
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
@@ -227,11 +227,12 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    features, mismatch = check_features(store, cfg.init, dist)
     model.uses_alignment = model.uses_alignment and cfg.alignment
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
     data = vcr_data(model, train, cfg.mode, store, tok, **layout)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "join": model.join,
-             "object_regions": cfg.object_regions, "alignment": model.uses_alignment}
+             "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_vcr(items, tok.pad_id, model.uses_alignment),
@@ -245,7 +246,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     metrics: dict = {"mode": cfg.mode, "arch": model.arch, "object_regions": cfg.object_regions,
                      "alignment": model.uses_alignment,
                      "train_questions": len(train), "steps": num_updates(cfg, len(data)),
-                     "skipped_records": bad.to_dict()}
+                     "skipped_records": bad.to_dict(), **mismatch}
     if cfg.eval_file:
         preds = predict_vcr(model, vcr_data(model, evaluation, cfg.mode, store, tok, **layout),
                             batch_size=cfg.eval_batch_size, device=device, precision=cfg.precision, dist=dist)

@@ -8,6 +8,7 @@ and writes
 
     DIR/predictions.csv   the official predictions file, ``identifier,True|False`` per statement
     DIR/predict.json      what was read: the model, the statements, how many were labelled, skipped records
+    DIR/run_config.json   every setting as given, defaults included (written before the predictions)
 
 with the encoding of the fine-tuning run (pair or joint, from the model's config.json) and the same
 prediction code (`finetune_nlvr2.predict_nlvr2`), so on the same statements the two files agree line for
@@ -26,7 +27,7 @@ from vlberts.data.nlvr2 import read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, read_image_map, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
 
@@ -73,6 +74,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
         raise VlbertsError("no statement to label", path=cfg.statements)
     max_text_len = cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 40)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
+    write_run_config(out, cfg)
     preds = predict_nlvr2(model, tok, statements, images, store, max_regions=max_regions, max_text_len=max_text_len,
                           batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
     out.mkdir(parents=True, exist_ok=True)

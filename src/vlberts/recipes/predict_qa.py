@@ -8,6 +8,7 @@ have none), and writes
     DIR/predictions.json   the task's official results format: VQA [{question_id, answer}] (EvalAI's),
                            GQA [{questionId, prediction}]
     DIR/predict.json       what was read: the model, the questions, how many were answered, skipped records
+    DIR/run_config.json    every setting as given, defaults included (written before the predictions)
 
 with the same layout of the question, answer head and prediction code (`finetune_qa.predict_qa`) as the
 predictions a fine-tuning run writes for its evaluation questions, so the two agree question for question
@@ -26,7 +27,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -76,6 +77,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
         raise VlbertsError("no question to answer", path=cfg.questions)
     max_text_len = cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 32)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
+    write_run_config(out, cfg)
     preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,
                        batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
     out.mkdir(parents=True, exist_ok=True)

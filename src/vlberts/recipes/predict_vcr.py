@@ -12,6 +12,7 @@ recipe runs the Q->A model once and the QA->R model 4 times, answer k appended t
     DIR/submission.csv   the leaderboard CSV: annot_id, answer_0..3, rationale_conditioned_on_a{k}_{j}
                          (softmax probabilities over each question's 4 choices)
     DIR/predict.json     what was read: the two models, the questions, how many were predicted, skipped records
+    DIR/run_config.json  every setting as given, defaults included (written before the predictions)
 
 Each model lays out its inputs as its fine-tuning run did (`finetune_vcr.vcr_data`: the rendering of
 object references, VisualBERT's word-region alignment, the object regions rule from the model's
@@ -33,7 +34,7 @@ from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
 from vlberts.tasks.vcr import SubmissionRow, write_submission
 
@@ -90,6 +91,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
         print(bad.warning(), file=sys.stderr)
     if not examples:
         raise VlbertsError("no question to predict", path=cfg.questions)
+    write_run_config(cfg.out, cfg)
 
     def scores(mode: str, questions: list) -> dict[str, list[float]]:
         model, meta, tok = runs[mode]

@@ -48,6 +48,7 @@ from vlberts.data.text_corpus import read_documents
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
+from vlberts.features.identity import feature_identity
 from vlberts.features.record import labels_misfit
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json_object, write_json
@@ -690,7 +691,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         return None
 
     final = out / "model"
-    extra = {"trained_by": "pretrain", "steps": step}
+    # Where the features came from (a store's or a shard index's metadata): fine-tuning and analysis warn
+    # when given features of another extractor or settings (features/identity.py).
+    extra = {"trained_by": "pretrain", "steps": step, "features": feature_identity(store)}
     if qa is not None:  # the answer names of the image-QA head's rows (VQA fine-tuning can reuse them)
         extra["qa_answers"] = list(qa.answers.answers)
     save_model_dir(final, model, model_cfg, extra=extra, write=dist.main, tokenizer=tok)  # every rank: gathered if sharded
