@@ -794,7 +794,8 @@ def models_import(
 def _record_options(ctx: typer.Context) -> None:
     """OUT/run_config.json of an evaluate command that has no config dataclass (nothing without --out): its
     options as given, named as on the command line (`io.write_run_config`, which loads no torch: these
-    scoring commands never need it)."""
+    scoring commands never need it). Called once the predictions are scored, so that a bad input file
+    leaves no OUT behind (scoring takes seconds: there is no long run to record before)."""
     from vlberts.io import write_run_config
 
     out = ctx.params.get("out")
@@ -823,8 +824,8 @@ def evaluate_vqa(
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
     from vlberts.tasks.vqa import evaluate_predictions
 
-    _record_options(ctx)
     metrics = evaluate_predictions(predictions, questions, annotations)
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
     _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})"])
 
@@ -841,8 +842,8 @@ def evaluate_gqa(
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
     from vlberts.tasks.gqa import evaluate_predictions
 
-    _record_options(ctx)
     metrics = evaluate_predictions(predictions, questions, train_questions)
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])
 
@@ -884,8 +885,8 @@ def evaluate_refcoco(
     """Score RefCOCO+ predictions: correct when IoU(predicted box, gold box) >= 0.5; write OUT/metrics.json."""
     from vlberts.tasks.refcoco import evaluate_predictions
 
-    _record_options(ctx)
     metrics = evaluate_predictions(predictions, refs, instances, splits.split(",") if splits else None)
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     _write_metrics(out, metrics, [f"RefCOCO+ {split} accuracy {r['accuracy']:.2f}% on {r['num_expressions']} expressions"
                                   for split, r in metrics["splits"].items()])
 
@@ -909,9 +910,9 @@ def evaluate_flickr_entities(
     from vlberts.features.store import RegionStore
     from vlberts.tasks.flickr_entities import evaluate_predictions
 
-    _record_options(ctx)
     store = RegionStore(features) if features is not None else None
     metrics = evaluate_predictions(predictions, entities, split, rule=iou_rule, store=store, max_regions=max_regions)
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     _write_metrics(out, metrics, [_flickr_entities_line(split, metrics)])
 
 
@@ -930,8 +931,8 @@ def evaluate_nlvr2(
     from vlberts.io import write_json
     from vlberts.tasks.nlvr2 import evaluate_predictions
 
-    _record_options(ctx)
     metrics = evaluate_predictions(predictions, statements, train_statements)
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     typer.echo(json.dumps(metrics, indent=2))
     if out is not None:
         write_json(out / "metrics.json", metrics)
