@@ -21,12 +21,13 @@ Accuracy and consistency live in `vlberts.tasks.nlvr2`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import iter_jsonl, require_keys, require_text
+from vlberts.io import iter_jsonl, read_json, require_keys, require_text
 
 LABEL_STRINGS = {"True": True, "False": False}
 
@@ -147,3 +148,15 @@ def read_nlvr2(path: str | Path, *, require_labels: bool = False, bad: BadRecord
         first_line[ex.identifier] = lineno
         examples.append(ex)
     return examples
+
+
+def read_image_map(path: str | Path) -> dict[str, str]:
+    """{NLVR2 image name: store image id} from a JSON object; ids may be strings or integers."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise VlbertsError("image map must be a JSON object {image name: image id (string or integer)}", path=path)
+    for name, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+            raise VlbertsError(f"image id must be a non-empty string or an integer, got {json.dumps(value)}",
+                               path=path, record=name)
+    return {str(k): str(v) for k, v in raw.items()}

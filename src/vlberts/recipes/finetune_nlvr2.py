@@ -23,7 +23,6 @@ object {name: store image id} (the world's ``nlvr2/images.json``) maps them firs
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +32,13 @@ from typing import Any
 import torch
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.nlvr2 import NLVR2Example, read_nlvr2
+from vlberts.data.nlvr2 import NLVR2Example, read_image_map, read_nlvr2
 from vlberts.data.nlvr2_dataset import NLVR2Data, collate_nlvr2
 from vlberts.data.regions import RegionSource
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import read_json, write_json
+from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
@@ -70,18 +69,6 @@ class FinetuneNLVR2Config(FinetuneConfig):
 
 
 CONFIG_CLASS = FinetuneNLVR2Config
-
-
-def read_image_map(path: str | Path) -> dict[str, str]:
-    """{NLVR2 image name: store image id} from a JSON object; ids may be strings or integers."""
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise VlbertsError("image map must be a JSON object {image name: image id (string or integer)}", path=path)
-    for name, value in raw.items():
-        if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-            raise VlbertsError(f"image id must be a non-empty string or an integer, got {json.dumps(value)}",
-                               path=path, record=name)
-    return {str(k): str(v) for k, v in raw.items()}
 
 
 def resolve_images(

@@ -38,7 +38,8 @@ import torch
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.batch import PretrainBatch
-from vlberts.data.coco import CaptionRef, read_caption_refs
+from vlberts.data.coco import CaptionRef
+from vlberts.data.task_texts import task_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, FixedShapes, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
@@ -107,6 +108,12 @@ class PretrainConfig:
     shuffle_buffer: int = opt(1000, "with --shards: samples held by each rank's shuffle buffer")
     out: str = opt("runs/pretrain", "run directory")
     split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json")
+    captions_format: str = opt("coco", "what --captions holds: coco (COCO captions or a Karpathy split), or a "
+                                       "task's own texts for VisualBERT's task-specific pre-training: vqa, gqa "
+                                       "(questions), nlvr2 (statements, each with each of its images; "
+                                       "data/task_texts.py)")
+    image_map: str = opt("", "with --captions_format=nlvr2: JSON {NLVR2 image name: store image id} (the world's "
+                             "nlvr2/images.json); without it the names are the store's keys")
     tokenizer: str = opt("", "directory with a BERT vocab.txt; empty: train a WordPiece vocabulary on the captions")
     vocab_size: int = opt(1000, "size of the WordPiece vocabulary when one is trained")
     model: str = opt("visualbert-small", "named model configuration (see `vlberts models`)")
@@ -492,7 +499,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
     else:
-        captions = read_caption_refs(cfg.captions, split=cfg.split)
+        captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map)
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)
