@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from vlberts.analysis.syntactic import Arc, ParseNotTree, SyntacticAccumulator, arcs_from_parse
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.conllu import parse_conllu
+from vlberts.data.nlvr2 import read_image_map
 from vlberts.data.retrieval import read_retrieval_split
 from vlberts.data.shards import check_sample_record
 from vlberts.errors import VlbertsError
@@ -27,7 +28,6 @@ from vlberts.features.store import RegionStoreWriter
 from vlberts.models.builders import build_pretraining_model, model_config
 from vlberts.recipes.analyze_grounding import _add_syntactic
 from vlberts.recipes.common import fine_tuning_setting
-from vlberts.recipes.finetune_nlvr2 import read_image_map
 from vlberts.recipes.finetune_qa import build_qa_model, load_qa_model, qa_model
 from vlberts.recipes.finetune_retrieval import rescore
 from vlberts.recipes.pretrain import PretrainConfig, pretrain

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.config import apply_overrides, from_dict
-from vlberts.data.nlvr2 import read_nlvr2
+from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
-from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, read_image_map, resolve_images
+from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
 
 
