@@ -53,6 +53,7 @@ def random_store(path: Path, n: int, seed: int = 0) -> list[CaptionRef]:
         for i in range(n):
             xy = rng.uniform(0, 300, (R, 2)).astype(np.float32)
             boxes = np.concatenate([xy, xy + rng.uniform(10, 200, (R, 2)).astype(np.float32)], 1)
+            boxes = np.minimum(boxes, np.array([640, 480, 640, 480], np.float32))  # inside the 640 x 480 image
             feats = rng.standard_normal((R, D), dtype=np.float32).astype(np.float16)
             w.add(RegionRecord(image_id=str(i), image_w=640, image_h=480, boxes=boxes, features=feats))
             refs += [CaptionRef(str(i), " ".join(rng.choice(WORDS, rng.integers(8, 16)))) for _ in range(5)]

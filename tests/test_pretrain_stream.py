@@ -15,6 +15,7 @@ import pytest
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import MATCH, CaptionPretrainData
 from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_examples
+import vlberts.data.shards as shards_module
 from vlberts.data.shards import write_shards
 from vlberts.errors import VlbertsError
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
@@ -77,6 +78,31 @@ def test_stream_examples_come_from_chunks_and_resume_at_any_position(tiny_world,
     # Another rank streams other examples.
     other = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(1, 2), buffer=4)
     assert [next(other)[0]["image_id"] for _ in range(10)] != [ex["image_id"] for ex, _ in items[:10]]
+
+
+def test_a_resumed_stream_reads_the_features_of_built_chunks_only(tiny_world, shards, monkeypatch):
+    """Re-reading the chunks before a resume position costs their json, not their region arrays."""
+    corpus = ShardCorpus(shards)
+    tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
+    built: list[set[str]] = []
+
+    def make(captions, regions, seed):
+        built.append({c.image_id for c in captions})
+        return CaptionPretrainData(captions, regions, tok, pairs=False, mismatch_prob=0.5, seed=seed)
+
+    decoded: set[str] = set()  # keys of the samples whose .npy members were decoded
+    real = shards_module._array
+
+    def spy(data, shard, key, field):
+        decoded.add(key)
+        return real(data, shard, key, field)
+
+    corpus.info()  # reads the first sample whole once (the cls_prob width), before the spy
+    monkeypatch.setattr(shards_module, "_array", spy)
+    stream = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(), buffer=4, start=StreamPosition(3, 2))
+    _, pos = next(stream)
+    assert pos == StreamPosition(3, 3) and len(built) == 1  # chunks 0-2 were read, not built
+    assert len(decoded) == 6  # the arrays of chunk 3's six images only
 
 
 def test_streamed_pretraining_trains_and_resumes_exactly(shards, tmp_path):

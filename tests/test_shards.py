@@ -18,6 +18,7 @@ from vlberts.data.coco import read_caption_refs
 from vlberts.data.shards import (
     REGION_FIELDS,
     ShardStream,
+    load_arrays,
     main,
     mix_streams,
     read_shard,
@@ -166,42 +167,64 @@ def _rewrite(src: Path, dst: Path, edit) -> None:
                 tout.addfile(info, io.BytesIO(data))
 
 
-def _error(shard: Path) -> str:
+def _error(shard: Path, arrays: bool = True) -> str:
     with pytest.raises(VlbertsError) as e:
-        list(read_shard(shard))
+        [load_arrays(s) for s in read_shard(shard, arrays=arrays)]
     msg = str(e.value)
     assert "\n" not in msg and shard.name in msg
     return msg
 
 
-def test_damaged_shards_name_shard_and_key(shard_sets, tmp_path):
+@pytest.mark.parametrize("arrays", [True, False], ids=["arrays", "json-then-load_arrays"])
+def test_damaged_shards_name_shard_and_key(shard_sets, tmp_path, arrays):
     src = shards_of_index(shard_sets["it"])[0]
     keys = [_key(s) for s in read_shard(src)]
     victim = keys[2]
 
     garbage = tmp_path / "garbage.tar"
     _rewrite(src, garbage, lambda n, d: b"not an npy file" if n == f"{victim}.features.npy" else d)
-    assert f"key {victim}" in _error(garbage) and "features.npy" in _error(garbage)
+    assert f"key {victim}" in _error(garbage, arrays) and "features.npy" in _error(garbage, arrays)
 
     missing = tmp_path / "missing.tar"
     _rewrite(src, missing, lambda n, d: None if n == f"{victim}.boxes.npy" else d)
-    assert f"key {victim}" in _error(missing) and "boxes.npy" in _error(missing)
+    assert f"key {victim}" in _error(missing, arrays) and "boxes.npy" in _error(missing, arrays)
 
     data = src.read_bytes()
     cut = tmp_path / "cut.tar"  # cut inside the features of the third sample
     with tarfile.open(src) as t:
         member = next(m for m in t if m.name == f"{victim}.features.npy")
     cut.write_bytes(data[: member.offset_data + 100])
-    assert f"key {victim}" in _error(cut)
+    assert f"key {victim}" in _error(cut, arrays)
 
     headless = tmp_path / "headless.tar"  # cut at a member boundary: tarfile alone would stop quietly
     headless.write_bytes(data[: member.offset])
-    msg = _error(headless)
+    msg = _error(headless, arrays)
     assert "truncated" in msg and f"key {victim}" in msg
 
     # Through the stream, the same one-line error reaches the caller.
     with pytest.raises(VlbertsError, match="garbage.tar"):
-        list(ShardStream([garbage], buffer=0, dist=DistInfo()))
+        [load_arrays(s) for s in ShardStream([garbage], buffer=0, dist=DistInfo(), arrays=arrays)]
+
+
+def test_json_only_reading_loads_the_same_arrays_later(shard_sets, tmp_path):
+    """read_shard(arrays=False) steps over the .npy members; load_arrays reads them, bit-exact, later."""
+    for shard in shards_of_index(shard_sets["it"]):
+        for full, light in zip(read_shard(shard), read_shard(shard, arrays=False), strict=True):
+            assert set(light["__arrays__"]) == set(full["fields"])
+            assert not any(f in light for f in full["fields"])  # nothing read yet
+            loaded = load_arrays(light)
+            assert loaded.keys() == full.keys() and "__arrays__" not in loaded
+            for f in full["fields"]:
+                assert loaded[f].dtype == full[f].dtype and np.array_equal(loaded[f], full[f])
+    assert load_arrays(full) is full  # a sample read whole is returned as it is
+    # A shard changed between the two reads: one line naming it and the key, not a wrong array.
+    src = shards_of_index(shard_sets["it"])[0]
+    copy = tmp_path / "changing.tar"
+    copy.write_bytes(src.read_bytes())
+    light = list(read_shard(copy, arrays=False))
+    copy.write_bytes(src.read_bytes()[:1024])
+    with pytest.raises(VlbertsError, match=f"changing.tar.*key {_key(light[-1])}"):
+        load_arrays(light[-1])
 
 
 def test_command_line(tiny_world, tmp_path, capsys):

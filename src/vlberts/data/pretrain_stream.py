@@ -15,7 +15,9 @@ captions and other images drawn from the chunk's other images (LXMERT §3.1.3 an
 Position and exact resume: a rank's position is (chunk, examples of that chunk consumed). Its stream is
 a pure function of (seed, rank), so a resumed run re-reads the chunks before its position without
 building examples from them and continues with exactly the examples the uninterrupted run would have
-seen. Checkpoints store every rank's position (`TrainState.data["stream"]`); the world size must then stay
+seen. The stream reads each sample's json alone and its region arrays only when its chunk is built
+(`read_shard(arrays=False)`, `load_arrays`), so re-reading a chunk costs its tar headers and captions,
+not its features. Checkpoints store every rank's position (`TrainState.data["stream"]`); the world size must then stay
 the same. The split-invariance of the file-based path (the same update however a global batch is split
 over ranks) does not carry over: ranks read different shards by design, as WebDataset training does.
 """
@@ -34,6 +36,7 @@ from vlberts.data.shards import (
     ShardStream,
     check_sample_record,
     index_store,
+    load_arrays,
     read_index,
     sample_record,
     shards_of_index,
@@ -123,7 +126,7 @@ def stream_examples(
         raise VlbertsError(f"the shards hold {corpus.images} captioned image(s); pre-training needs 2 or more", path=corpus.path)
     chunk_images = min(chunk_images, corpus.images)  # a chunk holds distinct images: at most all of them
     samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
-                               kinds=("image-text",)))
+                               kinds=("image-text",), arrays=False))  # arrays read for chunks that are built
     rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
     # Drawing with replacement, a chunk of every image of the corpus needs about n ln n draws and at most
     # a few n draws in a row without a new image (the chance of 50 n is e^-50). Fewer distinct images
@@ -145,7 +148,7 @@ def stream_examples(
                         f"python -m vlberts.data.shards --check {corpus.path})", path=corpus.path)
                 continue
             misses = 0
-            records[s["image_id"]] = corpus.record(s) if chunk >= start.chunk else None
+            records[s["image_id"]] = corpus.record(load_arrays(s)) if chunk >= start.chunk else None
             captions.extend(CaptionRef(s["image_id"], c) for c in s["captions"])
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1

@@ -274,8 +274,10 @@ def _check_meta(meta: dict[str, Any], name: str, *, shard: Path, record: str) ->
         raise VlbertsError(f"{name}: fields must be a list of region field names", path=shard, record=record)
 
 
-def _decode(shard: Path, key: str, members: dict[str, bytearray]) -> dict[str, Any]:
-    """One sample's members -> a dict of the json's entries and the region arrays by field name."""
+def _decode(shard: Path, key: str, members: dict[str, bytearray | tuple[int, int]]) -> dict[str, Any]:
+    """One sample's members -> a dict of the json's entries and the region arrays by field name. A member
+    given as (offset, size) instead of its bytes is left unread: the sample then holds `__arrays__`,
+    {field: (offset, size)} in the shard, for `load_arrays` (`read_shard(arrays=False)`)."""
     if "json" not in members:
         raise VlbertsError(f"sample has no {key}.json member", path=shard, record=f"key {key}")
     try:
@@ -286,27 +288,64 @@ def _decode(shard: Path, key: str, members: dict[str, bytearray]) -> dict[str, A
         raise VlbertsError(f"{key}.json has no kind in {', '.join(KINDS)}", path=shard, record=f"key {key}")
     _check_meta(meta, f"{key}.json", shard=shard, record=f"key {key}")
     sample: dict[str, Any] = {"__key__": key, "__shard__": shard.name, "__path__": str(shard), **meta}
+    unread: dict[str, tuple[int, int]] = {}
     for field in meta.get("fields", []):
         data = members.get(f"{field}.npy")
         if data is None:
             raise VlbertsError(f"sample has no {key}.{field}.npy member", path=shard, record=f"key {key}")
-        try:
-            sample[field] = _load_npy(data)
-        except (ValueError, OSError, EOFError) as e:
-            raise VlbertsError(f"{key}.{field}.npy is not a readable .npy ({e})", path=shard, record=f"key {key}") from None
+        if isinstance(data, tuple):
+            unread[field] = data
+        else:
+            sample[field] = _array(data, shard, key, field)
+    if unread:
+        sample["__arrays__"] = unread
     return sample
 
 
-def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
+def _array(data: bytearray, shard: Path, key: str, field: str) -> np.ndarray:
+    try:
+        return _load_npy(data)
+    except (ValueError, OSError, EOFError) as e:
+        raise VlbertsError(f"{key}.{field}.npy is not a readable .npy ({e})", path=shard, record=f"key {key}") from None
+
+
+def load_arrays(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample read with `read_shard(arrays=False)` with its region arrays read from its shard (one
+    open, a seek and a read per field); a sample that holds its arrays already is returned as it is."""
+    unread = sample.get("__arrays__")
+    if not unread:
+        return sample
+    shard, key = Path(sample["__path__"]), sample["__key__"]
+    out = {k: v for k, v in sample.items() if k != "__arrays__"}
+    try:
+        with open(shard, "rb") as f:
+            for field, (offset, size) in unread.items():
+                f.seek(offset)
+                data = bytearray(size)  # writable, so arrays viewing it are too
+                if f.readinto(data) != size:
+                    raise VlbertsError(f"{key}.{field}.npy is cut short (the shard changed since it was read?)",
+                                       path=shard, record=f"key {key}")
+                out[field] = _array(data, shard, key, field)
+    except OSError as e:
+        raise VlbertsError(f"cannot read shard ({e.strerror or e})", path=shard, record=f"key {key}") from None
+    return out
+
+
+def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, Any]]:
     """Decoded samples of one shard in file order, reading one member at a time.
+
+    arrays=False reads each sample's json only and steps over its .npy members (the tar headers give
+    their offsets): the sample names them in `__arrays__`, and `load_arrays` reads them when they are
+    needed. A stream positioned past a million samples (a resumed pre-training) then reads their headers
+    and json, about a kilobyte each, instead of 150 kB of features each.
 
     A member without its sample's other members, an unreadable member, or a tar that ends early (cut
     inside a member or without its end-of-archive blocks) is a one-line `VlbertsError` naming the shard
-    and the sample key.
+    and the sample key (an unreadable .npy left unread: when `load_arrays` reads it).
     """
     shard = Path(shard)
     key: str | None = None
-    members: dict[str, bytearray] = {}
+    members: dict[str, bytearray | tuple[int, int]] = {}
     seen: set[str] = set()
     try:
         size = shard.stat().st_size
@@ -327,6 +366,9 @@ def read_shard(shard: str | Path) -> Iterator[dict[str, Any]]:
                     key, members = k, {}
                 if ext in members:
                     raise VlbertsError(f"member {info.name} appears twice", path=shard, record=f"key {k}")
+                if not arrays and ext.endswith(".npy"):
+                    members[ext] = (info.offset_data, info.size)  # tarfile seeks over the data to the next header
+                    continue
                 data = bytearray(info.size)  # writable, so arrays viewing it are too
                 f = tar.extractfile(info)
                 if f is not None and info.size:
@@ -430,6 +472,7 @@ class ShardStream(IterableDataset):
         stream, instead of one pass over its split.
     dist: rank and world (default `current_dist()`, read when iterated).
     kinds: keep only samples of these kinds (None: all).
+    arrays: False reads each sample's json only; `load_arrays` reads its region arrays (`read_shard`).
     Samples are dicts: `__key__`, `__shard__`, the json's entries (kind, image_id, image_w, image_h,
     captions / text) and the region arrays under `RegionRecord`'s field names (`sample_record`).
     """
@@ -445,6 +488,7 @@ class ShardStream(IterableDataset):
         resample: bool = False,
         dist: DistInfo | None = None,
         kinds: Sequence[str] | None = None,
+        arrays: bool = True,
     ):
         if not shards:
             raise VlbertsError("no shards to stream")
@@ -454,6 +498,7 @@ class ShardStream(IterableDataset):
         self.shards = [Path(s) for s in shards]
         self.seed, self.epoch, self.shuffle, self.buffer = seed, epoch, shuffle, buffer
         self.resample, self.dist, self.kinds = resample, dist, None if kinds is None else tuple(kinds)
+        self.arrays = arrays
 
     @classmethod
     def from_index(cls, index: str | Path, **kw: Any) -> ShardStream:
@@ -481,7 +526,7 @@ class ShardStream(IterableDataset):
         empty = 0
         for shard in self.reader_shards():
             found = False
-            for sample in read_shard(shard):
+            for sample in read_shard(shard, arrays=self.arrays):
                 if self.kinds is None or sample["kind"] in self.kinds:
                     found = True
                     yield sample

@@ -46,6 +46,7 @@ from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_batches, stream_examples
 from vlberts.data.shards import ShardStream
 from vlberts.data.text_corpus import read_documents
+from vlberts.data.vcr_dataset import JOIN as VCR_JOIN
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
@@ -110,7 +111,8 @@ class PretrainConfig:
     split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json")
     captions_format: str = opt("coco", "what --captions holds: coco (COCO captions or a Karpathy split), or a "
                                        "task's own texts for VisualBERT's task-specific pre-training: vqa, gqa "
-                                       "(questions), nlvr2 (statements, each with each of its images; "
+                                       "(questions), nlvr2 (statements, each with each of its images), vcr "
+                                       "(labelled jsonl: question + right answer, and + right rationale; "
                                        "data/task_texts.py)")
     image_map: str = opt("", "with --captions_format=nlvr2: JSON {NLVR2 image name: store image id} (the world's "
                              "nlvr2/images.json); without it the names are the store's keys")
@@ -295,7 +297,7 @@ VOCAB_CAPTIONS = 50_000  # with --shards and no vocabulary given, one is trained
 def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
     """The first `limit` captions of the shards in file order (to train a vocabulary on)."""
     out: list[CaptionRef] = []
-    for sample in ShardStream(corpus.shards, shuffle=False, kinds=("image-text",), dist=DistInfo()):
+    for sample in ShardStream(corpus.shards, shuffle=False, kinds=("image-text",), dist=DistInfo(), arrays=False):
         out.extend(CaptionRef(sample["image_id"], c) for c in sample["captions"])
         if len(out) >= limit:
             break
@@ -499,7 +501,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
     else:
-        captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map)
+        captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
+                                     join=VCR_JOIN[arch])  # VCR's texts written as this architecture's fine-tuning writes them
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)
