@@ -19,6 +19,7 @@ from vlberts.data.coco import CaptionRef
 from vlberts.data.pretrain import MATCH, MISMATCH, CaptionPretrainData
 from vlberts.data.pretrain_stream import ShardCorpus, stream_examples
 from vlberts.data.shards import write_shards
+from vlberts.errors import VlbertsError
 from vlberts.features.record import RegionRecord
 from vlberts.features.store import write_store_records
 from vlberts.text.tokenizer import TextTokenizer
@@ -170,3 +171,43 @@ def test_streamed_chunks_pair_captions_by_the_same_rules(setting, tmp_path):
                 assert ex["match"] == MISMATCH
                 assert caps[b].image_id != image and caps[b].image_id in chunk  # another image of the chunk
         assert len(chunks) >= 2 and labels[MATCH] > 20 and labels[MISMATCH] > 20, (pairs, labels, len(chunks))
+
+
+@pytest.mark.parametrize("replace", ["image", "either"])
+def test_a_negative_replaces_the_image_or_either_as_asked(setting, replace):
+    """ViLBERT §3.1: "we randomly replace either the image or caption with another". With
+    mismatch_replace="image" a negative shows the example's own caption with another image's regions;
+    with "either", half the negatives replace the image and half the caption; "caption" (the default,
+    the released code) is the test above, its draws unchanged."""
+    caps, tok, by_ids = setting
+    data = CaptionPretrainData(caps, Regions(), tok, pairs=False, mismatch_prob=0.5, mismatch_replace=replace,
+                               mlm_prob=0.0, seed=4)
+    kinds = Counter()
+    lengths = data.lengths(epoch=3)
+    for epoch in range(12):
+        for i in range(len(data)):
+            ex = data[(epoch, i)]
+            j = by_ids[_strip(np.asarray(ex["ids"]), tok)]
+            shown = _regions_image(ex)
+            assert shown == ex["image_id"]  # the batch records the image shown
+            if epoch == 3:
+                assert tuple(lengths[i]) == (len(ex["regions"].feats), len(ex["ids"]))
+            if ex["match"] == MATCH:
+                assert j == i and shown == int(caps[i].image_id)
+                kinds["match"] += 1
+            elif j == i:  # the caption kept, the image replaced
+                assert shown != int(caps[i].image_id)
+                kinds["image"] += 1
+            else:  # the image kept, the caption replaced
+                assert shown == int(caps[i].image_id) and caps[j].image_id != caps[i].image_id
+                kinds["caption"] += 1
+    negatives = kinds["image"] + kinds["caption"]
+    if replace == "image":
+        assert kinds["caption"] == 0 and kinds["image"] > 0
+    else:
+        assert abs(kinds["image"] / negatives - 0.5) < 4 * (0.25 / negatives) ** 0.5, kinds
+    assert kinds["match"] > 0 and negatives > 0
+    with pytest.raises(VlbertsError, match="unknown mismatch_replace 'pixels'; valid: caption, image, either"):
+        CaptionPretrainData(caps, Regions(), tok, pairs=False, mismatch_prob=0.5, mismatch_replace="pixels")
+    with pytest.raises(VlbertsError, match="caption pairs"):
+        CaptionPretrainData(caps, Regions(), tok, pairs=True, mismatch_replace="image")

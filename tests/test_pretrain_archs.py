@@ -263,6 +263,21 @@ def test_pretrain_and_demo_pass_on_mismatched_targets_and_the_demos_answer_loss(
         assert not (tmp_path / "never").exists()
 
 
+def test_pretrain_passes_on_what_a_negative_replaces_and_refuses_it_where_nothing_is_replaced(tiny_world, tmp_path,
+                                                                                               monkeypatch):
+    """--mismatch_replace reaches the examples of a run with single-caption matching (ViLBERT §3.1: the image
+    or the caption); with caption pairs or without matching it would change nothing, so it is refused."""
+    seen = record_data_argument(monkeypatch, "mismatch_replace")
+    pretrain(cfg_for(tiny_world, tmp_path / "v", "vilbert-tiny", steps=1, ckpt_every=100, mismatch_replace="either"))
+    assert seen == ["either"]
+    for model, kw, msg in (("visualbert-tiny", {}, "caption pairs"), ("lxmert-tiny", {"objectives": "mlm=1"},
+                                                                      "no matching objective")):
+        with pytest.raises(VlbertsError, match=f"--mismatch_replace=image changes single-caption matching.*{msg}"):
+            pretrain(cfg_for(tiny_world, tmp_path / model, model, steps=1, mismatch_replace="image", **kw))
+    with pytest.raises(VlbertsError, match="--mismatch_replace must be one of caption, image, either, got 'both'"):
+        pretrain(cfg_for(tiny_world, tmp_path / "b", "vilbert-tiny", mismatch_replace="both"))
+
+
 def test_wvisualbert_tags_are_class_names_of_the_detected_objects(tiny_world):
     data, tok = _data(tiny_world, "wvisualbert")
     classes = RegionStore(tiny_world.store).metadata.classes

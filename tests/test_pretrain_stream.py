@@ -4,6 +4,7 @@ stopped (one process and two torchrun ranks), and misuse is a one-line error."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,11 +15,13 @@ import pytest
 
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import MATCH, CaptionPretrainData
-from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_examples
+from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_documents, stream_examples, text_shards
 import vlberts.data.shards as shards_module
 from vlberts.data.shards import write_shards
+from vlberts.data.text_corpus import TextOnlyData, read_documents
 from vlberts.errors import VlbertsError
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.recipes.pretrain_mix import StreamedPositions, StreamedSources
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.distributed import DistInfo, free_port
 from vlberts.training.metrics import MetricsLog
@@ -162,12 +165,14 @@ def test_fewer_distinct_images_than_the_index_lists_is_an_error_not_a_hang(tiny_
     assert next(stream_examples(ShardCorpus(shards), make, seed=0, chunk_images=10**6, dist=DistInfo(), buffer=4))
 
 
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={free_port()}", str(VLBERTS), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_two_ranks_stream_and_resume_exactly(shards, tmp_path):
-    def torchrun(*args: str) -> subprocess.CompletedProcess:
-        cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={free_port()}", str(VLBERTS), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-
+    torchrun = _torchrun
     proc = torchrun(*_args(shards, tmp_path / "ref"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
@@ -178,3 +183,101 @@ def test_two_ranks_stream_and_resume_exactly(shards, tmp_path):
     proc = torchrun(*_args(shards, tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["mlm_loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["mlm_loss"] for r in ref]
+
+
+# --------------------------------------------------------------------------- streamed text-only documents
+@pytest.fixture(scope="module")
+def text_index(tiny_world, tmp_path_factory) -> Path:
+    """The world's text corpus (BERT's format) as text-only shards, each document with its sentences."""
+    out = tmp_path_factory.mktemp("text-shards")
+    return write_shards(None, None, out, shard_size=3, prefix="txt",
+                        documents=read_documents(tiny_world.root / "text" / "documents.txt"))
+
+
+def test_documents_stream_in_chunks_with_their_sentences_and_resume_at_any_position(tiny_world, text_index):
+    docs = read_documents(tiny_world.root / "text" / "documents.txt")
+    tok = TextTokenizer.train([s for d in docs for s in d], vocab_size=200)
+    chunks: list[list[list[str]]] = []
+
+    def make(chunk_docs, seed):
+        chunks.append(chunk_docs)
+        return TextOnlyData(chunk_docs, tok, feature_dim=8, nsp=True, seed=seed)
+
+    stream = stream_documents(text_shards(text_index), make, seed=5, chunk_documents=4, dist=DistInfo(), buffer=2)
+    items = [next(stream) for _ in range(60)]
+    assert len(chunks) >= 2 and all(len(c) == 4 for c in chunks)
+    assert all(d in docs for c in chunks for d in c)  # whole documents, sentence by sentence
+    assert {ex["nsp"] for ex, _ in items} == {0, 1} and all(len(ex["regions"].feats) == 0 for ex, _ in items)
+    for k in (0, 17, 41):
+        again = stream_documents(text_shards(text_index), make, seed=5, chunk_documents=4, dist=DistInfo(), buffer=2,
+                                 start=items[k][1])
+        for (want, want_pos), (got, got_pos) in zip(items[k + 1:], (next(again) for _ in range(12))):
+            assert want_pos == got_pos and np.array_equal(want["ids"], got["ids"]) and want["nsp"] == got["nsp"]
+
+
+@pytest.mark.parametrize("model", ["vlbert-tiny", "wvisualbert-tiny"])
+def test_streamed_runs_mix_in_streamed_documents_and_resume_exactly(shards, text_index, tmp_path, monkeypatch, model):
+    """VL-BERT §3.3: half of every batch text-only, here streamed from text shards; W-VisualBERT §3: its
+    text-only updates read the corpus (with next-sentence prediction) or the captions. Interrupted and
+    resumed, both streams continue where they stood."""
+    import vlberts.recipes.pretrain as recipe
+
+    built = []
+
+    class Recording(TextOnlyData):
+        def __init__(self, documents, *a, **kw):
+            built.append(len(documents))
+            super().__init__(documents, *a, **kw)
+
+    monkeypatch.setattr(recipe, "TextOnlyData", Recording)
+    extra = dict(model=model, text_corpus=str(text_index), chunk_documents=5, objectives="")
+    ref = tmp_path / "ref"
+    pretrain(_cfg(shards, ref, **extra))
+    log = MetricsLog.read(ref / "metrics.jsonl")
+    assert built and set(built) == {5} and [r["step"] for r in log] == list(range(1, 9))
+    if model == "wvisualbert-tiny":  # unpaired: whole text-only updates (the corpus's or the captions') and image-only ones
+        assert {r["source"] for r in log} == {"text", "image"}
+    without = tmp_path / "without"
+    pretrain(_cfg(shards, without, **{**extra, "text_corpus": ""}))
+    assert [r["loss"] for r in MetricsLog.read(without / "metrics.jsonl")] != [r["loss"] for r in log]
+
+    run = tmp_path / "run"
+    assert pretrain(_cfg(shards, run, stop_after=5, **extra)) is None  # last checkpoint: step 3
+    state = json.loads(max((run / "checkpoints").glob("step_*/state.json")).read_text())
+    assert set(state["data"]) == {"stream", "text_stream"} and state["data"]["text_stream"][0]["chunk"] >= 0
+    assert pretrain(_cfg(shards, run, **extra)) == run / "model"
+    assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
+
+
+def test_streamed_text_misuse_is_one_clear_error(tiny_world, shards, text_index, tmp_path):
+    docs = str(tiny_world.root / "text" / "documents.txt")
+    with pytest.raises(VlbertsError, match="with --shards, --text_corpus is the index json of text-only shards"):
+        pretrain(_cfg(shards, tmp_path / "a", model="vlbert-tiny", text_corpus=docs))
+    with pytest.raises(VlbertsError, match="--text_corpus=INDEX.json streams text-only shards, which a streamed run"):
+        pretrain(PretrainConfig(captions=str(tiny_world.captions_train), features=str(tiny_world.store),
+                                out=str(tmp_path / "b"), model="vlbert-tiny", text_corpus=str(text_index)))
+    with pytest.raises(VlbertsError, match="the shards hold 0 text-only document"):
+        pretrain(_cfg(shards, tmp_path / "c", model="vlbert-tiny", text_corpus=str(shards)))
+    with pytest.raises(VlbertsError, match="chunk_documents must be >= 2"):
+        pretrain(_cfg(shards, tmp_path / "d", model="vlbert-tiny", text_corpus=str(text_index), chunk_documents=1))
+    # Two ranks share every batch: 3 caption and 1 text example per batch of 4 cannot be split between them.
+    with pytest.raises(VlbertsError, match=r"--batch_size=4 with --text_ratio=0.25 gives 3 pairs and 1 text examples, "
+                                           r"not multiples of 2"):
+        StreamedSources(iter(()), iter(()), {"pairs": 3, "text": 1, "image_only": 0}, list, False, DistInfo(0, 2),
+                        StreamedPositions(StreamPosition(), StreamPosition()))
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_two_ranks_stream_documents_and_resume_exactly(shards, text_index, tmp_path):
+    """Each rank streams its own documents beside its own captions; the checkpoint keeps both ranks'
+    positions in both streams, and the resumed run repeats the uninterrupted one."""
+    args = ("--model=vlbert-tiny", f"--text_corpus={text_index}", "--chunk_documents=5")
+    proc = _torchrun(*_args(shards, tmp_path / "ref"), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
+    assert _torchrun(*_args(shards, tmp_path / "run", "--stop_after=5"), *args).returncode == 0
+    state = json.loads(max((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
+    assert len(state["data"]["stream"]) == len(state["data"]["text_stream"]) == 2
+    proc = _torchrun(*_args(shards, tmp_path / "run"), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["loss"] for r in ref]

@@ -18,6 +18,7 @@ from vlberts.data.coco import read_caption_refs
 from vlberts.data.shards import (
     REGION_FIELDS,
     ShardStream,
+    document_sentences,
     load_arrays,
     main,
     mix_streams,
@@ -27,6 +28,7 @@ from vlberts.data.shards import (
     split_shards,
     write_shards,
 )
+from vlberts.data.text_corpus import read_documents
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.training.distributed import DistInfo
@@ -234,6 +236,24 @@ def test_command_line(tiny_world, tmp_path, capsys):
     assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar")))
     assert main(["--store", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "t")]) == 2
     assert "nope.h5" in capsys.readouterr().err
+
+
+def test_documents_keep_their_sentences(tiny_world, tmp_path, capsys):
+    """A BERT-format corpus (`--documents`) becomes text-only samples, one per document, each with its
+    sentences (next-sentence prediction needs them) and their joined text (what other readers read)."""
+    corpus = tiny_world.root / "text" / "documents.txt"
+    assert main(["--documents", str(corpus), "--out", str(tmp_path / "d"), "--prefix", "txt", "--shard-size", "4"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    docs = read_documents(corpus)
+    assert summary["kinds"] == {"image-text": 0, "image": 0, "text": len(docs)}
+    samples = [x for sh in shards_of_index(summary["index"]) for x in read_shard(sh)]
+    assert [document_sentences(x) for x in samples] == docs and [x["text"] for x in samples] == [" ".join(d) for d in docs]
+    # A plain text is one sentence; a blank sentence is refused when written, naming the document.
+    index = write_shards(None, None, tmp_path / "p", documents=["one text only.", ["first.", "second."]])
+    assert [document_sentences(x) for sh in shards_of_index(index) for x in read_shard(sh)] == [
+        ["one text only."], ["first.", "second."]]
+    with pytest.raises(VlbertsError, match=r"q: record document 1: field sentences\[1\] is empty"):
+        write_shards(None, None, tmp_path / "q", documents=[["fine."], ["fine.", "  "]])
 
 
 def test_webdataset_reads_our_shards(tiny_world, shard_sets):

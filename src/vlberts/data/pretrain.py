@@ -9,7 +9,10 @@ Task-specific pre-training (`pairs=False`) shows one caption and trains MLM only
 
 The other architectures (objectives/recipe.py says which does what) read one caption that, with
 `mismatch_prob`, is replaced by a caption of another image (ViLBERT §3.1 alignment, LXMERT §3.1.3
-matching; with `drop_mismatched`, that caption's masked words and the masked regions are no targets), and a
+matching; with `drop_mismatched`, that caption's masked words and the masked regions are no targets).
+`mismatch_replace` says what a negative replaces: the caption (the released ViLBERT and LXMERT code), the
+image (the caption is shown with another image's regions), or either, half the time each (ViLBERT §3.1:
+"we randomly replace either the image or caption with another"). Then come a
 `RegionSetup`: regions masked by the paper's rule, the detector's targets (cls_prob,
 obj/attr ids and confidences, the original features), and W-VisualBERT's detector tags. Region masking
 draws from the same (seed, epoch, index) stream as the text masking, after it, so a resumed run is exact.
@@ -48,6 +51,7 @@ from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 
 MATCH, MISMATCH = 0, 1
+MISMATCH_REPLACE = ("caption", "image", "either")  # what a matching negative replaces (module docstring)
 
 
 def truncate_front(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
@@ -112,6 +116,7 @@ class CaptionPretrainData:
         whole_word: bool = False,
         mismatch_prob: float = 0.0,
         drop_mismatched: bool = False,
+        mismatch_replace: str = "caption",
         region_setup: RegionSetup = RegionSetup(),
         qa_targets: Sequence[SoftTarget] | None = None,
         pixels: Any = None,
@@ -141,6 +146,12 @@ class CaptionPretrainData:
         # Masked words (and masked regions) of a text that is not the image's are no targets: ViLBERT's
         # `--objective 1`; LXMERT's and VisualBERT's code keep them (`PretrainConfig.mismatched_targets`).
         self.drop_mismatched = drop_mismatched
+        if mismatch_replace not in MISMATCH_REPLACE:
+            raise VlbertsError(f"unknown mismatch_replace {mismatch_replace!r}; valid: {', '.join(MISMATCH_REPLACE)}")
+        if pairs and mismatch_replace != "caption":
+            raise VlbertsError("caption pairs (VisualBERT's sentence-image prediction) replace the second caption; "
+                               f"mismatch_replace={mismatch_replace} needs single-caption matching (pairs off)")
+        self.mismatch_replace = mismatch_replace
         self.setup = region_setup
         if (pairs or mismatch_prob > 0) and len(self.by_image) < 2:
             raise VlbertsError("sentence-image prediction needs captions of at least two images")
@@ -158,21 +169,31 @@ class CaptionPretrainData:
         """(N, 2) each example's regions and tokens in `epoch` (`length_keys`), for length-grouped batches.
         The text (a pair's second caption, a mismatched caption) is drawn per epoch: each example's first
         draws are replayed here as `__getitem__` makes them, so the tokens are the ones its batch holds."""
-        tokens = [len(self._text(index, example_rng(self.seed, epoch, index))[0]) for index in range(len(self))]
-        return length_keys(region_counts(self.regions, [c.image_id for c in self.captions], self.max_regions), tokens)
+        texts = [self._text(index, example_rng(self.seed, epoch, index)) for index in range(len(self))]
+        return length_keys(region_counts(self.regions, [t[3] for t in texts], self.max_regions),
+                           [len(t[0]) for t in texts])
 
-    def _text(self, index: int, rng: np.random.Generator) -> tuple[list[int], list[int], int]:
-        """(token ids, segment ids, match label) of example `index`'s text: the first draws from its `rng`."""
+    def _text(self, index: int, rng: np.random.Generator) -> tuple[list[int], list[int], int, str]:
+        """(token ids, segment ids, match label, the image whose regions are shown) of example `index`: the
+        first draws from its `rng`."""
         tok = self.tok
+        image = self.captions[index].image_id
         if self.pairs:
             j, label = self._second_caption(index, rng)
             a, b = truncate_front(self.ids[index], self.ids[j], self.max_text_len - 3)
-            return [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id], [0] * (len(a) + 2) + [1] * (len(b) + 1), label
+            return [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id], [0] * (len(a) + 2) + [1] * (len(b) + 1), label, image
         label, text = MATCH, index
         if self.mismatch_prob > 0 and rng.random() < self.mismatch_prob:
-            label, text = MISMATCH, self._caption_of_another_image(self.captions[index].image_id, rng)
+            label = MISMATCH
+            replace = self.mismatch_replace
+            if replace == "either":  # one more draw, only in this mode: the other modes' streams stay as they were
+                replace = "image" if rng.random() < 0.5 else "caption"
+            if replace == "image":
+                image = self._another_image(image, rng)
+            else:
+                text = self._caption_of_another_image(image, rng)
         a, _ = truncate_front(self.ids[text], [], self.max_text_len - 2)
-        return [tok.cls_id, *a, tok.sep_id], [0] * (len(a) + 2), label
+        return [tok.cls_id, *a, tok.sep_id], [0] * (len(a) + 2), label, image
 
     def _second_caption(self, index: int, rng: np.random.Generator) -> tuple[int, int]:
         image = self.captions[index].image_id
@@ -195,9 +216,8 @@ class CaptionPretrainData:
     def __getitem__(self, key: tuple[int, int]) -> dict:
         epoch, index = key
         rng = example_rng(self.seed, epoch, index)
-        cap = self.captions[index]
         tok = self.tok
-        ids, segments, label = self._text(index, rng)
+        ids, segments, label, image = self._text(index, rng)  # image: the caption's own, or a negative's
         masked, labels = mask_tokens(
             ids, rng, mask_id=tok.mask_id, vocab_size=tok.vocab_size, special_ids=tok.special_ids, prob=self.mlm_prob,
             token_probs=self.token_probs, continuation_ids=self.continuation_ids,
@@ -206,21 +226,21 @@ class CaptionPretrainData:
         if drop:  # the text that is not the image's: caption b of a pair, else the one caption
             other = np.asarray(segments) == 1 if self.pairs else np.ones(len(labels), dtype=bool)  # (T,)
             labels = np.where(other, IGNORE_INDEX, labels)
-        rec = self.regions.get(cap.image_id)
-        regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), cap.image_id, self.max_regions,
+        rec = self.regions.get(image)
+        regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), image, self.max_regions,
                                self.feature_dim)
         example = {
             "ids": masked,
             "segments": np.asarray(segments),
             "labels": labels,
             "match": label,
-            "image_id": int(cap.image_id) if cap.image_id.isdigit() else index,
+            "image_id": int(image) if image.isdigit() else index,  # the image shown
         }
-        example.update(self._region_side(rec, regions, cap.image_id, rng))
+        example.update(self._region_side(rec, regions, image, rng))
         if drop and "masked" in example:  # the regions stay corrupted in the input, but are no targets
             example["masked"] = np.zeros_like(example["masked"])
-        if self.pixels is not None:  # the caption's own image (no random draw: `rng` is untouched)
-            example["pixels"] = self.pixels.get(cap.image_id)  # (3, S, S)
+        if self.pixels is not None:  # the image shown (no random draw: `rng` is untouched)
+            example["pixels"] = self.pixels.get(image)  # (3, S, S)
         if self.qa_targets is not None:  # LXMERT §3.1.3: the answer is a label only when the pair is matched
             t = self.qa_targets[index]
             k = sample_qa_target(np.asarray(t.scores), rng) if label == MATCH and t.labels else -1

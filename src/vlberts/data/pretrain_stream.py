@@ -35,6 +35,7 @@ from vlberts.data.coco import CaptionRef
 from vlberts.data.shards import (
     ShardStream,
     check_sample_record,
+    document_sentences,
     index_store,
     load_arrays,
     read_index,
@@ -153,11 +154,56 @@ def stream_examples(
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1
             continue
-        data = make_data(captions, ChunkRegions(records, corpus.path), rank_seed)
-        order = np.random.default_rng([rank_seed, chunk, 0xC4]).permutation(len(data))
-        for k in range(start.offset if chunk == start.chunk else 0, len(order)):
-            yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1)
+        yield from _chunk_examples(make_data(captions, ChunkRegions(records, corpus.path), rank_seed), chunk,
+                                   rank_seed, start, 0xC4)
         chunk += 1
+
+
+# chunk documents (lists of sentences), seed -> text-only examples over them (a `TextOnlyData`)
+MakeText = Callable[[list[list[str]], int], Any]
+
+
+def text_shards(index: str | Path) -> list[Path]:
+    """The shards of a shard index that holds text-only documents (`write_shards(documents=...)`, or
+    `python -m vlberts.data.shards --documents`); an index without any is a one-line error."""
+    kinds = read_index(Path(index)).get("kinds", {})
+    if int(kinds.get("text", 0)) < 2:
+        raise VlbertsError(f"the shards hold {int(kinds.get('text', 0))} text-only document(s); a streamed text corpus "
+                           "needs 2 or more (write them with python -m vlberts.data.shards --documents FILE)",
+                           path=index)
+    return shards_of_index(index)
+
+
+def stream_documents(
+    shards: list[Path], make_text: MakeText, *, seed: int, chunk_documents: int, dist: DistInfo,
+    start: StreamPosition = StreamPosition(), buffer: int = 1000,
+) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+    """This rank's endless (text-only example, position after it) pairs from the text samples of `shards`:
+    the same chunks, order and exact resume as `stream_examples` (module docstring), over documents. A
+    chunk holds `chunk_documents` draws (resampling may draw a document twice, as an epoch over shards
+    would not; next-sentence prediction's "another document" is drawn from the chunk)."""
+    if chunk_documents < 2:
+        raise VlbertsError(f"chunk_documents must be >= 2 (next-sentence prediction draws another document), "
+                           f"got {chunk_documents}")
+    samples = iter(ShardStream(shards, seed=seed, resample=True, buffer=buffer, dist=dist, kinds=("text",)))
+    rank_seed = seed * 1_000_003 + dist.rank
+    chunk = 0
+    while True:
+        docs = [document_sentences(next(samples)) for _ in range(chunk_documents)]
+        if chunk < start.chunk:  # consumed before the resume point: read, not built
+            chunk += 1
+            continue
+        yield from _chunk_examples(make_text(docs, rank_seed), chunk, rank_seed, start, 0x7E)
+        chunk += 1
+
+
+def _chunk_examples(data: Any, chunk: int, rank_seed: int, start: StreamPosition,
+                    salt: int) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+    """A built chunk's examples in the order drawn from (rank seed, chunk), from the resume point on when
+    `chunk` is the one the run stopped in; each with the position after it."""
+    order = np.random.default_rng([rank_seed, chunk, salt]).permutation(len(data))
+    for k in range(start.offset if chunk == start.chunk else 0, len(order)):
+        yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1)
 
 
 def stream_batches(

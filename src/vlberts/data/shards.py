@@ -7,7 +7,9 @@ the one `webdataset` reads, so either reader works), and a sample is the run of 
 that share a key:
 
     <key>.json           {"kind", "image_id", "image_w", "image_h", "captions": [...], "fields": [...]}
-                         text-only documents: {"kind": "text", "text": ...} and nothing else
+                         text-only documents: {"kind": "text", "text": ...} and nothing else, with the
+                         document's sentences as "sentences": [...] when it was given as sentences
+                         (BERT's corpus format; next-sentence prediction needs them)
     <key>.<field>.npy    one per region field of the store, named as `RegionRecord`'s fields:
                          boxes, features (float16 or float32 as stored), cls_prob, obj_id, obj_conf,
                          attr_id, attr_conf
@@ -53,6 +55,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
+from vlberts.data.text_corpus import read_documents
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
 from vlberts.features.store import RegionStore
@@ -146,7 +149,7 @@ def write_shards(
     shard_size: int = 1000,
     prefix: str = "shard",
     image_only: bool = False,
-    documents: Iterable[str] = (),
+    documents: Iterable[str | Sequence[str]] = (),
     overwrite: bool = False,
 ) -> Path:
     """Pack a region store and its captions (and optionally text-only documents) into tar shards.
@@ -157,7 +160,8 @@ def write_shards(
         image-only sample. A caption of an image the store lacks is an error.
     image_only: also write the store's images that have no caption, as "image" samples (otherwise they
         are left out: a Karpathy split's captions name only that split's images).
-    documents: text-only samples, written after the images.
+    documents: text-only samples, written after the images: each a text, or a list of sentences
+        (`data.text_corpus.read_documents`), stored as "sentences" beside their joined "text".
     overwrite: replace a shard set of the same prefix in `out_dir` (otherwise an error).
     Returns the index json `<out_dir>/<prefix>-index.json`.
     """
@@ -191,8 +195,11 @@ def write_shards(
             sample = _image_sample(rec, caps, store.dtype)
             writer.add(_sample_key(rec.image_id, index), sample, "image-text" if caps else "image")
             index += 1
-        for k, text in enumerate(documents):
-            writer.add(f"doc{k:09d}", {"json": json.dumps({"kind": "text", "text": str(text)}).encode()}, "text")
+        for k, doc in enumerate(documents):
+            meta = {"kind": "text", "text": doc} if isinstance(doc, str) else {
+                "kind": "text", "text": " ".join(doc), "sentences": list(doc)}
+            _check_meta(meta, f"document {k}", shard=out_dir, record=f"document {k}")
+            writer.add(f"doc{k:09d}", {"json": json.dumps(meta).encode()}, "text")
             index += 1
     except BaseException as e:
         writer.close(e)
@@ -264,6 +271,11 @@ def _check_meta(meta: dict[str, Any], name: str, *, shard: Path, record: str) ->
         raise VlbertsError(f"{name} ({meta['kind']}) has no {', '.join(missing)}", path=shard, record=record)
     if meta["kind"] == "text":
         require_text(meta["text"], "text", path=shard, record=record)
+        sentences = meta.get("sentences", [meta["text"]])
+        if not isinstance(sentences, list) or not sentences:
+            raise VlbertsError(f"{name}: sentences must be a non-empty list", path=shard, record=record)
+        for j, sentence in enumerate(sentences):
+            require_text(sentence, f"sentences[{j}]", path=shard, record=record)
     if meta["kind"] == "image-text":
         captions = meta["captions"]
         if not isinstance(captions, list) or not captions:
@@ -385,6 +397,11 @@ def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, 
         raise VlbertsError(f"cannot read shard ({e.strerror or e})", path=shard) from None
     if key is not None:
         yield _decode(shard, key, members)
+
+
+def document_sentences(sample: dict[str, Any]) -> list[str]:
+    """A text sample's sentences: those it was written with, else its text as one sentence."""
+    return list(sample.get("sentences") or [sample["text"]])
 
 
 def sample_record(sample: dict[str, Any]) -> RegionRecord:
@@ -732,6 +749,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     ap.add_argument("--prefix", default="shard")
     ap.add_argument("--image-only", action="store_true", help="also write uncaptioned images as image-only samples")
+    ap.add_argument("--documents", help="a text corpus in BERT's format (one sentence per line, a blank line between "
+                    "documents): each document becomes a text-only sample (with or without --store)")
     ap.add_argument("--overwrite", action="store_true", help="replace a shard set of the same prefix in --out")
     ap.add_argument("--check", metavar="INDEX", help="read the shard set of this index json once and report every "
                     "problem (damaged samples, keys or image ids in two shards, counts unlike the index's)")
@@ -740,12 +759,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.check is not None:
         return _check_command(args.check, args.max_problems)
-    if args.store is None or args.out is None:
-        ap.error("writing shards needs --store and --out (or give --check INDEX)")
+    if (args.store is None and args.documents is None) or args.out is None:
+        ap.error("writing shards needs --store (and/or --documents) and --out (or give --check INDEX)")
     try:
         refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
+        documents = read_documents(args.documents) if args.documents else []
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
-                             image_only=args.image_only, overwrite=args.overwrite)
+                             image_only=args.image_only, documents=documents, overwrite=args.overwrite)
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -40,12 +40,19 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.batch import PretrainBatch
 from vlberts.data.coco import CaptionRef
 from vlberts.data.task_texts import task_caption_refs
-from vlberts.data.pretrain import LABEL_FIELDS, CaptionPretrainData, FixedShapes, RegionSetup, collate_pretrain, unpaired_view
+from vlberts.data.pretrain import LABEL_FIELDS, MISMATCH_REPLACE, CaptionPretrainData, FixedShapes, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
-from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_batches, stream_examples
-from vlberts.data.shards import ShardStream
-from vlberts.data.text_corpus import read_documents
+from vlberts.data.pretrain_stream import (
+    ShardCorpus,
+    StreamPosition,
+    stream_batches,
+    stream_documents,
+    stream_examples,
+    text_shards,
+)
+from vlberts.data.shards import ShardStream, document_sentences
+from vlberts.data.text_corpus import TextOnlyData, read_documents
 from vlberts.data.vcr_dataset import JOIN as VCR_JOIN
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
@@ -70,7 +77,19 @@ from vlberts.objectives.recipe import (
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
 from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
-from vlberts.recipes.pretrain_mix import build_sources, check_sources, draw, mix_weights, reads_corpus, withhold_captions
+from vlberts.recipes.pretrain_mix import (
+    TEXT_SEED,
+    StreamedPositions,
+    StreamedSources,
+    batch_split,
+    build_sources,
+    check_sources,
+    draw,
+    mix_weights,
+    reads_corpus,
+    stream_seed,
+    withhold_captions,
+)
 from vlberts.tasks.vqa import SoftTarget
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
@@ -107,6 +126,8 @@ class PretrainConfig:
     chunk_images: int = opt(1000, "with --shards: images per in-memory chunk (the matching objective's negatives "
                             "come from the same chunk)")
     shuffle_buffer: int = opt(1000, "with --shards: samples held by each rank's shuffle buffer")
+    chunk_documents: int = opt(1000, "with --shards and a streamed --text_corpus: documents per in-memory chunk "
+                               "(next-sentence prediction's other document comes from the same chunk)")
     out: str = opt("runs/pretrain", "run directory")
     split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json")
     captions_format: str = opt("coco", "what --captions holds: coco (COCO captions or a Karpathy split), or a "
@@ -151,6 +172,9 @@ class PretrainConfig:
                           "the released code) or hard (its argmax class, as the paper's text; README, \"VL-BERT's "
                           "masked RoI target\")")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
+    mismatch_replace: str = opt("caption", "single-caption matching: what a negative replaces: caption (the released "
+                                "ViLBERT and LXMERT code), image (the caption with another image's regions), or "
+                                "either, half the time each (ViLBERT §3.1's text)")
     mismatched_targets: str = opt("auto", "with matching: are the masked words (and masked regions) of a text that is "
                                   "not the image's still targets? keep (LXMERT's and VisualBERT's released code), drop "
                                   "(ViLBERT's --objective 1), auto: the architecture's released code (README, \"Masked "
@@ -165,7 +189,8 @@ class PretrainConfig:
     text_corpus: str = opt("", "text-only documents (BERT's format: one sentence per line, a blank line between "
                            "documents; the world's text/documents.txt) mixed into pre-training as <Text, ∅> samples "
                            "trained with MLM only (VL-BERT §3.3); W-VisualBERT draws its text-only batches from "
-                           "them; single-stream models only (recipes/pretrain_mix.py)")
+                           "them; single-stream models only (recipes/pretrain_mix.py). With --shards: the index json "
+                           "of text-only shards (python -m vlberts.data.shards --documents FILE), streamed")
     text_ratio: float = opt(0.5, "with --text_corpus: share of text-only samples in every batch (VL-BERT §3.3: 1:1); "
                             "W-VisualBERT: share of text-only updates")
     corpus_share: float = opt(0.5, "W-VisualBERT with --text_corpus: share of its text-only updates drawn from the "
@@ -294,6 +319,17 @@ def store_sizes(store: RegionStore) -> dict[str, int]:
 VOCAB_CAPTIONS = 50_000  # with --shards and no vocabulary given, one is trained on this many first captions
 
 
+def shard_documents(shards: list[Path], limit: int) -> list[list[str]]:
+    """The first documents of text-only shards in file order, up to `limit` sentences (to train a vocabulary on)."""
+    out: list[list[str]] = []
+    for sample in ShardStream(shards, shuffle=False, kinds=("text",), dist=DistInfo()):
+        out.append(document_sentences(sample))
+        limit -= len(out[-1])
+        if limit <= 0:
+            break
+    return out
+
+
 def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
     """The first `limit` captions of the shards in file order (to train a vocabulary on)."""
     out: list[CaptionRef] = []
@@ -304,17 +340,19 @@ def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
     return out[:limit]
 
 
-def stream_state(pos: StreamPosition, dist: DistInfo) -> dict[str, Any]:
-    """A streamed run's data state: every rank's position, in rank order."""
-    positions = merge_over_ranks({dist.rank: pos.to_dict()}, dist)
-    return {"stream": [positions[r] for r in range(dist.world)]}
+def stream_state(pos: StreamPosition | StreamedPositions, dist: DistInfo) -> dict[str, Any]:
+    """A streamed run's data state: every rank's position in its caption stream ("stream"), and in its
+    text-only stream ("text_stream") when it reads one, in rank order."""
+    own = pos.to_dict() if isinstance(pos, StreamedPositions) else {"stream": pos.to_dict()}
+    positions = merge_over_ranks({dist.rank: own}, dist)
+    return {key: [positions[r][key] for r in range(dist.world)] for key in own}
 
 
-def stream_start(data: dict[str, Any], dist: DistInfo, out: Path) -> StreamPosition:
-    """This rank's position in a resumed streamed run (the start of its stream in a new run)."""
+def stream_start(data: dict[str, Any], dist: DistInfo, out: Path, key: str = "stream") -> StreamPosition:
+    """This rank's position in a resumed streamed run's stream `key` (the start of it in a new run)."""
     if not data:
         return StreamPosition()
-    positions = data.get("stream")
+    positions = data.get(key)
     if positions is None or len(positions) != dist.world:
         have = "a caption-file run" if positions is None else f"{len(positions)} ranks"
         raise VlbertsError(f"the checkpoint is of {have}; a streamed run resumes with the same number of ranks "
@@ -490,6 +528,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if cfg.roi_target not in ("soft", "hard"):
         raise VlbertsError(f"--roi_target must be soft or hard, got {cfg.roi_target!r}")
     check_mismatched_targets(cfg.mismatched_targets)
+    if cfg.mismatch_replace not in MISMATCH_REPLACE:
+        raise VlbertsError(f"--mismatch_replace must be one of {', '.join(MISMATCH_REPLACE)}, got {cfg.mismatch_replace!r}")
     recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
     qa = image_qa(cfg, arch)
     if streamed:
@@ -509,7 +549,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         store = RegionStore(cfg.features)
     # H-VisualBERT: the image-only set's captions are withheld (recipes/pretrain_mix.py).
     captions, image_only = withhold_captions(cfg, captions, store) if not streamed else (captions, [])
-    documents = read_documents(cfg.text_corpus) if cfg.text_corpus else []
+    # A streamed text corpus is read chunk by chunk; its first documents train a vocabulary (as the captions').
+    streamed_text = text_shards(cfg.text_corpus) if streamed and cfg.text_corpus else []
+    documents = read_documents(cfg.text_corpus) if cfg.text_corpus and not streamed else []
+    vocab_documents = shard_documents(streamed_text, VOCAB_CAPTIONS) if streamed_text else documents
     qa_targets = None
     sources = [(cfg.captions, len(captions))]  # the file each run of sentences comes from, in order
     if qa is not None:  # questions join the sentences; captions carry no QA label
@@ -523,7 +566,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     # Tag words (detector class names) join the corpus so that a trained vocabulary spells them well.
     tag_words = list(store.metadata.classes or []) + list(store.metadata.attributes or []) if "tags" in recipe.model_inputs else []
     if dist.main:  # rank 0 trains (or loads) and saves the vocabulary; the others load the saved one
-        tok = _tokenizer(cfg, out, [c.text for c in captions] + [s for d in documents for s in d], tag_words)
+        tok = _tokenizer(cfg, out, [c.text for c in captions] + [s for d in vocab_documents for s in d], tag_words)
     barrier(dist)
     if not dist.main:
         tok = TextTokenizer.load(out / "tokenizer")
@@ -569,6 +612,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                            "it has no matching objective")
     check_sources(cfg, arch, model_cfg, weights, unpaired, streamed)
     pairs = recipe.caption_pairs and cfg.pairs
+    if cfg.mismatch_replace != "caption" and (pairs or "match" not in weights):
+        raise VlbertsError(f"--mismatch_replace={cfg.mismatch_replace} changes single-caption matching negatives, but this "
+                           "run has " + ("caption pairs (VisualBERT's sentence-image prediction; --pairs=false for one "
+                                         "caption)" if pairs else "no matching objective"))
     # The width of the store's features as read: the model's, or, end-to-end, the store's own (the CNN
     # replaces them; they only pad batches alongside the boxes).
     feature_dim = store.feature_dim if end_to_end else model_cfg.visual_dim
@@ -582,6 +629,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         whole_word=recipe.whole_word,
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
         drop_mismatched="match" in weights and drop_mismatched(cfg.mismatched_targets, recipe),
+        mismatch_replace=cfg.mismatch_replace if "match" in weights and not pairs else "caption",
         region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -599,10 +647,23 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     collate = partial(collate_pretrain, pad_id=tok.pad_id,
                       shapes=FixedShapes(cfg.max_text_len, cfg.max_regions) if cfg.static_shapes else None)
     if streamed:  # each rank its own stream of chunks, resumed at its own position
-        stream = stream_batches(stream_examples(
+        resumed_data = state.data if resumed else {}
+        examples = stream_examples(
             store, lambda caps, regions, seed: make_data(caps, regions, seed=seed), seed=cfg.seed,
-            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(state.data if resumed else {}, dist, out), buffer=cfg.shuffle_buffer,
-        ), collate, cfg.batch_size // dist.world)
+            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(resumed_data, dist, out), buffer=cfg.shuffle_buffer,
+        )
+        stream = stream_batches(examples, collate, cfg.batch_size // dist.world)
+        if streamed_text:  # text-only documents: their own stream and position, mixed in as from a file
+            make_text = partial(TextOnlyData, tokenizer=tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
+                                mlm_prob=cfg.mlm_prob, nsp="nsp" in weights, whole_word=recipe.whole_word)
+            texts = stream_documents(
+                streamed_text, lambda docs, seed: make_text(docs, seed=seed), seed=stream_seed(cfg.seed, TEXT_SEED),
+                chunk_documents=cfg.chunk_documents, dist=dist, buffer=cfg.shuffle_buffer,
+                start=stream_start(resumed_data, dist, out, key="text_stream"),
+            )
+            stream = StreamedSources(examples, texts, batch_split(cfg, unpaired, 0, 0), collate, unpaired, dist,
+                                     StreamedPositions(stream_start(resumed_data, dist, out),
+                                                       stream_start(resumed_data, dist, out, key="text_stream")))
     else:
         data = make_data(captions, store, seed=cfg.seed, qa_targets=qa_targets if "qa" in weights else None)
         stream = batches(

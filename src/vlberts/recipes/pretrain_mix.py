@@ -17,20 +17,23 @@
 
 Every source is its own resumable stream (`training.loop.batches`) with its own position in the checkpoint
 (`data["text"]`, `data["image_only"]` beside the captions' epoch and offset) and its own seed, so an
-interrupted run resumes exactly. Text-only samples need a single-stream model: the two-stream models'
+interrupted run resumes exactly. A streamed run (`--shards`) streams its text corpus too, from text-only
+shards (`--text_corpus=INDEX.json`; `StreamedSources`): each rank its own chunks of documents
+(`data.pretrain_stream.stream_documents`), its position saved beside its caption stream's. Text-only samples need a single-stream model: the two-stream models'
 cross-attention layers attend from the words to the regions, and a text-only sample has none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.pretrain import ImageOnlyData
+from vlberts.data.pretrain_stream import StreamPosition
 from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.data.text_corpus import TextOnlyData, read_image_ids
 from vlberts.errors import VlbertsError
@@ -65,8 +68,14 @@ def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float]
             f"and a text-only sample has none; text-only samples work with {', '.join(SINGLE_STREAM)}")
     if "nsp" in weights and not cfg.text_corpus:
         raise VlbertsError("objective nsp needs text documents: --text_corpus=FILE")
-    if (cfg.text_corpus or cfg.unpaired_images) and streamed:
-        raise VlbertsError("--text_corpus and --unpaired_images read files; they do not stream from --shards")
+    if cfg.unpaired_images and streamed:
+        raise VlbertsError("--unpaired_images reads a file of image ids; it does not stream from --shards")
+    if cfg.text_corpus and streamed != cfg.text_corpus.endswith(".json"):
+        raise VlbertsError(
+            "with --shards, --text_corpus is the index json of text-only shards (python -m vlberts.data.shards "
+            "--documents FILE --out DIR), streamed as the captions are" if streamed else
+            "--text_corpus=INDEX.json streams text-only shards, which a streamed run (--shards) reads; without "
+            "--shards give the corpus as a text file (BERT's format)", path=cfg.text_corpus)
     if not 0.0 < cfg.text_ratio < 1.0:
         raise VlbertsError(f"--text_ratio must be in (0, 1), got {cfg.text_ratio}")
     if cfg.unpaired_images and not (arch == "wvisualbert" and getattr(model_cfg, "variant", "") == "H"):
@@ -212,7 +221,51 @@ def fixed_batches(data: Any, size: int, seed: int, start: Position, dist: DistIn
         yield [data[k] for k in rank_slice(keys, dist)], pos
 
 
+@dataclass(frozen=True)
+class StreamedPositions:
+    """Where a rank of a streamed run with a streamed text corpus stands in each of its two streams."""
+
+    pairs: StreamPosition
+    text: StreamPosition
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stream": self.pairs.to_dict(), "text_stream": self.text.to_dict()}
+
+
+class StreamedSources:
+    """A streamed run's batches when it also streams text-only documents: this rank's share of every batch
+    from its caption stream and its text stream, as `Sources` mixes them (`draw`: mixed batches, or
+    W-VisualBERT's whole batches from one source). Both streams are (example, `StreamPosition`) iterators
+    (`data.pretrain_stream`); the caption stream's examples are the ones `stream_batches` would batch."""
+
+    def __init__(self, pairs: Iterator[tuple[dict, StreamPosition]], texts: Iterator[tuple[dict, StreamPosition]],
+                 split: dict[str, int], collate: Callable[[list[dict]], Any], unpaired: bool, dist: DistInfo,
+                 start: StreamedPositions):
+        self.streams, self.collate, self.unpaired, self.position = {"pairs": pairs, "text": texts}, collate, unpaired, start
+        B = sum(split.values())
+        uneven = [f"{split[k]} {k}" for k in ("pairs", "text") if split[k] % dist.world] if not unpaired else []
+        if uneven:
+            raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: --batch_size={B} "
+                               f"with --text_ratio={split['text'] / B:g} gives {' and '.join(uneven)} examples, "
+                               f"not multiples of {dist.world}")
+        whole = B // dist.world
+        self.sizes = {"pairs": whole, "text": whole} if unpaired else {k: split[k] // dist.world for k in ("pairs", "text")}
+
+    def _next(self, name: str) -> list[dict]:
+        items = [next(self.streams[name]) for _ in range(self.sizes[name])]
+        pos = items[-1][1]
+        self.position = replace(self.position, **{name: pos})
+        return [e for e, _ in items]
+
+    def draw(self, source: str | None, corpus: bool = True) -> tuple[Any, StreamedPositions]:
+        if self.unpaired:  # as `Sources.draw`
+            examples = self._next("text" if source == "text" and corpus else "pairs")
+        else:
+            examples = self._next("pairs") + self._next("text")
+        return self.collate(examples), self.position
+
+
 def draw(stream: Any, source: str | None, corpus: bool = True) -> tuple[Any, Any]:
-    """The next (batch, position) of a run's stream: a `Sources` picks by the update's source (and, for
-    W-VisualBERT's text-only updates, `corpus`: the corpus or the captions)."""
-    return stream.draw(source, corpus) if isinstance(stream, Sources) else next(stream)
+    """The next (batch, position) of a run's stream: a `Sources` (or `StreamedSources`) picks by the update's
+    source (and, for W-VisualBERT's text-only updates, `corpus`: the corpus or the captions)."""
+    return stream.draw(source, corpus) if isinstance(stream, (Sources, StreamedSources)) else next(stream)
