@@ -84,6 +84,7 @@ from vlberts.recipes.pretrain_mix import (
     batch_split,
     build_sources,
     check_sources,
+    check_streamed_sources,
     draw,
     mix_weights,
     reads_corpus,
@@ -517,6 +518,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                            "by one thread ahead of it), not by loader workers; leave --num_workers at 0 with --shards")
     if not streamed and (not cfg.captions or not cfg.features):
         raise VlbertsError("pretrain needs --captions=FILE and --features=STORE (or --shards=INDEX)")
+    check_streamed_sources(cfg, streamed)
     if cfg.init and cfg.bert_init:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
@@ -541,8 +543,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
     else:
+        # VCR's texts are written as this architecture's VCR fine-tuning writes them (its join of names).
         captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
-                                     join=VCR_JOIN[arch])  # VCR's texts written as this architecture's fine-tuning writes them
+                                     join=VCR_JOIN[arch])
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)
@@ -610,7 +613,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if unpaired and "match" in weights:
         raise VlbertsError(f"{model_cfg.__class__.__name__} variant {model_cfg.variant} trains on unpaired batches: "
                            "it has no matching objective")
-    check_sources(cfg, arch, model_cfg, weights, unpaired, streamed)
+    check_sources(cfg, arch, model_cfg, weights, unpaired)
     pairs = recipe.caption_pairs and cfg.pairs
     if cfg.mismatch_replace != "caption" and (pairs or "match" not in weights):
         raise VlbertsError(f"--mismatch_replace={cfg.mismatch_replace} changes single-caption matching negatives, but this "
@@ -650,7 +653,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         resumed_data = state.data if resumed else {}
         examples = stream_examples(
             store, lambda caps, regions, seed: make_data(caps, regions, seed=seed), seed=cfg.seed,
-            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(resumed_data, dist, out), buffer=cfg.shuffle_buffer,
+            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(resumed_data, dist, out),
+            buffer=cfg.shuffle_buffer,
         )
         stream = stream_batches(examples, collate, cfg.batch_size // dist.world)
         if streamed_text:  # text-only documents: their own stream and position, mixed in as from a file

@@ -19,8 +19,9 @@ Every source is its own resumable stream (`training.loop.batches`) with its own 
 (`data["text"]`, `data["image_only"]` beside the captions' epoch and offset) and its own seed, so an
 interrupted run resumes exactly. A streamed run (`--shards`) streams its text corpus too, from text-only
 shards (`--text_corpus=INDEX.json`; `StreamedSources`): each rank its own chunks of documents
-(`data.pretrain_stream.stream_documents`), its position saved beside its caption stream's. Text-only samples need a single-stream model: the two-stream models'
-cross-attention layers attend from the words to the regions, and a text-only sample has none.
+(`data.pretrain_stream.stream_documents`), its position saved beside its caption stream's. Text-only
+samples need a single-stream model: the two-stream models' cross-attention layers attend from the words
+to the regions, and a text-only sample has none.
 """
 
 from __future__ import annotations
@@ -60,14 +61,9 @@ def reads_corpus(cfg: Any, step: int) -> bool:
     return mix_schedule(step, cfg.corpus_share, stream_seed(cfg.seed, CORPUS_SEED)) == "text"
 
 
-def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float], unpaired: bool, streamed: bool) -> None:
-    """One-line errors for settings the extra sources cannot run with."""
-    if cfg.text_corpus and arch not in SINGLE_STREAM:
-        raise VlbertsError(
-            f"--text_corpus: {arch} is two-stream; its cross-attention layers attend from the words to the regions "
-            f"and a text-only sample has none; text-only samples work with {', '.join(SINGLE_STREAM)}")
-    if "nsp" in weights and not cfg.text_corpus:
-        raise VlbertsError("objective nsp needs text documents: --text_corpus=FILE")
+def check_streamed_sources(cfg: Any, streamed: bool) -> None:
+    """Which extra sources a streamed run (`--shards`) can read, checked before any is opened: a text corpus
+    as text-only shards (and only then), no image-only file."""
     if cfg.unpaired_images and streamed:
         raise VlbertsError("--unpaired_images reads a file of image ids; it does not stream from --shards")
     if cfg.text_corpus and streamed != cfg.text_corpus.endswith(".json"):
@@ -76,6 +72,16 @@ def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float]
             "--documents FILE --out DIR), streamed as the captions are" if streamed else
             "--text_corpus=INDEX.json streams text-only shards, which a streamed run (--shards) reads; without "
             "--shards give the corpus as a text file (BERT's format)", path=cfg.text_corpus)
+
+
+def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float], unpaired: bool) -> None:
+    """One-line errors for settings the extra sources cannot run with."""
+    if cfg.text_corpus and arch not in SINGLE_STREAM:
+        raise VlbertsError(
+            f"--text_corpus: {arch} is two-stream; its cross-attention layers attend from the words to the regions "
+            f"and a text-only sample has none; text-only samples work with {', '.join(SINGLE_STREAM)}")
+    if "nsp" in weights and not cfg.text_corpus:
+        raise VlbertsError("objective nsp needs text documents: --text_corpus=FILE")
     if not 0.0 < cfg.text_ratio < 1.0:
         raise VlbertsError(f"--text_ratio must be in (0, 1), got {cfg.text_ratio}")
     if cfg.unpaired_images and not (arch == "wvisualbert" and getattr(model_cfg, "variant", "") == "H"):
@@ -241,13 +247,14 @@ class StreamedSources:
     def __init__(self, pairs: Iterator[tuple[dict, StreamPosition]], texts: Iterator[tuple[dict, StreamPosition]],
                  split: dict[str, int], collate: Callable[[list[dict]], Any], unpaired: bool, dist: DistInfo,
                  start: StreamedPositions):
-        self.streams, self.collate, self.unpaired, self.position = {"pairs": pairs, "text": texts}, collate, unpaired, start
+        self.streams = {"pairs": pairs, "text": texts}
+        self.collate, self.unpaired, self.position = collate, unpaired, start
         B = sum(split.values())
         uneven = [f"{split[k]} {k}" for k in ("pairs", "text") if split[k] % dist.world] if not unpaired else []
         if uneven:
-            raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: --batch_size={B} "
-                               f"with --text_ratio={split['text'] / B:g} gives {' and '.join(uneven)} examples, "
-                               f"not multiples of {dist.world}")
+            raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: "
+                               f"--batch_size={B} with --text_ratio={split['text'] / B:g} gives "
+                               f"{' and '.join(uneven)} examples, not multiples of {dist.world}")
         whole = B // dist.world
         self.sizes = {"pairs": whole, "text": whole} if unpaired else {k: split[k] // dist.world for k in ("pairs", "text")}
 
