@@ -12,7 +12,10 @@ batch (worker start-up excluded):
   (b) `ShardStream` over the shards, 2 workers, batch 64: each sample decoded, its regions prepared
       (`sample_regions`), its first caption tokenised, and the batch padded (`pad_regions`);
   (c) a training step of VisualBERT-base (visual_dim 2048, vocabulary 30522) on batches of 8 from (a),
-      2 threads: forward, the paper's losses, backward, AdamW; examples/s over 3 steps after one warm-up.
+      2 threads: forward, the paper's losses, backward, AdamW; examples/s over 3 steps after one warm-up;
+  (d) `vlberts pretrain --shards`' own stream (`data.pretrain_stream`: chunks of 500 images, masked
+      single-caption examples with matching negatives, collated), in the training process (`--num_workers=0`)
+      and read by 2 loader workers, each its own stream (`worker_batches`, `--num_workers=2`).
 
 The files were just written, so they are in the page cache: these are loader costs, not disk speed.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from functools import partial
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +37,16 @@ from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.pretrain import CaptionPretrainData, collate_pretrain
 from vlberts.data.regions import pad_regions, pad_sequences
 from vlberts.data.sampling import Position
+from vlberts.data.pretrain_stream import (
+    ShardCorpus,
+    StreamPosition,
+    WorkerPositions,
+    stream_batches,
+    stream_examples,
+    worker_batches,
+)
 from vlberts.data.shards import ShardStream, sample_regions, shards_of_index, write_shards
+from vlberts.training.distributed import DistInfo
 from vlberts.features.record import RegionRecord
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.models.builders import build_pretraining_model, model_config
@@ -94,6 +107,23 @@ def shard_rate(index: Path, tok: TextTokenizer, n_batches: int) -> float:
     return rate(loader, n_batches, size=lambda b: b[0].shape[0])
 
 
+def pretrain_stream_rate(index: Path, tok: TextTokenizer, n_batches: int, workers: int) -> float:
+    corpus = ShardCorpus(index)
+    corpus.info()
+
+    def make(captions, regions, seed):
+        return CaptionPretrainData(captions, regions, tok, feature_dim=D, pairs=False, mismatch_prob=0.5, seed=seed)
+
+    def stream(reader, start):
+        return stream_batches(stream_examples(corpus, make, seed=0 if reader is None else 1 + reader[0], chunk_images=500,
+                                              dist=DistInfo(), start=start, reader=reader),
+                              partial(collate_pretrain, pad_id=tok.pad_id), BATCH)
+
+    batches_ = (worker_batches(lambda k, pos: stream((k, workers), pos), WorkerPositions.fresh(workers)) if workers
+                else stream(None, StreamPosition()))
+    return rate((b for b, _ in batches_), n_batches, size=lambda b: b.inputs.input_ids.shape[0])
+
+
 def train_rate(data: CaptionPretrainData, pad_id: int, steps: int = 3, batch: int = 8) -> float:
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -122,6 +152,8 @@ def main() -> None:
     ap.add_argument("--captions", help="its captions (required with --store)")
     ap.add_argument("--batches", type=int, default=60, help="batches of 64 timed per loader")
     ap.add_argument("--shard-size", type=int, default=250)
+    ap.add_argument("--stream-batches", type=int, default=300,
+                    help="batches of 64 timed for (d): several chunks of 2,500 examples, each worker's first included")
     args = ap.parse_args()
     torch.set_num_threads(1)  # loaders: the workers do the work; the main process only receives batches
 
@@ -145,12 +177,17 @@ def main() -> None:
         a = store_rate(data, tok.pad_id, args.batches)
         b = shard_rate(index, tok, args.batches)
         c = train_rate(data, tok.pad_id)
+        d0 = pretrain_stream_rate(index, tok, args.stream_batches, 0)
+        d2 = pretrain_stream_rate(index, tok, args.stream_batches, WORKERS)
 
     print(f"\n{len(store)} images x {R} regions x {D}-d float16; loaders: {WORKERS} workers, batch {BATCH}")
     print(f"{'':44s}{'examples/s':>12s}{'x training':>12s}")
     print(f"{'(a) store -> CaptionPretrainData':44s}{a:12.0f}{a / c:11.0f}x")
     print(f"{'(b) shards -> ShardStream':44s}{b:12.0f}{b / c:11.0f}x")
     print(f"{'(c) VisualBERT-base training step, 2 threads':44s}{c:12.1f}{1:11.0f}x")
+    print(f"{'(d) pretrain --shards stream, no workers':44s}{d0:12.0f}{d0 / c:11.0f}x")
+    print(f"{'(d) pretrain --shards stream, 2 workers':44s}{d2:12.0f}{d2 / c:11.0f}x")
+    print(f"(d) 2 workers read the pre-training stream {d2 / d0:.2f}x as fast as the training process alone")
 
 
 if __name__ == "__main__":

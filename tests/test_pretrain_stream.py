@@ -4,6 +4,7 @@ stopped (one process and two torchrun ranks), and misuse is a one-line error."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -15,13 +16,21 @@ import pytest
 
 from vlberts.data.coco import read_caption_refs
 from vlberts.data.pretrain import MATCH, CaptionPretrainData
-from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_documents, stream_examples, text_shards
+from vlberts.data.pretrain_stream import (
+    ShardCorpus,
+    StreamPosition,
+    WorkerPositions,
+    stream_documents,
+    stream_examples,
+    text_shards,
+    worker_batches,
+)
 import vlberts.data.shards as shards_module
 from vlberts.data.shards import write_shards
 from vlberts.data.text_corpus import TextOnlyData, read_documents
 from vlberts.errors import VlbertsError
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
-from vlberts.recipes.pretrain_mix import StreamedPositions, StreamedSources
+from vlberts.recipes.pretrain_mix import streamed_batch_sizes
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.distributed import DistInfo, free_port
 from vlberts.training.metrics import MetricsLog
@@ -263,8 +272,9 @@ def test_streamed_text_misuse_is_one_clear_error(tiny_world, shards, text_index,
     # Two ranks share every batch: 3 caption and 1 text example per batch of 4 cannot be split between them.
     with pytest.raises(VlbertsError, match=r"--batch_size=4 with --text_ratio=0.25 gives 3 pairs and 1 text examples, "
                                            r"not multiples of 2"):
-        StreamedSources(iter(()), iter(()), {"pairs": 3, "text": 1, "image_only": 0}, list, False, DistInfo(0, 2),
-                        StreamedPositions(StreamPosition(), StreamPosition()))
+        streamed_batch_sizes({"pairs": 3, "text": 1, "image_only": 0}, False, DistInfo(0, 2))
+    assert streamed_batch_sizes({"pairs": 4, "text": 4, "image_only": 0}, False, DistInfo(0, 2)) == {"pairs": 2, "text": 2}
+    assert streamed_batch_sizes({"pairs": 8, "text": 0, "image_only": 0}, True, DistInfo(0, 2)) == {"pairs": 4, "text": 4}
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
@@ -281,3 +291,42 @@ def test_two_ranks_stream_documents_and_resume_exactly(shards, text_index, tmp_p
     proc = _torchrun(*_args(shards, tmp_path / "run"), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["loss"] for r in ref]
+
+
+# --------------------------------------------------------------------------- loader workers
+def _numbered_batches(stream: int, start: StreamPosition):
+    """A stand-in worker stream: batch i of stream k is "k:i", with the position after it."""
+    for i in itertools.count(start.offset):
+        yield f"{stream}:{i}", StreamPosition(0, i + 1)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_worker_streams_are_taken_in_turn_and_resume_where_they_stood():
+    got = list(itertools.islice(worker_batches(_numbered_batches, WorkerPositions.fresh(3)), 7))
+    assert [b for b, _ in got] == ["0:0", "1:0", "2:0", "0:1", "1:1", "2:1", "0:2"]
+    after = got[4][1]  # after "1:1": stream 2 is next
+    assert after == WorkerPositions((StreamPosition(0, 2), StreamPosition(0, 2), StreamPosition(0, 1)), 2)
+    assert WorkerPositions.from_dict(json.loads(json.dumps(after.to_dict()))) == after
+    again = [b for b, _ in itertools.islice(worker_batches(_numbered_batches, after), 4)]
+    assert again == ["2:1", "0:2", "1:2", "2:2"]  # the uninterrupted order, worker 0 now reading stream 2
+
+
+def test_streamed_pretraining_with_loader_workers_trains_and_resumes_exactly(shards, text_index, tmp_path):
+    """--num_workers with --shards: each worker reads its own stream of the rank's shards; the checkpoint
+    keeps every worker stream's position, and the resumed run repeats the uninterrupted one, also with
+    text-only documents mixed in. Another --num_workers on resume is a one-line error."""
+    for name, extra in (("lxmert", {}), ("vlbert", dict(model="vlbert-tiny", text_corpus=str(text_index),
+                                                         chunk_documents=5))):
+        ref = tmp_path / f"{name}-ref"
+        pretrain(_cfg(shards, ref, num_workers=2, **extra))
+        log = MetricsLog.read(ref / "metrics.jsonl")
+        assert [r["step"] for r in log] == list(range(1, 9))
+        run = tmp_path / f"{name}-run"
+        assert pretrain(_cfg(shards, run, num_workers=2, stop_after=5, **extra)) is None  # last checkpoint: step 3
+        state = json.loads(max((run / "checkpoints").glob("step_*/state.json")).read_text())
+        assert state["data"]["stream"][0]["workers"] == 2 and len(state["data"]["stream"][0]["positions"]) == 2
+        with pytest.raises(VlbertsError, match=r"read by 2 loader worker\(s\) per rank; a streamed run resumes with "
+                                               r"the same --num_workers \(0 now\)"):
+            pretrain(_cfg(shards, run, **extra))
+        assert pretrain(_cfg(shards, run, num_workers=2, **extra)) == run / "model"
+        assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]

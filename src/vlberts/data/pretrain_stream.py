@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.shards import (
@@ -118,16 +119,17 @@ MakeData = Callable[[list[CaptionRef], ChunkRegions, int], Any]
 
 def stream_examples(
     corpus: ShardCorpus, make_data: MakeData, *, seed: int, chunk_images: int, dist: DistInfo,
-    start: StreamPosition = StreamPosition(), buffer: int = 1000,
+    start: StreamPosition = StreamPosition(), buffer: int = 1000, reader: tuple[int, int] | None = None,
 ) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
-    """This rank's endless (example, position after it) pairs (module docstring), from `start` on."""
+    """This rank's endless (example, position after it) pairs (module docstring), from `start` on; `reader`:
+    which of a rank's loader-worker streams this is (`worker_batches`), None: the rank's one stream."""
     if chunk_images < 2:
         raise VlbertsError(f"chunk_images must be >= 2 (matching draws another image), got {chunk_images}")
     if corpus.images < 2:
         raise VlbertsError(f"the shards hold {corpus.images} captioned image(s); pre-training needs 2 or more", path=corpus.path)
     chunk_images = min(chunk_images, corpus.images)  # a chunk holds distinct images: at most all of them
     samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
-                               kinds=("image-text",), arrays=False))  # arrays read for chunks that are built
+                               kinds=("image-text",), arrays=False, reader=reader))  # arrays read for chunks built
     rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
     # Drawing with replacement, a chunk of every image of the corpus needs about n ln n draws and at most
     # a few n draws in a row without a new image (the chance of 50 n is e^-50). Fewer distinct images
@@ -204,6 +206,65 @@ def _chunk_examples(data: Any, chunk: int, rank_seed: int, start: StreamPosition
     order = np.random.default_rng([rank_seed, chunk, salt]).permutation(len(data))
     for k in range(start.offset if chunk == start.chunk else 0, len(order)):
         yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1)
+
+
+@dataclass(frozen=True)
+class WorkerPositions:
+    """Where a rank stands whose stream is read by loader workers (`worker_batches`): each worker stream's
+    position, and which stream's batch comes next."""
+
+    positions: tuple[StreamPosition, ...]
+    next: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workers": len(self.positions), "next": self.next, "positions": [p.to_dict() for p in self.positions]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerPositions:
+        return cls(tuple(StreamPosition.from_dict(p) for p in d["positions"]), int(d["next"]))
+
+    @classmethod
+    def fresh(cls, workers: int) -> WorkerPositions:
+        return cls(tuple(StreamPosition() for _ in range(workers)))
+
+
+# (worker stream, its start) -> that stream's endless (batch, position after it) pairs
+MakeBatches = Callable[[int, StreamPosition], Iterator[tuple[Any, StreamPosition]]]
+
+
+class _WorkerStreams(IterableDataset):
+    """What each DataLoader worker runs: worker w reads stream (w + start.next) mod W, so that the loader's
+    round-robin over its workers hands out the streams' batches in the order the run left them."""
+
+    def __init__(self, make_batches: MakeBatches, start: WorkerPositions):
+        self.make_batches, self.start = make_batches, start
+
+    def __iter__(self) -> Iterator[tuple[int, Any, StreamPosition]]:
+        info = get_worker_info()
+        workers = len(self.start.positions)
+        if info is None or info.num_workers != workers:
+            raise RuntimeError(f"worker streams run in a DataLoader of {workers} workers")
+        stream = (info.id + self.start.next) % workers
+        for batch, pos in self.make_batches(stream, self.start.positions[stream]):
+            yield stream, batch, pos
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+def worker_batches(make_batches: MakeBatches, start: WorkerPositions) -> Iterator[tuple[Any, WorkerPositions]]:
+    """A rank's batches read by W loader workers, each its own stream (`make_batches(stream, start)`, e.g.
+    `stream_batches(stream_examples(..., reader=(stream, W)))`), taken in turn: batch k comes from stream
+    (start.next + k) mod W. Each with every stream's position after it, so a run resumed from them
+    continues exactly with the same W (the streams differ from a one-stream run: W is part of the run)."""
+    workers = len(start.positions)
+    loader = DataLoader(_WorkerStreams(make_batches, start), batch_size=None, num_workers=workers,
+                        collate_fn=_as_is)
+    positions = list(start.positions)
+    for stream, batch, pos in loader:  # in turn: the loader takes workers round-robin, in order
+        positions[stream] = pos
+        yield batch, WorkerPositions(tuple(positions), (stream + 1) % workers)
 
 
 def stream_batches(

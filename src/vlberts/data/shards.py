@@ -490,6 +490,8 @@ class ShardStream(IterableDataset):
     dist: rank and world (default `current_dist()`, read when iterated).
     kinds: keep only samples of these kinds (None: all).
     arrays: False reads each sample's json only; `load_arrays` reads its region arrays (`read_shard`).
+    reader: (reader id, readers) to draw as, instead of the DataLoader worker running this (a stream that
+        moves between workers keeps its draws: `data.pretrain_stream.worker_batches`).
     Samples are dicts: `__key__`, `__shard__`, the json's entries (kind, image_id, image_w, image_h,
     captions / text) and the region arrays under `RegionRecord`'s field names (`sample_record`).
     """
@@ -506,6 +508,7 @@ class ShardStream(IterableDataset):
         dist: DistInfo | None = None,
         kinds: Sequence[str] | None = None,
         arrays: bool = True,
+        reader: tuple[int, int] | None = None,
     ):
         if not shards:
             raise VlbertsError("no shards to stream")
@@ -515,7 +518,7 @@ class ShardStream(IterableDataset):
         self.shards = [Path(s) for s in shards]
         self.seed, self.epoch, self.shuffle, self.buffer = seed, epoch, shuffle, buffer
         self.resample, self.dist, self.kinds = resample, dist, None if kinds is None else tuple(kinds)
-        self.arrays = arrays
+        self.arrays, self.reader = arrays, reader
 
     @classmethod
     def from_index(cls, index: str | Path, **kw: Any) -> ShardStream:
@@ -527,7 +530,7 @@ class ShardStream(IterableDataset):
     def reader_shards(self) -> Iterator[Path]:
         """The shards this (rank, worker) reads this epoch, in order (endless when resampling)."""
         d = self.dist or current_dist()
-        worker, workers = _reader()
+        worker, workers = self.reader or _reader()
         if not self.resample:
             for i in split_shards(len(self.shards), rank=d.rank, world=d.world, worker=worker, num_workers=workers,
                                   seed=self.seed, epoch=self.epoch, shuffle=self.shuffle):
@@ -558,7 +561,7 @@ class ShardStream(IterableDataset):
             yield from self._samples()
             return
         d = self.dist or current_dist()
-        rng = np.random.default_rng([self.seed, self.epoch, d.rank, _reader()[0], 0x5B0])
+        rng = np.random.default_rng([self.seed, self.epoch, d.rank, (self.reader or _reader())[0], 0x5B0])
         buf: list[dict[str, Any]] = []
         for sample in self._samples():
             if len(buf) < self.buffer:

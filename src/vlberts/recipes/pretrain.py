@@ -46,10 +46,12 @@ from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import (
     ShardCorpus,
     StreamPosition,
+    WorkerPositions,
     stream_batches,
     stream_documents,
     stream_examples,
     text_shards,
+    worker_batches,
 )
 from vlberts.data.shards import ShardStream, document_sentences
 from vlberts.data.text_corpus import TextOnlyData, read_documents
@@ -89,6 +91,7 @@ from vlberts.recipes.pretrain_mix import (
     mix_weights,
     reads_corpus,
     stream_seed,
+    streamed_batch_sizes,
     withhold_captions,
 )
 from vlberts.tasks.vqa import SoftTarget
@@ -215,7 +218,8 @@ class PretrainConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", PRECISION_HELP)
     length_group: int = opt(0, "batch examples of similar length within windows of this many batches (less padding); 0: off")
-    num_workers: int = opt(0, "DataLoader worker processes")
+    num_workers: int = opt(0, "DataLoader worker processes (with --shards: each reads its own stream of the rank's "
+                           "shards, so a streamed run resumes with the same number)")
     prefetch: int = opt(-1, PREFETCH_HELP)
     tensorboard: bool = opt(False, TENSORBOARD_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
@@ -318,6 +322,7 @@ def store_sizes(store: RegionStore) -> dict[str, int]:
 
 
 VOCAB_CAPTIONS = 50_000  # with --shards and no vocabulary given, one is trained on this many first captions
+LOADER_SEED = 0x4C4F4144  # "LOAD": with --shards and --num_workers, worker stream k's seed key is LOADER_SEED + k
 
 
 def shard_documents(shards: list[Path], limit: int) -> list[list[str]]:
@@ -341,24 +346,32 @@ def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
     return out[:limit]
 
 
-def stream_state(pos: StreamPosition | StreamedPositions, dist: DistInfo) -> dict[str, Any]:
-    """A streamed run's data state: every rank's position in its caption stream ("stream"), and in its
-    text-only stream ("text_stream") when it reads one, in rank order."""
+def stream_state(pos: StreamPosition | WorkerPositions | StreamedPositions, dist: DistInfo) -> dict[str, Any]:
+    """A streamed run's data state: every rank's position in its caption stream ("stream"; its loader
+    workers' streams' with --num_workers), and in its text-only stream ("text_stream") when it reads one,
+    in rank order."""
     own = pos.to_dict() if isinstance(pos, StreamedPositions) else {"stream": pos.to_dict()}
     positions = merge_over_ranks({dist.rank: own}, dist)
     return {key: [positions[r][key] for r in range(dist.world)] for key in own}
 
 
-def stream_start(data: dict[str, Any], dist: DistInfo, out: Path, key: str = "stream") -> StreamPosition:
-    """This rank's position in a resumed streamed run's stream `key` (the start of it in a new run)."""
+def stream_start(data: dict[str, Any], dist: DistInfo, out: Path, key: str = "stream",
+                 workers: int = 0) -> StreamPosition | WorkerPositions:
+    """This rank's position in a resumed streamed run's stream `key` (the start of it in a new run): one
+    position, or with `workers` loader workers each one's (`data.pretrain_stream.worker_batches`)."""
     if not data:
-        return StreamPosition()
+        return WorkerPositions.fresh(workers) if workers else StreamPosition()
     positions = data.get(key)
     if positions is None or len(positions) != dist.world:
         have = "a caption-file run" if positions is None else f"{len(positions)} ranks"
         raise VlbertsError(f"the checkpoint is of {have}; a streamed run resumes with the same number of ranks "
                            f"({dist.world} now)", path=out / "checkpoints")
-    return StreamPosition.from_dict(positions[dist.rank])
+    mine = positions[dist.rank]
+    had = int(mine.get("workers", 0))
+    if had != workers:  # each loader worker reads its own stream: their number is part of the run
+        raise VlbertsError(f"the checkpoint's stream was read by {had} loader worker(s) per rank; a streamed run "
+                           f"resumes with the same --num_workers ({workers} now)", path=out / "checkpoints")
+    return WorkerPositions.from_dict(mine) if workers else StreamPosition.from_dict(mine)
 
 
 def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str]) -> PixelLoader | None:
@@ -513,9 +526,6 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     streamed = bool(cfg.shards)
     if streamed and (cfg.captions or cfg.features):
         raise VlbertsError("give either --shards or --captions and --features")
-    if streamed and cfg.num_workers:
-        raise VlbertsError("--num_workers: streamed shards are read and decoded in the training process (on a GPU "
-                           "by one thread ahead of it), not by loader workers; leave --num_workers at 0 with --shards")
     if not streamed and (not cfg.captions or not cfg.features):
         raise VlbertsError("pretrain needs --captions=FILE and --features=STORE (or --shards=INDEX)")
     check_streamed_sources(cfg, streamed)
@@ -649,25 +659,32 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     grads = GradientSync(model, dist)  # the ranks' gradients summed while backward runs
     collate = partial(collate_pretrain, pad_id=tok.pad_id,
                       shapes=FixedShapes(cfg.max_text_len, cfg.max_regions) if cfg.static_shapes else None)
-    if streamed:  # each rank its own stream of chunks, resumed at its own position
+    if streamed:  # each rank its own stream of chunks (one per loader worker), resumed at its own position
         resumed_data = state.data if resumed else {}
-        examples = stream_examples(
-            store, lambda caps, regions, seed: make_data(caps, regions, seed=seed), seed=cfg.seed,
-            chunk_images=cfg.chunk_images, dist=dist, start=stream_start(resumed_data, dist, out),
-            buffer=cfg.shuffle_buffer,
-        )
-        stream = stream_batches(examples, collate, cfg.batch_size // dist.world)
+        sizes = (streamed_batch_sizes(batch_split(cfg, unpaired, 0, 0), unpaired, dist) if streamed_text
+                 else {"pairs": cfg.batch_size // dist.world})
+        pair_collate = list if streamed_text else collate  # text-only examples join them before collating
+
+        def pair_batches(reader: tuple[int, int] | None, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
+            """The caption stream of this rank (reader None) or of one of its loader workers."""
+            return stream_batches(stream_examples(
+                store, lambda caps, regions, seed: make_data(caps, regions, seed=seed),
+                seed=cfg.seed if reader is None else stream_seed(cfg.seed, LOADER_SEED + reader[0]),
+                chunk_images=cfg.chunk_images, dist=dist, start=start, buffer=cfg.shuffle_buffer, reader=reader,
+            ), pair_collate, sizes["pairs"])
+
+        pairs_start = stream_start(resumed_data, dist, out, workers=cfg.num_workers)
+        stream = (worker_batches(lambda k, pos: pair_batches((k, cfg.num_workers), pos), pairs_start)
+                  if cfg.num_workers else pair_batches(None, pairs_start))
         if streamed_text:  # text-only documents: their own stream and position, mixed in as from a file
             make_text = partial(TextOnlyData, tokenizer=tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
                                 mlm_prob=cfg.mlm_prob, nsp="nsp" in weights, whole_word=recipe.whole_word)
-            texts = stream_documents(
+            text_start = stream_start(resumed_data, dist, out, key="text_stream")
+            texts = stream_batches(stream_documents(
                 streamed_text, lambda docs, seed: make_text(docs, seed=seed), seed=stream_seed(cfg.seed, TEXT_SEED),
-                chunk_documents=cfg.chunk_documents, dist=dist, buffer=cfg.shuffle_buffer,
-                start=stream_start(resumed_data, dist, out, key="text_stream"),
-            )
-            stream = StreamedSources(examples, texts, batch_split(cfg, unpaired, 0, 0), collate, unpaired, dist,
-                                     StreamedPositions(stream_start(resumed_data, dist, out),
-                                                       stream_start(resumed_data, dist, out, key="text_stream")))
+                chunk_documents=cfg.chunk_documents, dist=dist, buffer=cfg.shuffle_buffer, start=text_start,
+            ), list, sizes["text"])
+            stream = StreamedSources(stream, texts, collate, unpaired, StreamedPositions(pairs_start, text_start))
     else:
         data = make_data(captions, store, seed=cfg.seed, qa_targets=qa_targets if "qa" in weights else None)
         stream = batches(

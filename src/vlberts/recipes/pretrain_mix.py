@@ -34,7 +34,7 @@ import numpy as np
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.pretrain import ImageOnlyData
-from vlberts.data.pretrain_stream import StreamPosition
+from vlberts.data.pretrain_stream import StreamPosition, WorkerPositions
 from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.data.text_corpus import TextOnlyData, read_image_ids
 from vlberts.errors import VlbertsError
@@ -229,40 +229,47 @@ def fixed_batches(data: Any, size: int, seed: int, start: Position, dist: DistIn
 
 @dataclass(frozen=True)
 class StreamedPositions:
-    """Where a rank of a streamed run with a streamed text corpus stands in each of its two streams."""
+    """Where a rank of a streamed run with a streamed text corpus stands in each of its two streams (the
+    caption stream's: one position, or its loader workers' `WorkerPositions`)."""
 
-    pairs: StreamPosition
+    pairs: StreamPosition | WorkerPositions
     text: StreamPosition
 
     def to_dict(self) -> dict[str, Any]:
         return {"stream": self.pairs.to_dict(), "text_stream": self.text.to_dict()}
 
 
+def streamed_batch_sizes(split: dict[str, int], unpaired: bool, dist: DistInfo) -> dict[str, int]:
+    """Examples per rank and draw of a streamed run's caption and text streams: its share of the mixed
+    batch's (`batch_split`), or W-VisualBERT's whole batch from either; shares that do not divide among
+    the ranks are a one-line error."""
+    B = sum(split.values())
+    if unpaired:
+        return {"pairs": B // dist.world, "text": B // dist.world}
+    uneven = [f"{split[k]} {k}" for k in ("pairs", "text") if split[k] % dist.world]
+    if uneven:
+        raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: "
+                           f"--batch_size={B} with --text_ratio={split['text'] / B:g} gives "
+                           f"{' and '.join(uneven)} examples, not multiples of {dist.world}")
+    return {k: split[k] // dist.world for k in ("pairs", "text")}
+
+
 class StreamedSources:
     """A streamed run's batches when it also streams text-only documents: this rank's share of every batch
     from its caption stream and its text stream, as `Sources` mixes them (`draw`: mixed batches, or
-    W-VisualBERT's whole batches from one source). Both streams are (example, `StreamPosition`) iterators
-    (`data.pretrain_stream`); the caption stream's examples are the ones `stream_batches` would batch."""
+    W-VisualBERT's whole batches from one source). Both streams give (examples, position) pairs of the
+    sizes `streamed_batch_sizes` sets (`data.pretrain_stream.stream_batches` or `worker_batches` over
+    uncollated examples); the examples are collated here, after they are joined."""
 
-    def __init__(self, pairs: Iterator[tuple[dict, StreamPosition]], texts: Iterator[tuple[dict, StreamPosition]],
-                 split: dict[str, int], collate: Callable[[list[dict]], Any], unpaired: bool, dist: DistInfo,
-                 start: StreamedPositions):
+    def __init__(self, pairs: Iterator[tuple[list[dict], Any]], texts: Iterator[tuple[list[dict], StreamPosition]],
+                 collate: Callable[[list[dict]], Any], unpaired: bool, start: StreamedPositions):
         self.streams = {"pairs": pairs, "text": texts}
         self.collate, self.unpaired, self.position = collate, unpaired, start
-        B = sum(split.values())
-        uneven = [f"{split[k]} {k}" for k in ("pairs", "text") if split[k] % dist.world] if not unpaired else []
-        if uneven:
-            raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: "
-                               f"--batch_size={B} with --text_ratio={split['text'] / B:g} gives "
-                               f"{' and '.join(uneven)} examples, not multiples of {dist.world}")
-        whole = B // dist.world
-        self.sizes = {"pairs": whole, "text": whole} if unpaired else {k: split[k] // dist.world for k in ("pairs", "text")}
 
     def _next(self, name: str) -> list[dict]:
-        items = [next(self.streams[name]) for _ in range(self.sizes[name])]
-        pos = items[-1][1]
+        examples, pos = next(self.streams[name])
         self.position = replace(self.position, **{name: pos})
-        return [e for e, _ in items]
+        return examples
 
     def draw(self, source: str | None, corpus: bool = True) -> tuple[Any, StreamedPositions]:
         if self.unpaired:  # as `Sources.draw`

@@ -277,8 +277,8 @@ def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradSc
 # whichever mode (no weight or name changes), which attention kernel it uses (the same function), whether it
 # draws its batches ahead or mirrors its log to TensorBoard, and where its run directory is (the record was
 # found in it: a moved directory, or one named by another path, is the same run), and how many loader workers
-# it has (each example draws from its own random stream, `data.sampling.example_rng`; streamed shards are read
-# in the training process, `pretrain` refuses workers with --shards).
+# it has (each example draws from its own random stream, `data.sampling.example_rng`; a streamed run's workers
+# each read their own stream, so its checkpoint records their number and `pretrain` refuses another).
 UNNUMBERED = ("stop_after", "fsdp", "compile", "compile_mode", "attention_kernel", "prefetch", "tensorboard", "out",
               "num_workers")
 
