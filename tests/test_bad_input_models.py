@@ -30,7 +30,7 @@ from vlberts.recipes.analyze_grounding import _add_syntactic
 from vlberts.recipes.common import fine_tuning_setting
 from vlberts.recipes.finetune_qa import build_qa_model, load_qa_model, qa_model
 from vlberts.recipes.finetune_retrieval import rescore
-from vlberts.recipes.pretrain import PretrainConfig, pretrain
+from vlberts.recipes.pretrain import PretrainConfig, config_from_args, pretrain
 from vlberts.tasks.vqa import AnswerVocab
 from vlberts.training.checkpoint import load_pretraining_model, save_model_dir
 
@@ -304,6 +304,12 @@ def test_retrieval_caption_ids_are_unique(tmp_path):
     ({"layer_norm_eps": -1.0}, "layer_norm_eps: must be more than 0, got -1"),  # NaN activations, exit 0
     ({"vocab_size": -5}, "vocab_size: must be at least 1, got -5"),
     ({"num_layers": 0}, "num_layers: must be at least 1, got 0"),
+    ({"num_layers": 10**6}, "num_layers: must be at most 1000, got 1000000"),  # built layers for minutes
+    # sizes the weights do not have: the model they describe was allocated first (10 TB: a traceback)
+    ({"max_position_embeddings": 10**13}, "does not fit model.safetensors: bert.embeddings.position_embeddings.weight "
+                                          "is 64x32 there but 10000000000000x32 in the model these sizes describe"),
+    ({"intermediate_size": 10**13}, "does not fit model.safetensors: bert.encoder.layer.0.intermediate.dense.weight "
+                                    "is 64x32 there but 10000000000000x32"),
 ])  # fmt: skip
 def test_a_model_directorys_config_out_of_range_names_the_file(tmp_path, change, message):
     directory = _model_dir(tmp_path / "m")
@@ -315,6 +321,25 @@ def test_a_model_directorys_config_out_of_range_names_the_file(tmp_path, change,
     assert str(err.value).startswith(f"{directory / 'config.json'}: ") and message in str(err.value)
     # ViLBERT's single-stream baseline has no visual layers: a depth of 0 stays valid where it means that
     assert model_config("vilbert-single-stream").v_num_layers == 0
+
+
+def test_a_model_directorys_config_without_a_size_names_what_its_default_made_of_it(tmp_path):
+    """A config.json that lacks num_layers (its default, 12, used) blames config.json, not the weights."""
+    directory = _model_dir(tmp_path / "m")
+    meta = json.loads((directory / "config.json").read_text())
+    del meta["config"]["num_layers"]
+    (directory / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(VlbertsError) as err:
+        load_pretraining_model(directory)
+    assert str(err.value).startswith(f"{directory / 'config.json'}: does not fit model.safetensors: the model these "
+                                     "sizes describe has bert.encoder.layer.2.") and str(err.value).endswith(
+        "(config.json lacks num_layers: the defaults were used)")
+
+
+def test_a_seed_past_64_bits_is_one_line_not_torchs_overflow(tmp_path):
+    with pytest.raises(VlbertsError, match=r"^PretrainConfig.seed: must be at most 9223372036854775807, "
+                                           r"got 18446744073709551616$"):
+        config_from_args([f"--seed={2**64}"])  # what `vlberts pretrain --seed=...` reads its settings with
 
 
 def test_foreign_configs_are_objects_of_valid_values_and_name_their_file(tmp_path):

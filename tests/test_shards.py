@@ -236,6 +236,13 @@ def test_command_line(tiny_world, tmp_path, capsys):
     assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar")))
     assert main(["--store", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "t")]) == 2
     assert "nope.h5" in capsys.readouterr().err
+    # Bad arguments: one line and exit 2, not argparse's usage block first.
+    for argv, message in ((["--store", "f.h5", "--bogus=1"], "unrecognized arguments: --bogus=1"),
+                          ([], "writing shards needs --store")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {message}")
 
 
 def test_documents_keep_their_sentences(tiny_world, tmp_path, capsys):

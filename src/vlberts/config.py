@@ -127,14 +127,18 @@ _MODEL_COUNTS = ("hidden_size", "num_heads", "intermediate_size", "num_layers", 
                  "type_vocab_size", "visual_dim", "v_hidden_size", "v_num_heads", "v_intermediate_size",
                  "bi_hidden_size", "bi_num_heads")
 _MODEL_DEPTHS = ("v_num_layers", "language_layers", "relation_layers", "cross_layers")  # 0: ViLBERT's single stream
+# Layer counts past this are a damaged or mistyped config (the papers' deepest stack is 24), not a model: building
+# a million layers would take minutes before anything could say the weights do not fit.
+MAX_LAYERS = 1000
 _MODEL_FRACTIONS = ("hidden_dropout", "attention_dropout", "v_hidden_dropout", "v_attention_dropout")
 SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    **{name: (1, None, False) for name in _COUNTS + _MODEL_COUNTS},
+    **{name: (1, None, False) for name in _COUNTS + _MODEL_COUNTS if name != "num_layers"},
+    "num_layers": (1, MAX_LAYERS, False),
     **{name: (0, 1, False) for name in _FRACTIONS + _MODEL_FRACTIONS},
-    **{name: (0, None, False) for name in _MODEL_DEPTHS},
+    **{name: (0, MAX_LAYERS, False) for name in _MODEL_DEPTHS},
     "steps": (0, None, False),  # `pretrain --steps=0`: the untrained network, the no-pre-training control
     "layer_norm_eps": (0, None, True),
-    "seed": (0, None, False),  # numpy's generators take non-negative seeds only
+    "seed": (0, 2**63 - 1, False),  # numpy's generators take non-negative seeds only, torch's 64-bit ones
     **{name: (0, None, True) for name in ("lr", "pretrain_lr", "vqa_lr", "head_lr_mult", "perplexity",
                                            "vqa_epochs")},
     **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "min_boxes",
@@ -159,9 +163,17 @@ def _check_range(name: str, value: Any, default: Any, where: str) -> None:
         return
     low, high, open_low = SETTING_RANGES[name]
     if low is not None and (value <= low if open_low else value < low):
-        raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {low:g}, got {value:g}")
+        raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {_num(low)}, got {_num(value)}")
     if high is not None and value > high:
-        raise VlbertsError(f"{where}: must be at most {high:g}, got {value:g}")
+        raise VlbertsError(f"{where}: must be at most {_num(high)}, got {_num(value)}")
+
+
+def _num(x: float) -> str:
+    """A bound or a value as written: whole numbers in full (a 64-bit seed bound), others as %g."""
+    if isinstance(x, int):
+        digits = str(x)
+        return digits if len(digits) <= 24 else f"{digits[:6]}... ({len(digits)} digits)"
+    return str(int(x)) if x.is_integer() and abs(x) < 1e21 else f"{x:g}"
 
 
 def from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:

@@ -742,8 +742,16 @@ def _kind_counts(counts: dict[str, int], kinds: Sequence[str] = KINDS) -> str:
 
 
 # --------------------------------------------------------------------------- command line
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one line and exit 2, as every `vlberts` command's (argparse prints its usage first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vlberts.data.shards", description="Write WebDataset-style tar shards "
+    ap = _OneLineParser(prog="python -m vlberts.data.shards", description="Write WebDataset-style tar shards "
                                  "from a region store and its captions, or check a written shard set (--check).")
     ap.add_argument("--store", help="region store (HDF5)")
     ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples)")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -89,7 +90,45 @@ def read_model_config(directory: str | Path) -> tuple[Any, dict[str, Any]]:
     except VlbertsError as e:
         raise VlbertsError(e.message, path=directory / "config.json") from None
     require_vocab_fits(directory / "vocab.txt", cfg)
+    require_config_fits_weights(directory, cfg, meta)
     return cfg, meta
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(n) for n in shape) or "a scalar"
+
+
+def require_config_fits_weights(directory: Path, cfg: Any, meta: dict[str, Any]) -> None:
+    """config.json's sizes against the shapes in model.safetensors, before a model is built from them. A
+    config.json whose sizes the weights do not have describes a model they cannot load, and one with sizes far
+    beyond them (a damaged file) would first allocate that model, or build layers for minutes. The
+    pre-training model of the config is built on the meta device (no memory, no values): every tensor it
+    shares by name with the file must have the file's shape, and a pre-trained directory's file must hold
+    every tensor it has. Settings config.json lacks (their defaults were used) are named. A missing or
+    unreadable weights file is left to the loading, which names it."""
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        return
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception:  # noqa: BLE001 -- a damaged file: `read_safetensors` reports it when the model loads it
+        return
+    with torch.device("meta"):
+        model = build_pretraining_model(cfg)
+    lacking = sorted(set(to_dict(cfg)) - set(meta["config"]))
+    hint = f" (config.json lacks {', '.join(lacking)}: the defaults were used)" if lacking else ""
+    for name, t in model.state_dict().items():
+        if name in shapes and tuple(t.shape) != shapes[name]:
+            raise VlbertsError(f"does not fit model.safetensors: {name} is {_shape(shapes[name])} there but "
+                               f"{_shape(tuple(t.shape))} in the model these sizes describe{hint}",
+                               path=directory / "config.json")
+    if "task" not in meta:  # a fine-tuned directory holds its encoder (compared above) and its head, not these heads
+        aliases = tied_aliases(model)  # stored once, under the first name
+        absent = [name for name in model.state_dict() if name not in shapes and name not in aliases]
+        if absent and lacking:  # else the strict loading names the file's misfit as it finds it
+            raise VlbertsError(f"does not fit model.safetensors: the model these sizes describe has {absent[0]}, "
+                               f"which the weights lack ({len(absent)} tensors){hint}", path=directory / "config.json")
 
 
 def require_vocab_fits(vocab: Path, cfg: Any, holder: str = "the model in config.json") -> None:
