@@ -137,7 +137,7 @@ def test_region_stores_with_nan_features_or_a_bad_index_are_refused(tiny_world, 
 
     def count_999(f):
         f["count"][0] = 999  # image 0 would read the next images' regions
-    with pytest.raises(VlbertsError, match=f"damaged store: image {store.ids()[1]}: offset"):
+    with pytest.raises(VlbertsError, match=f"damaged store: image {store.ids()[0]}: offset 0 and count 999"):
         RegionStore(_copy_store(tiny_world.store, tmp_path / "count.h5", count_999))
 
     def no_features(f):

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from vlberts.cli import main
 from vlberts.errors import VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata
 import vlberts.features.store as store_module
@@ -288,3 +289,39 @@ def test_usable_from_dataloader_workers_and_pickle(many):
     clone = pickle.loads(pickle.dumps(store))  # what a spawned worker receives
     assert clone.get("im00007").differences(recs[7]) == []
     assert store.get("im00009").differences(recs[9]) == []  # the parent still reads after the fork
+
+
+def _abcde_store(path, name: str, i: int, value: int):
+    """Five images a..e of 3 boxes (offsets 0, 3, 6, 9, 12; 15 rows) with `name`[i] set to `value`."""
+    write_store_records(path, [make_record(k, 3, seed=j) for j, k in enumerate("abcde")])
+    with h5py.File(path, "a") as f:
+        f[name][i] = value
+    return path
+
+
+@pytest.mark.parametrize("name, i, value, problem", [
+    # image c's count: c would read d's regions; the check used to blame d, the intact image after it
+    ("count", 2, 50, "image c: offset 6 and count 50 end at row 56, but image d after it starts at row 9"),
+    ("count", 2, 2, "image c: offset 6 and count 2 end at row 8, but image d after it starts at row 9"),
+    ("offset", 2, 7, "image c: offset 7, but image b before it ends at row 6"),
+    ("offset", 4, 11, "image e: offset 11, but image d before it ends at row 12"),
+    ("offset", 0, 1, "image a: offset 1, but the first image starts at row 0"),
+    ("count", 4, 4, "image e: offset 12 and count 4 end at row 16, but the per-box arrays hold 15 rows (the counts "
+                    "add up to 16)"),
+    ("count", 1, -1, "image b: negative count -1"),
+])
+def test_damaged_index_names_the_damaged_image(tmp_path, name, i, value, problem):
+    path = _abcde_store(tmp_path / "s.h5", name, i, value)
+    with pytest.raises(VlbertsError) as e:
+        RegionStore(path)
+    assert str(e.value) == f"{path}: damaged store: {problem}"
+
+
+def test_cli_damaged_count_is_one_line_exit_2(tmp_path, capsys):
+    path = _abcde_store(tmp_path / "s.h5", "count", 2, 50)
+    with pytest.raises(SystemExit) as exc:
+        main(["features", "info", str(path)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and err.count("\n") == 1
+    assert err == (f"error: {path}: damaged store: image c: offset 6 and count 50 end at row 56, but image d after "
+                   "it starts at row 9\n")

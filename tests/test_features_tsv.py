@@ -286,6 +286,30 @@ def test_cli_truncated_file_exits_2_with_one_line(tmp_path):
     assert proc.stdout == "" and not out.exists() and leftovers(tmp_path) == []
 
 
+def test_cli_binary_file_error_is_one_short_printable_line(tmp_path):
+    """A binary file given as a TSV (an executable, a .npy): its first bytes are the "image id"; the error
+    shows them escaped and cut short, never raw (NUL, CR, ESC would garble or split the terminal line)."""
+    src = tmp_path / "bin.tsv"
+    src.write_bytes(b"\x7fELF\x02\x01\x01\x00\x1b[31m\r\x00\x07" + bytes(range(256)) * 4)
+    out = tmp_path / "s.h5"
+    proc = subprocess.run([str(VLBERTS), "features", "import", str(src), "--format", "butd-tsv", "--out", str(out)],
+                          capture_output=True)
+    assert proc.returncode == 2 and proc.stdout == b"" and not out.exists()
+    err = proc.stderr.decode("ascii")  # nothing but ASCII: no raw byte came through
+    assert err.endswith("\n") and err[:-1].isprintable(), err
+    assert err.startswith(f"error: {src}: record line 1 (image '\\x7fELF\\x02\\x01\\x01\\x00\\x1b[31m\\r\\x00"
+                          "\\x07\\x00\\x01\\x02\\x03\\x04\\x05\\x06\\x07'...): expected 6 tab-separated fields")
+    assert len(err) - len(str(src)) < 250, err  # the id cut at 24 characters
+
+
+def test_error_line_escapes_what_would_not_print():
+    """Whatever a reader quotes into an error (a path, a record name, a value), the line stays one printable
+    line; printable text, any script, is unchanged."""
+    e = VlbertsError("value '\x1b[2J' is \x00 odd", path="a\x07b.tsv", record="line 1 (image caf\u00e9\u200b\x7f)")
+    assert str(e) == "a\\x07b.tsv: record line 1 (image caf\u00e9\\u200b\\x7f): value '\\x1b[2J' is \\x00 odd"
+    assert str(VlbertsError("bad\tvalue\r\nhere", path="ü/x.tsv", record=3)) == "ü/x.tsv: record 3: bad value here"
+
+
 def test_cli_import_info_export(tmp_path):
     src = tmp_path / "obj36.tsv"
     write_lxmert_like_extract(src, LXMERT_ITEMS)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from vlberts.cli import main
 from vlberts.data.batch import VLInputs
 from vlberts.data.refcoco import read_refcoco, read_refs
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.models.builders import model_config
 from vlberts.models.refcoco import LinearRegionScorer, RefCocoModel, VLBertRegionScorer, region_bce_loss
@@ -344,3 +344,29 @@ def test_evaluate_refcoco_hand_made_fixture(tmp_path, capsys):
         (tmp_path / "p.json").write_text(json.dumps(bad))
         code, _, err = run_cli(args, capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("change, record, message", [
+    # ref 2's expression takes ref 1's second sent_id: it would replace that expression without a word
+    (lambda refs: refs[1]["sentences"][0].update(sent_id=101), "refs[1] (ref_id 2) sentences[0]",
+     "duplicate sent_id 101 (first in ref_id 1: refs[0] sentences[1])"),
+    (lambda refs: refs[2]["sentences"][1].update(sent_id=200), "refs[2] (ref_id 3) sentences[1]",
+     "duplicate sent_id 200 (first in ref_id 3: refs[2] sentences[0])"),
+    (lambda refs: refs[2].update(ref_id=1), "refs[2]", "duplicate ref_id 1 (first at refs[0])"),
+])
+def test_duplicate_sent_or_ref_id_names_the_refs_file(change, record, message, tmp_path, capsys):
+    refs, inst = _fixture(tmp_path)
+    data = pickle.loads(refs.read_bytes())
+    change(data)
+    with open(refs, "wb") as f:
+        pickle.dump(data, f, protocol=2)
+    (tmp_path / "p.json").write_text("[]")
+    code, _, err = run_cli(["evaluate", "refcoco", "--predictions", str(tmp_path / "p.json"), "--refs", str(refs),
+                            "--instances", str(inst), "--out", str(tmp_path / "eval")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.strip() == f"error: {refs}: record {record}: {message}"
+    # the reader finetune shares: with --skip_bad the ref is dropped and counted, the first one kept
+    bad = BadRecords(skip=True)
+    kept = read_refcoco(refs, inst, bad)
+    assert [r.ref_id for r in kept.refs] == [r["ref_id"] for k, r in enumerate(data) if f"refs[{k}]" not in record]
+    assert bad.total == 1 and bad.first == f"{refs}: record {record}: {message}"

@@ -384,6 +384,32 @@ def test_bad_split_records_and_missing_images(tiny_world, tiny_pretrained, tmp_p
     assert m["skipped_records"]["malformed record"] == 1 and m["num_images"] == 3
 
 
+@pytest.mark.parametrize("kind, detail", [
+    ("strings", "dtype <U1, expected real numbers"),
+    ("complex", "dtype complex128, expected real numbers"),
+    ("empty", "No data left in file"),  # EOFError, which click alone would turn into "Aborted!" exit 1
+    ("npz", "an .npz archive"),
+])
+def test_saved_scores_not_a_numeric_matrix(kind, detail, tmp_path, capsys):
+    """A scores.npy of strings, complex numbers, no bytes at all or an .npz archive: one line naming it, exit 2."""
+    scores = tmp_path / "s" / "scores.npy"
+    scores.parent.mkdir()
+    if kind == "strings":
+        np.save(scores, np.full((3, 2), "a"))
+    elif kind == "complex":
+        np.save(scores, np.zeros((3, 2), complex))
+    elif kind == "empty":
+        scores.write_bytes(b"")
+    else:
+        with open(scores, "wb") as f:
+            np.savez(f, scores=np.zeros((3, 2), np.float32))
+    (tmp_path / "s" / "score_index.json").write_text(json.dumps(
+        {"caption_image_ids": ["1", "1", "2"], "image_ids": ["1", "2"]}))
+    code, _, err = run_cli(["evaluate", "retrieval", "--scores", str(scores), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.strip() == f"error: {scores}: not a .npy score matrix ({detail})"
+
+
 def test_bad_saved_scores_and_missing_settings(tiny_world, tiny_pretrained, tmp_path, capsys):
     (tmp_path / "s").mkdir()
     np.save(tmp_path / "s" / "scores.npy", np.zeros((3, 2), np.float32))

@@ -17,11 +17,13 @@ from vlberts.cli import main
 from vlberts.data.batch import VLInputs
 from vlberts.data.vcr import read_vcr, read_vcr_metadata, render_tokens
 from vlberts.data.vcr_dataset import VCRBatch, VCRData, collate_vcr, layout_choice
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.models.builders import model_config
 from vlberts.models.vcr import VCRModel, vcr_loss
-from vlberts.recipes.finetune_vcr import FinetuneVCRConfig, evaluate_vcr, finetune_vcr, load_vcr_model
+from vlberts.recipes.finetune_vcr import (
+    FinetuneVCRConfig, evaluate_vcr, finetune_vcr, load_vcr_model, usable_examples,
+)
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.world.relations import scene_geometry
 from vlberts.world.scene import scene_from_json
@@ -300,6 +302,32 @@ def test_bad_records_are_errors_or_counted_with_skip_bad(tiny_world, tiny_pretra
     assert m["skipped_records"]["malformed record"] == 2 and m["train_questions"] == len(lines) - 2
     code, _, err = run_cli([*args[:-2], f"--out={tmp_path / 'run2'}", "--mode=qq"], capsys)
     assert code == 2 and "unknown --mode 'qq'" in err
+
+
+@pytest.mark.parametrize("metadata_fn, message", [
+    ("nope.json", "metadata_fn nope.json: {meta}/nope.json not found"),
+    ("", "no metadata_fn: --object_regions=iou reads the objects' boxes from it"),
+])
+def test_missing_metadata_file_names_the_record_pointing_at_it(metadata_fn, message, tiny_world, tiny_pretrained,
+                                                               tmp_path, capsys):
+    """A record whose metadata_fn is not a file: the error names the jsonl file and the record (the metadata
+    folder is intact; the record is what is wrong), and --skip_bad counts it as bad metadata."""
+    lines = (tiny_world.root / "vcr" / "train.jsonl").read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["metadata_fn"] = metadata_fn
+    broken = tmp_path / "train.jsonl"
+    broken.write_text("\n".join([*lines[:3], json.dumps(rec), *lines[4:]]) + "\n")
+    meta = tiny_world.root / "vcr" / "metadata"
+    code, _, err = run_cli(["finetune", "vcr", f"--init={tiny_pretrained}", f"--features={tiny_world.store}",
+                            f"--train_file={broken}", f"--metadata_dir={meta}", f"--out={tmp_path / 'run'}",
+                            "--epochs=0.1", "--device=cpu"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.strip() == f"error: {broken}: record {rec['annot_id']}: {message.format(meta=meta)}"
+    bad = BadRecords(skip=True)
+    kept = usable_examples(read_vcr(broken), str(broken), RegionStore(tiny_world.store), str(tiny_world.store),
+                           "iou", meta, bad)
+    assert len(kept) == len(lines) - 1 and rec["annot_id"] not in {ex.annot_id for ex in kept}
+    assert bad.counts == {"bad metadata": 1} and bad.first == err.strip().removeprefix("error: ")
 
 
 # --------------------------------------------------------------------------- evaluate vcr

@@ -20,10 +20,21 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def printable(text: str) -> str:
+    """`text` with each character that would not print (NUL, ESC, CR, DEL, format and unassigned code points)
+    written as its Python escape (``\\x00``, ``\\x1b``, ``\\u200b``): a value read from a binary or mangled
+    file then shows in a one-line message without moving the cursor or ringing the terminal. Printable text
+    (any script) is returned unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class VlbertsError(Exception):
     """An error the user can fix: bad input, a missing file, an impossible setting.
 
-    `str(err)` is one line: ``<file>: <record>: <message>`` with the parts that are known.
+    `str(err)` is one printable line: ``<file>: <record>: <message>`` with the parts that are known (characters
+    that would not print, as a binary file's bytes, escaped by `printable`).
     """
 
     def __init__(self, message: str, *, path: str | Path | None = None, record: object = None):
@@ -39,7 +50,7 @@ class VlbertsError(Exception):
         if self.record is not None:
             parts.append(f"record {self.record}")
         parts.append(self.message)
-        return ": ".join(parts)
+        return printable(": ".join(parts))
 
 
 @dataclass

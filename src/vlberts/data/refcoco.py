@@ -223,16 +223,29 @@ def _read_refs(path: Path, bad: BadRecords) -> list[tuple[int, Ref]]:
         raise VlbertsError(f"expected a list of refs, got {type(data).__name__}", path=path)
     refs = []
     seen: dict[int, int] = {}
+    # sent_id -> (refs index, ref_id, sentence index): expressions are keyed by sent_id (predictions,
+    # evaluation), so a repeated one would silently replace another and later errors would blame other files.
+    sent_seen: dict[int, tuple[int, int, int]] = {}
     for i, rec in enumerate(data):
         try:
             ref = _parse_ref(rec, path=path, record=f"refs[{i}]")
             if ref.ref_id in seen:
                 raise VlbertsError(f"duplicate ref_id {ref.ref_id} (first at refs[{seen[ref.ref_id]}])",
                                    path=path, record=f"refs[{i}]")
+            here: dict[int, tuple[int, int, int]] = {}
+            for j, s in enumerate(ref.sentences):
+                first = sent_seen.get(s.sent_id) or here.get(s.sent_id)
+                if first is not None:
+                    k, first_ref, m = first
+                    raise VlbertsError(f"duplicate sent_id {s.sent_id} (first in ref_id {first_ref}: refs[{k}] "
+                                       f"sentences[{m}])", path=path,
+                                       record=f"refs[{i}] (ref_id {ref.ref_id}) sentences[{j}]")
+                here[s.sent_id] = (i, ref.ref_id, j)
         except VlbertsError as err:
             bad.handle(err)
             continue
         seen[ref.ref_id] = i
+        sent_seen.update(here)
         refs.append((i, ref))
     return refs
 

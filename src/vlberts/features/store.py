@@ -345,19 +345,43 @@ class RegionStore:
         rows = len(f["boxes"])
         if len(f["features"]) != rows or any(len(f[name]) != rows for name in self.fields):
             return "the per-box arrays do not all have the same number of rows"
-        count = np.asarray(self._count, dtype=np.int64)
-        expected = np.concatenate([[0], np.cumsum(count)[:-1]]) if n else count
-        bad = np.flatnonzero((count < 0) | (np.asarray(self._offset, dtype=np.int64) != expected))
-        if bad.size:
-            i = int(bad[0])
-            return (f"image {self._ids[i]}: offset {int(self._offset[i])} and count {int(count[i])} do not follow "
-                    "the images before it")
-        if n and int(count.sum()) != rows:
-            return f"the counts add up to {int(count.sum())} boxes but the store holds {rows}"
+        problem = self._layout_problem(np.asarray(self._offset, dtype=np.int64),
+                                       np.asarray(self._count, dtype=np.int64), rows)
+        if problem:
+            return problem
         if len(set(self._ids)) != n:
             dup = next(i for i, c in Counter(self._ids).items() if c > 1)
             return f"image id {dup} appears more than once"
         return None
+
+    def _layout_problem(self, offset: np.ndarray, count: np.ndarray, rows: int) -> str | None:
+        """The image whose rows break the layout (image i's rows end where image i + 1's begin, the first
+        begins at row 0, the last ends at the last row), or None. The image named is the damaged one: a wrong
+        count breaks only its own image's end, a wrong offset breaks the ends of the image before it and of
+        its own, which the counts around it then bridge."""
+        n = len(count)
+        if not n:
+            return None
+        ids = self._ids
+        if (count < 0).any():
+            i = int(np.flatnonzero(count < 0)[0])
+            return f"image {ids[i]}: negative count {int(count[i])}"
+        if offset[0] != 0:
+            return f"image {ids[0]}: offset {int(offset[0])}, but the first image starts at row 0"
+        end = offset + count  # (I,) one past each image's last row
+        start_next = np.append(offset[1:], rows)  # (I,) where the next image starts; the last ends at `rows`
+        bad = np.flatnonzero(end != start_next)
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        if i + 1 < n and end[i] + count[i + 1] == start_next[i + 1]:  # image i + 1's offset is the wrong one
+            return (f"image {ids[i + 1]}: offset {int(offset[i + 1])}, but image {ids[i]} before it ends at row "
+                    f"{int(end[i])}")
+        if i + 1 < n:
+            return (f"image {ids[i]}: offset {int(offset[i])} and count {int(count[i])} end at row {int(end[i])}, "
+                    f"but image {ids[i + 1]} after it starts at row {int(offset[i + 1])}")
+        return (f"image {ids[i]}: offset {int(offset[i])} and count {int(count[i])} end at row {int(end[i])}, "
+                f"but the per-box arrays hold {rows} rows (the counts add up to {int(count.sum())})")
 
     def preload(self) -> RegionStore:
         """Read every record into memory once (block reads), so `get` no longer touches the file.

@@ -186,13 +186,23 @@ def iter_tsv_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
         yield from enumerate(f, 1)
 
 
+def _shown_id(raw: bytes) -> str:
+    """The id field as an error names the line: as written when it is printable UTF-8 text (cut at 80
+    characters), else (a binary file, a mangled line) its repr cut at 24 characters, so that the one-line
+    error stays short and shows no raw bytes."""
+    text = raw.decode("utf-8", "replace")
+    if text.isprintable() and "\ufffd" not in text:
+        return text[:80] + ("..." if len(text) > 80 else "")
+    return repr(text[:24]) + ("..." if len(text) > 24 else "")
+
+
 def parse_tsv_line(fmt: TsvFormat, line: bytes, *, path: str | Path, lineno: int) -> RegionRecord | None:
     """One raw line -> a record (None for a blank line). Errors name the file, the line and the id."""
     line = line.rstrip(b"\r\n")
     if not line.strip():
         return None
     parts = line.split(b"\t")
-    image_id = parts[0][:80].decode("utf-8", "replace") if parts[0] else None
+    image_id = _shown_id(parts[0]) if parts[0] else None
     record = f"line {lineno}" + (f" (image {image_id})" if image_id else "")
     if len(parts) != len(fmt.fields):
         other = [f.name for f in TSV_FORMATS.values() if f is not fmt and len(f.fields) == len(parts)]

@@ -51,7 +51,7 @@ from vlberts.data.retrieval import (
     image_embeddings, nearest_neighbours, read_retrieval_split,
 )
 from vlberts.data.vqa_dataset import model_tag_subwords
-from vlberts.errors import BadRecords, VlbertsError
+from vlberts.errors import BadRecords, VlbertsError, first_line
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, read_json, require_unique, write_json
 from vlberts.models.encoders import load_encoder_weights
@@ -312,8 +312,13 @@ def rescore(scores_path: str | Path) -> dict:
         raise VlbertsError("file not found", path=path)
     try:
         scores = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise VlbertsError(f"not a .npy score matrix ({e})", path=path) from None
+    except (ValueError, EOFError, OSError) as e:  # EOFError: an empty or cut-short file (click would say "Aborted!")
+        raise VlbertsError(f"not a .npy score matrix ({first_line(e)})", path=path) from None
+    if not isinstance(scores, np.ndarray):  # an .npz archive under a .npy name
+        scores.close()
+        raise VlbertsError("not a .npy score matrix (an .npz archive)", path=path)
+    if scores.dtype.kind not in "fiu":  # strings, bools, complex or structured records are not scores
+        raise VlbertsError(f"not a .npy score matrix (dtype {scores.dtype}, expected real numbers)", path=path)
     index_path = path.parent / "score_index.json"
     index = read_json(index_path)
     if not isinstance(index, dict) or not {"caption_image_ids", "image_ids"} <= set(index):

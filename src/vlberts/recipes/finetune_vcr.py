@@ -131,7 +131,17 @@ def usable_examples(examples: list[VCRExample], path: str, store: RegionStore, f
             continue
         if object_regions == "iou":
             try:
-                meta = read_vcr_metadata(metadata_dir / ex.metadata_fn)
+                # a record pointing at no file is the record's fault: name the jsonl file and the record, and the
+                # path it points at (read_vcr_metadata alone would name only that path)
+                meta_path = metadata_dir / ex.metadata_fn
+                if not ex.metadata_fn:
+                    raise VlbertsError("no metadata_fn: --object_regions=iou reads the objects' boxes from it",
+                                       path=path, record=ex.annot_id)
+                if not meta_path.is_file():
+                    why = "is a directory, expected a file" if meta_path.is_dir() else "not found"
+                    raise VlbertsError(f"metadata_fn {ex.metadata_fn}: {meta_path} {why}", path=path,
+                                       record=ex.annot_id)
+                meta = read_vcr_metadata(meta_path)
                 if len(meta.boxes) != len(ex.objects):
                     raise VlbertsError(f"metadata has {len(meta.boxes)} boxes for {len(ex.objects)} objects",
                                        path=metadata_dir / ex.metadata_fn, record=ex.annot_id)
