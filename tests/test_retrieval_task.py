@@ -408,6 +408,7 @@ def test_saved_scores_not_a_numeric_matrix(kind, detail, tmp_path, capsys):
     code, _, err = run_cli(["evaluate", "retrieval", "--scores", str(scores), "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert err.strip() == f"error: {scores}: not a .npy score matrix ({detail})"
+    assert not (tmp_path / "o").exists()  # the run's record is written once the matrix is scored
 
 
 def test_bad_saved_scores_and_missing_settings(tiny_world, tiny_pretrained, tmp_path, capsys):

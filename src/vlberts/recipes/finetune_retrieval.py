@@ -346,8 +346,8 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
     if cfg.scores:
         if cfg.init:
             raise VlbertsError("give either --scores (re-score a saved matrix) or --init (score with a model)")
-        write_run_config(out, cfg)
         metrics = {"mode": "rescored", "scores": str(cfg.scores), **rescore(cfg.scores)}
+        write_run_config(out, cfg)  # once the matrix is scored: a refused one leaves no OUT behind
         write_json(out / "metrics.json", metrics)
         return metrics
     for key in ("init", "split_file", "features"):
