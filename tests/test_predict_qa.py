@@ -83,3 +83,21 @@ def test_cli(tiny_world, vqa_run, tmp_path):
     assert run.stdout.strip() == f"wrote {tmp_path / 'p' / 'predictions.json'} and {tmp_path / 'p' / 'predict.json'}"
     run = subprocess.run([str(VLBERTS), "predict", "vqa", f"--questions={questions}"], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip() == "error: predict vqa needs --model"
+
+
+def test_max_text_len_beyond_the_position_embeddings(tiny_world, vqa_run, tmp_path, capsys):
+    # A question longer than the model's position table, asked for with --max_text_len above it: one line
+    # naming the model's config.json and exit code 2, not an IndexError from the embedding lookup.
+    from vlberts.cli import main
+
+    questions, _ = tiny_world.vqa("val")
+    data = json.loads(questions.read_text())
+    data["questions"][0]["question"] = " ".join(["is the small circle red"] * 100) + "?"
+    long_q = tmp_path / "long.json"
+    long_q.write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as exc:
+        main(["predict", "vqa", f"--model={vqa_run / 'model'}", f"--questions={long_q}",
+              f"--features={tiny_world.store}", f"--out={tmp_path / 'p'}", "--max_text_len=100000"])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "Traceback" not in err and err.strip().count("\n") == 0
+    assert f"{vqa_run / 'model' / 'config.json'}: --max_text_len=100000 is more than the model's" in err, (out, err)

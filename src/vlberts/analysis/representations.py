@@ -117,13 +117,19 @@ def _affinities(d2: torch.Tensor, perplexity: float, tol: float = 1e-5, steps: i
     return P.clamp_min(1e-12)
 
 
+def effective_perplexity(perplexity: float, n: int) -> float:
+    """The perplexity t-SNE uses for n points: at most (n - 1) / 3, as each point's Gaussian must be able to
+    spread over about 3 x perplexity neighbours (van der Maaten's implementations cap it the same way)."""
+    return min(perplexity, (n - 1) / 3)
+
+
 def tsne(x: np.ndarray, *, perplexity: float = 30.0, iterations: int = 750, seed: int = 0,
          exaggeration: float = 12.0, exaggeration_iters: int = 250, learning_rate: float | None = None) -> np.ndarray:
     """(N, D) -> (N, 2) t-SNE embedding (module docstring); deterministic for a seed."""
     n = len(x)
     if n < 3:
         raise ValueError(f"t-SNE needs at least 3 points, got {n}")
-    perplexity = min(perplexity, (n - 1) / 3)
+    perplexity = effective_perplexity(perplexity, n)
     X = torch.as_tensor(np.asarray(x, dtype=np.float64))
     X = X - X.mean(0)
     P = _affinities(torch.cdist(X, X).square(), perplexity)

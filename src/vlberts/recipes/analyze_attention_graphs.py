@@ -64,10 +64,11 @@ from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, resolve_images
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import check_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 from vlberts.world.relations import scene_geometry
-from vlberts.world.scene import read_scenes
+from vlberts.world.scene import Scene, read_scenes
 
 # Gold relations of the object-graph statistic (module docstring).
 RELATED = ("near", "touching")
@@ -122,12 +123,25 @@ def resolve_scenes(cfg: AttentionGraphsConfig) -> tuple[Path | None, str]:
     return path, f"gold relations: {' or '.join(RELATED)} in {path}"
 
 
+def check_relation_ids(scene: Scene, path: Path, record: str) -> None:
+    """scene_geometry reads object k as row k - 1 and `touching` by object id: the ids must be 1..N in order
+    and every touching pair must name two of them, else it indexes out of range or relates the wrong objects."""
+    ids = [o.object_id for o in scene.objects]
+    if ids != list(range(1, len(ids) + 1)):
+        raise VlbertsError(f"object ids must be 1..{len(ids)} in order, got {ids[:8]}", path=path, record=record)
+    for pair in sorted(scene.touching):
+        if not all(1 <= i <= len(ids) for i in pair):
+            raise VlbertsError(f"touching pair {list(pair)} names an object the scene does not have "
+                               f"(object ids 1..{len(ids)})", path=path, record=record)
+
+
 def gold_relations(path: Path, image_ids: set[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """image id -> (object boxes (N, 4) float xyxy pixels, related (N, N) bool) for the given images."""
     out = {}
-    for scene, _ in read_scenes(path):
+    for line, (scene, _) in enumerate(read_scenes(path), 1):
         if str(scene.image_id) not in image_ids:
             continue
+        check_relation_ids(scene, path, f"line {line}")
         g = scene_geometry(scene)
         related = np.zeros((len(scene.objects),) * 2, dtype=bool)
         for r in RELATED:
@@ -161,6 +175,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     model, model_cfg, meta = load_attention_model(cfg.model)
+    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
     model.to(device)
     arch = arch_of(model_cfg)
     tok = TextTokenizer.load(cfg.model)

@@ -88,6 +88,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import check_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -252,6 +253,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     t0 = time.perf_counter()
 
     model, model_cfg, meta = load_attention_model(cfg.model)
+    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)

@@ -34,6 +34,7 @@ from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions
 from vlberts.analysis.representations import (
     RepresentationSet,
     agreement_table,
+    effective_perplexity,
     sample_instances,
     save_representation_figure,
     tsne,
@@ -47,6 +48,7 @@ from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import check_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -182,6 +184,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     model, model_cfg, meta = load_attention_model(cfg.model)
+    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
@@ -227,7 +230,9 @@ def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.nda
         "nearest_same_class": {q: {k: {"agreement": round(a, 2), "chance": round(c, 2)} for k, (a, c) in row.items()}
                                for q, row in table.items()},
         "skipped": skipped.to_dict(), "bad_records": bad.to_dict(), "seconds": round(seconds, 2),
-        "tsne": {"perplexity": cfg.perplexity, "iterations": cfg.iterations, "seed": cfg.seed},
+        # the perplexity t-SNE used (capped by the number of points), beside the one asked for
+        "tsne": {"perplexity": round(effective_perplexity(cfg.perplexity, len(points)), 4),
+                 "perplexity_asked": cfg.perplexity, "iterations": cfg.iterations, "seed": cfg.seed},
         "rows": [{"class": c, "modality": m, "instance": i, "x": round(float(x), 3), "y": round(float(y), 3)}
                  for c, m, i, (x, y) in zip(reps.classes, reps.modalities, reps.instances, points)],
     }

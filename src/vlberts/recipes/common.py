@@ -218,3 +218,17 @@ class PredictConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N")
     precision: str = opt("auto", PRECISION_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
+
+
+def check_text_len(max_text_len: int, model_cfg, model_dir: str | Path, *, inherited: bool = False) -> int:
+    """The text length to use: `max_text_len`, if the model has a position embedding for each of its tokens.
+    Asked for (--max_text_len) beyond that: a one-line error, as a longer text would index past the embedding
+    table deep inside the forward pass. Inherited from the fine-tuning run (`inherited`): capped at the
+    table, which changes nothing the fine-tuning could have run (it too failed on anything longer)."""
+    limit = getattr(model_cfg, "max_position_embeddings", None)
+    if limit is None or max_text_len <= limit:
+        return max_text_len
+    if inherited:
+        return limit
+    raise VlbertsError(f"--max_text_len={max_text_len} is more than the model's {limit} position embeddings "
+                       f"(max_position_embeddings); use at most {limit}", path=Path(model_dir) / "config.json")

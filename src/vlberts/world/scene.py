@@ -301,13 +301,20 @@ def scene_from_json(rec: dict, *, path: str | Path = "", record: object = None) 
             image_id=int(rec["image_id"]), width=int(rec["width"]), height=int(rec["height"]),
             background=Background(str(bg["tone"]), tuple(int(v) for v in bg["rgb"])),  # type: ignore[arg-type]
             objects=tuple(objects),
-            touching=frozenset((int(p[0]), int(p[1])) for p in rec.get("touching", [])),
+            touching=frozenset(_touching_pair(p) for p in rec.get("touching", [])),
         )
     except (TypeError, ValueError, KeyError) as e:
         raise VlbertsError(f"malformed scene: {e}", path=path, record=record) from None
     for k, o in enumerate(scene.objects):  # the relations and IoUs read from the boxes need them inside the image
         require_box(o.box, scene.width, scene.height, path=path, record=f"{record} object {k}")
     return scene, str(rec["split"])
+
+
+def _touching_pair(p: object) -> tuple[int, int]:
+    """A "touching" entry: two object ids (a ValueError otherwise, which the caller names)."""
+    if not isinstance(p, (list, tuple)) or len(p) != 2:
+        raise ValueError(f"touching entry {p!r} is not a pair of object ids")
+    return int(p[0]), int(p[1])
 
 
 def read_scenes(path: str | Path) -> list[tuple[Scene, str]]:
