@@ -91,3 +91,34 @@ def test_analysis_max_text_len_beyond_the_position_embeddings(command, tiny_worl
     assert code == 2, output
     assert output.strip().count("\n") == 0 and "Traceback" not in output
     assert f"{tiny_pretrained / 'config.json'}: --max_text_len=1000 is more than the model's" in output
+
+
+@pytest.mark.parametrize("command, report", [("grounding", "grounding.json"),
+                                             ("attention-graphs", "attention_graphs.json")])
+def test_images_directory_holding_none_of_the_drawn_images(command, report, tiny_world, tiny_pretrained, tmp_path,
+                                                            capsys):
+    # --images=DIR holding none of the images the explorer and figures draw drew grey canvases without a word:
+    # one line naming DIR and the first missing file, before the forward passes.
+    empty = tmp_path / "photos"
+    empty.mkdir()
+    first, second = (tiny_world.entities / "val.txt").read_text().split()[:2]
+    args = ["analyze", command, f"--model={tiny_pretrained}", f"--entities={tiny_world.entities}",
+            f"--features={tiny_world.store}", "--split=val", "--max_images=3", "--parses=none"]
+    code, output = run_cli([*args, f"--images={empty}", f"--out={tmp_path / 'out'}"], capsys)
+    assert code == 2 and output.strip().count("\n") == 0, output
+    assert output.strip().startswith(f"error: {empty}: holds no image the figures draw (")
+    assert f"first missing: image {first} as {int(first):012d}.png, {first}.jpg or {first}.png)" in output
+    assert not (tmp_path / "out" / report).exists()
+    # Some found: the others drawn grey, counted on stderr and in the report.
+    some = tmp_path / "some"
+    some.mkdir()
+    for f in (tiny_world.root / "images").iterdir():
+        if f.name != f"{int(first):012d}.png":
+            (some / f.name).symlink_to(f)
+    drawn = [] if command == "grounding" else [f"--captions={first}_0,{second}_0"]  # the explorer shows 25 captions
+    code, output = run_cli([*args, f"--images={some}", *drawn, f"--out={tmp_path / 'out'}"], capsys)
+    assert code == 0, output
+    counts = json.loads((tmp_path / "out" / report).read_text())["figure_images"]
+    assert counts["directory"] == str(some) and counts["missing"] == 1 and counts["drawn"] >= 2
+    assert (f"warning: {some}: 1 of {counts['drawn']} images the figures draw not found (first: image {first} as "
+            f"{int(first):012d}.png") in output

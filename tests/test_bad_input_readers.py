@@ -253,26 +253,26 @@ def test_evaluate_vcr_rejects_predictions_for_unknown_questions(tmp_path, capsys
     assert evaluate_vcr(ann, qa, qar)["num_questions"] == 2
 
 
-def _vcr_cfg(world, tmp_path: Path, train: Path, **kw) -> FinetuneVCRConfig:
-    base = dict(init=str(tmp_path / "unused"), features=str(world.store), out=str(tmp_path / "run"),
+def _vcr_cfg(world, init: Path, tmp_path: Path, train: Path, **kw) -> FinetuneVCRConfig:
+    base = dict(init=str(init), features=str(world.store), out=str(tmp_path / "run"),
                 train_file=str(train), eval_file=str(world.root / "vcr" / "val.jsonl"), device="cpu")
     return FinetuneVCRConfig(**{**base, **kw})
 
 
-def test_finetune_vcr_without_a_metadata_folder_says_so(tiny_world, tmp_path):
+def test_finetune_vcr_without_a_metadata_folder_says_so(tiny_world, tiny_pretrained, tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text((tiny_world.root / "vcr" / "train.jsonl").read_text())
     with pytest.raises(VlbertsError) as err:
-        finetune_vcr(_vcr_cfg(tiny_world, tmp_path, train, skip_bad=True))
+        finetune_vcr(_vcr_cfg(tiny_world, tiny_pretrained, tmp_path, train, skip_bad=True))
     assert str(err.value).startswith(f"{tmp_path / 'metadata'}: metadata folder not found: --object_regions=iou "
                                      "reads each record's metadata_fn from it")
 
 
-def test_finetune_vcr_all_train_records_skipped_shows_the_skips_first(tiny_world, tmp_path, capsys):
+def test_finetune_vcr_all_train_records_skipped_shows_the_skips_first(tiny_world, tiny_pretrained, tmp_path, capsys):
     lines = (tiny_world.root / "vcr" / "train.jsonl").read_text().splitlines()[:3]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({**json.loads(x), "img_id": "nope"}) + "\n" for x in lines))
-    args = ["finetune", "vcr", f"--init={tmp_path / 'unused'}", f"--features={tiny_world.store}",
+    args = ["finetune", "vcr", f"--init={tiny_pretrained}", f"--features={tiny_world.store}",
             f"--train_file={train}", f"--eval_file={tiny_world.root / 'vcr' / 'val.jsonl'}",
             f"--metadata_dir={tiny_world.root / 'vcr' / 'metadata'}", f"--out={tmp_path / 'run'}", "--device=cpu",
             "--skip_bad=true"]
@@ -284,13 +284,13 @@ def test_finetune_vcr_all_train_records_skipped_shows_the_skips_first(tiny_world
                      "them all)")
 
 
-def test_finetune_refcoco_all_train_refs_skipped_shows_the_skips_first(tiny_world, tmp_path, capsys):
+def test_finetune_refcoco_all_train_refs_skipped_shows_the_skips_first(tiny_world, tiny_pretrained, tmp_path, capsys):
     folder = tiny_world.root / "refcoco+"
     refs = json.loads((folder / "refs.json").read_text())
     refs = [dict(r, ann_id=10**9) if r["split"] == "train" else r for r in refs]
     n = sum(r["ann_id"] == 10**9 for r in refs)
     (tmp_path / "refs.json").write_text(json.dumps(refs))
-    cfg = FinetuneRefCocoConfig(init=str(tmp_path / "unused"), out=str(tmp_path / "run"), features=str(tiny_world.store),
+    cfg = FinetuneRefCocoConfig(init=str(tiny_pretrained), out=str(tmp_path / "run"), features=str(tiny_world.store),
                                 refs=str(tmp_path / "refs.json"), instances=str(folder / "instances.json"),
                                 device="cpu", skip_bad=True)
     with pytest.raises(VlbertsError, match="no training expressions in split 'train'"):
@@ -330,3 +330,24 @@ def test_scene_boxes_inside_the_image_and_each_image_once(tmp_path):
         with pytest.raises(VlbertsError) as err:
             read_scenes(path)
         assert str(err.value).startswith(f"{path}: {message}"), str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"objects": [{"object_id": 2}]}, "object ids must be 1..1 in order, got [2]"),
+    ({"touching": [[1, 3]]}, "touching pair [1, 3] names an object the scene does not have (object ids 1..1)"),
+])
+def test_scene_object_ids_are_the_draw_order_for_every_reader(change, message, tmp_path):
+    # The relations read object k as row k - 1 and `touching` by id: other ids indexed out of range, or
+    # related the wrong objects without a word. The scenes reader checks them (was attention-graphs only).
+    from vlberts.world.scene import read_scenes
+
+    rec = json.loads(_scene_line(1, [2, 2, 10, 10]))
+    if "objects" in change:
+        rec["objects"][0].update(change["objects"][0])
+    else:
+        rec.update(change)
+    path = tmp_path / "scenes.jsonl"
+    path.write_text(_scene_line(5, [2, 2, 10, 10]) + "\n" + json.dumps(rec) + "\n")
+    with pytest.raises(VlbertsError) as err:
+        read_scenes(path)
+    assert str(err.value) == f"{path}: record line 2: {message}"

@@ -4,6 +4,7 @@ stopped (one process and two torchrun ranks), and misuse is a one-line error."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -229,33 +230,46 @@ def test_streamed_runs_mix_in_streamed_documents_and_resume_exactly(shards, text
     """VL-BERT §3.3: half of every batch text-only, here streamed from text shards; W-VisualBERT §3: its
     text-only updates read the corpus (with next-sentence prediction) or the captions. Interrupted and
     resumed, both streams continue where they stood."""
-    import vlberts.recipes.pretrain as recipe
-
-    built = []
-
-    class Recording(TextOnlyData):
-        def __init__(self, documents, *a, **kw):
-            built.append(len(documents))
-            super().__init__(documents, *a, **kw)
-
-    monkeypatch.setattr(recipe, "TextOnlyData", Recording)
-    extra = dict(model=model, text_corpus=str(text_index), chunk_documents=5, objectives="")
-    ref = tmp_path / "ref"
-    pretrain(_cfg(shards, ref, **extra))
-    log = MetricsLog.read(ref / "metrics.jsonl")
-    assert built and set(built) == {5} and [r["step"] for r in log] == list(range(1, 9))
+    log = _extra_source_run_resumes_exactly(shards, tmp_path, monkeypatch, "TextOnlyData", dict(
+        model=model, text_corpus=str(text_index), chunk_documents=5, objectives=""), "text_corpus", "text_stream")
     if model == "wvisualbert-tiny":  # unpaired: whole text-only updates (the corpus's or the captions') and image-only ones
         assert {r["source"] for r in log} == {"text", "image"}
+
+
+def _extra_source_run_resumes_exactly(index: Path, tmp_path: Path, monkeypatch, made: str, extra: dict, option: str,
+                                      key: str) -> list[dict]:
+    """A streamed run with an extra source (`option`, built into chunks of 5 by `recipes.pretrain.<made>`):
+    it trains, the source changes the losses, its stream's position (`key`) is in the checkpoint, and the
+    run interrupted at step 5 and resumed repeats the uninterrupted one. Returns the reference run's log."""
+    import vlberts.recipes.pretrain as recipe
+
+    built: list[int] = []
+    base = getattr(recipe, made)
+
+    class Recording(base):
+        def __init__(self, items, *a, **kw):
+            built.append(len(items))
+            super().__init__(items, *a, **kw)
+
+    monkeypatch.setattr(recipe, made, Recording)
+    ref = tmp_path / "ref"
+    pretrain(_cfg(index, ref, **extra))
+    log = MetricsLog.read(ref / "metrics.jsonl")
+    assert built and set(built) == {5} and [r["step"] for r in log] == list(range(1, 9))
     without = tmp_path / "without"
-    pretrain(_cfg(shards, without, **{**extra, "text_corpus": ""}))
+    pretrain(_cfg(index, without, **{**extra, option: ""}))
     assert [r["loss"] for r in MetricsLog.read(without / "metrics.jsonl")] != [r["loss"] for r in log]
 
     run = tmp_path / "run"
-    assert pretrain(_cfg(shards, run, stop_after=5, **extra)) is None  # last checkpoint: step 3
+    assert pretrain(_cfg(index, run, stop_after=5, **extra)) is None  # last checkpoint: step 3
     state = json.loads(max((run / "checkpoints").glob("step_*/state.json")).read_text())
-    assert set(state["data"]) == {"stream", "text_stream"} and state["data"]["text_stream"][0]["chunk"] >= 0
-    assert pretrain(_cfg(shards, run, **extra)) == run / "model"
+    assert set(state["data"]) == {"stream", key} and state["data"][key][0]["chunk"] >= 0
+    # Resumed without the source: one line (the run's settings are part of its checkpoint).
+    with pytest.raises(VlbertsError, match=rf"different settings \({option} '.*index.json' -> ''\)"):
+        pretrain(_cfg(index, run, **{**extra, option: ""}))
+    assert pretrain(_cfg(index, run, **extra)) == run / "model"
     assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
+    return log
 
 
 def test_streamed_text_misuse_is_one_clear_error(tiny_world, shards, text_index, tmp_path):
@@ -277,20 +291,24 @@ def test_streamed_text_misuse_is_one_clear_error(tiny_world, shards, text_index,
     assert streamed_batch_sizes({"pairs": 8, "text": 0, "image_only": 0}, True, DistInfo(0, 2)) == {"pairs": 4, "text": 4}
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-def test_two_ranks_stream_documents_and_resume_exactly(shards, text_index, tmp_path):
-    """Each rank streams its own documents beside its own captions; the checkpoint keeps both ranks'
-    positions in both streams, and the resumed run repeats the uninterrupted one."""
-    args = ("--model=vlbert-tiny", f"--text_corpus={text_index}", "--chunk_documents=5")
-    proc = _torchrun(*_args(shards, tmp_path / "ref"), *args)
+def _two_ranks_resume_exactly(index: Path, tmp_path: Path, args: tuple[str, ...], key: str) -> None:
+    """Each rank streams its own extra source beside its own captions; the checkpoint keeps both ranks'
+    positions in both streams (`key`: the extra one's), and the resumed run repeats the uninterrupted one."""
+    proc = _torchrun(*_args(index, tmp_path / "ref"), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
-    assert _torchrun(*_args(shards, tmp_path / "run", "--stop_after=5"), *args).returncode == 0
+    assert _torchrun(*_args(index, tmp_path / "run", "--stop_after=5"), *args).returncode == 0
     state = json.loads(max((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
-    assert len(state["data"]["stream"]) == len(state["data"]["text_stream"]) == 2
-    proc = _torchrun(*_args(shards, tmp_path / "run"), *args)
+    assert len(state["data"]["stream"]) == len(state["data"][key]) == 2
+    proc = _torchrun(*_args(index, tmp_path / "run"), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["loss"] for r in ref]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_two_ranks_stream_documents_and_resume_exactly(shards, text_index, tmp_path):
+    _two_ranks_resume_exactly(shards, tmp_path, ("--model=vlbert-tiny", f"--text_corpus={text_index}",
+                                                 "--chunk_documents=5"), "text_stream")
 
 
 # --------------------------------------------------------------------------- loader workers
@@ -330,3 +348,95 @@ def test_streamed_pretraining_with_loader_workers_trains_and_resumes_exactly(sha
             pretrain(_cfg(shards, run, **extra))
         assert pretrain(_cfg(shards, run, num_workers=2, **extra)) == run / "model"
         assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
+
+
+# --------------------------------------------------------------------------- streamed image-only samples
+@pytest.fixture(scope="module")
+def h_index(tiny_world, tmp_path_factory) -> Path:
+    """H-VisualBERT's corpus as one shard set: the training captions, those of the world's image-only set
+    (unpaired_images.txt) withheld and its images written as image-only samples."""
+    from vlberts.data.text_corpus import read_image_ids
+
+    out = tmp_path_factory.mktemp("h-shards")
+    return write_shards(tiny_world.store, tiny_world.captions_train, out, shard_size=8, prefix="h",
+                        withhold=read_image_ids(tiny_world.root / "unpaired_images.txt"))
+
+
+def test_image_only_samples_stream_in_chunks_without_text_and_resume_at_any_position(tiny_world, h_index):
+    from vlberts.data.batch import IMAGE_ONLY
+    from vlberts.data.pretrain import ImageOnlyData
+
+    corpus = ShardCorpus(h_index)
+    from vlberts.data.text_corpus import read_image_ids
+
+    held = set(read_image_ids(tiny_world.root / "unpaired_images.txt"))
+    captioned = {c.image_id for c in read_caption_refs(tiny_world.captions_train)} - held  # as written
+    assert corpus.kinds == {"image-text": len(captioned), "image": len(held), "text": 0}
+    tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
+    chunks: list[list[str]] = []
+
+    def make(captions, regions, seed):
+        assert captions == []  # image-only samples carry none
+        chunks.append(list(regions.records))
+        return ImageOnlyData(list(regions.records), regions, tok, seed=seed)
+
+    stream = stream_examples(corpus, make, seed=3, chunk_images=5, dist=DistInfo(), buffer=4, kind="image")
+    items = [next(stream) for _ in range(23)]
+    assert len(chunks) >= 4 and all(len(set(c)) == len(c) == 5 for c in chunks)
+    assert {str(ex["image_id"]) for ex, _ in items} <= held  # the image-only samples only
+    assert all(ex["kind"] == IMAGE_ONLY and len(ex["ids"]) == 0 and len(ex["regions"].feats) > 0 for ex, _ in items)
+    assert [p for _, p in items[:6]] == [StreamPosition(0, k) for k in range(1, 6)] + [StreamPosition(1, 1)]
+    for k in (0, 7, 16):
+        again = stream_examples(corpus, make, seed=3, chunk_images=5, dist=DistInfo(), buffer=4, kind="image",
+                                start=items[k][1])
+        for (want, want_pos), (got, got_pos) in zip(items[k + 1:], (next(again) for _ in range(6))):
+            assert want_pos == got_pos and want["image_id"] == got["image_id"]
+            assert np.array_equal(want["regions"].feats, got["regions"].feats)
+    # The caption stream of the same shards reads the captioned images only.
+    pairs = stream_examples(corpus, lambda caps, regions, seed: CaptionPretrainData(caps, regions, tok, seed=seed),
+                            seed=3, chunk_images=5, dist=DistInfo(), buffer=4)
+    assert all(str(next(pairs)[0]["image_id"]) in captioned for _ in range(12))
+
+
+def test_h_visualbert_streams_its_image_only_set_and_resumes_exactly(tiny_world, h_index, tmp_path, monkeypatch):
+    """W-VisualBERT §4.3's H-VisualBERT, streamed: caption pairs from the shards' captioned images, plus
+    --unpaired_ratio of every batch from their image-only samples (image objectives only), each stream
+    with its own position in the checkpoint; interrupted and resumed = uninterrupted."""
+    log = _extra_source_run_resumes_exactly(h_index, tmp_path, monkeypatch, "ImageOnlyData", dict(
+        model="wvisualbert-h-tiny", unpaired_images=str(h_index), unpaired_ratio=0.25, chunk_images=5),
+        "unpaired_images", "image_stream")
+    assert all(np.isfinite(list(r.values())[1:]).all() for r in log)
+
+
+def test_streamed_image_only_misuse_is_one_clear_error(tiny_world, shards, h_index, tmp_path):
+    ids = str(tiny_world.root / "unpaired_images.txt")
+    h = dict(model="wvisualbert-h-tiny")
+    with pytest.raises(VlbertsError, match="with --shards, --unpaired_images is the index json of shards holding "
+                                           "image-only samples"):
+        pretrain(_cfg(h_index, tmp_path / "a", unpaired_images=ids, **h))
+    with pytest.raises(VlbertsError, match="--unpaired_images=INDEX.json streams image-only shards, which a streamed"):
+        pretrain(PretrainConfig(captions=str(tiny_world.captions_train), features=str(tiny_world.store),
+                                out=str(tmp_path / "b"), unpaired_images=str(h_index), **h))
+    with pytest.raises(VlbertsError, match=r"the shards hold 0 image-only samples \(write them with python -m "):
+        pretrain(_cfg(h_index, tmp_path / "c", unpaired_images=str(shards), **h))
+    with pytest.raises(VlbertsError, match="--unpaired_images is H-VisualBERT's"):
+        pretrain(_cfg(h_index, tmp_path / "d", unpaired_images=str(h_index), model="wvisualbert-tiny"))
+    # Two ranks share every batch: 3 caption and 1 image-only example per batch of 4 cannot be split.
+    with pytest.raises(VlbertsError, match=r"--batch_size=4 with --unpaired_ratio=0.25 gives 3 pairs and 1 image_only "
+                                           r"examples, not multiples of 2"):
+        streamed_batch_sizes({"pairs": 3, "text": 0, "image_only": 1}, False, DistInfo(0, 2))
+    # An image-only set whose regions are not the captions' (here: another feature width) is named.
+    other = ShardCorpus(h_index)
+    other.feature_dim += 1
+    with pytest.raises(VlbertsError, match=r"these shards' feature width \(\d+\) differ from .*h-index.json's"):
+        ShardCorpus(h_index).require_same_regions(other)
+    other = ShardCorpus(h_index)
+    other.metadata = dataclasses.replace(other.metadata, classes=["only one"])
+    with pytest.raises(VlbertsError, match=r"metadata classes \(\d+ entries\) differ .*\(1 entries\)"):
+        ShardCorpus(h_index).require_same_regions(other)
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_two_ranks_stream_image_only_samples_and_resume_exactly(h_index, tmp_path):
+    _two_ranks_resume_exactly(h_index, tmp_path, ("--model=wvisualbert-h-tiny", f"--unpaired_images={h_index}",
+                                                  "--unpaired_ratio=0.5", "--chunk_images=5"), "image_stream")

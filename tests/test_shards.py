@@ -472,3 +472,27 @@ def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, t
         assert err.startswith(f"error: {broken}: the index's") and err.count("\n") == 1
         with pytest.raises(VlbertsError, match="the index's"):
             shards_of_index(broken)
+
+
+def test_withheld_captions_leave_their_images_as_image_only_samples(tiny_world, tmp_path, capsys):
+    """`--withhold FILE` (H-VisualBERT's image-only set, W-VisualBERT §4.3): the listed images' captions are
+    left out and the images written as "image" samples; the other captioned images as usual. An id the
+    store lacks is one line naming the list's first missing id."""
+    from vlberts.data.text_corpus import read_image_ids
+
+    held_file = tiny_world.root / "unpaired_images.txt"
+    held = set(read_image_ids(held_file))
+    captioned = {c.image_id for c in read_caption_refs(tiny_world.captions_train)}
+    assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
+                 "--withhold", str(held_file), "--out", str(tmp_path / "h")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kinds"] == {"image-text": len(captioned - held), "image": len(held), "text": 0}
+    samples = [x for sh in shards_of_index(summary["index"]) for x in read_shard(sh, arrays=False)]
+    assert {x["image_id"] for x in samples if x["kind"] == "image"} == held
+    assert all(x["captions"] == [] for x in samples if x["kind"] == "image")
+    bad = tmp_path / "ids.txt"
+    bad.write_text(f"{sorted(held)[0]}\nno-such-image\n")
+    assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
+                 "--withhold", str(bad), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 withheld image(s) are not in the store" in err and "no-such-image" in err

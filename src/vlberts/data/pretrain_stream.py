@@ -10,7 +10,9 @@ and the examples of an architecture are built from it by the same `CaptionPretra
 path uses: the same masking, the same region targets and tags, and the matching objective's other
 captions and other images drawn from the chunk's other images (LXMERT §3.1.3 and ViLBERT §3.1 only need
 "a sentence from another image"). A chunk's examples are visited in a permutation drawn from
-(seed, rank, chunk), then the next chunk is read.
+(seed, rank, chunk), then the next chunk is read. H-VisualBERT's image-only samples (kind "image", its
+`--unpaired_images` as shards) stream the same way, in chunks of images built into `ImageOnlyData`, and text-only
+documents in chunks of documents (`stream_documents`).
 
 Position and exact resume: a rank's position is (chunk, examples of that chunk consumed). Its stream is
 a pure function of (seed, rank), so a resumed run re-reads the chunks before its position without
@@ -71,7 +73,8 @@ class ShardCorpus:
         self.path = Path(index)
         self.shards = shards_of_index(self.path)
         index = read_index(self.path)
-        self.images = int(index.get("kinds", {}).get("image-text", 0))  # captioned images
+        self.kinds = {k: int(v) for k, v in index.get("kinds", {}).items()}  # samples of each kind
+        self.images = self.kinds.get("image-text", 0)  # captioned images
         if not index.get("store"):
             raise VlbertsError("shards hold no region features (written without a store)", path=self.path)
         self.feature_dim, self.fields, self.metadata = index_store(index, self.path)
@@ -87,6 +90,23 @@ class ShardCorpus:
                 raise VlbertsError("the first shard holds no image sample", path=self.shards[0])
             self._cls_prob = int(sample["cls_prob"].shape[1])
         return {"num_classes_cls_prob": self._cls_prob}
+
+    def require_same_regions(self, other: ShardCorpus) -> ShardCorpus:
+        """This corpus, if its regions are read as `other`'s are (feature width, fields, extractor, class and
+        attribute names, cls_prob columns): a second stream of one run (H-VisualBERT's image-only shards beside
+        the captions') feeds the same model. Else a one-line error naming the first difference. (Where the
+        stores came from, `source`, may differ: the same extractor run over two sets of images.)"""
+        mine, theirs = self.metadata.to_dict(), other.metadata.to_dict()
+        for what, a, b in (("feature width", self.feature_dim, other.feature_dim),
+                           ("region fields", sorted(self.fields), sorted(other.fields)),
+                           *((f"metadata {k}", mine[k], theirs[k]) for k in ("extractor", "weights_hash", "classes",
+                                                                              "attributes")),
+                           ("cls_prob columns", self.info()["num_classes_cls_prob"], other.info()["num_classes_cls_prob"])):
+            if a != b:
+                shown = (lambda v: f"{len(v)} entries" if isinstance(v, (list, tuple)) else repr(v))
+                raise VlbertsError(f"these shards' {what} ({shown(a)}) differ from {other.path}'s ({shown(b)}): one run "
+                                   "reads every stream's regions alike", path=self.path)
+        return self
 
     def record(self, sample: dict[str, Any]) -> RegionRecord:
         """A sample's regions, checked against this index and the model's heads (`shards.check_sample_record`)."""
@@ -113,28 +133,40 @@ class ChunkRegions:
         return str(image_id) in self.records
 
 
-# chunk captions, chunk regions, seed -> the architecture's examples over them (a `CaptionPretrainData`)
+# chunk captions, chunk regions, seed -> the architecture's examples over them (a `CaptionPretrainData`;
+# for image-only chunks, no captions: an `ImageOnlyData` over the chunk's images, `ChunkRegions.records` in
+# the order drawn)
 MakeData = Callable[[list[CaptionRef], ChunkRegions, int], Any]
+
+
+# What a stream of each sample kind reads: the least number of such images it needs, and their name.
+_STREAMED_IMAGES = {"image-text": (2, "captioned image"), "image": (1, "image-only image")}
 
 
 def stream_examples(
     corpus: ShardCorpus, make_data: MakeData, *, seed: int, chunk_images: int, dist: DistInfo,
     start: StreamPosition = StreamPosition(), buffer: int = 1000, reader: tuple[int, int] | None = None,
+    kind: str = "image-text",
 ) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
     """This rank's endless (example, position after it) pairs (module docstring), from `start` on; `reader`:
-    which of a rank's loader-worker streams this is (`worker_batches`), None: the rank's one stream."""
+    which of a rank's loader-worker streams this is (`worker_batches`), None: the rank's one stream.
+    `kind`: the samples read, "image-text" (captioned images), or "image" (image-only samples, H-VisualBERT's
+    extra images: their chunks have no captions and `make_data` builds from the chunk's regions alone)."""
+    least, what = _STREAMED_IMAGES[kind]
     if chunk_images < 2:
         raise VlbertsError(f"chunk_images must be >= 2 (matching draws another image), got {chunk_images}")
-    if corpus.images < 2:
-        raise VlbertsError(f"the shards hold {corpus.images} captioned image(s); pre-training needs 2 or more", path=corpus.path)
-    chunk_images = min(chunk_images, corpus.images)  # a chunk holds distinct images: at most all of them
+    n_images = corpus.kinds.get(kind, 0)
+    if n_images < least:
+        raise VlbertsError(f"the shards hold {n_images} {what}(s); pre-training on them needs {least} or more",
+                           path=corpus.path)
+    chunk_images = min(chunk_images, n_images)  # a chunk holds distinct images: at most all of them
     samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
-                               kinds=("image-text",), arrays=False, reader=reader))  # arrays read for chunks built
+                               kinds=(kind,), arrays=False, reader=reader))  # arrays read for chunks built
     rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
     # Drawing with replacement, a chunk of every image of the corpus needs about n ln n draws and at most
     # a few n draws in a row without a new image (the chance of 50 n is e^-50). Fewer distinct images
     # than the index lists (an image in two shards: `shards --check` finds them) would otherwise never end.
-    max_misses = 50 * corpus.images
+    max_misses = 50 * n_images
     chunk = 0
     while True:
         records: dict[str, RegionRecord] = {}
@@ -147,18 +179,29 @@ def stream_examples(
                 if misses > max_misses:
                     raise VlbertsError(
                         f"{misses} samples in a row repeat images of a chunk of {len(records)}: the shards hold "
-                        f"fewer distinct captioned images than the {corpus.images} their index lists (check them: "
+                        f"fewer distinct {what}s than the {n_images} their index lists (check them: "
                         f"python -m vlberts.data.shards --check {corpus.path})", path=corpus.path)
                 continue
             misses = 0
             records[s["image_id"]] = corpus.record(load_arrays(s)) if chunk >= start.chunk else None
-            captions.extend(CaptionRef(s["image_id"], c) for c in s["captions"])
+            captions.extend(CaptionRef(s["image_id"], c) for c in s.get("captions", ()))
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1
             continue
         yield from _chunk_examples(make_data(captions, ChunkRegions(records, corpus.path), rank_seed), chunk,
                                    rank_seed, start, 0xC4)
         chunk += 1
+
+
+def image_only_corpus(index: str | Path, captions: ShardCorpus) -> ShardCorpus:
+    """The image-only samples of a shard index, as a second corpus of a run that streams `captions`
+    (H-VisualBERT's `--unpaired_images`): an index without any, or whose regions are not read as the
+    captions' are (`ShardCorpus.require_same_regions`), is a one-line error."""
+    corpus = ShardCorpus(index)
+    if corpus.kinds.get("image", 0) < 1:
+        raise VlbertsError("the shards hold 0 image-only samples (write them with python -m vlberts.data.shards "
+                           "--store FILE without --captions, or with --image-only for the uncaptioned images)", path=index)
+    return corpus.require_same_regions(captions)
 
 
 # chunk documents (lists of sentences), seed -> text-only examples over them (a `TextOnlyData`)

@@ -44,7 +44,7 @@ import re
 import sys
 import tarfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
-from vlberts.data.text_corpus import read_documents
+from vlberts.data.text_corpus import read_documents, read_image_ids
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
 from vlberts.features.store import RegionStore
@@ -149,6 +149,7 @@ def write_shards(
     shard_size: int = 1000,
     prefix: str = "shard",
     image_only: bool = False,
+    withhold: Collection[str] = (),
     documents: Iterable[str | Sequence[str]] = (),
     overwrite: bool = False,
 ) -> Path:
@@ -160,6 +161,8 @@ def write_shards(
         image-only sample. A caption of an image the store lacks is an error.
     image_only: also write the store's images that have no caption, as "image" samples (otherwise they
         are left out: a Karpathy split's captions name only that split's images).
+    withhold: image ids whose captions are left out and which are written as "image" samples (H-VisualBERT's
+        image-only set, W-VisualBERT §4.3: the world's unpaired_images.txt); each must be in the store.
     documents: text-only samples, written after the images: each a text, or a list of sentences
         (`data.text_corpus.read_documents`), stored as "sentences" beside their joined "text".
     overwrite: replace a shard set of the same prefix in `out_dir` (otherwise an error).
@@ -175,21 +178,26 @@ def write_shards(
     if isinstance(store, (str, Path)):
         store = RegionStore(store, upcast=False)
     refs = read_caption_refs(captions) if isinstance(captions, (str, Path)) else captions
+    withheld = {str(i) for i in withhold}
     by_image: dict[str, list[str]] = {}
     for ref in refs or ():
-        by_image.setdefault(ref.image_id, []).append(ref.text)
+        if ref.image_id not in withheld:
+            by_image.setdefault(ref.image_id, []).append(ref.text)
     if by_image and store is None:
         raise VlbertsError("captions given without a region store")
-    missing = [i for i in by_image if i not in store] if store is not None else []
-    if missing:
-        raise VlbertsError(f"{len(missing)} captioned image(s) are not in the store", path=store.path, record=missing[0])
+    if withheld and store is None:
+        raise VlbertsError("images to withhold given without a region store")
+    for what, ids in (("captioned image", by_image), ("withheld image", sorted(withheld))):
+        missing = [i for i in ids if i not in store] if store is not None else []
+        if missing:
+            raise VlbertsError(f"{len(missing)} {what}(s) are not in the store", path=store.path, record=missing[0])
 
     writer = _ShardWriter(out_dir, prefix, shard_size)
     index, skipped = 0, 0
     try:
         for rec in store.records() if store is not None else ():
             caps = by_image.get(rec.image_id, [])
-            if refs is not None and not caps and not image_only:
+            if refs is not None and not caps and not image_only and rec.image_id not in withheld:
                 skipped += 1
                 continue
             sample = _image_sample(rec, caps, store.dtype)
@@ -760,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     ap.add_argument("--prefix", default="shard")
     ap.add_argument("--image-only", action="store_true", help="also write uncaptioned images as image-only samples")
+    ap.add_argument("--withhold", metavar="FILE", help="image ids, one per line, whose captions are left out: written as "
+                    "image-only samples (H-VisualBERT's image-only set, e.g. the world's unpaired_images.txt)")
     ap.add_argument("--documents", help="a text corpus in BERT's format (one sentence per line, a blank line between "
                     "documents): each document becomes a text-only sample (with or without --store)")
     ap.add_argument("--overwrite", action="store_true", help="replace a shard set of the same prefix in --out")
@@ -775,8 +785,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
         documents = read_documents(args.documents) if args.documents else []
+        withhold = read_image_ids(args.withhold) if args.withhold else ()
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
-                             image_only=args.image_only, documents=documents, overwrite=args.overwrite)
+                             image_only=args.image_only, withhold=withhold, documents=documents, overwrite=args.overwrite)
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

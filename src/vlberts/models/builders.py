@@ -306,6 +306,16 @@ def arch_of(cfg: Any) -> str:
     return CONFIG_ARCH[type(cfg)]
 
 
+# Positions of the one table that an architecture gives to elements after the text: VL-BERT's visual elements
+# take the text's length n and its [END] n + 1 (vlbert.py, §3.2); the others' tables embed the text alone.
+POSITIONS_AFTER_TEXT = {"vlbert": 2}
+
+
+def max_text_positions(cfg: Any) -> int:
+    """The longest text (tokens, [CLS] and [SEP] included) that the config's position table embeds."""
+    return cfg.max_position_embeddings - POSITIONS_AFTER_TEXT.get(arch_of(cfg), 0)
+
+
 def reads_tags(cfg: Any) -> bool:
     """Whether the model's inputs carry detector tags beside the regions (W-VisualBERT §3.2 with tags on;
     not its NT variants): in pre-training, fine-tuning and the analyses alike."""

@@ -29,6 +29,8 @@ Scenes (`--scenes`): "auto" reads `<entities>/../scenes.jsonl`, where the embedd
 truth; a path; "none". Two objects are related when the world says they are near each other (gap at most
 10% of the image side) or touching (`vlberts.world.relations`); a region detects the object its box
 overlaps best at IoU >= 0.5.
+Images (`--images`) for the object figure: as `vlberts analyze grounding` (a directory given that holds none of
+the images drawn is an error; missing ones are drawn grey and counted in attention_graphs.json's figure_images).
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
-from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, resolve_images
+from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, missing_images, resolve_images
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
-from vlberts.recipes.common import check_text_len
+from vlberts.recipes.common import fit_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 from vlberts.world.relations import scene_geometry
-from vlberts.world.scene import Scene, read_scenes
+from vlberts.world.scene import read_scenes
 
 # Gold relations of the object-graph statistic (module docstring).
 RELATED = ("near", "touching")
@@ -123,25 +125,13 @@ def resolve_scenes(cfg: AttentionGraphsConfig) -> tuple[Path | None, str]:
     return path, f"gold relations: {' or '.join(RELATED)} in {path}"
 
 
-def check_relation_ids(scene: Scene, path: Path, record: str) -> None:
-    """scene_geometry reads object k as row k - 1 and `touching` by object id: the ids must be 1..N in order
-    and every touching pair must name two of them, else it indexes out of range or relates the wrong objects."""
-    ids = [o.object_id for o in scene.objects]
-    if ids != list(range(1, len(ids) + 1)):
-        raise VlbertsError(f"object ids must be 1..{len(ids)} in order, got {ids[:8]}", path=path, record=record)
-    for pair in sorted(scene.touching):
-        if not all(1 <= i <= len(ids) for i in pair):
-            raise VlbertsError(f"touching pair {list(pair)} names an object the scene does not have "
-                               f"(object ids 1..{len(ids)})", path=path, record=record)
-
-
 def gold_relations(path: Path, image_ids: set[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """image id -> (object boxes (N, 4) float xyxy pixels, related (N, N) bool) for the given images."""
+    """image id -> (object boxes (N, 4) float xyxy pixels, related (N, N) bool) for the given images. The
+    scenes reader checks what `scene_geometry` relies on (object ids 1..N, touching pairs among them)."""
     out = {}
-    for line, (scene, _) in enumerate(read_scenes(path), 1):
+    for scene, _ in read_scenes(path):
         if str(scene.image_id) not in image_ids:
             continue
-        check_relation_ids(scene, path, f"line {line}")
         g = scene_geometry(scene)
         related = np.zeros((len(scene.objects),) * 2, dtype=bool)
         for r in RELATED:
@@ -175,7 +165,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     model, model_cfg, meta = load_attention_model(cfg.model)
-    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
+    cfg = fit_text_len(cfg, model_cfg, cfg.model)
     model.to(device)
     arch = arch_of(model_cfg)
     tok = TextTokenizer.load(cfg.model)
@@ -191,6 +181,8 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     scenes_path, scenes_note = resolve_scenes(cfg)
     scenes = gold_relations(scenes_path, set(ids)) if scenes_path else None
     images = resolve_images(cfg) if drawn_ids else None
+    figure_images = missing_images(cfg, images, list(dict.fromkeys(
+        c.image_id for c in captions if c.caption_id in drawn_ids)), "attention_graphs.json")
     write_run_config(cfg.out, cfg)  # before the forward passes
 
     positional, shares, relations = PositionalAccumulator(), TagShareAccumulator(), RelationAccumulator()
@@ -238,6 +230,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
         "object_relations_note": scenes_note,
         "skipped": dict(sorted(skipped.items())),
         "bad_records": bad.to_dict(),
+        "figure_images": figure_images,  # the object figures' images: missing ones drawn grey
         "parser_alignment_failures": dict(list(parse_failed.items())[:20]),
         "seconds": round(time.perf_counter() - t0, 2),
     }

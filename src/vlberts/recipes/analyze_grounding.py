@@ -45,7 +45,8 @@ their words are then left out, and the outputs say what was masked.
 Images for the explorer and the qualitative figures (`--images`): "auto" (default) reads
 `<entities>/../images`, where the embedded world writes `{image id:012d}.png`, when that directory exists;
 a directory (files `<image id>.jpg`/`.png` or the world's names); "none". An image not found is drawn as a
-grey canvas (in the explorer marked "image not available").
+grey canvas (in the explorer marked "image not available"), counted in grounding.json ("figure_images") and in a
+warning line; a directory given as --images=DIR that holds none of the images drawn is an error.
 
 The choices the paper leaves open are options with documented defaults (`GroundingOptions`; the
 syntactic ones in `vlberts.analysis.syntactic`).
@@ -88,7 +89,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
 from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
-from vlberts.recipes.common import check_text_len
+from vlberts.recipes.common import fit_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -147,6 +148,7 @@ class GroundingReport:
     text_syntax: TextSyntaxResult | None = None  # syntactic heads among the words (None: no parses)
     bad_records: dict = field(default_factory=dict)  # --skip_bad: images dropped, by kind, and the first message
     model_task: str = ""  # the task a fine-tuned model was trained on ("": a pre-trained model)
+    figure_images: dict = field(default_factory=dict)  # --images: directory, images drawn, how many not found there
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -196,17 +198,44 @@ def resolve_images(cfg: GroundingConfig) -> Path | None:
     return path
 
 
-def image_bytes(images: Path | None, image_id: str) -> bytes | None:
-    """The image file's bytes: the world's `{id:012d}.png`, else `<id>.jpg` / `<id>.png`; None if absent."""
-    if images is None:
-        return None
+def image_names(image_id: str) -> list[str]:
+    """The file names an image may have in an --images directory, in the order tried: the world's
+    `{id:012d}.png`, then `<id>.jpg` and `<id>.png`."""
     names = [f"{image_id}.jpg", f"{image_id}.png"]
     if image_id.isdigit():
         names.insert(0, f"{int(image_id):012d}.png")
-    for name in names:
+    return names
+
+
+def image_bytes(images: Path | None, image_id: str) -> bytes | None:
+    """The image file's bytes (`image_names`); None if absent."""
+    if images is None:
+        return None
+    for name in image_names(image_id):
         if (images / name).is_file():
             return (images / name).read_bytes()
     return None
+
+
+def missing_images(cfg: Any, images: Path | None, image_ids: list[str], report: str) -> dict[str, Any]:
+    """Before the forward passes: how many of the images the figures draw (`image_ids`, each once) are not
+    in the --images directory, for the analysis's JSON report (`report`, named in the warning). None of
+    them in a directory given as --images=DIR is a one-line error naming it and the first missing file
+    (the wrong directory, or another naming); some missing, or none in the `auto` directory, a warning
+    line: those are drawn on a grey canvas. Without a directory (--images=none, or auto finding none) every
+    canvas is grey by choice and nothing is counted missing."""
+    if images is None or not image_ids:
+        return {"directory": None if images is None else str(images), "drawn": len(image_ids), "missing": 0}
+    absent = [i for i in image_ids if not any((images / name).is_file() for name in image_names(i))]
+    if absent:
+        names = image_names(absent[0])
+        which = f"image {absent[0]} as {', '.join(names[:-1])} or {names[-1]}"
+        if len(absent) == len(image_ids) and cfg.images != "auto":
+            raise VlbertsError(f"holds no image the figures draw ({len(image_ids)} needed; first missing: {which}); "
+                               "pass the directory holding them, or --images=none", path=images)
+        print(f"warning: {images}: {len(absent)} of {len(image_ids)} images the figures draw not found (first: "
+              f"{which}); drawn on a grey canvas; count in {report}", file=sys.stderr)
+    return {"directory": str(images), "drawn": len(image_ids), "missing": len(absent)}
 
 
 def parse_mask_pos(value: str) -> list[str]:
@@ -253,7 +282,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     t0 = time.perf_counter()
 
     model, model_cfg, meta = load_attention_model(cfg.model)
-    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
+    cfg = fit_text_len(cfg, model_cfg, cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
@@ -293,6 +322,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     show_ids = {c.caption_id for c in analysed[: cfg.explorer_examples]}
     with_two = [c for c in analysed if len(c.entities) >= 2]  # the figures draw captions with two entities
     draw_ids = set(qual_ids) or {c.caption_id for c in with_two[: cfg.qualitative]}
+    figure_images = missing_images(cfg, images, list(dict.fromkeys(
+        c.image_id for c in analysed if c.caption_id in show_ids or c.caption_id in draw_ids)), "grounding.json")
     write_run_config(out, cfg)  # the inputs are read and checked; the forward passes are the long part
     with progress() as bar, autocast(device, cfg.precision):
         task = bar.add_task("entity grounding" if syn is None else "entity + syntactic grounding",
@@ -345,7 +376,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
                              None if text_syn is None else text_syn.result(), bad.to_dict(),
-                             str(meta.get("task", "")))
+                             str(meta.get("task", "")), figure_images)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -449,6 +480,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "attention_maps": report.maps,
         "skipped_phrases": report.skipped,
         "bad_records": report.bad_records,
+        "figure_images": report.figure_images,  # the explorer's and figures' images: missing ones drawn grey
         "seconds": report.seconds,
         "syntactic_grounding": None if report.syntactic is None else report.syntactic.to_dict(),
         "syntactic_grounding_note": report.syntactic_note,

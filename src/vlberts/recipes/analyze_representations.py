@@ -48,7 +48,7 @@ from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images
 from vlberts.recipes.common import opt, progress, resolve_device, set_threads, write_run_config
-from vlberts.recipes.common import check_text_len
+from vlberts.recipes.common import fit_text_len
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -184,7 +184,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     model, model_cfg, meta = load_attention_model(cfg.model)
-    check_text_len(cfg.max_text_len, model_cfg, cfg.model)
+    cfg = fit_text_len(cfg, model_cfg, cfg.model)
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)

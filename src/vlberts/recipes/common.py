@@ -22,6 +22,7 @@ from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json
 from vlberts.io import write_run_config as write_settings
+from vlberts.models.builders import max_text_positions
 from vlberts.training.loop import auto_device_type, precision_in_effect
 
 
@@ -220,15 +221,33 @@ class PredictConfig:
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
 
 
-def check_text_len(max_text_len: int, model_cfg, model_dir: str | Path, *, inherited: bool = False) -> int:
-    """The text length to use: `max_text_len`, if the model has a position embedding for each of its tokens.
+def check_text_len(max_text_len: int, model_cfg, model_dir: str | Path | None, *, inherited: bool = False) -> int:
+    """The text length to use: `max_text_len`, if the model has a position embedding for each of its tokens
+    (`models.builders.max_text_positions`: VL-BERT's regions and [END] take two more after the text).
     Asked for (--max_text_len) beyond that: a one-line error, as a longer text would index past the embedding
-    table deep inside the forward pass. Inherited from the fine-tuning run (`inherited`): capped at the
-    table, which changes nothing the fine-tuning could have run (it too failed on anything longer)."""
-    limit = getattr(model_cfg, "max_position_embeddings", None)
-    if limit is None or max_text_len <= limit:
+    table deep inside the forward pass. Not asked for (`inherited`: from the fine-tuning run, or the
+    recipe's default, `fit_text_len`): capped at the table, which changes nothing a run could have done (it
+    too failed on anything longer). `model_dir` None: a named configuration (`--model`), not a directory."""
+    if getattr(model_cfg, "max_position_embeddings", None) is None:
+        return max_text_len
+    limit = max_text_positions(model_cfg)
+    if max_text_len <= limit:
         return max_text_len
     if inherited:
         return limit
-    raise VlbertsError(f"--max_text_len={max_text_len} is more than the model's {limit} position embeddings "
-                       f"(max_position_embeddings); use at most {limit}", path=Path(model_dir) / "config.json")
+    table = model_cfg.max_position_embeddings
+    after = f" less the {table - limit} it places after the text" if table > limit else ""
+    raise VlbertsError(f"--max_text_len={max_text_len} is more than the model's {table} position embeddings "
+                       f"(max_position_embeddings){after}; use at most {limit}",
+                       path=None if model_dir is None else Path(model_dir) / "config.json")
+
+
+def fit_text_len(cfg: Any, model_cfg, model_dir: str | Path | None) -> Any:
+    """`cfg` (a run config with `max_text_len`) with a text length the model at `model_dir` embeds
+    (`check_text_len`): a value beyond the model's position table is a one-line error, except the config
+    class's own default (VCR's 80 against a tiny model's 64), which is capped at the table. The config
+    system keeps no record of which settings were given, so a given value equal to the default counts as
+    the default (as its range check does)."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "max_text_len")
+    fitted = check_text_len(cfg.max_text_len, model_cfg, model_dir, inherited=cfg.max_text_len == default)
+    return cfg if fitted == cfg.max_text_len else dataclasses.replace(cfg, max_text_len=fitted)

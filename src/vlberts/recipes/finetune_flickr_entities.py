@@ -154,7 +154,7 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
     """Fine-tune phrase grounding, then predict and score the evaluation splits; returns the model directory
     (None when stopped early by `stop_after`). Under torchrun the ranks train data-parallel through
     `finetune_loop` and share the prediction."""
-    out, device, dist = start_finetune(cfg, "flickr_entities", ("init", "entities", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "flickr_entities", ("init", "entities", "features"))
     if cfg.iou_rule not in IOU_RULES:
         raise VlbertsError(f"unknown iou_rule {cfg.iou_rule!r}; valid: {', '.join(IOU_RULES)}")
     eval_splits = [s for s in cfg.eval_splits.split(",") if s]

@@ -16,7 +16,7 @@ and says how a batch is scored; `finetune_loop` does the rest the same way for e
 `FinetuneConfig` holds these loop settings; each task's run config extends it with its files and defaults.
 A task recipe reads top to bottom as
 
-    out, device, dist = start_finetune(cfg, "nlvr2", required=("init", "train_statements", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "nlvr2", required=("init", "train_statements", "features"))
     ... read the data and the store, build the model ...
     features, mismatch = check_features(store, cfg.init, dist)   # a warning if init was trained on other features
     final = finetune_loop(cfg, out=out, model=model, ..., tokenizer=tok)   # OUT/model, or None if stopped
@@ -42,7 +42,7 @@ from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights, load_into, read_state_dict
 from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
@@ -96,9 +96,12 @@ class FinetuneConfig:
     attention_kernel: tuple[AttentionKernel, ...] = opt(DEFAULT_ATTENTION_KERNEL, ATTENTION_KERNEL_HELP)
 
 
-def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, torch.device, DistInfo]:
+def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, Path, torch.device, DistInfo]:
     """The start every fine-tuning recipe shares: threads, device, the process group under torchrun (this
-    rank's device), and a one-line error for each required setting left empty. Returns (out, device, dist)."""
+    rank's device), a one-line error for each required setting left empty, and the text length checked
+    against the position table of the model at `cfg.init` before any data is read (`fit_text_len`: the
+    task's default capped at a shorter table, another value beyond it an error). Returns (cfg, out, device,
+    dist), cfg with the text length the run uses (and records in OUT/run_config.json)."""
     set_threads()
     device = resolve_device(cfg.device)
     require_compiler(cfg.compile, device)
@@ -108,7 +111,8 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Path, 
     for key in required:
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
-    return Path(cfg.out), device, dist
+    cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)
+    return cfg, Path(cfg.out), device, dist
 
 
 def check_features(store: Any, init: str | Path, dist: DistInfo | None = None,

@@ -149,7 +149,7 @@ def predict_nlvr2(
 def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
     """Fine-tune on NLVR2, then predict and score the evaluation statements; returns the model directory
     (None when stopped early by `stop_after`)."""
-    out, device, dist = start_finetune(cfg, "nlvr2", ("init", "train_statements", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "nlvr2", ("init", "train_statements", "features"))
 
     # Statements, and the store ids of their images.
     bad = BadRecords(skip=cfg.skip_bad)

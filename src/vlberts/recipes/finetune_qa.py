@@ -243,7 +243,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     Launched by torchrun it trains data-parallel like `pretrain` (each rank a slice of every global
     batch, its loss weighted by its share of the update, gradients summed, rank 0 writes) and the ranks
     share the prediction of the evaluation set."""
-    out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
+    cfg, out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     check_loss(cfg.loss)
 
     bad = BadRecords(skip=cfg.skip_bad)

@@ -182,7 +182,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     """Fine-tune on RefCOCO+, then predict and score the evaluation splits; returns the model directory
     (None when stopped early by `stop_after`). Under torchrun the ranks train data-parallel through
     `finetune_loop` and share the prediction."""
-    out, device, dist = start_finetune(cfg, "refcoco", ("init", "refs", "instances", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "refcoco", ("init", "refs", "instances", "features"))
     if cfg.track not in TRACKS:
         raise VlbertsError(f"unknown track {cfg.track!r}; valid: {', '.join(TRACKS)}")
     eval_splits = [s for s in cfg.eval_splits.split(",") if s]

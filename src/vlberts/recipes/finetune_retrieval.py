@@ -57,7 +57,7 @@ from vlberts.io import atomic_open, read_json, require_unique, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
-from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything, set_threads, write_run_config
+from vlberts.recipes.common import autocast, fit_text_len, opt, resolve_device, seed_everything, set_threads, write_run_config
 from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
@@ -228,7 +228,7 @@ def _eval_split(path: str, split_name: str, eval_images: int, store: RegionStore
 def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
     """Fine-tune 4-way on the training split, then rank the evaluation split; returns the model directory
     (None when stopped early by `stop_after`). Distributed under torchrun (`finetune_loop`, `score_matrix`)."""
-    out, device, dist = start_finetune(cfg, "retrieval", ("init", "split_file", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "retrieval", ("init", "split_file", "features"))
     if cfg.hard_negatives < 1:
         raise VlbertsError(f"--hard_negatives must be at least 1, got {cfg.hard_negatives}")
 
@@ -353,6 +353,7 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
     for key in ("init", "split_file", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"evaluate retrieval needs --{key} (or --scores)")
+    cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)  # before the split and the store are read
     device = resolve_device(cfg.device)
     dist = init_distributed(device.type)
     device = local_device(device, dist)

@@ -205,7 +205,7 @@ def predict_vcr(model: VCRModel, data: VCRData, *, batch_size: int = 64, device:
 def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     """Fine-tune one VCR mode, then predict and score the evaluation file; returns the model directory (None
     when stopped early by `stop_after`). Distributed under torchrun (`finetune_loop`, `predict_vcr`)."""
-    out, device, dist = start_finetune(cfg, "vcr", ("init", "train_file", "features"))
+    cfg, out, device, dist = start_finetune(cfg, "vcr", ("init", "train_file", "features"))
     if cfg.mode not in MODES:
         raise VlbertsError(f"unknown --mode {cfg.mode!r}; valid: qa (Q->A), qar (QA->R)")
     if cfg.object_regions not in OBJECT_REGIONS:

@@ -40,7 +40,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.batch import PretrainBatch
 from vlberts.data.coco import CaptionRef
 from vlberts.data.task_texts import task_caption_refs
-from vlberts.data.pretrain import LABEL_FIELDS, MISMATCH_REPLACE, CaptionPretrainData, FixedShapes, RegionSetup, collate_pretrain, unpaired_view
+from vlberts.data.pretrain import LABEL_FIELDS, MISMATCH_REPLACE, CaptionPretrainData, FixedShapes, ImageOnlyData, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import (
@@ -49,6 +49,7 @@ from vlberts.data.pretrain_stream import (
     WorkerPositions,
     stream_batches,
     stream_documents,
+    image_only_corpus,
     stream_examples,
     text_shards,
     worker_batches,
@@ -78,8 +79,9 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import (
+    IMAGE_SEED,
     TEXT_SEED,
     StreamedPositions,
     StreamedSources,
@@ -202,7 +204,8 @@ class PretrainConfig:
                               "BookCorpus; each batch from one of them); 1: the corpus only")
     unpaired_images: str = opt("", "H-VisualBERT: image ids, one per line (the world's unpaired_images.txt), whose "
                                "captions are withheld; they train as image-only samples, image objectives only "
-                               "(W-VisualBERT §4.3)")
+                               "(W-VisualBERT §4.3). With --shards: the index json of shards holding image-only "
+                               "samples (python -m vlberts.data.shards --store FILE without --captions), streamed")
     unpaired_ratio: float = opt(0.0, "with --unpaired_images: share of image-only samples in every batch; 0: the "
                                 "set's share of all images")
     images: str = opt("", "end-to-end VL-BERT only (end_to_end configs, e.g. vlbert-e2e-tiny): directory of the "
@@ -348,8 +351,8 @@ def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
 
 def stream_state(pos: StreamPosition | WorkerPositions | StreamedPositions, dist: DistInfo) -> dict[str, Any]:
     """A streamed run's data state: every rank's position in its caption stream ("stream"; its loader
-    workers' streams' with --num_workers), and in its text-only stream ("text_stream") when it reads one,
-    in rank order."""
+    workers' streams' with --num_workers), and in its text-only and image-only streams ("text_stream",
+    "image_stream") when it reads them, in rank order."""
     own = pos.to_dict() if isinstance(pos, StreamedPositions) else {"stream": pos.to_dict()}
     positions = merge_over_ranks({dist.rank: own}, dist)
     return {key: [positions[r][key] for r in range(dist.world)] for key in own}
@@ -532,7 +535,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if cfg.init and cfg.bert_init:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
 
-    arch = arch_of(read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model))
+    chosen = read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model)
+    arch = arch_of(chosen)
+    cfg = fit_text_len(cfg, chosen, cfg.init or None)  # a text beyond the position table: one line, before any data
     default_model = next(f.default for f in dataclasses.fields(PretrainConfig) if f.name == "model")
     if cfg.init and cfg.model != default_model and arch_of(model_config(cfg.model)) != arch:
         raise VlbertsError(f"--model={cfg.model} is a {arch_of(model_config(cfg.model))} model but --init holds a "
@@ -552,6 +557,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                                f"--batch_size={cfg.batch_size} must be a multiple of {dist.world}")
         store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
+        # H-VisualBERT's image-only set, streamed from its own shards (their "image" samples).
+        image_store = image_only_corpus(cfg.unpaired_images, store) if cfg.unpaired_images else None
     else:
         # VCR's texts are written as this architecture's VCR fine-tuning writes them (its join of names).
         captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
@@ -560,6 +567,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)
         store = RegionStore(cfg.features)
+        image_store = None
     # H-VisualBERT: the image-only set's captions are withheld (recipes/pretrain_mix.py).
     captions, image_only = withhold_captions(cfg, captions, store) if not streamed else (captions, [])
     # A streamed text corpus is read chunk by chunk; its first documents train a vocabulary (as the captions').
@@ -634,8 +642,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     feature_dim = store.feature_dim if end_to_end else model_cfg.visual_dim
     tags_in = "tags" in recipe.model_inputs and getattr(model_cfg, "use_tags", False)
     reads = {f for name in weights for f in NEEDS.get(name, ())} | ({"obj_id", "attr_id"} if tags_in else set())
-    check_store_labels(store, head_label_sizes(recipe, model_cfg, weights), reads)
+    for labelled in (store, image_store) if image_store else (store,):
+        check_store_labels(labelled, head_label_sizes(recipe, model_cfg, weights), reads)
 
+    regions_setup = region_setup(recipe, weights, store, tok, with_tags=tags_in)
     make_data = partial(
         CaptionPretrainData, tokenizer=tok, pairs=pairs, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
         mlm_prob=cfg.mlm_prob, feature_dim=feature_dim, token_probs=token_probs(tok, cfg.mlm_word_probs),
@@ -643,7 +653,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         mismatch_prob=cfg.mismatch_prob if "match" in weights and not pairs else 0.0,
         drop_mismatched="match" in weights and drop_mismatched(cfg.mismatched_targets, recipe),
         mismatch_replace=cfg.mismatch_replace if "match" in weights and not pairs else "caption",
-        region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), pixels=pixels,
+        region_setup=regions_setup, pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
@@ -661,9 +671,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                       shapes=FixedShapes(cfg.max_text_len, cfg.max_regions) if cfg.static_shapes else None)
     if streamed:  # each rank its own stream of chunks (one per loader worker), resumed at its own position
         resumed_data = state.data if resumed else {}
-        sizes = (streamed_batch_sizes(batch_split(cfg, unpaired, 0, 0), unpaired, dist) if streamed_text
-                 else {"pairs": cfg.batch_size // dist.world})
-        pair_collate = list if streamed_text else collate  # text-only examples join them before collating
+        n_image_only = image_store.kinds.get("image", 0) if image_store else 0
+        sizes = streamed_batch_sizes(batch_split(cfg, unpaired, store.images, n_image_only), unpaired, dist)
+        joined = bool(streamed_text or image_store)  # other streams' examples join the captions' before collating
+        pair_collate = list if joined else collate
 
         def pair_batches(reader: tuple[int, int] | None, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
             """The caption stream of this rank (reader None) or of one of its loader workers."""
@@ -676,15 +687,26 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         pairs_start = stream_start(resumed_data, dist, out, workers=cfg.num_workers)
         stream = (worker_batches(lambda k, pos: pair_batches((k, cfg.num_workers), pos), pairs_start)
                   if cfg.num_workers else pair_batches(None, pairs_start))
-        if streamed_text:  # text-only documents: their own stream and position, mixed in as from a file
-            make_text = partial(TextOnlyData, tokenizer=tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
-                                mlm_prob=cfg.mlm_prob, nsp="nsp" in weights, whole_word=recipe.whole_word)
-            text_start = stream_start(resumed_data, dist, out, key="text_stream")
-            texts = stream_batches(stream_documents(
-                streamed_text, lambda docs, seed: make_text(docs, seed=seed), seed=stream_seed(cfg.seed, TEXT_SEED),
-                chunk_documents=cfg.chunk_documents, dist=dist, buffer=cfg.shuffle_buffer, start=text_start,
-            ), list, sizes["text"])
-            stream = StreamedSources(stream, texts, collate, unpaired, StreamedPositions(pairs_start, text_start))
+        if joined:  # text-only documents and image-only samples: each its own stream and position, mixed in as from files
+            streams, starts = {"pairs": stream}, StreamedPositions(pairs_start)
+            if streamed_text:
+                make_text = partial(TextOnlyData, tokenizer=tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
+                                    mlm_prob=cfg.mlm_prob, nsp="nsp" in weights, whole_word=recipe.whole_word)
+                starts = replace(starts, text=stream_start(resumed_data, dist, out, key="text_stream"))
+                streams["text"] = stream_batches(stream_documents(
+                    streamed_text, lambda docs, seed: make_text(docs, seed=seed), seed=stream_seed(cfg.seed, TEXT_SEED),
+                    chunk_documents=cfg.chunk_documents, dist=dist, buffer=cfg.shuffle_buffer, start=starts.text,
+                ), list, sizes["text"])
+            if image_store:
+                make_images = partial(ImageOnlyData, tokenizer=tok, max_regions=cfg.max_regions, feature_dim=feature_dim,
+                                      region_setup=regions_setup)
+                starts = replace(starts, image_only=stream_start(resumed_data, dist, out, key="image_stream"))
+                streams["image_only"] = stream_batches(stream_examples(
+                    image_store, lambda _, regions, seed: make_images(list(regions.records), regions, seed=seed),
+                    seed=stream_seed(cfg.seed, IMAGE_SEED), chunk_images=cfg.chunk_images, dist=dist,
+                    start=starts.image_only, buffer=cfg.shuffle_buffer, kind="image",
+                ), list, sizes["image_only"])
+            stream = StreamedSources(streams, collate, unpaired, starts)
     else:
         data = make_data(captions, store, seed=cfg.seed, qa_targets=qa_targets if "qa" in weights else None)
         stream = batches(
@@ -696,7 +718,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             stream = build_sources(
                 cfg, data=data, collate=collate, start=state.data, tok=tok, store=store, documents=documents,
                 feature_dim=feature_dim, weights=weights, unpaired=unpaired, image_only=image_only,
-                region_setup=region_setup(recipe, weights, store, tok, with_tags=tags_in), dist=dist,
+                region_setup=regions_setup, dist=dist,
                 lengths=data.lengths if cfg.length_group > 1 else None,
             )
 

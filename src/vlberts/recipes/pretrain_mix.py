@@ -17,9 +17,11 @@
 
 Every source is its own resumable stream (`training.loop.batches`) with its own position in the checkpoint
 (`data["text"]`, `data["image_only"]` beside the captions' epoch and offset) and its own seed, so an
-interrupted run resumes exactly. A streamed run (`--shards`) streams its text corpus too, from text-only
-shards (`--text_corpus=INDEX.json`; `StreamedSources`): each rank its own chunks of documents
-(`data.pretrain_stream.stream_documents`), its position saved beside its caption stream's. Text-only
+interrupted run resumes exactly. A streamed run (`--shards`) streams its text corpus and its image-only set
+too, from text-only shards (`--text_corpus=INDEX.json`) and from shards of image-only samples
+(`--unpaired_images=INDEX.json`; `StreamedSources`): each rank its own chunks of documents
+(`data.pretrain_stream.stream_documents`) and of images (`stream_examples(kind="image")`), their positions
+saved beside its caption stream's. Text-only
 samples need a single-stream model: the two-stream models' cross-attention layers attend from the words
 to the regions, and a text-only sample has none.
 """
@@ -63,9 +65,13 @@ def reads_corpus(cfg: Any, step: int) -> bool:
 
 def check_streamed_sources(cfg: Any, streamed: bool) -> None:
     """Which extra sources a streamed run (`--shards`) can read, checked before any is opened: a text corpus
-    as text-only shards (and only then), no image-only file."""
-    if cfg.unpaired_images and streamed:
-        raise VlbertsError("--unpaired_images reads a file of image ids; it does not stream from --shards")
+    as text-only shards and H-VisualBERT's image-only set as shards of image-only samples (and only then)."""
+    if cfg.unpaired_images and streamed != cfg.unpaired_images.endswith(".json"):
+        raise VlbertsError(
+            "with --shards, --unpaired_images is the index json of shards holding image-only samples (python -m "
+            "vlberts.data.shards --store FILE --out DIR, without --captions), streamed as the captions are"
+            if streamed else "--unpaired_images=INDEX.json streams image-only shards, which a streamed run (--shards) "
+            "reads; without --shards give a file of image ids, one per line", path=cfg.unpaired_images)
     if cfg.text_corpus and streamed != cfg.text_corpus.endswith(".json"):
         raise VlbertsError(
             "with --shards, --text_corpus is the index json of text-only shards (python -m vlberts.data.shards "
@@ -145,6 +151,16 @@ class SourcePosition:
         return dict(self.state)
 
 
+def _draw_examples(next_of: Callable[[str], list[dict]], streams: Any, unpaired: bool, source: str | None,
+                   corpus: bool) -> list[dict]:
+    """One draw's examples from a run's sources (`Sources`, `StreamedSources`): W-VisualBERT's whole batch from
+    one source (text from the corpus or the captions), or a mixed batch: pairs first, then text-only, then
+    image-only samples, from those of them the run reads (`streams`)."""
+    if unpaired:
+        return next_of("text" if source == "text" and corpus else "pairs")
+    return [e for name in ("pairs", "text", "image_only") if name in streams for e in next_of(name)]
+
+
 def _examples(items: list[dict]) -> list[dict]:
     """The identity collate: a batch of examples, collated after the sources are joined."""
     return items
@@ -169,10 +185,7 @@ class Sources:
         return examples
 
     def draw(self, source: str | None, corpus: bool = True) -> tuple[Any, SourcePosition]:
-        if self.unpaired:  # W-VisualBERT: a whole batch from one source; text from the corpus or the captions
-            examples = self._next("text" if source == "text" and corpus else "pairs")
-        else:  # pairs first, then text-only, then image-only samples
-            examples = [e for name in ("pairs", "text", "image_only") if name in self.streams for e in self._next(name)]
+        examples = _draw_examples(self._next, self.streams, self.unpaired, source, corpus)
         return self.collate(examples), SourcePosition(dict(self.state))
 
 
@@ -229,42 +242,45 @@ def fixed_batches(data: Any, size: int, seed: int, start: Position, dist: DistIn
 
 @dataclass(frozen=True)
 class StreamedPositions:
-    """Where a rank of a streamed run with a streamed text corpus stands in each of its two streams (the
-    caption stream's: one position, or its loader workers' `WorkerPositions`)."""
+    """Where a rank of a streamed run with more than a caption stream stands in each of its streams (the
+    caption stream's: one position, or its loader workers' `WorkerPositions`; None: a stream it does not read)."""
 
     pairs: StreamPosition | WorkerPositions
-    text: StreamPosition
+    text: StreamPosition | None = None
+    image_only: StreamPosition | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stream": self.pairs.to_dict(), "text_stream": self.text.to_dict()}
+        keys = {"pairs": "stream", "text": "text_stream", "image_only": "image_stream"}
+        return {key: pos.to_dict() for name, key in keys.items() if (pos := getattr(self, name)) is not None}
 
 
 def streamed_batch_sizes(split: dict[str, int], unpaired: bool, dist: DistInfo) -> dict[str, int]:
-    """Examples per rank and draw of a streamed run's caption and text streams: its share of the mixed
-    batch's (`batch_split`), or W-VisualBERT's whole batch from either; shares that do not divide among
-    the ranks are a one-line error."""
+    """Examples per rank and draw of a streamed run's caption, text and image-only streams: their shares of
+    the mixed batch (`batch_split`), or W-VisualBERT's whole batch from the caption or the text stream;
+    shares that do not divide among the ranks are a one-line error."""
     B = sum(split.values())
     if unpaired:
         return {"pairs": B // dist.world, "text": B // dist.world}
-    uneven = [f"{split[k]} {k}" for k in ("pairs", "text") if split[k] % dist.world]
+    uneven = [f"{split[k]} {k}" for k in ("pairs", "text", "image_only") if split[k] % dist.world]
     if uneven:
+        ratios = [f"--{name}={split[k] / B:g}" for k, name in (("text", "text_ratio"), ("image_only", "unpaired_ratio"))
+                  if split[k]]
         raise VlbertsError(f"with --shards each of the {dist.world} ranks streams its share of a batch: "
-                           f"--batch_size={B} with --text_ratio={split['text'] / B:g} gives "
+                           f"--batch_size={B}{' with ' + ' and '.join(ratios) if ratios else ''} gives "
                            f"{' and '.join(uneven)} examples, not multiples of {dist.world}")
-    return {k: split[k] // dist.world for k in ("pairs", "text")}
+    return {k: split[k] // dist.world for k in ("pairs", "text", "image_only") if split[k]}
 
 
 class StreamedSources:
-    """A streamed run's batches when it also streams text-only documents: this rank's share of every batch
-    from its caption stream and its text stream, as `Sources` mixes them (`draw`: mixed batches, or
-    W-VisualBERT's whole batches from one source). Both streams give (examples, position) pairs of the
-    sizes `streamed_batch_sizes` sets (`data.pretrain_stream.stream_batches` or `worker_batches` over
-    uncollated examples); the examples are collated here, after they are joined."""
+    """A streamed run's batches when it also streams text-only documents or image-only samples: this rank's
+    share of every batch from its caption stream and its other streams, as `Sources` mixes them (`draw`:
+    mixed batches, or W-VisualBERT's whole batches from one source). Every stream gives (examples, position)
+    pairs of the sizes `streamed_batch_sizes` sets (`data.pretrain_stream.stream_batches` or `worker_batches`
+    over uncollated examples); the examples are collated here, after they are joined."""
 
-    def __init__(self, pairs: Iterator[tuple[list[dict], Any]], texts: Iterator[tuple[list[dict], StreamPosition]],
-                 collate: Callable[[list[dict]], Any], unpaired: bool, start: StreamedPositions):
-        self.streams = {"pairs": pairs, "text": texts}
-        self.collate, self.unpaired, self.position = collate, unpaired, start
+    def __init__(self, streams: dict[str, Iterator[tuple[list[dict], Any]]], collate: Callable[[list[dict]], Any],
+                 unpaired: bool, start: StreamedPositions):
+        self.streams, self.collate, self.unpaired, self.position = streams, collate, unpaired, start
 
     def _next(self, name: str) -> list[dict]:
         examples, pos = next(self.streams[name])
@@ -272,11 +288,7 @@ class StreamedSources:
         return examples
 
     def draw(self, source: str | None, corpus: bool = True) -> tuple[Any, StreamedPositions]:
-        if self.unpaired:  # as `Sources.draw`
-            examples = self._next("text" if source == "text" and corpus else "pairs")
-        else:
-            examples = self._next("pairs") + self._next("text")
-        return self.collate(examples), self.position
+        return self.collate(_draw_examples(self._next, self.streams, self.unpaired, source, corpus)), self.position
 
 
 def draw(stream: Any, source: str | None, corpus: bool = True) -> tuple[Any, Any]:

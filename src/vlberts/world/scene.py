@@ -282,7 +282,8 @@ def sample_scene(rng: np.random.Generator, image_id: int, cfg: SceneConfig = Sce
 # --------------------------------------------------------------------------- reading scenes.jsonl
 
 def scene_from_json(rec: dict, *, path: str | Path = "", record: object = None) -> tuple[Scene, str]:
-    """One `scenes.jsonl` line -> (Scene, split). Malformed records raise `VlbertsError`."""
+    """One `scenes.jsonl` line -> (Scene, split). Malformed records (missing keys, boxes outside the image,
+    object ids other than 1..N in order, touching pairs naming no object) raise `VlbertsError`."""
     require_keys(rec, ("image_id", "width", "height", "split", "objects"), path=path, record=record)
     try:
         bg = rec.get("background") or {"tone": "grey", "rgb": [128, 128, 128]}
@@ -307,7 +308,21 @@ def scene_from_json(rec: dict, *, path: str | Path = "", record: object = None) 
         raise VlbertsError(f"malformed scene: {e}", path=path, record=record) from None
     for k, o in enumerate(scene.objects):  # the relations and IoUs read from the boxes need them inside the image
         require_box(o.box, scene.width, scene.height, path=path, record=f"{record} object {k}")
+    _check_object_ids(scene, path, record)
     return scene, str(rec["split"])
+
+
+def _check_object_ids(scene: Scene, path: str | Path, record: object) -> None:
+    """Object ids are the draw order, 1..N (`WorldObject`): the relations (`relations.scene_geometry`) read
+    object k as row k - 1 and `touching` by object id, so other ids, or a touching pair naming an object the
+    scene does not have, would index out of range or silently relate the wrong objects."""
+    ids = [o.object_id for o in scene.objects]
+    if ids != list(range(1, len(ids) + 1)):
+        raise VlbertsError(f"object ids must be 1..{len(ids)} in order, got {ids[:8]}", path=path, record=record)
+    for pair in sorted(scene.touching):
+        if not all(1 <= i <= len(ids) for i in pair):
+            raise VlbertsError(f"touching pair {list(pair)} names an object the scene does not have "
+                               f"(object ids 1..{len(ids)})", path=path, record=record)
 
 
 def _touching_pair(p: object) -> tuple[int, int]:
