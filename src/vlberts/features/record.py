@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from vlberts.errors import VlbertsError
 
@@ -37,6 +38,26 @@ def canonical_image_id(image_id: object) -> str:
     if not image_id or any(c in image_id for c in _BAD_ID_CHARS) or not image_id.isprintable():
         raise VlbertsError(f"image id {image_id!r} is empty or holds a tab, newline or other control character")
     return image_id
+
+
+def as_float32(a: Any) -> np.ndarray:
+    """`a` as a float32 array (no copy when it is one). float16 is converted by torch's vectorised kernel:
+    numpy's float16 -> float32 conversion runs about 10x slower per element (116 vs 12 us for 36 x 2048 on
+    2026-11-29's AVX2 machine), the largest single cost of reading a region record from a float16 store."""
+    a = np.asarray(a)
+    if a.dtype != np.float16:
+        return np.asarray(a, dtype=np.float32)
+    if not (a.flags.c_contiguous and a.flags.writeable):  # torch shares memory with writable contiguous arrays only
+        a = np.array(a, order="C")
+    return torch.from_numpy(a).float().numpy()
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every element of a float array is finite. float16 is read by its exponent bits (all ones: inf
+    or NaN): numpy's isfinite on float16 runs about 10x slower than on float32 (117 vs 10 us for 36 x 2048)."""
+    if a.dtype == np.float16:
+        return not bool(((np.ascontiguousarray(a).view(np.uint16) & 0x7C00) == 0x7C00).any())
+    return bool(np.isfinite(a).all())
 
 
 def _array(value: Any, dtype: Any, name: str, image_id: str) -> np.ndarray:
@@ -144,7 +165,7 @@ class RegionRecord:
         feats = _array(feats, np.float16 if feats.dtype == np.float16 else np.float32, "features", image_id)
         if feats.ndim != 2 or feats.shape[0] != n:
             raise VlbertsError(f"features must have shape ({n}, D) for {n} boxes, got {feats.shape}", record=image_id)
-        if not np.isfinite(feats).all():  # a NaN would reach every loss and answer it touches
+        if not all_finite(feats):  # a NaN would reach every loss and answer it touches
             raise VlbertsError("features hold NaN or inf", record=image_id)
         set_(self, "features", feats)
 
@@ -153,7 +174,7 @@ class RegionRecord:
             cp = _array(cp, np.float16 if cp.dtype == np.float16 else np.float32, "cls_prob", image_id)
             if cp.ndim != 2 or cp.shape[0] != n:
                 raise VlbertsError(f"cls_prob must have shape ({n}, C) for {n} boxes, got {cp.shape}", record=image_id)
-            if not np.isfinite(cp).all() or (cp < 0).any():
+            if not all_finite(cp) or (cp < 0).any():
                 raise VlbertsError("cls_prob holds NaN, inf or a negative value", record=image_id)
             set_(self, "cls_prob", cp)
 

@@ -35,7 +35,7 @@ import h5py
 import numpy as np
 
 from vlberts.errors import VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata, canonical_image_id, labels_misfit, record_misfit
+from vlberts.features.record import RegionRecord, StoreMetadata, all_finite, as_float32, canonical_image_id, labels_misfit, record_misfit
 from vlberts.io import atomic_path
 
 STORE_FORMAT = "vlberts-region-store"
@@ -180,7 +180,7 @@ class RegionStoreWriter:
         for name, _, dt in self._box_fields():
             with np.errstate(over="ignore"):  # float16 overflow is reported below, by name
                 a = np.asarray(arrays[name]).astype(dt, copy=False)
-            if dt == np.float16 and not np.isfinite(a).all() and np.isfinite(arrays[name]).all():
+            if dt == np.float16 and not all_finite(a) and all_finite(np.asarray(arrays[name])):
                 raise VlbertsError(
                     f"{name} values exceed the float16 range (max |x| = {np.abs(arrays[name]).max():.4g}); "
                     "store as float32",
@@ -464,7 +464,7 @@ class RegionStore:
         if self.upcast:
             for name in ("features", "cls_prob"):
                 if name in arrays and arrays[name].dtype == np.float16:
-                    arrays[name] = arrays[name].astype(np.float32)
+                    arrays[name] = as_float32(arrays[name])
         try:
             return RegionRecord(image_id=self._ids[i], image_w=int(self._w[i]), image_h=int(self._h[i]), **arrays)
         except VlbertsError as e:
