@@ -97,13 +97,16 @@ class ShardCorpus:
         the captions') feeds the same model. Else a one-line error naming the first difference. (Where the
         stores came from, `source`, may differ: the same extractor run over two sets of images.)"""
         mine, theirs = self.metadata.to_dict(), other.metadata.to_dict()
+
+        def shown(v: Any) -> str:
+            return f"{len(v)} entries" if isinstance(v, (list, tuple)) else repr(v)
+
         for what, a, b in (("feature width", self.feature_dim, other.feature_dim),
                            ("region fields", sorted(self.fields), sorted(other.fields)),
                            *((f"metadata {k}", mine[k], theirs[k]) for k in ("extractor", "weights_hash", "classes",
                                                                               "attributes")),
                            ("cls_prob columns", self.info()["num_classes_cls_prob"], other.info()["num_classes_cls_prob"])):
             if a != b:
-                shown = (lambda v: f"{len(v)} entries" if isinstance(v, (list, tuple)) else repr(v))
                 raise VlbertsError(f"these shards' {what} ({shown(a)}) differ from {other.path}'s ({shown(b)}): one run "
                                    "reads every stream's regions alike", path=self.path)
         return self

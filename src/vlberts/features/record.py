@@ -43,7 +43,7 @@ def canonical_image_id(image_id: object) -> str:
 def as_float32(a: Any) -> np.ndarray:
     """`a` as a float32 array (no copy when it is one). float16 is converted by torch's vectorised kernel:
     numpy's float16 -> float32 conversion runs about 10x slower per element (116 vs 12 us for 36 x 2048 on
-    2026-11-29's AVX2 machine), the largest single cost of reading a region record from a float16 store."""
+    2026-11-29's 2-core Intel machine), the largest single cost of reading a region record from a float16 store."""
     a = np.asarray(a)
     if a.dtype != np.float16:
         return np.asarray(a, dtype=np.float32)
