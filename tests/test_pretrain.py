@@ -188,6 +188,39 @@ def test_losses_fall_and_model_directory_loads(tiny_world, tmp_path):
     assert json.loads((out / "run_config.json").read_text())["steps"] == 80
 
 
+@pytest.mark.parametrize("arch", ["visualbert-tiny", "vlbert-tiny", "vilbert-tiny", "lxmert-tiny", "wvisualbert-tiny"])
+def test_a_loaded_model_skips_its_random_initialisation_and_equals_the_saved_one(arch, tmp_path, monkeypatch):
+    """`load_pretraining_model` builds with `initialise=False` (every tensor is loaded next, strictly): no
+    random number is drawn, `torch.nn.init` is restored afterwards (also when building fails), and every
+    tensor equals the saved model's, for every architecture."""
+    from vlberts.models import builders
+    from vlberts.training.checkpoint import save_model_dir
+
+    cfg = builders.model_config(arch, vocab_size=50, visual_dim=16)
+    torch.manual_seed(3)
+    saved = builders.build_pretraining_model(cfg)
+    save_model_dir(tmp_path / "m", saved, cfg)
+    rng = torch.get_rng_state()
+    inits = {name: getattr(torch.nn.init, name) for name in builders._INIT_FUNCTIONS}
+    model, _, _ = load_pretraining_model(tmp_path / "m")
+    assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn
+    assert {name: getattr(torch.nn.init, name) for name in inits} == inits
+    want = saved.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+    def fails(cfg):
+        raise RuntimeError("building failed")
+
+    kind = builders.arch_of(cfg)
+    with monkeypatch.context() as m:
+        m.setitem(builders.ARCHS, kind, (builders.ARCHS[kind][0], fails))
+        with pytest.raises(RuntimeError, match="building failed"):
+            builders.build_pretraining_model(cfg, initialise=False)
+    assert {name: getattr(torch.nn.init, name) for name in inits} == inits
+    # Built as usual, the model draws its initial values.
+    builders.build_pretraining_model(cfg)
+    assert not torch.equal(torch.get_rng_state(), rng)
+
+
 def test_gradient_accumulation_runs_and_counts_updates(tiny_world, tmp_path):
     out = tmp_path / "acc"
     pretrain(cfg_for(tiny_world, out, steps=3, batch_size=2, grad_accum=2, ckpt_every=100))

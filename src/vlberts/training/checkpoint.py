@@ -115,7 +115,7 @@ def require_config_fits_weights(directory: Path, cfg: Any, meta: dict[str, Any])
     except Exception:  # noqa: BLE001 -- a damaged file: `read_safetensors` reports it when the model loads it
         return
     with torch.device("meta"):
-        model = build_pretraining_model(cfg)
+        model = build_pretraining_model(cfg, initialise=False)
     lacking = sorted(set(to_dict(cfg)) - set(meta["config"]))
     hint = f" (config.json lacks {', '.join(lacking)}: the defaults were used)" if lacking else ""
     for name, t in model.state_dict().items():
@@ -149,7 +149,7 @@ def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[
     """Build the pre-training model a directory describes and load its weights (strictly)."""
     directory = Path(directory)
     cfg, meta = read_model_config(directory)
-    model = build_pretraining_model(cfg)
+    model = build_pretraining_model(cfg, initialise=False)  # every tensor is loaded next, strictly
     load_into(model, read_safetensors(directory / "model.safetensors"), source=directory / "model.safetensors")
     return model, cfg, meta
 
