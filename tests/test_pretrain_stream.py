@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from vlberts.data.pretrain_stream import (
     ShardCorpus,
     StreamPosition,
     WorkerPositions,
+    image_only_corpus,
     stream_documents,
     stream_examples,
     text_shards,
@@ -256,8 +258,10 @@ def _extra_source_run_resumes_exactly(index: Path, tmp_path: Path, monkeypatch, 
     pretrain(_cfg(index, ref, **extra))
     log = MetricsLog.read(ref / "metrics.jsonl")
     assert built and set(built) == {5} and [r["step"] for r in log] == list(range(1, 9))
+    # Without the source (and its ratio: --unpaired_ratio alone is refused, it would do nothing).
+    off = {option: "", **({"unpaired_ratio": 0.0} if option == "unpaired_images" else {})}
     without = tmp_path / "without"
-    pretrain(_cfg(index, without, **{**extra, option: ""}))
+    pretrain(_cfg(index, without, **{**extra, **off}))
     assert [r["loss"] for r in MetricsLog.read(without / "metrics.jsonl")] != [r["loss"] for r in log]
 
     run = tmp_path / "run"
@@ -265,8 +269,8 @@ def _extra_source_run_resumes_exactly(index: Path, tmp_path: Path, monkeypatch, 
     state = json.loads(max((run / "checkpoints").glob("step_*/state.json")).read_text())
     assert set(state["data"]) == {"stream", key} and state["data"][key][0]["chunk"] >= 0
     # Resumed without the source: one line (the run's settings are part of its checkpoint).
-    with pytest.raises(VlbertsError, match=rf"different settings \({option} '.*index.json' -> ''\)"):
-        pretrain(_cfg(index, run, **{**extra, option: ""}))
+    with pytest.raises(VlbertsError, match=rf"different settings \(.*{option} '.*index.json' -> ''"):
+        pretrain(_cfg(index, run, **{**extra, **off}))
     assert pretrain(_cfg(index, run, **extra)) == run / "model"
     assert [r["loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["loss"] for r in log]
     return log
@@ -421,6 +425,9 @@ def test_streamed_image_only_misuse_is_one_clear_error(tiny_world, shards, h_ind
         pretrain(_cfg(h_index, tmp_path / "c", unpaired_images=str(shards), **h))
     with pytest.raises(VlbertsError, match="--unpaired_images is H-VisualBERT's"):
         pretrain(_cfg(h_index, tmp_path / "d", unpaired_images=str(h_index), model="wvisualbert-tiny"))
+    # A ratio of image-only samples without the image-only set would be silently ignored.
+    with pytest.raises(VlbertsError, match=r"--unpaired_ratio=0.25 is the share of --unpaired_images' image-only"):
+        pretrain(_cfg(h_index, tmp_path / "e", unpaired_ratio=0.25, **h))
     # Two ranks share every batch: 3 caption and 1 image-only example per batch of 4 cannot be split.
     with pytest.raises(VlbertsError, match=r"--batch_size=4 with --unpaired_ratio=0.25 gives 3 pairs and 1 image_only "
                                            r"examples, not multiples of 2"):
@@ -434,6 +441,24 @@ def test_streamed_image_only_misuse_is_one_clear_error(tiny_world, shards, h_ind
     other.metadata = dataclasses.replace(other.metadata, classes=["only one"])
     with pytest.raises(VlbertsError, match=r"metadata classes \(\d+ entries\) differ .*\(1 entries\)"):
         ShardCorpus(h_index).require_same_regions(other)
+
+
+def test_an_index_with_bad_counts_or_no_shards_is_one_line_for_every_stream(shards, h_index, tmp_path):
+    """Pre-training sizes its streams from the index's sample counts by kind: counts that are not whole
+    numbers (a traceback, or 2.7 images read as 2) and an empty shard list are one line naming the index,
+    whichever of --shards, --unpaired_images or --text_corpus it is given as."""
+    obj = json.loads(h_index.read_text())
+    bad = tmp_path / h_index.name
+    for shard in shards_module.shards_of_index(h_index):
+        (tmp_path / shard.name).write_bytes(shard.read_bytes())
+    for kinds in ([1], {"image": "x"}, {"image-text": 2.7}, {"text": "many"}):
+        bad.write_text(json.dumps({**obj, "kinds": kinds}))
+        for read in (ShardCorpus, text_shards, lambda index: image_only_corpus(index, ShardCorpus(h_index))):
+            with pytest.raises(VlbertsError, match=f"^{re.escape(str(bad))}: sample counts by kind must be whole"):
+                read(bad)
+    bad.write_text(json.dumps({**obj, "shards": []}))
+    with pytest.raises(VlbertsError, match=f"^{re.escape(str(bad))}: the index's shard list is empty$"):
+        ShardCorpus(bad)
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")

@@ -233,12 +233,25 @@ def test_command_line(tiny_world, tmp_path, capsys):
     assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
                  "--out", str(tmp_path / "s"), "--shard-size", "25"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar")))
+    assert summary["shards"] == len(list((tmp_path / "s").glob("shard-*.tar"))) > 1
+    # Overwritten by a set of fewer shards: the old set's later shards go too (a reader globbing shard-*.tar,
+    # as WebDataset's patterns do, would read them with the new ones).
+    assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
+                 "--out", str(tmp_path / "s"), "--overwrite"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"] == 1
+    assert [p.name for p in (tmp_path / "s").glob("shard-*.tar")] == ["shard-000000.tar"]
     assert main(["--store", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "t")]) == 2
     assert "nope.h5" in capsys.readouterr().err
+    # --out naming a file (or a path under one): one line naming it, not a traceback from the shard writer.
+    (tmp_path / "f").write_text("")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        assert main(["--store", str(tiny_world.store), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {out}: cannot make the output directory")
     # Bad arguments: one line and exit 2, not argparse's usage block first.
     for argv, message in ((["--store", "f.h5", "--bogus=1"], "unrecognized arguments: --bogus=1"),
-                          ([], "writing shards needs --store")):
+                          ([], "writing shards needs --store"),
+                          (["--check", "i.json", "--out", "d"], "--check reads a written shard set; it takes no --out")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         err = capsys.readouterr().err
@@ -465,7 +478,8 @@ def test_check_reads_a_whole_set_and_finds_what_lies_across_shards(shard_sets, t
     # An index that lists its shards wrongly is one line too, for the check and for streaming alike.
     broken = tmp_path / "broken-index.json"
     for obj in ({"format": "vlberts-shards", "shards": 3}, {"format": "vlberts-shards", "shards": [{"samples": 1}]},
-                {"format": "vlberts-shards", "shards": [], "store": {"fields": []}}):
+                {"format": "vlberts-shards", "shards": [{"name": "s.tar"}], "store": {"fields": []}},
+                {"format": "vlberts-shards", "shards": []}):
         broken.write_text(json.dumps(obj))
         assert main(["--check", str(broken)]) == 2
         err = capsys.readouterr().err

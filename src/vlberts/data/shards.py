@@ -165,7 +165,8 @@ def write_shards(
         image-only set, W-VisualBERT §4.3: the world's unpaired_images.txt); each must be in the store.
     documents: text-only samples, written after the images: each a text, or a list of sentences
         (`data.text_corpus.read_documents`), stored as "sentences" beside their joined "text".
-    overwrite: replace a shard set of the same prefix in `out_dir` (otherwise an error).
+    overwrite: replace a shard set of the same prefix in `out_dir`, its shards beyond the new ones removed
+        (otherwise an error).
     Returns the index json `<out_dir>/<prefix>-index.json`.
     """
     if shard_size < 1:
@@ -192,6 +193,11 @@ def write_shards(
         if missing:
             raise VlbertsError(f"{len(missing)} {what}(s) are not in the store", path=store.path, record=missing[0])
 
+    try:  # here, not in the shard writer: a file at --out would end in a traceback there
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is there" if out_dir.is_file() else e.strerror or e
+        raise VlbertsError(f"cannot make the output directory ({why})", path=out_dir) from None
     writer = _ShardWriter(out_dir, prefix, shard_size)
     index, skipped = 0, 0
     try:
@@ -227,22 +233,32 @@ def write_shards(
         },
         "shards": writer.shards,
     })
+    # An overwritten set of more shards leaves its later ones behind; a reader that globs <prefix>-*.tar
+    # (WebDataset's usual brace or glob pattern) would read them with the new ones.
+    written = {s["name"] for s in writer.shards}
+    for stale in out_dir.glob(f"{prefix}-*.tar"):
+        if re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar", stale.name) and stale.name not in written:
+            stale.unlink(missing_ok=True)
     return index_path
 
 
 def read_index(index: Path) -> dict[str, Any]:
     """A shard set's index json, with what readers take from it checked: its format, a list of shards
-    each with a file name, and the store's feature width and fields when it names a store."""
+    each with a file name (at least one), the store's feature width and fields when it names a store, and
+    its sample counts by kind as whole numbers (`kinds`, returned with every kind present)."""
     obj = read_json(index)
     if not isinstance(obj, dict) or obj.get("format") != SHARD_FORMAT:
         raise VlbertsError(f"not a {SHARD_FORMAT} index (no format={SHARD_FORMAT!r})", path=index)
     shards = obj.get("shards")
     if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in shards):
         raise VlbertsError("the index's shards must be a list of {name, samples, kinds}", path=index)
+    if not shards:  # write_shards never writes one; streaming it would fail later without naming the index
+        raise VlbertsError("the index's shard list is empty", path=index)
     store = obj.get("store")
     if store and not (isinstance(store, dict) and isinstance(store.get("feature_dim"), int)
                       and isinstance(store.get("fields"), list)):
         raise VlbertsError("the index's store must give feature_dim and fields", path=index)
+    obj["kinds"] = _kinds_of(obj, index)  # pre-training sizes its streams from these totals
     return obj
 
 
@@ -779,6 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with --check: problems printed (the rest are counted)")
     args = ap.parse_args(argv)
     if args.check is not None:
+        writing = [f"--{k.replace('_', '-')}" for k in ("store", "captions", "out", "withhold", "documents",
+                                                        "image_only", "overwrite") if getattr(args, k)]
+        if writing:  # else they would be silently ignored
+            ap.error(f"--check reads a written shard set; it takes no {', '.join(writing)}")
         return _check_command(args.check, args.max_problems)
     if (args.store is None and args.documents is None) or args.out is None:
         ap.error("writing shards needs --store (and/or --documents) and --out (or give --check INDEX)")

@@ -95,6 +95,9 @@ def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float]
                            "use an H model (wvisualbert-h, wvisualbert-h-tiny)")
     if not 0.0 <= cfg.unpaired_ratio < 1.0:
         raise VlbertsError(f"--unpaired_ratio must be in [0, 1), got {cfg.unpaired_ratio}")
+    if cfg.unpaired_ratio and not cfg.unpaired_images:  # else the ratio would be silently ignored
+        raise VlbertsError(f"--unpaired_ratio={cfg.unpaired_ratio:g} is the share of --unpaired_images' image-only "
+                           "samples in every batch; give --unpaired_images too")
 
 
 def mix_weights(cfg: Any, recipe: Any, model_cfg: Any, weights: dict[str, float]) -> dict[str, float]:
