@@ -88,8 +88,7 @@ from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import reads_tags
-from vlberts.recipes.common import autocast, opt, progress, resolve_device, set_threads, write_run_config
-from vlberts.recipes.common import fit_text_len
+from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 

@@ -47,8 +47,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import analysis_images
-from vlberts.recipes.common import opt, progress, resolve_device, set_threads, write_run_config
-from vlberts.recipes.common import fit_text_len
+from vlberts.recipes.common import fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 

@@ -242,6 +242,14 @@ def check_text_len(max_text_len: int, model_cfg, model_dir: str | Path | None, *
                        path=None if model_dir is None else Path(model_dir) / "config.json")
 
 
+def predict_text_len(asked: int, model_cfg, model_dir: str | Path, default: int) -> int:
+    """The text length `vlberts predict` lays its inputs out with: `asked` (--max_text_len; 0: none), else the
+    fine-tuning run's (`fine_tuning_setting`, or `default`), checked against the model's position table
+    (`check_text_len`: asked beyond it, an error; inherited, capped)."""
+    length = asked or fine_tuning_setting(model_dir, "max_text_len", default)
+    return check_text_len(length, model_cfg, model_dir, inherited=not asked)
+
+
 def fit_text_len(cfg: Any, model_cfg, model_dir: str | Path | None) -> Any:
     """`cfg` (a run config with `max_text_len`) with a text length the model at `model_dir` embeds
     (`check_text_len`): a value beyond the model's position table is a one-line error, except the config

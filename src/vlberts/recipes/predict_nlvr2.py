@@ -27,9 +27,8 @@ from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, predict_text_len, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, resolve_images
-from vlberts.recipes.common import check_text_len
 from vlberts.tasks.nlvr2 import write_predictions
 
 
@@ -73,8 +72,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
         print(bad.warning(), file=sys.stderr)
     if not statements:
         raise VlbertsError("no statement to label", path=cfg.statements)
-    max_text_len = check_text_len(cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 40),
-                                  model.cfg, model_dir, inherited=not cfg.max_text_len)
+    max_text_len = predict_text_len(cfg.max_text_len, model.cfg, model_dir, 40)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
     write_run_config(out, cfg)
     preds = predict_nlvr2(model, tok, statements, images, store, max_regions=max_regions, max_text_len=max_text_len,

@@ -27,7 +27,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, check_text_len, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, predict_text_len, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -75,8 +75,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
         print(bad.warning(), file=sys.stderr)
     if not examples:
         raise VlbertsError("no question to answer", path=cfg.questions)
-    max_text_len = check_text_len(cfg.max_text_len or fine_tuning_setting(model_dir, "max_text_len", 32),
-                                  model.cfg, model_dir, inherited=not cfg.max_text_len)
+    max_text_len = predict_text_len(cfg.max_text_len, model.cfg, model_dir, 32)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
     write_run_config(out, cfg)
     preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,

@@ -34,9 +34,8 @@ from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import PredictConfig, opt, predict_text_len, resolve_device, set_threads, write_run_config
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
-from vlberts.recipes.common import check_text_len
 from vlberts.tasks.vcr import SubmissionRow, write_submission
 
 
@@ -98,8 +97,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
         model, meta, tok = runs[mode]
         model_dir = cfg.qa_model if mode == "qa" else cfg.qar_model
         data = vcr_data(model, questions, mode, store, tok, metadata_dir=metadata_dir,
-                        max_text_len=check_text_len(cfg.max_text_len or fine_tuning_setting(
-                            model_dir, "max_text_len", 80), model.cfg, model_dir, inherited=not cfg.max_text_len),
+                        max_text_len=predict_text_len(cfg.max_text_len, model.cfg, model_dir, 80),
                         object_regions=meta["object_regions"])
         return predict_vcr(model, data, batch_size=cfg.batch_size, device=device, precision=cfg.precision)
 
