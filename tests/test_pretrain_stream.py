@@ -62,6 +62,45 @@ def _cfg(index: Path, out: Path, **kw) -> PretrainConfig:
     return PretrainConfig(**{**base, **kw})
 
 
+def test_resuming_a_stream_reads_its_current_chunk_not_the_ones_before(tiny_world, shards, monkeypatch):
+    """A resumed stream continues its shard reader from the state saved with the position: it decodes the
+    samples the shuffle buffer held and the current chunk's draws, however far the run had got."""
+    decoded = [0]
+    decode = shards_module._decode
+
+    def counting(*args):
+        decoded[0] += 1
+        return decode(*args)
+
+    monkeypatch.setattr(shards_module, "_decode", counting)
+    corpus = ShardCorpus(shards)
+    tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
+
+    def make(captions, regions, seed):
+        return CaptionPretrainData(captions, regions, tok, pairs=False, mismatch_prob=0.5, seed=seed)
+
+    stream = stream_examples(corpus, make, seed=3, chunk_images=6, dist=DistInfo(), buffer=4)
+    items, reads_before = [], []  # samples decoded before each example was drawn
+    for _ in range(400):
+        reads_before.append(decoded[0])
+        items.append(next(stream))
+    first = {}  # chunk -> index of its first example
+    for k, (_, pos) in enumerate(items):
+        first.setdefault(pos.chunk, k)
+    late = max(c for c in first if c + 1 in first)  # a chunk whose whole draw the run saw
+    assert late >= 10
+    k = first[late]  # resume just after this chunk's first example
+    chunk_reads = reads_before[first[late + 1]] - reads_before[k]  # what drawing the next chunk read
+    decoded[0] = 0
+    again = stream_examples(corpus, make, seed=3, chunk_images=6, dist=DistInfo(), buffer=4, start=items[k][1])
+    got = [next(again) for _ in range(first[late + 1] - k + 5)]  # into the next chunk
+    assert [ex["image_id"] for ex, _ in got] == [ex["image_id"] for ex, _ in items[k + 1:k + 1 + len(got)]]
+    assert [p for _, p in got] == [p for _, p in items[k + 1:k + 1 + len(got)]]
+    # the buffer's 4 samples again, the resumed chunk's draws and the next chunk's: not the ~400 before
+    assert decoded[0] <= 4 + 2 * chunk_reads + 8, (decoded[0], chunk_reads, reads_before[k])
+    assert reads_before[k] > 4 * (decoded[0] + 1)
+
+
 def test_stream_examples_come_from_chunks_and_resume_at_any_position(tiny_world, shards):
     corpus = ShardCorpus(shards)
     caption_image = {c.text: c.image_id for c in read_caption_refs(tiny_world.captions_train)}
@@ -77,7 +116,7 @@ def test_stream_examples_come_from_chunks_and_resume_at_any_position(tiny_world,
     items = [next(stream) for _ in range(70)]
     assert len(chunks) >= 2 and all(len(c) == 6 for c in chunks)  # chunks of distinct images
     positions = [p for _, p in items]
-    assert positions[0] == StreamPosition(0, 1) and positions[-1].chunk >= 1
+    assert (positions[0].chunk, positions[0].offset) == (0, 1) and positions[-1].chunk >= 1
     # Each example's image is in its chunk; a mismatched caption is another image of the same chunk.
     for ex, pos in items:
         assert str(ex["image_id"]) in chunks[pos.chunk]
@@ -90,13 +129,18 @@ def test_stream_examples_come_from_chunks_and_resume_at_any_position(tiny_world,
         for (want, want_pos), (got, got_pos) in zip(items[k + 1:], (next(again) for _ in range(15))):
             assert want_pos == got_pos and want["image_id"] == got["image_id"] and want["match"] == got["match"]
             assert np.array_equal(want["ids"], got["ids"]) and np.array_equal(want["labels"], got["labels"])
+    # A position saved before shard readers kept theirs (no `reader`) resumes too, reading the chunks before again.
+    old = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(), buffer=4,
+                          start=StreamPosition(positions[50].chunk, positions[50].offset))
+    assert [next(old)[0]["image_id"] for _ in range(10)] == [ex["image_id"] for ex, _ in items[51:61]]
     # Another rank streams other examples.
     other = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(1, 2), buffer=4)
     assert [next(other)[0]["image_id"] for _ in range(10)] != [ex["image_id"] for ex, _ in items[:10]]
 
 
 def test_a_resumed_stream_reads_the_features_of_built_chunks_only(tiny_world, shards, monkeypatch):
-    """Re-reading the chunks before a resume position costs their json, not their region arrays."""
+    """A position without its reader's state (saved before readers kept one) re-reads the chunks before it:
+    that costs their json, not their region arrays."""
     corpus = ShardCorpus(shards)
     tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
     built: list[set[str]] = []
@@ -116,7 +160,7 @@ def test_a_resumed_stream_reads_the_features_of_built_chunks_only(tiny_world, sh
     monkeypatch.setattr(shards_module, "_array", spy)
     stream = stream_examples(corpus, make, seed=2, chunk_images=6, dist=DistInfo(), buffer=4, start=StreamPosition(3, 2))
     _, pos = next(stream)
-    assert pos == StreamPosition(3, 3) and len(built) == 1  # chunks 0-2 were read, not built
+    assert (pos.chunk, pos.offset) == (3, 3) and len(built) == 1  # chunks 0-2 were read, not built
     assert len(decoded) == 6  # the arrays of chunk 3's six images only
 
 
@@ -180,21 +224,6 @@ def test_fewer_distinct_images_than_the_index_lists_is_an_error_not_a_hang(tiny_
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     cmd = [str(TORCHRUN), "--nproc_per_node=2", f"--master_port={free_port()}", str(VLBERTS), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-
-
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-def test_two_ranks_stream_and_resume_exactly(shards, tmp_path):
-    torchrun = _torchrun
-    proc = torchrun(*_args(shards, tmp_path / "ref"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
-    assert torchrun(*_args(shards, tmp_path / "run", "--stop_after=5")).returncode == 0
-    # One process cannot take over two ranks' streams: a clear error, not a silently different run.
-    proc = subprocess.run([str(VLBERTS), *_args(shards, tmp_path / "run")], capture_output=True, text=True)
-    assert proc.returncode == 2 and "same number of ranks" in proc.stderr and "Traceback" not in proc.stderr
-    proc = torchrun(*_args(shards, tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["mlm_loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["mlm_loss"] for r in ref]
 
 
 # --------------------------------------------------------------------------- streamed text-only documents
@@ -295,26 +324,6 @@ def test_streamed_text_misuse_is_one_clear_error(tiny_world, shards, text_index,
     assert streamed_batch_sizes({"pairs": 8, "text": 0, "image_only": 0}, True, DistInfo(0, 2)) == {"pairs": 4, "text": 4}
 
 
-def _two_ranks_resume_exactly(index: Path, tmp_path: Path, args: tuple[str, ...], key: str) -> None:
-    """Each rank streams its own extra source beside its own captions; the checkpoint keeps both ranks'
-    positions in both streams (`key`: the extra one's), and the resumed run repeats the uninterrupted one."""
-    proc = _torchrun(*_args(index, tmp_path / "ref"), *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
-    assert _torchrun(*_args(index, tmp_path / "run", "--stop_after=5"), *args).returncode == 0
-    state = json.loads(max((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
-    assert len(state["data"]["stream"]) == len(state["data"][key]) == 2
-    proc = _torchrun(*_args(index, tmp_path / "run"), *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["loss"] for r in ref]
-
-
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-def test_two_ranks_stream_documents_and_resume_exactly(shards, text_index, tmp_path):
-    _two_ranks_resume_exactly(shards, tmp_path, ("--model=vlbert-tiny", f"--text_corpus={text_index}",
-                                                 "--chunk_documents=5"), "text_stream")
-
-
 # --------------------------------------------------------------------------- loader workers
 def _numbered_batches(stream: int, start: StreamPosition):
     """A stand-in worker stream: batch i of stream k is "k:i", with the position after it."""
@@ -389,7 +398,7 @@ def test_image_only_samples_stream_in_chunks_without_text_and_resume_at_any_posi
     assert len(chunks) >= 4 and all(len(set(c)) == len(c) == 5 for c in chunks)
     assert {str(ex["image_id"]) for ex, _ in items} <= held  # the image-only samples only
     assert all(ex["kind"] == IMAGE_ONLY and len(ex["ids"]) == 0 and len(ex["regions"].feats) > 0 for ex, _ in items)
-    assert [p for _, p in items[:6]] == [StreamPosition(0, k) for k in range(1, 6)] + [StreamPosition(1, 1)]
+    assert [(p.chunk, p.offset) for _, p in items[:6]] == [(0, k) for k in range(1, 6)] + [(1, 1)]
     for k in (0, 7, 16):
         again = stream_examples(corpus, make, seed=3, chunk_images=5, dist=DistInfo(), buffer=4, kind="image",
                                 start=items[k][1])
@@ -462,6 +471,23 @@ def test_an_index_with_bad_counts_or_no_shards_is_one_line_for_every_stream(shar
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
-def test_two_ranks_stream_image_only_samples_and_resume_exactly(h_index, tmp_path):
-    _two_ranks_resume_exactly(h_index, tmp_path, ("--model=wvisualbert-h-tiny", f"--unpaired_images={h_index}",
-                                                  "--unpaired_ratio=0.5", "--chunk_images=5"), "image_stream")
+def test_two_ranks_stream_every_kind_and_resume_exactly(h_index, text_index, tmp_path):
+    """Under torchrun each rank streams its own captions, text-only documents and image-only samples (one
+    run reads all three: H-VisualBERT with a text corpus); the checkpoint keeps both ranks' positions in
+    every stream, each with its shard reader's state, and the resumed run repeats the uninterrupted one.
+    One process cannot take over two ranks' streams: a clear error, not a silently different run."""
+    extra = ("--model=wvisualbert-h-tiny", "--batch_size=8", f"--unpaired_images={h_index}", "--unpaired_ratio=0.25",
+             "--chunk_images=5", f"--text_corpus={text_index}", "--chunk_documents=5")
+    proc = _torchrun(*_args(h_index, tmp_path / "ref"), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = MetricsLog.read(tmp_path / "ref" / "metrics.jsonl")
+    assert all(r["tag_mlm_loss"] > 0 for r in ref)  # image-only samples (tags) were in every batch
+    assert _torchrun(*_args(h_index, tmp_path / "run", "--stop_after=5"), *extra).returncode == 0
+    state = json.loads(max((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
+    for key in ("stream", "text_stream", "image_stream"):
+        assert len(state["data"][key]) == 2 and all(p["reader"] for p in state["data"][key]), key
+    proc = subprocess.run([str(VLBERTS), *_args(h_index, tmp_path / "run"), *extra], capture_output=True, text=True)
+    assert proc.returncode == 2 and "same number of ranks" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _torchrun(*_args(h_index, tmp_path / "run"), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in MetricsLog.read(tmp_path / "run" / "metrics.jsonl")] == [r["loss"] for r in ref]

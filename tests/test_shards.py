@@ -120,6 +120,34 @@ def test_resampling_draws_shards_uniformly_and_forever(shard_sets):
     assert len(samples) == 3 * total  # more than one pass: it never ends
 
 
+@pytest.mark.parametrize("resample", [False, True])
+def test_a_reader_continues_from_its_saved_state_exactly(shard_sets, resample):
+    """`ShardReader.state()` at any point, through JSON, continues with the samples an unbroken reader gives:
+    in the middle of a shard, at its end, and (one pass) while the shuffle buffer drains at the end."""
+    index = shard_sets["it"]
+
+    def stream(**kw):
+        return ShardStream.from_index(index, seed=4, resample=resample, buffer=5, dist=DistInfo(), arrays=False, **kw)
+
+    total = json.loads(Path(index).read_text())["samples"]
+    n = 3 * total if resample else total
+    reader = iter(stream())
+    states, keys = [], []
+    for _ in range(n):
+        states.append(json.loads(json.dumps(reader.state())))
+        keys.append(_key(next(reader)))
+    if not resample:
+        assert sorted(keys) == sorted(_key(s) for sh in shards_of_index(index) for s in read_shard(sh))
+        assert next(reader, None) is None and states[-1]["drain"] is not None  # the last came from the buffer
+    for k in sorted({1, 2, 7, n // 2, n - 3, n - 1}):
+        again = stream().resume(states[k])
+        assert [_key(s) for _, s in zip(range(n - k), again)] == keys[k:], k
+        if not resample:
+            assert next(again, None) is None
+    with pytest.raises(VlbertsError, match="saved stream position of .* cannot continue"):
+        ShardStream(shards_of_index(index)[:2], seed=4, resample=resample, buffer=5).resume(states[3])
+
+
 def _mixed(shard_sets, seed: int):
     streams = [ShardStream.from_index(shard_sets[k], seed=seed, resample=True, buffer=20, dist=DistInfo())
                for k in ("it", "txt", "img")]
@@ -509,4 +537,23 @@ def test_withheld_captions_leave_their_images_as_image_only_samples(tiny_world, 
     assert main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train),
                  "--withhold", str(bad), "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "1 withheld image(s) are not in the store" in err and "no-such-image" in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: record line 2: image id no-such-image is not in")
+
+
+def test_a_withheld_id_the_store_lacks_names_the_list_file_and_its_line(tiny_world, tmp_path, capsys):
+    """The error for an id of the --withhold list that the store lacks named the store and the id only:
+    it names the list and the id's line (the first such line), as any bad record of a file. A list saved
+    with a UTF-8 byte-order mark (Windows editors) reads as without it."""
+    from vlberts.data.text_corpus import read_image_ids
+
+    held = read_image_ids(tiny_world.root / "unpaired_images.txt")
+    ids = tmp_path / "ids.txt"
+    ids.write_bytes(f"\ufeff{held[0]}\r\n\r\nzz-missing\r\n{held[1]}\r\naa-missing\r\n".encode())
+    args = ["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train), "--withhold", str(ids)]
+    assert main([*args, "--out", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == (f"error: {ids}: record line 3: image id zz-missing is not in the store "
+                                       f"{tiny_world.store} (2 withheld id(s) missing from it)\n")
+    assert not (tmp_path / "bad").exists()
+    ids.write_bytes(f"\ufeff{held[0]}\r\n{held[1]}\r\n".encode())
+    assert main([*args, "--out", str(tmp_path / "ok")]) == 0
+    assert json.loads(capsys.readouterr().out)["kinds"]["image"] == 2

@@ -110,6 +110,19 @@ def test_document_reader_splits_on_blank_lines_and_names_bad_input(tmp_path):
         read_image_ids(tmp_path / "bad_ids.txt")
 
 
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_id_or_sentence(tmp_path):
+    # Windows editors save UTF-8 with a BOM: it stayed on the first image id ("\ufeff3", in no store) and on
+    # the first sentence of a corpus; a BOM later in a file is text, as UTF-8 has it
+    ids = tmp_path / "ids.txt"
+    ids.write_bytes(b"\xef\xbb\xbf3\r\n7\r\n")
+    assert read_image_ids(ids) == ["3", "7"]
+    docs = tmp_path / "docs.txt"
+    docs.write_bytes("\ufefffirst one .\nsecond one .\n".encode("utf-8"))
+    assert read_documents(docs) == [["first one .", "second one ."]]
+    docs.write_bytes(b"\xef\xbb\xbf\n\nonly one .\n")  # a BOM on a line of its own: a blank line
+    assert read_documents(docs) == [["only one ."]]
+
+
 # --------------------------------------------------------------------------- mixing
 
 

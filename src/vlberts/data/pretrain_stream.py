@@ -14,12 +14,15 @@ captions and other images drawn from the chunk's other images (LXMERT §3.1.3 an
 `--unpaired_images` as shards) stream the same way, in chunks of images built into `ImageOnlyData`, and text-only
 documents in chunks of documents (`stream_documents`).
 
-Position and exact resume: a rank's position is (chunk, examples of that chunk consumed). Its stream is
-a pure function of (seed, rank), so a resumed run re-reads the chunks before its position without
-building examples from them and continues with exactly the examples the uninterrupted run would have
-seen. The stream reads each sample's json alone and its region arrays only when its chunk is built
-(`read_shard(arrays=False)`, `load_arrays`), so re-reading a chunk costs its tar headers and captions,
-not its features. Checkpoints store every rank's position (`TrainState.data["stream"]`); the world size must then stay
+Position and exact resume: a rank's position is (chunk, examples of that chunk consumed, where its shard
+reader stood when it began drawing that chunk: `ShardReader.state()`, the shard RNG, the shard being read
+and how far, and the shuffle buffer as references). Its stream is a pure function of (seed, rank), so a
+resumed run continues the reader from that state, re-reads the buffered samples' json and the current
+shard's headers (not every sample before, so resuming costs the same at any point of a long run), draws
+the same chunk again and continues with exactly the examples the uninterrupted run would have seen. The
+stream reads each sample's json alone and its region arrays only when its chunk is built
+(`read_shard(arrays=False)`, `load_arrays`). Checkpoints store every rank's position
+(`TrainState.data["stream"]`); the world size must then stay
 the same. The split-invariance of the file-based path (the same update however a global batch is split
 over ranks) does not carry over: ranks read different shards by design, as WebDataset training does.
 """
@@ -36,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.shards import (
+    ShardReader,
     ShardStream,
     check_sample_record,
     document_sentences,
@@ -52,12 +56,15 @@ from vlberts.training.distributed import DistInfo
 
 @dataclass(frozen=True)
 class StreamPosition:
-    """Where a rank's stream stands: chunks finished, and examples of the current chunk consumed."""
+    """Where a rank's stream stands: chunks finished, examples of the current chunk consumed, and where
+    its shard reader stood when it began drawing the current chunk (`ShardReader.state()`; None: at the
+    start, or a position saved before readers kept one, from which the chunks before are read again)."""
 
     chunk: int = 0
     offset: int = 0
+    reader: dict[str, Any] | None = None
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
@@ -163,15 +170,15 @@ def stream_examples(
         raise VlbertsError(f"the shards hold {n_images} {what}(s); pre-training on them needs {least} or more",
                            path=corpus.path)
     chunk_images = min(chunk_images, n_images)  # a chunk holds distinct images: at most all of them
-    samples = iter(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
-                               kinds=(kind,), arrays=False, reader=reader))  # arrays read for chunks built
+    samples, chunk = _resumed(ShardStream(corpus.shards, seed=seed, resample=True, buffer=buffer, dist=dist,
+                                          kinds=(kind,), arrays=False, reader=reader), start)  # arrays: chunks built
     rank_seed = seed * 1_000_003 + dist.rank  # the ranks' examples draw from different streams
     # Drawing with replacement, a chunk of every image of the corpus needs about n ln n draws and at most
     # a few n draws in a row without a new image (the chance of 50 n is e^-50). Fewer distinct images
     # than the index lists (an image in two shards: `shards --check` finds them) would otherwise never end.
     max_misses = 50 * n_images
-    chunk = 0
     while True:
+        at = samples.state()  # where this chunk's draws begin: its examples' positions carry it
         records: dict[str, RegionRecord] = {}
         captions: list[CaptionRef] = []
         misses = 0
@@ -192,7 +199,7 @@ def stream_examples(
             chunk += 1
             continue
         yield from _chunk_examples(make_data(captions, ChunkRegions(records, corpus.path), rank_seed), chunk,
-                                   rank_seed, start, 0xC4)
+                                   rank_seed, start, 0xC4, at)
         chunk += 1
 
 
@@ -233,25 +240,36 @@ def stream_documents(
     if chunk_documents < 2:
         raise VlbertsError(f"chunk_documents must be >= 2 (next-sentence prediction draws another document), "
                            f"got {chunk_documents}")
-    samples = iter(ShardStream(shards, seed=seed, resample=True, buffer=buffer, dist=dist, kinds=("text",)))
+    samples, chunk = _resumed(ShardStream(shards, seed=seed, resample=True, buffer=buffer, dist=dist, kinds=("text",)),
+                              start)
     rank_seed = seed * 1_000_003 + dist.rank
-    chunk = 0
     while True:
+        at = samples.state()
         docs = [document_sentences(next(samples)) for _ in range(chunk_documents)]
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1
             continue
-        yield from _chunk_examples(make_text(docs, rank_seed), chunk, rank_seed, start, 0x7E)
+        yield from _chunk_examples(make_text(docs, rank_seed), chunk, rank_seed, start, 0x7E, at)
         chunk += 1
 
 
-def _chunk_examples(data: Any, chunk: int, rank_seed: int, start: StreamPosition,
-                    salt: int) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+def _resumed(stream: ShardStream, start: StreamPosition) -> tuple[ShardReader, int]:
+    """The shard reader of a stream that resumes at `start`, and the chunk it reads first: the current
+    chunk's, from where its reader stood (`StreamPosition.reader`), or from the beginning, chunk 0, for a
+    position without one (the chunks before `start.chunk` are then read again, not built)."""
+    if start.reader is None:
+        return iter(stream), 0
+    return stream.resume(start.reader), start.chunk
+
+
+def _chunk_examples(data: Any, chunk: int, rank_seed: int, start: StreamPosition, salt: int,
+                    reader: dict[str, Any]) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
     """A built chunk's examples in the order drawn from (rank seed, chunk), from the resume point on when
-    `chunk` is the one the run stopped in; each with the position after it."""
+    `chunk` is the one the run stopped in; each with the position after it (`reader`: where the chunk's
+    draws began)."""
     order = np.random.default_rng([rank_seed, chunk, salt]).permutation(len(data))
     for k in range(start.offset if chunk == start.chunk else 0, len(order)):
-        yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1)
+        yield data[(chunk, int(order[k]))], StreamPosition(chunk, k + 1, reader)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import re
 import sys
 import tarfile
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
-from vlberts.data.text_corpus import read_documents, read_image_ids
+from vlberts.data.text_corpus import image_id_lines, read_documents
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
 from vlberts.features.store import RegionStore
@@ -149,7 +149,7 @@ def write_shards(
     shard_size: int = 1000,
     prefix: str = "shard",
     image_only: bool = False,
-    withhold: Collection[str] = (),
+    withhold: Collection[str] | str | Path = (),
     documents: Iterable[str | Sequence[str]] = (),
     overwrite: bool = False,
 ) -> Path:
@@ -162,7 +162,9 @@ def write_shards(
     image_only: also write the store's images that have no caption, as "image" samples (otherwise they
         are left out: a Karpathy split's captions name only that split's images).
     withhold: image ids whose captions are left out and which are written as "image" samples (H-VisualBERT's
-        image-only set, W-VisualBERT §4.3: the world's unpaired_images.txt); each must be in the store.
+        image-only set, W-VisualBERT §4.3: the world's unpaired_images.txt), or a file of them, one per line
+        (`data.text_corpus.read_image_ids`); each must be in the store (an id it lacks: an error naming the
+        file and the id's line).
     documents: text-only samples, written after the images: each a text, or a list of sentences
         (`data.text_corpus.read_documents`), stored as "sentences" beside their joined "text".
     overwrite: replace a shard set of the same prefix in `out_dir`, its shards beyond the new ones removed
@@ -179,7 +181,9 @@ def write_shards(
     if isinstance(store, (str, Path)):
         store = RegionStore(store, upcast=False)
     refs = read_caption_refs(captions) if isinstance(captions, (str, Path)) else captions
-    withheld = {str(i) for i in withhold}
+    withhold_file = Path(withhold) if isinstance(withhold, (str, Path)) else None
+    lines = image_id_lines(withhold_file) if withhold_file is not None else {}
+    withheld = set(lines) if withhold_file is not None else {str(i) for i in withhold}
     by_image: dict[str, list[str]] = {}
     for ref in refs or ():
         if ref.image_id not in withheld:
@@ -190,6 +194,10 @@ def write_shards(
         raise VlbertsError("images to withhold given without a region store")
     for what, ids in (("captioned image", by_image), ("withheld image", sorted(withheld))):
         missing = [i for i in ids if i not in store] if store is not None else []
+        if missing and what == "withheld image" and withhold_file is not None:
+            first = min(missing, key=lines.__getitem__)
+            raise VlbertsError(f"image id {first} is not in the store {store.path} ({len(missing)} withheld id(s) "
+                               "missing from it)", path=withhold_file, record=f"line {lines[first]}")
         if missing:
             raise VlbertsError(f"{len(missing)} {what}(s) are not in the store", path=store.path, record=missing[0])
 
@@ -367,13 +375,15 @@ def load_arrays(sample: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, Any]]:
+def read_shard(shard: str | Path, *, arrays: bool = True,
+               select: Callable[[int], bool] | None = None) -> Iterator[dict[str, Any]]:
     """Decoded samples of one shard in file order, reading one member at a time.
 
     arrays=False reads each sample's json only and steps over its .npy members (the tar headers give
     their offsets): the sample names them in `__arrays__`, and `load_arrays` reads them when they are
-    needed. A stream positioned past a million samples (a resumed pre-training) then reads their headers
-    and json, about a kilobyte each, instead of 150 kB of features each.
+    needed, e.g. for the chunks a pre-training stream builds, not for every sample it draws.
+    select: which samples to decode, by number in the shard (0, 1, ...); the others' members are stepped
+    over unread, as a resumed `ShardReader` steps over the samples it had read.
 
     A member without its sample's other members, an unreadable member, or a tar that ends early (cut
     inside a member or without its end-of-archive blocks) is a one-line `VlbertsError` naming the shard
@@ -383,6 +393,7 @@ def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, 
     key: str | None = None
     members: dict[str, bytearray | tuple[int, int]] = {}
     seen: set[str] = set()
+    wanted = True  # whether the sample being read is decoded (`select`)
     try:
         size = shard.stat().st_size
         with tarfile.open(shard, "r:") as tar:
@@ -394,15 +405,16 @@ def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, 
                 if not dot:
                     raise VlbertsError(f"member {info.name} has no extension", path=shard, record=f"key {k}")
                 if k != key:
-                    if key is not None:
+                    if key is not None and wanted:
                         yield _decode(shard, key, members)
                     if k in seen:  # a writer puts a sample's members together, once
                         raise VlbertsError(f"sample key {k} appears twice in the shard", path=shard, record=f"key {k}")
+                    wanted = select is None or select(len(seen))
                     seen.add(k)
                     key, members = k, {}
                 if ext in members:
                     raise VlbertsError(f"member {info.name} appears twice", path=shard, record=f"key {k}")
-                if not arrays and ext.endswith(".npy"):
+                if not wanted or (not arrays and ext.endswith(".npy")):
                     members[ext] = (info.offset_data, info.size)  # tarfile seeks over the data to the next header
                     continue
                 data = bytearray(info.size)  # writable, so arrays viewing it are too
@@ -419,7 +431,7 @@ def read_shard(shard: str | Path, *, arrays: bool = True) -> Iterator[dict[str, 
                            record=f"key {key}" if key is not None else None) from None
     except OSError as e:
         raise VlbertsError(f"cannot read shard ({e.strerror or e})", path=shard) from None
-    if key is not None:
+    if key is not None and wanted:
         yield _decode(shard, key, members)
 
 
@@ -553,49 +565,180 @@ class ShardStream(IterableDataset):
 
     def reader_shards(self) -> Iterator[Path]:
         """The shards this (rank, worker) reads this epoch, in order (endless when resampling)."""
-        d = self.dist or current_dist()
-        worker, workers = self.reader or _reader()
-        if not self.resample:
-            for i in split_shards(len(self.shards), rank=d.rank, world=d.world, worker=worker, num_workers=workers,
-                                  seed=self.seed, epoch=self.epoch, shuffle=self.shuffle):
-                yield self.shards[i]
-            return
-        rng = np.random.default_rng([self.seed, self.epoch, d.rank, worker, 0x2E5])
+        reader = ShardReader(self)
         while True:
-            yield self.shards[int(rng.integers(len(self.shards)))]
+            try:
+                shard = reader._draw_shard()
+            except StopIteration:
+                return
+            yield self.shards[shard]
 
-    def _samples(self) -> Iterator[dict[str, Any]]:
-        # Resampling never ends by itself: a set with no sample of the wanted kinds would draw shards
-        # forever. 50 x the shard count of empty draws in a row has a chance of e^-50 when one shard has one.
-        empty = 0
-        for shard in self.reader_shards():
-            found = False
-            for sample in read_shard(shard, arrays=self.arrays):
-                if self.kinds is None or sample["kind"] in self.kinds:
-                    found = True
-                    yield sample
-            empty = 0 if found else empty + 1
-            if self.resample and empty > 50 * len(self.shards):
-                raise VlbertsError(f"{empty} shards drawn in a row hold no "
-                                   f"{' or '.join(self.kinds or KINDS)} sample, of {len(self.shards)} shards",
-                                   path=shard.parent)
+    def __iter__(self) -> ShardReader:
+        return ShardReader(self)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        if not self.shuffle or self.buffer <= 1:
-            yield from self._samples()
-            return
-        d = self.dist or current_dist()
-        rng = np.random.default_rng([self.seed, self.epoch, d.rank, (self.reader or _reader())[0], 0x5B0])
-        buf: list[dict[str, Any]] = []
-        for sample in self._samples():
-            if len(buf) < self.buffer:
-                buf.append(sample)
+    def resume(self, state: Mapping[str, Any]) -> ShardReader:
+        """This stream's reader continued from `ShardReader.state()`, as if it had never stopped."""
+        return ShardReader(self, state)
+
+
+class ShardReader(Iterator[dict[str, Any]]):
+    """What iterating a `ShardStream` gives: one reader's samples, whose place can be saved at any point
+    (`state()`, JSON) and continued from (`ShardStream.resume`) without reading what came before it.
+
+    The place is the shard order's RNG (resampling) or the position in the epoch's shard list, the shard
+    being read and how many of its samples were read, and the shuffle buffer: its RNG and the samples it
+    holds, as (shard, sample number) references. Continuing reads those samples again (their json, and
+    their arrays if the stream reads them) and steps over the read samples of the current shard, so a
+    pre-training run resumed after a million samples reads about a buffer's worth, not a million
+    (`data.pretrain_stream`). The draws are those of an unbroken reader: shards from (seed, epoch, rank,
+    worker), the buffer's from its own such RNG.
+    """
+
+    def __init__(self, stream: ShardStream, state: Mapping[str, Any] | None = None):
+        d = stream.dist or current_dist()
+        worker, workers = stream.reader or _reader()
+        self.stream = stream
+        self._order: list[int] | None = None  # one epoch's shards (no resampling), read from _next on
+        self._shard_rng: np.random.Generator | None = None  # resampling: the shard drawn next
+        if stream.resample:
+            self._shard_rng = np.random.default_rng([stream.seed, stream.epoch, d.rank, worker, 0x2E5])
+        else:
+            self._order = split_shards(len(stream.shards), rank=d.rank, world=d.world, worker=worker,
+                                       num_workers=workers, seed=stream.seed, epoch=stream.epoch, shuffle=stream.shuffle)
+        self._next = 0
+        self._shard: int | None = None  # the shard being read (index into stream.shards), None between shards
+        self._read = 0  # its samples read, of any kind
+        self._samples: Iterator[dict[str, Any]] | None = None
+        self._found = False  # a sample of the wanted kinds in the current shard
+        self._empty = 0  # shards in a row without one
+        shuffled = stream.shuffle and stream.buffer > 1
+        self._buf_rng = (np.random.default_rng([stream.seed, stream.epoch, d.rank, worker, 0x5B0])
+                         if shuffled else None)
+        self._buf: list[tuple[dict[str, Any], tuple[int, int]]] = []  # (sample, (shard, number in it))
+        self._drain: list[tuple[dict[str, Any], tuple[int, int]]] | None = None  # the buffer's last, reversed
+        if state is not None:
+            self._restore(state)
+
+    def __next__(self) -> dict[str, Any]:
+        if self._buf_rng is None:  # file order
+            return self._next_read()[0]
+        while self._drain is None:
+            try:
+                item = self._next_read()
+            except StopIteration:  # the pass is over: the buffer's samples in a random order
+                self._drain = [self._buf[i] for i in self._buf_rng.permutation(len(self._buf))][::-1]
+                self._buf = []
+                break
+            if len(self._buf) < self.stream.buffer:
+                self._buf.append(item)
                 continue
-            i = int(rng.integers(self.buffer))  # yield a random held sample, hold the new one in its place
-            buf[i], sample = sample, buf[i]
-            yield sample
-        for i in rng.permutation(len(buf)):
-            yield buf[i]
+            i = int(self._buf_rng.integers(self.stream.buffer))  # yield a random held sample, hold the new one
+            self._buf[i], item = item, self._buf[i]
+            return item[0]
+        if not self._drain:
+            raise StopIteration
+        return self._drain.pop()[0]
+
+    def _next_read(self) -> tuple[dict[str, Any], tuple[int, int]]:
+        """The next sample of the wanted kinds in shard order, with its reference."""
+        stream = self.stream
+        while True:
+            if self._samples is None:
+                self._open(self._draw_shard(), 0)
+            assert self._samples is not None and self._shard is not None
+            for sample in self._samples:
+                number = self._read
+                self._read += 1
+                if stream.kinds is None or sample["kind"] in stream.kinds:
+                    self._found = True
+                    return sample, (self._shard, number)
+            self._samples = None
+            self._empty = 0 if self._found else self._empty + 1
+            # Resampling never ends by itself: a set with no sample of the wanted kinds would draw shards
+            # forever. 50 x the shard count of empty draws in a row has a chance of e^-50 when one shard has one.
+            if stream.resample and self._empty > 50 * len(stream.shards):
+                raise VlbertsError(f"{self._empty} shards drawn in a row hold no "
+                                   f"{' or '.join(stream.kinds or KINDS)} sample, of {len(stream.shards)} shards",
+                                   path=stream.shards[self._shard].parent)
+
+    def _draw_shard(self) -> int:
+        if self._shard_rng is not None:
+            return int(self._shard_rng.integers(len(self.stream.shards)))
+        assert self._order is not None
+        if self._next >= len(self._order):
+            raise StopIteration
+        self._next += 1
+        return self._order[self._next - 1]
+
+    def _open(self, shard: int, read: int) -> None:
+        """Read shard `shard` on from sample `read`."""
+        self._shard, self._read, self._found = shard, read, False
+        self._samples = read_shard(self.stream.shards[shard], arrays=self.stream.arrays,
+                                   select=(lambda k: k >= read) if read else None)
+
+    def state(self) -> dict[str, Any]:
+        """Where this reader stands (the class docstring), as JSON-able values."""
+        return {
+            "shards": len(self.stream.shards),
+            "shard_rng": None if self._shard_rng is None else self._shard_rng.bit_generator.state,
+            "next": self._next, "shard": None if self._samples is None else self._shard, "read": self._read,
+            "found": self._found, "empty": self._empty,
+            "buffer_rng": None if self._buf_rng is None else self._buf_rng.bit_generator.state,
+            "buffer": _refs_text(ref for _, ref in self._buf),
+            "drain": None if self._drain is None else _refs_text(ref for _, ref in self._drain),
+        }
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        stream = self.stream
+        if state.get("shards") != len(stream.shards) or (state.get("shard_rng") is None) != (self._shard_rng is None):
+            def kind(n: Any, resampled: bool) -> str:
+                return f"{n} shards{' drawn with replacement' if resampled else ''}"
+
+            raise VlbertsError(f"a saved stream position of {kind(state.get('shards'), state.get('shard_rng') is not None)} "
+                               f"cannot continue a stream of {kind(len(stream.shards), stream.resample)}",
+                               path=stream.shards[0].parent)
+        if self._shard_rng is not None:
+            self._shard_rng.bit_generator.state = state["shard_rng"]
+        if self._buf_rng is not None and state.get("buffer_rng") is not None:
+            self._buf_rng.bit_generator.state = state["buffer_rng"]
+        self._next, self._empty = int(state["next"]), int(state["empty"])
+        self._buf = self._fetch(_refs_of(state["buffer"]))
+        self._drain = None if state.get("drain") is None else self._fetch(_refs_of(state["drain"]))
+        if state.get("shard") is not None:
+            self._open(int(state["shard"]), int(state["read"]))
+            self._found = bool(state["found"])
+
+    def _fetch(self, refs: Sequence[tuple[int, int]]) -> list[tuple[dict[str, Any], tuple[int, int]]]:
+        """The samples `refs` name, read again (each shard once, up to its last sample named)."""
+        by_shard: dict[int, set[int]] = {}
+        for shard, number in refs:
+            if not 0 <= shard < len(self.stream.shards):
+                raise VlbertsError(f"a saved stream position names shard {shard} of {len(self.stream.shards)}",
+                                   path=self.stream.shards[0].parent)
+            by_shard.setdefault(shard, set()).add(number)
+        found: dict[tuple[int, int], dict[str, Any]] = {}
+        for shard, numbers in by_shard.items():
+            path, wanted = self.stream.shards[shard], sorted(numbers)
+            samples = zip(wanted, read_shard(path, arrays=self.stream.arrays, select=numbers.__contains__))
+            found.update(((shard, number), sample) for number, sample in samples)  # stops at the last one named
+            got = sum(1 for number in wanted if (shard, number) in found)
+            if got < len(wanted):
+                raise VlbertsError(f"holds {got} of the {len(wanted)} samples a saved stream position names from it "
+                                   "(the shard changed since it was saved?)", path=path)
+        return [(found[ref], ref) for ref in refs]
+
+
+def _refs_text(refs: Iterable[tuple[int, int]]) -> str:
+    """(shard, sample number) references as "shard:number ..." (a checkpoint's state.json stays small)."""
+    return " ".join(f"{shard}:{number}" for shard, number in refs)
+
+
+def _refs_of(text: str) -> list[tuple[int, int]]:
+    """`_refs_text`'s references again."""
+    try:
+        return [(int(shard), int(number)) for shard, number in (ref.split(":") for ref in text.split())]
+    except (ValueError, AttributeError):
+        raise VlbertsError(f"a saved stream position's sample references are not shard:number pairs: {str(text)[:40]!r}") from None
 
 
 class MixedStream(IterableDataset):
@@ -805,9 +948,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
         documents = read_documents(args.documents) if args.documents else []
-        withhold = read_image_ids(args.withhold) if args.withhold else ()
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
-                             image_only=args.image_only, withhold=withhold, documents=documents, overwrite=args.overwrite)
+                             image_only=args.image_only, withhold=args.withhold or (), documents=documents,
+                             overwrite=args.overwrite)
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -33,6 +33,12 @@ from vlberts.text.tokenizer import TextTokenizer
 __all__ = ["IMAGE_ONLY", "PAIR", "TEXT_ONLY", "TextOnlyData", "empty_regions", "read_documents", "read_image_ids"]
 
 
+def _decode_line(raw: bytes, n: int) -> str:
+    """Line `n` (1-based) of a UTF-8 text file, stripped; a byte-order mark opening the file (as Windows
+    editors save UTF-8) is dropped, else it would stay on the first sentence or image id."""
+    return raw.decode("utf-8-sig" if n == 1 else "utf-8").strip()
+
+
 def read_documents(path: str | Path) -> list[list[str]]:
     """Documents (lists of sentences) of a BERT-format text file. A missing file, a file that is not
     UTF-8 text (the line is named), or one with no sentence is a one-line error."""
@@ -45,7 +51,7 @@ def read_documents(path: str | Path) -> list[list[str]]:
             try:
                 if b"\x00" in raw:
                     raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
-                line = raw.decode("utf-8").strip()
+                line = _decode_line(raw, n)
             except UnicodeDecodeError:
                 raise VlbertsError("not a UTF-8 text file (one sentence per line expected)", path=path,
                                    record=f"line {n}") from None
@@ -63,14 +69,20 @@ def read_documents(path: str | Path) -> list[list[str]]:
 def read_image_ids(path: str | Path) -> list[str]:
     """Image ids, one per line (blank lines skipped), as the region store keys them: H-VisualBERT's
     image-only set (`WORLD/unpaired_images.txt`). Empty, or not text: a one-line error."""
+    return list(image_id_lines(path))
+
+
+def image_id_lines(path: str | Path) -> dict[str, int]:
+    """`read_image_ids` with the line each id is first on ({id: line number}, in file order), for an
+    error about an id to name its line."""
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("image list not found", path=path)
-    ids: list[str] = []
+    ids: dict[str, int] = {}
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8").strip()
+                line = _decode_line(raw, n)
             except UnicodeDecodeError:
                 raise VlbertsError("not a UTF-8 text file (one image id per line expected)", path=path,
                                    record=f"line {n}") from None
@@ -78,10 +90,10 @@ def read_image_ids(path: str | Path) -> list[str]:
                 continue
             if len(line.split()) != 1 or "\x00" in line:
                 raise VlbertsError(f"expected one image id per line, got {line[:40]!r}", path=path, record=f"line {n}")
-            ids.append(line)
+            ids.setdefault(line, n)
     if not ids:
         raise VlbertsError("image list is empty (one image id per line)", path=path)
-    return list(dict.fromkeys(ids))
+    return ids
 
 
 def empty_regions(feature_dim: int) -> Regions:
