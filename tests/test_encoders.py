@@ -45,3 +45,32 @@ def test_encoder_from_a_directory_without_its_weights_is_one_clear_error(tmp_pat
                    model_config("lxmert-tiny", vocab_size=60))
     with pytest.raises(VlbertsError, match="no visualbert encoder weights"):
         load_encoder_weights(VLEncoder(cfg), tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", ["visualbert-tiny", "lxmert-tiny", "vilbert-tiny"])
+def test_a_loaded_task_model_skips_its_random_initialisation_and_equals_the_saved_one(tmp_path, name):
+    """`load_task_weights` builds every task model without drawing the initialisation its weights replace:
+    no random number drawn, every tensor the saved one's."""
+    from vlberts.models.flickr_entities import FlickrEntitiesModel
+    from vlberts.models.nlvr2 import NLVR2Model
+    from vlberts.models.refcoco import RefCocoModel
+    from vlberts.models.retrieval import RetrievalModel
+    from vlberts.models.vcr import VCRModel
+    from vlberts.recipes.finetune_loop import load_task_weights
+    from vlberts.recipes.finetune_qa import qa_model
+
+    cfg = model_config(name, vocab_size=50, visual_dim=16)
+    builds = {"vqa": lambda: qa_model(cfg, 7), "nlvr2": lambda: NLVR2Model(cfg), "vcr": lambda: VCRModel(cfg),
+              "refcoco": lambda: RefCocoModel(cfg), "retrieval": lambda: RetrievalModel(cfg),
+              "flickr_entities": lambda: FlickrEntitiesModel(cfg)}
+    for task, build in builds.items():
+        torch.manual_seed(5)
+        saved = build()
+        save_model_dir(tmp_path / task, saved, cfg, extra={"task": task})
+        rng = torch.get_rng_state()
+        model = load_task_weights(build, tmp_path / task)
+        assert torch.equal(torch.get_rng_state(), rng), task  # nothing drawn
+        want = saved.state_dict()
+        assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items()), task
+        build()
+        assert not torch.equal(torch.get_rng_state(), rng), task  # as a build without loading does

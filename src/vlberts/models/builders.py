@@ -337,7 +337,7 @@ def build_pretraining_model(cfg: Any, *, initialise: bool = True) -> nn.Module:
     reference implementations of the init functions."""
     if initialise:
         return ARCHS[arch_of(cfg)][1](cfg)
-    with _init_skipped():
+    with init_skipped():
         return ARCHS[arch_of(cfg)][1](cfg)
 
 
@@ -347,9 +347,10 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 
 
 @contextlib.contextmanager
-def _init_skipped() -> Iterator[None]:
+def init_skipped() -> Iterator[None]:
     """`torch.nn.init`'s in-place initialisers as no-ops while modules are built: the modules' own
-    `reset_parameters` and `blocks.init_bert_weights` call them through the module, so nothing is drawn."""
+    `reset_parameters` and `blocks.init_bert_weights` call them through the module, so nothing is drawn.
+    For models whose every parameter is loaded next, strictly (uninitialised memory otherwise)."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
 
     def keep(tensor, *args, **kwargs):

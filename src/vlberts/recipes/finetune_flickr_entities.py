@@ -79,7 +79,7 @@ def config_from_args(args: list[str], base: dict | None = None) -> FinetuneFlick
 def load_flickr_entities_model(directory: str | Path) -> tuple[FlickrEntitiesModel, TextTokenizer]:
     """Load a model directory written by this recipe (any architecture)."""
     model_cfg, _ = read_task_model(directory, "flickr_entities", "Flickr30K Entities")
-    return load_task_weights(FlickrEntitiesModel(model_cfg), directory), TextTokenizer.load(directory)
+    return load_task_weights(lambda: FlickrEntitiesModel(model_cfg), directory), TextTokenizer.load(directory)
 
 
 def entity_data(model: FlickrEntitiesModel, captions: list[PhraseCaption], store: RegionStore, tok: TextTokenizer,

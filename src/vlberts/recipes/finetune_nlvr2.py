@@ -120,7 +120,7 @@ def build_nlvr2_model(init: str | Path, encoding: str = "auto") -> tuple[NLVR2Mo
 def load_nlvr2_model(directory: str | Path) -> tuple[NLVR2Model, TextTokenizer]:
     """Load a model directory fine-tuned by this recipe (any architecture, either encoding)."""
     model_cfg, meta = read_task_model(directory, "nlvr2", "NLVR2")
-    return load_task_weights(NLVR2Model(model_cfg, meta["encoding"]), directory), TextTokenizer.load(directory)
+    return load_task_weights(lambda: NLVR2Model(model_cfg, meta["encoding"]), directory), TextTokenizer.load(directory)
 
 
 @torch.no_grad()

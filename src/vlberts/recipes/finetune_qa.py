@@ -171,7 +171,7 @@ def load_qa_model(directory: str | Path, task: str) -> tuple[VQAModel, AnswerVoc
     """Load a model directory fine-tuned on `task` ("vqa", "gqa") by `finetune_qa` (any architecture)."""
     model_cfg, meta = read_task_model(directory, task, task.upper())
     vocab = AnswerVocab(model_answers(meta, Path(directory) / "config.json"))
-    return load_task_weights(qa_model(model_cfg, len(vocab)), directory), vocab, TextTokenizer.load(directory)
+    return load_task_weights(lambda: qa_model(model_cfg, len(vocab)), directory), vocab, TextTokenizer.load(directory)
 
 
 def model_answers(meta: Mapping[str, Any], path: Path) -> tuple[str, ...]:

@@ -84,7 +84,7 @@ def config_from_args(args: list[str], base: dict | None = None) -> FinetuneRefCo
 def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokenizer]:
     """Load a model directory written by this recipe (any architecture)."""
     model_cfg, _ = read_task_model(directory, "refcoco", "RefCOCO+")
-    return load_task_weights(RefCocoModel(model_cfg), directory), TextTokenizer.load(directory)
+    return load_task_weights(lambda: RefCocoModel(model_cfg), directory), TextTokenizer.load(directory)
 
 
 def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,

@@ -125,7 +125,7 @@ def pretrained_retrieval_model(init: str | Path) -> tuple[RetrievalModel, Any, s
 def load_retrieval_model(directory: str | Path) -> RetrievalModel:
     """A model directory written by `finetune_retrieval` (any architecture)."""
     model_cfg, _ = read_task_model(directory, "retrieval", "retrieval", "; for a pre-training model pass --zero_shot")
-    return load_task_weights(RetrievalModel(model_cfg), directory)
+    return load_task_weights(lambda: RetrievalModel(model_cfg), directory)
 
 
 def pair_encoder(model: RetrievalModel, texts: list[str], regions: RegionSource, tok: TextTokenizer, *,

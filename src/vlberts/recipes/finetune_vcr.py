@@ -167,7 +167,7 @@ def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer
     """A model directory written by `finetune_vcr`: (model, its config.json (mode, object_regions, alignment,
     ...), tokenizer)."""
     model_cfg, meta = read_task_model(directory, "vcr", "VCR")
-    model = load_task_weights(VCRModel(model_cfg), directory)
+    model = load_task_weights(lambda: VCRModel(model_cfg), directory)
     model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
     return model, meta, TextTokenizer.load(directory)
 
