@@ -351,3 +351,25 @@ def test_scene_object_ids_are_the_draw_order_for_every_reader(change, message, t
     with pytest.raises(VlbertsError) as err:
         read_scenes(path)
     assert str(err.value) == f"{path}: record line 2: {message}"
+
+
+# --------------------------------------------------------------------------- feature import sources
+
+
+@pytest.mark.parametrize("fmt", ["butd-tsv", "lxmert-tsv", "ban-h5"])
+def test_feature_import_of_a_directory_where_a_file_is_expected_says_so(fmt, tmp_path, capsys):
+    # it said "file not found" (or, for ban-h5, HDF5's errno 21 dump) for a folder that is plainly there
+    src = tmp_path / "features"
+    src.mkdir()
+    out = tmp_path / "s.h5"
+    code, _, err = run_cli(["features", "import", str(src), "--format", fmt, "--out", str(out)], capsys)
+    assert code == 2 and err == f"error: {src}: is a directory, not a file (--format {fmt} reads one file)\n"
+    assert not out.exists()
+
+
+def test_feature_import_formats_that_read_a_directory_still_take_one(tmp_path, capsys):
+    src = tmp_path / "features"
+    src.mkdir()
+    code, _, err = run_cli(["features", "import", str(src), "--format", "vlbert-json", "--out", str(tmp_path / "s.h5")],
+                           capsys)
+    assert code == 2 and err == f"error: {src}: no records in this vlbert-json file\n"  # read as a directory

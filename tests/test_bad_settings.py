@@ -295,6 +295,16 @@ def test_an_output_path_under_a_file_names_the_file_in_the_way(tiny_world, tmp_p
         assert code == 2 and err.strip() == expected, (args[0], err)
 
 
+def test_world_build_out_that_is_a_file_says_so_and_keeps_the_file(tmp_path, capsys):
+    """`world build --out notes.txt`: it said "already exists and is not empty (pass --overwrite to replace
+    it)", which would not help (a world is a directory); the line says the path is a file."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a file")
+    code, _, err = run_cli(["world", "build", "--out", str(notes), "--images", "5"], capsys)
+    assert code == 2 and err == f"error: {notes}: is a file, not a directory (a directory is written there)\n"
+    assert notes.read_text() == "a file"
+
+
 def test_a_partly_labelled_evaluation_file_is_predicted_with_a_warning(tiny_world, tiny_pretrained, tmp_path, capsys):
     lines = nlvr2_file(tiny_world, "test1").read_text().splitlines()
     partly = tmp_path / "test1.json"

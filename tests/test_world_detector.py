@@ -335,3 +335,22 @@ def test_bad_input_exits_2_with_one_line_and_no_store(world_dir, extracted, tmp_
         main(["extract", "--world", str(world_dir), "--out", str(out)])
     assert "already exists (pass --overwrite to replace it)" in capsys.readouterr().err
     assert out.read_bytes() == b"previous store"
+
+
+def test_a_world_without_its_images_folder_names_the_folder(world_dir, tmp_path, capsys):
+    """A world copied without images/ (or with it empty): the line names the folder, not a file beside it
+    (it named WORLD/000000000001.png, a path the world never has)."""
+    import shutil
+
+    w = tmp_path / "w"
+    shutil.copytree(world_dir, w, ignore=shutil.ignore_patterns("images"))
+    first = read_world_scenes(world_dir).images[0]
+    out = tmp_path / "out" / "s.h5"
+    out.parent.mkdir()
+    assert _run_bad(w, out, capsys=capsys) == (
+        f"error: {w / 'images'}: record image {first.image_id}: images folder not found: scenes.jsonl names "
+        f"{first.file_name} in it (nor is it in the world directory)")
+    (w / "images").mkdir()
+    assert _run_bad(w, out, capsys=capsys) == (
+        f"error: {w / 'images'}: record image {first.image_id}: images folder is empty: scenes.jsonl names "
+        f"{first.file_name} in it")

@@ -111,10 +111,13 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory under a temporary name; swap it in as `path` when the block succeeds.
 
     An existing non-empty `path` is an error unless `overwrite` is set, in which case it is replaced
-    only after the new directory is complete.
+    only after the new directory is complete. A file at `path` is always an error (--overwrite would not
+    help: it replaces a directory, never a file).
     """
     path = Path(path)
-    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and not path.is_dir():
+        raise VlbertsError("is a file, not a directory (a directory is written there)", path=path)
+    if path.exists() and not overwrite and any(path.iterdir()):
         raise VlbertsError("already exists and is not empty (pass --overwrite to replace it)", path=path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))

@@ -31,6 +31,7 @@ from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_
 from vlberts.io import read_text
 
 FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5", "visualbert-th")
+DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "visualbert-th")  # may read a directory; the others a file
 IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
 
 
@@ -54,6 +55,8 @@ def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRec
 def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None
                  ) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
     """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`."""
+    if format in IMPORT_FORMATS and format not in DIRECTORY_FORMATS and Path(src).is_dir():
+        raise VlbertsError(f"is a directory, not a file (--format {format} reads one file)", path=src)
     if format in TSV_FORMATS:
         return _tsv_records(src, format)
     if format == "vlbert-json":

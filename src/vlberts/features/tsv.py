@@ -180,6 +180,8 @@ def get_format(name: str) -> TsvFormat:
 def iter_tsv_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw line bytes including its end) for every line; a missing file is an error."""
     path = Path(path)
+    if path.is_dir():
+        raise VlbertsError("is a directory, not a file (a TSV file is expected)", path=path)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
     with open(path, "rb") as f:

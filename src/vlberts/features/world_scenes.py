@@ -183,18 +183,35 @@ def read_world_scenes(root: str | Path, check_images: bool = True) -> WorldScene
             raise VlbertsError(f"duplicate image id {im.image_id} (first on line {first})", path=path, record=where)
         first_line[im.image_id] = lineno
         if check_images and not world.image_path(im).is_file():
-            raise VlbertsError("image file not found", path=world.image_path(im), record=f"image {im.image_id}")
+            raise _image_not_found(world, im)
         images.append(im)
     if not images:
         raise VlbertsError("no images in scenes.jsonl", path=path)
     return WorldScenes(root=root, vocab=vocab, images=tuple(images))
 
 
+def _image_not_found(world: WorldScenes, im: WorldImage) -> VlbertsError:
+    """The error for an image file that is not there: it names the images folder when that folder is
+    missing or empty (a world copied without its images), else the file."""
+    path = world.image_path(im)
+    bare = "/" not in im.file_name
+    folder = world.root / "images" if bare else path.parent
+    where = f"image {im.image_id}"
+    if not folder.is_dir():
+        also = " (nor is it in the world directory)" if bare else ""
+        return VlbertsError(f"images folder not found: scenes.jsonl names {im.file_name} in it{also}", path=folder,
+                            record=where)
+    if not any(folder.iterdir()):
+        return VlbertsError(f"images folder is empty: scenes.jsonl names {im.file_name} in it", path=folder,
+                            record=where)
+    return VlbertsError("image file not found", path=path, record=where)
+
+
 def load_image(world: WorldScenes, im: WorldImage) -> np.ndarray:
     """One world image as (H, W, 3) uint8 RGB; missing, unreadable or wrongly sized files are errors."""
     path = world.image_path(im)
     if not path.is_file():
-        raise VlbertsError("image file not found", path=path, record=f"image {im.image_id}")
+        raise _image_not_found(world, im)
     try:
         with Image.open(path) as img:
             arr = np.asarray(img.convert("RGB"))
