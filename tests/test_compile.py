@@ -32,7 +32,10 @@ def test_compiled_pretraining_equals_eager(tiny_world, tmp_path, monkeypatch):
     # Dropout off: compiled kernels draw their random masks differently from eager ones.
     monkeypatch.setitem(builders.MODEL_CONFIGS, "visualbert-tiny-nodrop",
                         lambda **kw: builders.visualbert_tiny(hidden_dropout=0.0, attention_dropout=0.0, **kw))
-    cfg = dict(model="visualbert-tiny-nodrop", steps=6, batch_size=16, compile_mode="reduce-overhead", static_shapes=True)
+    # Captions cut to 12 tokens: every batch's text is padded to the same length (the bucket of 12), so the
+    # six batches make one or two shapes (masked-word buckets), each graph costing ~25 s of kernel building.
+    cfg = dict(model="visualbert-tiny-nodrop", steps=6, batch_size=16, compile_mode="reduce-overhead", static_shapes=True,
+               max_text_len=12)
     logs, weights = {}, {}
     for name, compile_ in (("eager", False), ("compiled", True)):
         out = tmp_path / name
@@ -43,7 +46,7 @@ def test_compiled_pretraining_equals_eager(tiny_world, tmp_path, monkeypatch):
         weights[name] = load_file(out / "model" / "model.safetensors")
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert (compiled_graphs > 0) == compile_, (name, compiled_graphs)  # the forward really was compiled
-        assert compiled_graphs <= 4, compiled_graphs  # a few graphs for 6 batches
+        assert compiled_graphs <= 2, compiled_graphs  # not one graph per batch: the shapes hold still
     assert len(logs["eager"]) == 6
     for a, b in zip(logs["eager"], logs["compiled"], strict=True):
         for key in ("mlm_loss", "match_loss", "grad_norm"):
