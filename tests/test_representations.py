@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from vlberts.analysis.representations import (
     RepresentationSet, agreement_table, nearest_class_agreement, sample_instances, tsne,
 )
+from vlberts.errors import VlbertsError
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
@@ -73,10 +75,11 @@ def test_sample_instances_takes_the_most_frequent_classes_and_caps_each():
     assert sorted(classes[i] for i in keep) == ["x", "x", "y", "y"]
 
 
-def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path):
+def _draw(tiny_world, tmp_path, arch: str) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """`arch` pre-trained for 2 updates on the tiny world, and `analyze representations` of it: (model, out, run)."""
     model = pretrain(PretrainConfig(
         captions=str(tiny_world.captions_train), features=str(tiny_world.store), out=str(tmp_path / "pt"),
-        model="wvisualbert-tiny", vocab_size=200, steps=2, batch_size=8,
+        model=arch, vocab_size=200, steps=2, batch_size=8,
     ))
     out = tmp_path / "rep"
     proc = subprocess.run(
@@ -84,6 +87,11 @@ def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path)
          f"--features={tiny_world.store}", "--split=train", f"--out={out}", "--per_class=10", "--iterations=100"],
         capture_output=True, text=True,
     )
+    return model, out, proc
+
+
+def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path):
+    model, out, proc = _draw(tiny_world, tmp_path, "wvisualbert-tiny")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "a word's nearest region has its class" in proc.stdout
     assert "  words    -> words " in proc.stdout and "  tags     -> words " in proc.stdout
@@ -116,3 +124,30 @@ def test_cli_draws_words_regions_and_tags_of_a_wvisualbert(tiny_world, tmp_path)
     bad = subprocess.run([str(VLBERTS), "analyze", "representations", f"--model={model}", f"--out={out}"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "needs --entities" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_vilbert_is_drawn_through_its_alignment_poolers(tiny_world, tmp_path):
+    """ViLBERT's streams differ in width (tiny: 32 and 24), so its words and regions are drawn in the space its
+    alignment prediction multiplies h_CLS and h_IMG in: each word through the text pooler, each region
+    through the image pooler (it was an error). A model with such widths and no poolers is one line."""
+    from vlberts.models.builders import build_pretraining_model, model_config
+    from vlberts.recipes.analyze_representations import pooler_projections
+
+    _, out, proc = _draw(tiny_world, tmp_path, "vilbert-tiny")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("drawn in ViLBERT's alignment poolers (Linear + ReLU into 16-d")
+    rep = json.loads((out / "representations.json").read_text())
+    assert rep["space"].startswith("ViLBERT's alignment poolers") and list(rep["nearest_same_class"]) == ["word", "region"]
+    n = rep["instances"]
+    assert n >= 10 and rep["points"] == {"word": n, "region": n}
+
+    vil = build_pretraining_model(model_config("vilbert-tiny", vocab_size=50, visual_dim=16))
+    t, v = pooler_projections(vil, "m")
+    assert t is vil.bert.t_pooler and v is vil.bert.v_pooler
+    bi = vil.cfg.bi_hidden_size
+    assert t(torch.randn(2, 5, 32)).shape == (2, 5, bi) and v(torch.randn(2, 7, 24)).shape == (2, 7, bi)
+    del vil.bert.t_pooler
+    with pytest.raises(VlbertsError, match="text states are 32-d and region states 24-d, and the model has no poolers"):
+        pooler_projections(vil, "m")
+    same = build_pretraining_model(model_config("lxmert-tiny", vocab_size=50, visual_dim=16))
+    assert pooler_projections(same, "m") is None  # one width: the final states themselves

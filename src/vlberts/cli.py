@@ -624,6 +624,8 @@ def analyze_representations_cmd(ctx: typer.Context, config: Optional[Path] = CON
     cfg = _run_config(recipe, ctx, config)
     rep = recipe.analyze_representations(cfg)
     counts = ", ".join(f"{rep.reps.modalities.count(m)} {m}s" for m in ("word", "region", "tag") if m in rep.reps.modalities)
+    if rep.space != "final states":
+        typer.echo(f"drawn in {rep.space}")
     typer.echo(f"{len(set(rep.reps.instances))} instances of {len(set(rep.reps.classes))} classes ({counts}); "
                f"a word's nearest region has its class {rep.agreement:.2f}% of the time (chance {rep.chance:.2f}%)")
     typer.echo("nearest representation of the same class, % (chance), from each kind to each kind (itself left out):")

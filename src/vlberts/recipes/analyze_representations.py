@@ -7,6 +7,7 @@
     run the pre-trained model on `[CLS] caption [SEP]` + the image's regions (+ the detector tags for
         W-VisualBERT with tags); take the final states of the head word's last subword, of the region, of
         the region's tag subwords (mean)
+    (ViLBERT: words and regions through its two poolers into one space, see below)
     t-SNE of all of them together; the figure; how often a word's nearest region has its class, and the
         same for every pair of modalities (a region's nearest other region, a word's nearest tag, ...)
 
@@ -15,8 +16,13 @@
     OUT/representations.json   counts, the word -> region agreement and its chance rate, the table of
                                every pair of modalities, every point (class, modality, instance, x, y)
 
-Two-stream models whose streams differ in width (ViLBERT's visual stream) have no common space to draw
-the words and regions in: an error says so.
+ViLBERT's streams differ in width (768 and 1024 at base size), so its final states share no space. The one
+place the model compares the two streams is its alignment prediction (§2.2), whose poolers take h_CLS and
+h_IMG through Linear + ReLU into the co-attention width and multiply them there: ViLBERT's words and
+regions are drawn in that space, every word through the text pooler and every region through the image
+pooler (`OUT/representations.json` "space" says which space was used; the poolers were trained on the first
+element of each stream only, which the figure's title and the printed line say too). Models whose streams
+share a width are drawn from their final states.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
+from vlberts.models.encoders import ENCODER_PREFIX
 from vlberts.recipes.analyze_grounding import analysis_images
 from vlberts.recipes.common import fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
@@ -90,6 +97,7 @@ class RepresentationsReport:
     points: np.ndarray  # (N, 2)
     paths: dict[str, Path]
     table: dict[str, dict[str, tuple[float, float]]]  # [query][key] -> (% nearest key of the class, chance %)
+    space: str = "final states"  # what the vectors are (`representation_space`)
 
     @property
     def agreement(self) -> float:
@@ -124,9 +132,34 @@ def find_instances(captions: list[EntityCaption], store: RegionStore, class_name
     return found
 
 
+def pooler_projections(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The text and image poolers of a model whose streams differ in width (ViLBERT's `t_pooler`, `v_pooler`:
+    Linear + ReLU into `bi_hidden_size`), to draw words and regions in; None where the final states share a
+    width. Streams of different widths without such poolers: a one-line error."""
+    cfg = model.cfg
+    width, v_width = cfg.hidden_size, getattr(cfg, "v_hidden_size", cfg.hidden_size)
+    if width == v_width:
+        return None
+    encoder = getattr(model, ENCODER_PREFIX[arch_of(cfg)])
+    if not (hasattr(encoder, "t_pooler") and hasattr(encoder, "v_pooler")):
+        raise VlbertsError(f"{arch_of(cfg)}: text states are {width}-d and region states {v_width}-d, and the "
+                           "model has no poolers into a common space to draw them in", path=path)
+    return encoder.t_pooler, encoder.v_pooler
+
+
+def representation_space(model_cfg: Any) -> str:
+    """What the drawn vectors are (`representations.json` "space")."""
+    if getattr(model_cfg, "v_hidden_size", model_cfg.hidden_size) == model_cfg.hidden_size:
+        return "final states"
+    return (f"ViLBERT's alignment poolers (Linear + ReLU into {model_cfg.bi_hidden_size}-d, trained on h_CLS and "
+            "h_IMG): words through the text pooler, regions through the image pooler")
+
+
 def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: list[Instance], store: RegionStore,
-            tok: TextTokenizer, class_names: list[str], cfg: RepresentationsConfig, device: torch.device) -> RepresentationSet:
-    """The final states of each instance's word, region and (W-VisualBERT with tags) tag."""
+            tok: TextTokenizer, class_names: list[str], cfg: RepresentationsConfig, device: torch.device,
+            pooled: tuple[torch.nn.Module, torch.nn.Module] | None = None) -> RepresentationSet:
+    """The final states of each instance's word, region and (W-VisualBERT with tags) tag; `pooled`: the
+    projections the words and the regions go through first (ViLBERT's poolers, `pooler_projections`)."""
     with_tags = reads_tags(model.cfg)
     tag_words = detector_tag_subwords(class_names, tok) if with_tags else None
     by_caption: dict[int, list[Instance]] = {}
@@ -149,11 +182,11 @@ def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: li
                 tags = tags.to(device)
                 tag_region = tags.tag_region.cpu().numpy()
             out = model.encode(x, tags=tags) if with_tags else model.encode(x)
-            text, vision = out.text.float().cpu().numpy(), out.vision.float().cpu().numpy()  # (B, T, D), (B, R, Dv)
+            text_t, vision_t = out.text, out.vision  # (B, T, D), (B, R, Dv)
+            if pooled is not None:  # ViLBERT: into the poolers' common space (module docstring)
+                text_t, vision_t = pooled[0](text_t), pooled[1](vision_t)  # (B, T, Db), (B, R, Db)
+            text, vision = text_t.float().cpu().numpy(), vision_t.float().cpu().numpy()
             tag_states = out.tags.float().cpu().numpy() if with_tags and out.tags is not None else None
-            if text.shape[-1] != vision.shape[-1]:
-                raise VlbertsError(f"{arch_of(model.cfg)}: text states are {text.shape[-1]}-d and region states "
-                                   f"{vision.shape[-1]}-d, so there is no common space to draw them in", path=cfg.model)
             for b, cap in enumerate(chunk):
                 for inst in by_caption[order[start + b]]:
                     ent = cap.entities[inst.entity]
@@ -185,6 +218,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     model, model_cfg, meta = load_attention_model(cfg.model)
     cfg = fit_text_len(cfg, model_cfg, cfg.model)
     model.to(device)
+    pooled = pooler_projections(model, cfg.model)  # ViLBERT: its streams' widths differ
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
     class_names = store.metadata.classes
@@ -202,7 +236,8 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
         raise VlbertsError(f"{len(instances)} instance(s) found in split {cfg.split!r} (skipped: {skipped.to_dict()})",
                            path=cfg.entities)
     write_run_config(cfg.out, cfg)  # before the forward passes and t-SNE
-    reps = collect(model, captions, instances, store, tok, class_names, cfg, device)
+    reps = collect(model, captions, instances, store, tok, class_names, cfg, device, pooled)
+    space = representation_space(model_cfg)
     points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
     table = agreement_table(reps)
 
@@ -211,17 +246,19 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
     arch = arch_of(model_cfg)
     save_representation_figure(points, reps, paths["figure"],
                                title=f"{arch}: final-layer representations ({len(instances)} instances, "
-                                     f"{len(set(reps.classes))} classes)")
-    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, bad, meta.get("task"), time.perf_counter() - t0))
-    return RepresentationsReport(reps, points, paths, table)
+                                     f"{len(set(reps.classes))} classes)"
+                                     + ("" if pooled is None else "\nthrough the alignment poolers (h_CLS, h_IMG)"))
+    write_json(paths["json"], _to_json(cfg, reps, points, table, skipped, bad, meta.get("task"),
+                                       time.perf_counter() - t0, space))
+    return RepresentationsReport(reps, points, paths, table, space)
 
 
 def _to_json(cfg: RepresentationsConfig, reps: RepresentationSet, points: np.ndarray,
              table: dict[str, dict[str, tuple[float, float]]], skipped: SkipCounts, bad: BadRecords,
-             task: str | None, seconds: float) -> dict[str, Any]:
+             task: str | None, seconds: float, space: str) -> dict[str, Any]:
     agreement, chance = table["word"]["region"]
     return {
-        "model": cfg.model, "model_task": task, "split": cfg.split,
+        "model": cfg.model, "model_task": task, "split": cfg.split, "space": space,
         "instances": len(set(reps.instances)),
         "points": {m: reps.modalities.count(m) for m in ("word", "region", "tag") if m in reps.modalities},
         "classes": sorted(set(reps.classes)),
