@@ -459,3 +459,28 @@ def test_cli_bad_text_corpus_is_one_line_naming_file_and_line(tiny_world, tmp_pa
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
     assert f"{bad}: record line 2: not a UTF-8 text file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_text_files_read_whole_drop_a_byte_order_mark_too(tiny_world, tmp_path):
+    """`io.read_text` (vocabularies, CoNLL-U parses, Flickr30K Entities files, predictions files), `read_json`
+    and `iter_jsonl` drop a BOM opening the file as the line readers above do: it stuck to the first
+    vocabulary entry ("\\ufeffcircle") and to the first CoNLL-U line, and JSON files with one were refused."""
+    from vlberts.data.conllu import read_conllu
+    from vlberts.features.importers import read_vocab
+
+    vocab = tmp_path / "objects_vocab.txt"
+    vocab.write_bytes("\ufeffcircle\nsquare\n".encode("utf-8"))
+    assert read_vocab(vocab) == ["circle", "square"]
+    parses = tiny_world.root / "parses" / "test.conllu"
+    bom = tmp_path / "test.conllu"
+    bom.write_bytes(b"\xef\xbb\xbf" + parses.read_bytes())
+    assert read_conllu(bom) == read_conllu(parses)
+    # JSON and JSON lines: RFC 8259 lets a reader ignore the mark (Python's json module refuses it)
+    from vlberts.io import iter_jsonl, read_json
+
+    obj = tmp_path / "a.json"
+    obj.write_bytes(b"\xef\xbb\xbf" + json.dumps({"k": 1}).encode())
+    assert read_json(obj) == {"k": 1}
+    lines = tmp_path / "a.jsonl"
+    lines.write_bytes(b"\xef\xbb\xbf" + b'{"k": 1}\n{"k": 2}\n')
+    assert list(iter_jsonl(lines)) == [(1, {"k": 1}), (2, {"k": 2})]

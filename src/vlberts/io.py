@@ -177,10 +177,12 @@ def refuse_run_directory(directory: str | Path, name: str) -> None:
 
 
 def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`."""
+    """A UTF-8 text file's contents; a missing file or bytes that are not UTF-8 is a one-line `VlbertsError`.
+    A byte-order mark opening the file (as Windows editors save UTF-8) is dropped, not read as text: it
+    would otherwise stick to the first vocabulary entry, CoNLL-U line or predictions header."""
     path = require_file(path)
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise VlbertsError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path) from None
 
@@ -209,7 +211,7 @@ def read_json(path: str | Path) -> Any:
     `VlbertsError` naming it."""
     path = require_file(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark opening the file is dropped (RFC 8259 §8.1)
             return json.load(f, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
@@ -234,7 +236,7 @@ def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tupl
     path = require_file(path)
     lineno = 0
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # as read_json: a byte-order mark opening the file is dropped
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
