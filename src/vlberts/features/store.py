@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import json
 import os
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -280,6 +281,74 @@ class RegionStoreWriter:
             self.abort()
 
 
+def _close_fd(fd: int, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child leaves its parent's descriptor alone
+        os.close(fd)
+
+
+class RawRows:
+    """Rows of one per-box dataset read straight from the file, at the byte offsets HDF5 reports for its
+    chunks (`os.preadv` into the result), instead of through HDF5's selection machinery: for one image on
+    2026-11-29's 2-core machine, ~40 us against ~80 us for its features (36 x 2048 float16) and a few us
+    against ~40 us for its boxes; the data loaders read one image per example. The bytes are the ones h5py
+    returns (tested). Only for datasets stored as raw rows (`usable`: no filter such as compression, native
+    byte order, whole rows in each chunk); the caller reads the others, or a chunk HDF5 has not allocated,
+    through h5py (`read` returns None)."""
+
+    def __init__(self, ds: h5py.Dataset, fd: int):
+        self.ds, self.fd = ds, fd
+        self.row_shape = tuple(ds.shape[1:])
+        self.dtype = ds.dtype
+        self.row_bytes = ds.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
+        self.chunk_rows = ds.chunks[0] if ds.chunks is not None else None
+        n_chunks = 1 if self.chunk_rows is None else -(-ds.shape[0] // self.chunk_rows)
+        self.offsets = np.full(max(n_chunks, 1), -1, dtype=np.int64)  # byte offset per chunk; -1 unknown, -2 none
+
+    @staticmethod
+    def usable(ds: h5py.Dataset) -> bool:
+        try:
+            return (hasattr(os, "preadv") and ds.ndim >= 1 and ds.dtype.kind in "fiub" and ds.dtype.isnative
+                    and ds.id.get_create_plist().get_nfilters() == 0
+                    and (ds.chunks is None or tuple(ds.chunks[1:]) == tuple(ds.shape[1:])))
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # an h5py without these calls
+            return False
+
+    def _chunk_offset(self, c: int) -> int:
+        """Byte offset of chunk c in the file (-2: not allocated)."""
+        off = int(self.offsets[c])
+        if off == -1:
+            try:
+                if self.chunk_rows is None:
+                    got = self.ds.id.get_offset()
+                else:
+                    info = self.ds.id.get_chunk_info_by_coord((c * self.chunk_rows,) + (0,) * len(self.row_shape))
+                    got = info.byte_offset if info.filter_mask == 0 else None
+            except (AttributeError, RuntimeError, ValueError, KeyError):
+                got = None
+            off = self.offsets[c] = -2 if got is None else int(got)
+        return off
+
+    def read(self, start: int, n: int) -> np.ndarray | None:
+        """Rows start .. start + n (n, *row shape), or None where HDF5 must read them."""
+        out = np.empty((n, *self.row_shape), dtype=self.dtype)
+        if n == 0:
+            return out
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        step = self.chunk_rows or self.ds.shape[0]
+        row, pos, end = start, 0, start + n
+        while row < end:
+            c = row // step
+            k = min(end, (c + 1) * step) - row  # rows of this chunk
+            base = self._chunk_offset(0 if self.chunk_rows is None else c)
+            if base < 0:
+                return None
+            nbytes = k * self.row_bytes
+            if os.preadv(self.fd, [buf[pos : pos + nbytes]], base + (row - c * step) * self.row_bytes) != nbytes:
+                return None  # cut short: HDF5 reports it
+            row, pos = row + k, pos + nbytes
+        return out
+
+
 class RegionStore:
     """Read a store: `len`, `in`, `ids()`, `get(id)`, `get_many(ids)`, `records()`, `info()`.
 
@@ -298,6 +367,9 @@ class RegionStore:
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._ds: dict[str, h5py.Dataset] = {}
+        self._fd: int | None = None  # this process's descriptor for `RawRows`
+        self._fd_closer: weakref.finalize | None = None
+        self._raw: dict[str, RawRows | None] = {}
         f = self._h5()
         attrs = f.attrs
         if attrs.get("format") != STORE_FORMAT:
@@ -402,7 +474,7 @@ class RegionStore:
             except OSError as e:
                 raise VlbertsError(f"cannot open as HDF5 ({e})", path=self.path) from None
             self._pid = os.getpid()
-            self._ds = {}
+            self._ds, self._raw, self._fd, self._fd_closer = {}, {}, None, None  # a forked child's are the parent's
         return self._file
 
     def _dataset(self, name: str) -> h5py.Dataset:
@@ -411,10 +483,30 @@ class RegionStore:
             self._ds[name] = f[name]
         return self._ds[name]
 
+    def _rows(self, name: str, start: int, n: int) -> np.ndarray:
+        """Rows start .. start + n of a per-box dataset: straight from the file where it stores raw rows
+        (`RawRows`), else through h5py."""
+        self._h5()
+        if name not in self._raw:
+            ds = self._dataset(name)
+            if RawRows.usable(ds):
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    # closed with the store, or when it is garbage collected unclosed (as h5py's handle is)
+                    self._fd_closer = weakref.finalize(self, _close_fd, self._fd, os.getpid())
+                self._raw[name] = RawRows(ds, self._fd)
+            else:
+                self._raw[name] = None
+        raw = self._raw[name]
+        rows = raw.read(start, n) if raw is not None else None
+        return rows if rows is not None else self._dataset(name)[start : start + n]
+
     def close(self) -> None:
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
-        self._file, self._pid, self._ds = None, None, {}
+            if self._fd_closer is not None:
+                self._fd_closer()
+        self._file, self._pid, self._ds, self._raw, self._fd, self._fd_closer = None, None, {}, {}, None, None
 
     def __enter__(self) -> RegionStore:
         return self
@@ -424,7 +516,7 @@ class RegionStore:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_file=None, _pid=None, _ds={})  # a spawned worker opens its own handle
+        state.update(_file=None, _pid=None, _ds={}, _raw={}, _fd=None, _fd_closer=None)  # a spawned worker opens its own
         return state
 
     def __len__(self) -> int:
@@ -471,7 +563,7 @@ class RegionStore:
             raise VlbertsError(e.message, path=self.path, record=f"image {self._ids[i]}") from None
 
     def _read(self, i: int, start: int, n: int) -> RegionRecord:
-        return self._record(i, {name: self._dataset(name)[start : start + n] for name in self.fields})
+        return self._record(i, {name: self._rows(name, start, n) for name in self.fields})
 
     def get(self, image_id: str | int) -> RegionRecord:
         """The record of one image; a missing id is a `VlbertsError` naming the store and the id."""
