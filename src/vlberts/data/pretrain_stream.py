@@ -22,8 +22,7 @@ shard's headers (not every sample before, so resuming costs the same at any poin
 the same chunk again and continues with exactly the examples the uninterrupted run would have seen. The
 stream reads each sample's json alone and its region arrays only when its chunk is built
 (`read_shard(arrays=False)`, `load_arrays`). Checkpoints store every rank's position
-(`TrainState.data["stream"]`); the world size must then stay
-the same. The split-invariance of the file-based path (the same update however a global batch is split
+(`TrainState.data["stream"]`); the world size must then stay the same. The split-invariance of the file-based path (the same update however a global batch is split
 over ranks) does not carry over: ranks read different shards by design, as WebDataset training does.
 """
 

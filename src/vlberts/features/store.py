@@ -310,7 +310,7 @@ class RawRows:
             return (hasattr(os, "preadv") and ds.ndim >= 1 and ds.dtype.kind in "fiub" and ds.dtype.isnative
                     and ds.id.get_create_plist().get_nfilters() == 0
                     and (ds.chunks is None or tuple(ds.chunks[1:]) == tuple(ds.shape[1:])))
-        except (AttributeError, TypeError, ValueError, RuntimeError):  # an h5py without these calls
+        except (AttributeError, TypeError, ValueError, RuntimeError, OSError):  # an h5py without these calls
             return False
 
     def _chunk_offset(self, c: int) -> int:
@@ -323,7 +323,7 @@ class RawRows:
                 else:
                     info = self.ds.id.get_chunk_info_by_coord((c * self.chunk_rows,) + (0,) * len(self.row_shape))
                     got = info.byte_offset if info.filter_mask == 0 else None
-            except (AttributeError, RuntimeError, ValueError, KeyError):
+            except (AttributeError, RuntimeError, ValueError, KeyError, OSError):  # a layout it cannot locate
                 got = None
             off = self.offsets[c] = -2 if got is None else int(got)
         return off

@@ -147,9 +147,10 @@ def pooler_projections(model: torch.nn.Module, path: str) -> tuple[torch.nn.Modu
     return encoder.t_pooler, encoder.v_pooler
 
 
-def representation_space(model_cfg: Any) -> str:
-    """What the drawn vectors are (`representations.json` "space")."""
-    if getattr(model_cfg, "v_hidden_size", model_cfg.hidden_size) == model_cfg.hidden_size:
+def representation_space(model_cfg: Any, pooled: bool) -> str:
+    """What the drawn vectors are (`representations.json` "space"): the final states, or (`pooled`) their
+    projections through ViLBERT's poolers."""
+    if not pooled:
         return "final states"
     return (f"ViLBERT's alignment poolers (Linear + ReLU into {model_cfg.bi_hidden_size}-d, trained on h_CLS and "
             "h_IMG): words through the text pooler, regions through the image pooler")
@@ -237,7 +238,7 @@ def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport
                            path=cfg.entities)
     write_run_config(cfg.out, cfg)  # before the forward passes and t-SNE
     reps = collect(model, captions, instances, store, tok, class_names, cfg, device, pooled)
-    space = representation_space(model_cfg)
+    space = representation_space(model_cfg, pooled is not None)
     points = tsne(reps.vectors, perplexity=cfg.perplexity, iterations=cfg.iterations, seed=cfg.seed)
     table = agreement_table(reps)
 
