@@ -44,9 +44,8 @@ from vlberts.features.identity import warn_feature_mismatch
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
 from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
-from vlberts.models.builders import init_skipped
-from vlberts.models.weights import find_weights, load_into, read_state_dict
-from vlberts.training.checkpoint import TrainState, read_model_config, save_checkpoint, save_model_dir
+from vlberts.models.weights import find_weights
+from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
 from vlberts.training.distributed import (
     DistInfo,
     GradientSync,
@@ -156,15 +155,9 @@ def read_task_model(directory: str | Path, task: str, name: str, hint: str = "")
 
 
 def load_task_weights(build: Callable[[], nn.Module], directory: str | Path) -> nn.Module:
-    """The task model `build()` makes from `read_task_model`'s config, holding the directory's weights. Every
-    tensor is loaded, strictly (`load_into`), so the model is built without drawing the random initialisation
-    the weights replace (`init_skipped`: ~2 s for a base model on 2 cores)."""
-    weights = find_weights(directory)
-    sd = read_state_dict(weights)
-    with init_skipped():
-        model = build()
-    load_into(model, sd, source=weights)
-    return model
+    """The task model `build()` makes from `read_task_model`'s config, holding the directory's weights
+    (`load_built`: strictly, without drawing the initialisation they replace)."""
+    return load_built(build, find_weights(directory))
 
 
 def num_updates(cfg: FinetuneConfig, examples: int) -> int:

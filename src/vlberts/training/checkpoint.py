@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,9 @@ from torch import nn
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, refuse_run_directory, write_json
-from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict
+from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict, init_skipped
 from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
-from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, tied_aliases
+from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, read_state_dict, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
 if TYPE_CHECKING:
@@ -145,13 +146,22 @@ def require_vocab_fits(vocab: Path, cfg: Any, holder: str = "the model in config
                            "(a vocabulary from another model?)", path=vocab)
 
 
+def load_built(build: Callable[[], nn.Module], weights: Path) -> nn.Module:
+    """The model `build()` makes, holding every tensor of the weights file (strictly: `load_into`). It is
+    built without drawing the random initialisation the weights replace (`init_skipped`: ~2 s for a base
+    model on 2 cores); the file is read first, so a missing or damaged one is reported before any building."""
+    sd = read_state_dict(weights)
+    with init_skipped():
+        model = build()
+    load_into(model, sd, source=weights)
+    return model
+
+
 def load_pretraining_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Build the pre-training model a directory describes and load its weights (strictly)."""
     directory = Path(directory)
     cfg, meta = read_model_config(directory)
-    model = build_pretraining_model(cfg, initialise=False)  # every tensor is loaded next, strictly
-    load_into(model, read_safetensors(directory / "model.safetensors"), source=directory / "model.safetensors")
-    return model, cfg, meta
+    return load_built(lambda: build_pretraining_model(cfg), directory / "model.safetensors"), cfg, meta
 
 
 def load_attention_model(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
