@@ -395,6 +395,71 @@ def load_arrays(sample: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+def _header(block: bytes) -> tuple[str, int, bool] | None:
+    """(name, data size, is a regular file) of a tar header block of the plain kinds a shard writer makes
+    (POSIX ustar, GNU or v7; a regular file or a directory, octal size, right checksum), else None."""
+    typeflag = block[156:157]
+    if typeflag not in (b"0", b"\0", b"5"):
+        return None
+    try:
+        size = int(block[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+        checksum = int(block[148:156].split(b"\0", 1)[0].strip(), 8)
+    except ValueError:  # base-256 numbers, damage: tarfile decides
+        return None
+    if checksum != sum(block[:148]) + 256 + sum(block[156:]):  # the checksum field counts as 8 spaces
+        return None
+    name = block[:100].split(b"\0", 1)[0]
+    if block[257:265] == b"ustar\x0000":  # POSIX: a long name is split into prefix / name
+        prefix = block[345:500].split(b"\0", 1)[0]
+        name = prefix + b"/" + name if prefix else name
+    # As tarfile reads them: v7 marks a directory by a trailing slash on a file of type NUL.
+    regular = typeflag == b"0" or (typeflag == b"\0" and not name.endswith(b"/"))
+    return name.decode("utf-8", "surrogateescape"), size, regular
+
+
+def _tar_files(f: io.BufferedReader, total: int) -> Iterator[tuple[str, int, int]]:
+    """(name, data offset, size) of each regular file of the tar `f` (`total` bytes), in file order.
+
+    A shard's headers are read here directly: tarfile's own parsing of a header (a TarInfo with every
+    field decoded) was a fifth of what a streamed sample cost. From the first header of another kind
+    (pax or GNU long-name records, links, sparse files, base-256 numbers, a bad checksum: e.g. shards
+    written by other tools) tarfile reads the rest. The caller may move `f` between members. A tar cut
+    inside a header, ending without its end-of-archive blocks or holding a header that is not one (where
+    tarfile alone would stop quietly, as at the end) raises `tarfile.ReadError`."""
+    pos = 0
+    while True:
+        f.seek(pos)
+        block = f.read(_BLOCK)
+        if block == _ZERO_BLOCK:  # end of archive: two zero blocks (tarfile stops at the first)
+            if total - pos < 2 * _BLOCK:
+                raise tarfile.ReadError("no end-of-archive blocks")
+            return
+        header = _header(block) if len(block) == _BLOCK else None
+        if header is None:
+            if len(block) < _BLOCK:
+                raise tarfile.ReadError("a header cut short" if block else "no end-of-archive blocks")
+            f.seek(pos)
+            with tarfile.open(fileobj=f, mode="r:") as tar:  # reads on from `pos`: offsets stay the file's
+                for info in tar:
+                    if info.isfile():
+                        yield info.name, info.offset_data, info.size
+                end = tar.offset  # tarfile stops quietly at a header cut short or damaged past the first
+            f.seek(end)
+            if total - end < 2 * _BLOCK:
+                raise tarfile.ReadError("no end-of-archive blocks")
+            if f.read(_BLOCK) != _ZERO_BLOCK:
+                raise tarfile.ReadError(f"a damaged header at byte {end} (bad checksum or not a tar header)")
+            return
+        name, size, regular = header
+        if regular:
+            yield name, pos + _BLOCK, size
+        pos += _BLOCK + -(-size // _BLOCK) * _BLOCK
+
+
 def read_shard(shard: str | Path, *, arrays: bool = True,
                select: Callable[[int], bool] | None = None) -> Iterator[dict[str, Any]]:
     """Decoded samples of one shard in file order, reading one member at a time.
@@ -416,14 +481,12 @@ def read_shard(shard: str | Path, *, arrays: bool = True,
     wanted = True  # whether the sample being read is decoded (`select`)
     try:
         size = shard.stat().st_size
-        with tarfile.open(shard, "r:") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                base = info.name.rsplit("/", 1)[-1]
+        with open(shard, "rb") as f:
+            for name, offset, length in _tar_files(f, size):
+                base = name.rsplit("/", 1)[-1]
                 k, dot, ext = base.partition(".")
                 if not dot:
-                    raise VlbertsError(f"member {info.name} has no extension", path=shard, record=f"key {k}")
+                    raise VlbertsError(f"member {name} has no extension", path=shard, record=f"key {k}")
                 if k != key:
                     if key is not None and wanted:
                         yield _decode(shard, key, members)
@@ -433,19 +496,15 @@ def read_shard(shard: str | Path, *, arrays: bool = True,
                     seen.add(k)
                     key, members = k, {}
                 if ext in members:
-                    raise VlbertsError(f"member {info.name} appears twice", path=shard, record=f"key {k}")
+                    raise VlbertsError(f"member {name} appears twice", path=shard, record=f"key {k}")
                 if not wanted or (not arrays and ext.endswith(".npy")):
-                    members[ext] = (info.offset_data, info.size)  # tarfile seeks over the data to the next header
+                    members[ext] = (offset, length)  # stepped over
                     continue
-                data = bytearray(info.size)  # writable, so arrays viewing it are too
-                f = tar.extractfile(info)
-                if f is not None and info.size:
-                    f.readinto(data)  # a member cut short raises tarfile.ReadError
+                data = bytearray(length)  # writable, so arrays viewing it are too
+                f.seek(offset)
+                if f.readinto(data) != length:
+                    raise tarfile.ReadError("a member cut short")
                 members[ext] = data
-            # tarfile stops quietly at a header cut short; a complete archive ends in two zero blocks.
-            if size - tar.offset < 2 * tarfile.BLOCKSIZE:
-                raise VlbertsError("tar is truncated (no end-of-archive blocks)", path=shard,
-                                   record=f"key {key}" if key is not None else None)
     except tarfile.TarError as e:
         raise VlbertsError(f"unreadable tar ({e}), truncated or damaged", path=shard,
                            record=f"key {key}" if key is not None else None) from None
