@@ -18,14 +18,15 @@ from vlberts.features.store import RegionRecord
 class Oracle(torch.nn.Module):
     """An MLM head that answers the masked positions from a table: `answers[k]` is the id it predicts at the
     k-th masked position of a row, but only when the regions carry signal (any non-zero feature); without
-    it, it predicts [UNK] everywhere. It records the region features of every call."""
+    it, it predicts [UNK] everywhere. Like the pre-training models, given `mlm_positions` it answers at
+    those tokens only. It records the region features of every call."""
 
     def __init__(self, vocab_size: int, answers: list[int], visual_dim: int = 16):
         super().__init__()
         self.cfg = SimpleNamespace(visual_dim=visual_dim)
         self.vocab_size, self.answers, self.seen = vocab_size, answers, []
 
-    def forward(self, x):
+    def forward(self, x, mlm_positions=None):
         self.seen.append(x.region_feats.clone())
         B, T = x.input_ids.shape
         pred = torch.full((B, T), 1)  # [UNK]
@@ -33,6 +34,8 @@ class Oracle(torch.nn.Module):
             if x.region_feats[b].abs().sum() > 0:
                 for k, p in enumerate((x.input_ids[b] == 4).nonzero().flatten().tolist()):  # [MASK] is id 4
                     pred[b, p] = self.answers[k]
+        if mlm_positions is not None:  # as the models do: the head at those tokens only, (N,) row-major
+            pred = pred[mlm_positions]
         return SimpleNamespace(mlm_logits=torch.nn.functional.one_hot(pred, self.vocab_size).float())
 
 

@@ -85,14 +85,20 @@ def visual_word_accuracy(
         if zero_regions:
             x.region_feats = torch.zeros_like(x.region_feats)
         x = x.to(dev)
-        if tag_subwords is None or zero_regions:
-            logits = model(x).mlm_logits  # (B, T, V)
-        else:
-            tags = detected_tags(recs, [it.image_id for it in chunk], regs, tag_subwords, path)
-            logits = model(x, tags=tags.to(dev)).mlm_logits
-        pred = logits.argmax(-1).cpu()
-        for row, (i, it) in enumerate(zip(index, chunk)):
-            correct[i] = all(int(pred[row, p]) == t for p, t in zip(it.positions, it.targets))
+        # The MLM head runs at the masked words only (as in pre-training: `mlm_positions`), which also
+        # lets VisualBERT and LXMERT compute their last layer for those rows alone.
+        masked = torch.zeros(x.input_ids.shape, dtype=torch.bool)  # (B, T)
+        for row, it in enumerate(chunk):
+            masked[row, list(it.positions)] = True
+        extra = {}
+        if tag_subwords is not None and not zero_regions:
+            extra["tags"] = detected_tags(recs, [it.image_id for it in chunk], regs, tag_subwords, path).to(dev)
+        logits = model(x, mlm_positions=masked.to(dev), **extra).mlm_logits  # (N, V), row-major over `masked`
+        pred = iter(logits.argmax(-1).tolist())
+        for i, it in zip(index, chunk):
+            # Row-major order: an item's positions come out sorted.
+            got = dict(zip(sorted(it.positions), (next(pred) for _ in it.positions)))
+            correct[i] = all(got[p] == t for p, t in zip(it.positions, it.targets))
     per_word: dict[str, list[bool]] = {}
     for it, c in zip(items, correct):
         per_word.setdefault(it.word, []).append(bool(c))
