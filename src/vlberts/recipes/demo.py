@@ -16,7 +16,7 @@ world and shorter schedules for smoke tests; its numbers are not expected to sho
 `arch` picks the architecture (`ARCH-small`); every architecture writes the same summary keys, and
 two-stream models are analysed through their text-to-vision attention maps. Each architecture's demo
 applies the few settings with which it shows the checked phenomena on the world, or shows them more often
-(VisualBERT's peak pre-training rate and, for the 10 minutes, 3 VQA epochs; LXMERT's, ViLBERT's and VL-BERT's
+(VisualBERT's peak pre-training rate and, for the 10 minutes, 2 VQA epochs; LXMERT's, ViLBERT's and VL-BERT's
 length; W-VisualBERT's VQA epochs and batch:
 `ARCH_DEMO`; `resolve`), unless given, and prints them. Steps 1-2 (`build_inputs`)
 and 3-7 (`run_model`) are separate functions so that `vlberts compare` (recipes/compare.py) builds the
@@ -113,9 +113,11 @@ ARCH_DEMO: dict[str, dict[str, Any]] = {
     # VisualBERT pre-trains at a 1.5x higher peak rate: at the shared 1e-3 its best head is 1.77-2.03x the
     # baseline over seeds and CPUs (2x at seed 0 on one CPU only), at 1.5e-3 2.03x at seeds 0 and 1 on the CPU
     # where 1e-3 gave 1.86x, in layer 4 of 6 (docs/demo-runs.md, 2026-11-28).
-    # It also fine-tunes VQA for 3 epochs instead of 4, which keeps `make demo` inside its 10 minutes on a 2-core
-    # AVX2 CPU (601-657 s with 4): from the same checkpoint 76.36% (2.26x the majority answer) against 77.64%.
-    "visualbert": {"pretrain_lr": 1.5e-3, "vqa_epochs": 3.0},
+    # It also fine-tunes VQA for 2 epochs instead of 4, which keeps `make demo` inside its 10 minutes on slow 2-core
+    # CPUs (601-657 s with 4 on an AVX2 EPYC; 562-695 s with 3 on a shared Intel Xeon): from the Intel's seed-0
+    # checkpoint 71.57% (2.12x the majority answer) against 73.67% with 3 (2026-11-29; the EPYC's: 76.36% with
+    # 3, 77.64% with 4).
+    "visualbert": {"pretrain_lr": 1.5e-3, "vqa_epochs": 2.0},
     # LXMERT grounds by attention only where a mismatched caption's masked words are not targets (ViLBERT's
     # code's rule; LXMERT's keeps them, its paper is silent), its VQA reaches 2x only with VisualBERT's KL
     # answer loss (its code's BCE: 1.78x), and its grounding reaches 2x with twice the updates (1.81x at 4,000).
