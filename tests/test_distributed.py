@@ -398,3 +398,31 @@ def test_matching_negatives_come_from_the_whole_dataset_alike_on_one_and_two_ran
     a, b = (load_file(runs[n] / "model" / "model.safetensors") for n in ("one", "two"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_loss_shares_sum_the_ranks_counts_in_flight_until_a_share_is_read(monkeypatch):
+    """The counts' all-reduce is started when the shares are made and waited for only where one is first
+    read (after the forward pass in the loops), so the ranks do not meet before the forward. A stand-in
+    all-reduce plays the other rank: it adds its counts (3 masked words and 1 match pair) when waited for."""
+    calls = []
+
+    class Work:
+        def __init__(self, t):
+            self.t, self.waited = t, 0
+
+        def wait(self):
+            self.waited += 1
+            self.t += torch.tensor([1.0, 3.0], dtype=torch.float64)  # sorted names: match, mlm
+
+    def all_reduce(t, async_op=False):
+        assert async_op, "the counts must not be summed synchronously"
+        calls.append(Work(t))
+        return calls[-1]
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    shares = loss_shares([{"mlm": 2.0, "match": 1.0}, {"mlm": 5.0, "match": 0.0}], DistInfo(0, 2, 0))
+    assert len(calls) == 1 and calls[0].waited == 0 and len(shares) == 2  # started, not waited for
+    assert shares[1] == {"mlm": 0.5, "match": 0.0} and shares[0] == {"mlm": 0.2, "match": 0.5}  # 10 words, 2 pairs
+    assert calls[0].waited == 1 and list(shares) == [shares[0], shares[1]]  # waited for once
+    # One process: nothing to sum, and a loss with no terms anywhere weighs 0.
+    assert list(loss_shares([{"mlm": 4.0, "match": 0.0}])) == [{"mlm": 1.0, "match": 0.0}] and len(calls) == 1

@@ -233,12 +233,13 @@ def finetune_loop(
             # Each micro-batch's mean loss weighs by its share of the update's examples on every rank,
             # so the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([{"loss": float(count(b))} for b in micro], dist)
-            for i, (batch, share) in enumerate(zip(micro, shares)):
+            for i, batch in enumerate(micro):
                 batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
                 if graphs:  # each forward starts a new step of the CUDA graphs (the loop keeps no output of the last)
                     torch.compiler.cudagraph_mark_step_begin()
                 with autocast(device, cfg.precision):
-                    value = loss(batch).float() * share["loss"]
+                    value = loss(batch).float()
+                value = value * shares[i]["loss"]  # read after the forward: the ranks' counts were summed meanwhile
                 grads.backward(scaler.scale(value), last=i == len(micro) - 1)
                 if graphs and i < len(micro) - 1:
                     own_gradients(model)

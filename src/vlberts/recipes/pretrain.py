@@ -759,12 +759,13 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
             # the update is the same however it is split (`loss_shares`). Counted on the host batches.
             shares = loss_shares([loss_counts(b, active) for b in micro], dist)
-            for i, (batch, share) in enumerate(zip(micro, shares)):
+            for i, batch in enumerate(micro):
                 batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
                 if graphs:  # each forward starts a new step of the CUDA graphs (the loop keeps no output of the last)
                     torch.compiler.cudagraph_mark_step_begin()
                 with autocast(device, cfg.precision):
                     outp = run_model(recipe, model, batch)
+                share = shares[i]  # read after the forward: the ranks' counts were summed meanwhile
                 losses = {k: v * share[k] for k, v in pretrain_losses(recipe, outp, batch, step_weights, source).items()}
                 grads.backward(scaler.scale(total_loss(losses, step_weights)), last=i == len(micro) - 1)
                 if graphs and i < len(micro) - 1:

@@ -21,7 +21,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
-from vlberts.training.distributed import DistInfo, RankBatches, full_tensor, sum_over_ranks
+from vlberts.training.distributed import DistInfo, RankBatches, full_tensor
 
 
 def batches(
@@ -360,7 +360,7 @@ def start_or_resume(
     return restore_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler), True
 
 
-def loss_shares(counts: list[dict[str, float]], dist: DistInfo = DistInfo()) -> list[dict[str, float]]:
+def loss_shares(counts: list[dict[str, float]], dist: DistInfo = DistInfo()) -> LossShares:
     """Per micro-batch of this rank, each loss's weight: its count over the update's total count (all
     micro-batches of all ranks; one all-reduce).
 
@@ -368,7 +368,40 @@ def loss_shares(counts: list[dict[str, float]], dist: DistInfo = DistInfo()) -> 
     denominator, e.g. masked words). Weighting each micro-batch mean by its share and summing (over
     micro-batches by backward, over ranks by `GradientSync`) gives the mean over the whole update: the
     same update for 1 x 4, 4 x 1 or 2 ranks x 2. A loss with no terms anywhere gets weight 0.
+
+    Distributed, the all-reduce is started here and waited for where a share is first read: the loops
+    count on the host batches before the forward pass and read the first share after it, so the ranks
+    do not meet before the forward (every meeting waits for the slower rank). Entries are read as a
+    list's: `shares[i]`, `len`, iteration.
     """
-    totals = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
-    totals = sum_over_ranks(totals, dist)
-    return [{name: (n / totals[name] if totals[name] > 0 else 0.0) for name, n in c.items()} for c in counts]
+    return LossShares(counts, dist)
+
+
+class LossShares:
+    """`loss_shares`' result: the totals' all-reduce in flight until an entry is first read."""
+
+    def __init__(self, counts: list[dict[str, float]], dist: DistInfo):
+        self._counts = counts
+        self._names = sorted(counts[0]) if counts else []  # the same order on every rank
+        self._totals = torch.tensor([sum(c[n] for c in counts) for n in self._names], dtype=torch.float64)
+        self._work = (torch.distributed.all_reduce(self._totals, async_op=True)
+                      if dist.enabled and self._names else None)
+        self._shares: list[dict[str, float]] | None = None
+
+    def _ready(self) -> list[dict[str, float]]:
+        if self._shares is None:
+            if self._work is not None:
+                self._work.wait()
+            totals = dict(zip(self._names, self._totals.tolist()))
+            self._shares = [{name: (n / totals[name] if totals[name] > 0 else 0.0) for name, n in c.items()}
+                            for c in self._counts]
+        return self._shares
+
+    def __getitem__(self, i: int) -> dict[str, float]:
+        return self._ready()[i]
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def __iter__(self) -> Iterator[dict[str, float]]:
+        return iter(self._ready())
