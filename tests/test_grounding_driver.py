@@ -436,12 +436,16 @@ def test_mask_pos_runs_the_analysis_on_masked_captions(tiny_world, tiny_pretrain
         analyze_grounding(GroundingConfig(out=str(tmp_path / "y"), mask_pos="ADJ", parses="none", **common))
 
 
-def test_the_probe_batches_by_length_and_scores_each_item_by_its_own_row(tmp_path):
-    """The probe runs its items in length order (`length_order`); each outcome must land on its own item.
-    Targets are the model's own unbatched prediction for even items and another id for odd ones, and each
-    item has its own word, so `per_word` shows every item's outcome."""
+@pytest.mark.parametrize("arch", ["visualbert", "lxmert", "vilbert", "vlbert", "wvisualbert"])
+def test_the_probe_batches_by_length_and_scores_each_item_by_its_own_row(tmp_path, arch):
+    """The probe runs its items in length order (`length_order`) and the MLM head at the masked words only
+    (`mlm_positions`); each outcome must land on its own item. Targets are the model's own unbatched
+    prediction from every position's logits for even items and another id for odd ones, half the items mask
+    two words (one word of two subwords, as the probe does), and each item has its own word, so `per_word`
+    shows every item's outcome, for every architecture's pre-training model."""
     from vlberts.analysis.visual_words import ProbeItem, visual_word_accuracy
     from vlberts.data.regions import FetchedRecord, caption_inputs, load_regions
+    from vlberts.models.builders import model_config
 
     tok = tokenizer(tmp_path)
     rng = np.random.default_rng(0)
@@ -449,18 +453,20 @@ def test_the_probe_batches_by_length_and_scores_each_item_by_its_own_row(tmp_pat
                          rng.random((n, 16), dtype=np.float32)) for i, n in ((1, 3), (2, 1), (3, 2))]
     store = FakeStore(recs)
     torch.manual_seed(0)
-    model = build_pretraining_model(visualbert_tiny(vocab_size=tok.vocab_size)).eval()
+    model = build_pretraining_model(model_config(f"{arch}-tiny", vocab_size=tok.vocab_size)).eval()
     words = ["a", "the", "red", "man", "on", "dog", "near", "each"]
     items = []
     for k, n_words in enumerate((6, 2, 4, 3, 5, 2, 6, 3)):  # lengths out of order, so the batches reorder them
         ids = [tok.cls_id, *(tok.token_to_id(w) for w in words[:n_words]), tok.sep_id]
-        ids[1] = tok.mask_id
+        masked = [1, 2] if k % 4 < 2 else [1]
+        for p in masked:
+            ids[p] = tok.mask_id
         image_id = str(k % 3 + 1)
         x = caption_inputs([ids], [load_regions(FetchedRecord(store.get(image_id), None), image_id, 36, 16)])
         with torch.no_grad():
-            own = int(model(x).mlm_logits[0, 1].argmax())
-        target = own if k % 2 == 0 else (own + 1) % tok.vocab_size
-        items.append(ProbeItem(image_id, ids, [1], [target], f"w{k}"))
+            own = [int(model(x).mlm_logits[0, p].argmax()) for p in masked]
+        target = own if k % 2 == 0 else [*own[:-1], (own[-1] + 1) % tok.vocab_size]  # the last word wrong
+        items.append(ProbeItem(image_id, ids, masked, target, f"w{k}"))
     out = visual_word_accuracy(model, items, store, batch_size=3, device="cpu")
     assert out["per_word"] == {f"w{k}": 100.0 if k % 2 == 0 else 0.0 for k in range(8)}
     assert out["accuracy"] == 50.0
