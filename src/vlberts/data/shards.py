@@ -430,14 +430,19 @@ def _tar_files(f: io.BufferedReader, total: int) -> Iterator[tuple[str, int, int
     written by other tools) tarfile reads the rest. The caller may move `f` between members. A tar cut
     inside a header, ending without its end-of-archive blocks or holding a header that is not one (where
     tarfile alone would stop quietly, as at the end) raises `tarfile.ReadError`."""
+    def end_at(pos: int) -> None:  # the archive must end here: two zero blocks (tarfile stops at the first)
+        f.seek(pos)
+        if total - pos < 2 * _BLOCK:
+            raise tarfile.ReadError("no end-of-archive blocks")
+        if f.read(_BLOCK) != _ZERO_BLOCK:
+            raise tarfile.ReadError(f"a damaged header at byte {pos} (bad checksum or not a tar header)")
+
     pos = 0
     while True:
         f.seek(pos)
         block = f.read(_BLOCK)
-        if block == _ZERO_BLOCK:  # end of archive: two zero blocks (tarfile stops at the first)
-            if total - pos < 2 * _BLOCK:
-                raise tarfile.ReadError("no end-of-archive blocks")
-            return
+        if block == _ZERO_BLOCK:
+            return end_at(pos)
         header = _header(block) if len(block) == _BLOCK else None
         if header is None:
             if len(block) < _BLOCK:
@@ -448,12 +453,7 @@ def _tar_files(f: io.BufferedReader, total: int) -> Iterator[tuple[str, int, int
                     if info.isfile():
                         yield info.name, info.offset_data, info.size
                 end = tar.offset  # tarfile stops quietly at a header cut short or damaged past the first
-            f.seek(end)
-            if total - end < 2 * _BLOCK:
-                raise tarfile.ReadError("no end-of-archive blocks")
-            if f.read(_BLOCK) != _ZERO_BLOCK:
-                raise tarfile.ReadError(f"a damaged header at byte {end} (bad checksum or not a tar header)")
-            return
+            return end_at(end)
         name, size, regular = header
         if regular:
             yield name, pos + _BLOCK, size

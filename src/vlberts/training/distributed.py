@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -456,12 +456,23 @@ class RankBatches:
 
 def sum_over_ranks(values: Mapping[str, float], info: DistInfo) -> dict[str, float]:
     """Sum scalars over the ranks, on every rank (every rank calls it, with the same keys)."""
+    return start_sum_over_ranks(values, info)()
+
+
+def start_sum_over_ranks(values: Mapping[str, float], info: DistInfo) -> Callable[[], dict[str, float]]:
+    """`sum_over_ranks` with the all-reduce started now and waited for when the returned function is
+    called (on the host, float64: the same sums), so that the caller can compute meanwhile."""
     if not info.enabled or not values:
-        return dict(values)
-    keys = sorted(values)
+        return lambda: dict(values)
+    keys = sorted(values)  # the same order on every rank
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
+    work = dist.all_reduce(t, async_op=True)
+
+    def result() -> dict[str, float]:
+        work.wait()
+        return dict(zip(keys, t.tolist()))
+
+    return result
 
 
 def merge_over_ranks(part: Mapping, info: DistInfo) -> dict:

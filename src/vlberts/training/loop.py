@@ -21,7 +21,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
-from vlberts.training.distributed import DistInfo, RankBatches, full_tensor
+from vlberts.training.distributed import DistInfo, RankBatches, full_tensor, start_sum_over_ranks
 
 
 def batches(
@@ -382,17 +382,13 @@ class LossShares:
 
     def __init__(self, counts: list[dict[str, float]], dist: DistInfo):
         self._counts = counts
-        self._names = sorted(counts[0]) if counts else []  # the same order on every rank
-        self._totals = torch.tensor([sum(c[n] for c in counts) for n in self._names], dtype=torch.float64)
-        self._work = (torch.distributed.all_reduce(self._totals, async_op=True)
-                      if dist.enabled and self._names else None)
+        local = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
+        self._totals = start_sum_over_ranks(local, dist)
         self._shares: list[dict[str, float]] | None = None
 
     def _ready(self) -> list[dict[str, float]]:
         if self._shares is None:
-            if self._work is not None:
-                self._work.wait()
-            totals = dict(zip(self._names, self._totals.tolist()))
+            totals = self._totals()
             self._shares = [{name: (n / totals[name] if totals[name] > 0 else 0.0) for name, n in c.items()}
                             for c in self._counts]
         return self._shares
