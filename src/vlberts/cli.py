@@ -82,6 +82,7 @@ class ImportFormat(str, Enum):
     lxmert_tsv = "lxmert-tsv"
     vlbert_json = "vlbert-json"
     vilbert_lmdb = "vilbert-lmdb"
+    vilbert_cc_lmdb = "vilbert-cc-lmdb"
     ban_h5 = "ban-h5"
     visualbert_th = "visualbert-th"
 
@@ -102,11 +103,14 @@ def _echo_store_written(out: Path) -> None:
 def features_import(
     src: Path = typer.Argument(..., help="The feature file (or VL-BERT's directory / zip of per-image JSON) to import."),
     format: ImportFormat = typer.Option(..., "--format", help="butd-tsv (6 fields), lxmert-tsv (10 fields), "
-                                        "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's LMDB), ban-h5 (BAN's HDF5), "
+                                        "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's feature LMDB), vilbert-cc-lmdb (ViLBERT's "
+                                        "Conceptual Captions pre-training LMDB), ban-h5 (BAN's HDF5), "
                                         "visualbert-th (VisualBERT's Detectron .th, or a directory of .npz)."),
     out: Path = typer.Option(..., help="The store (.h5) to write."),
     ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
     images: Optional[Path] = typer.Option(None, help="visualbert-th only: the images, whose sizes the file does not hold."),
+    captions: Optional[Path] = typer.Option(None, help="vilbert-cc-lmdb only: also write its captions here, as a COCO "
+                                            "captions file for `vlberts pretrain --captions`."),
     float16: bool = typer.Option(False, "--float16", help="Store features as float16 (half the size)."),
     extractor: str = typer.Option("unknown", help="Name of the extractor that produced SRC, saved in the store."),
     classes: Optional[Path] = typer.Option(None, help="Object vocabulary (objects_vocab.txt) that objects_id indexes."),
@@ -141,8 +145,12 @@ def features_import(
             progress=lambda n: bar.advance(task, n),
             ids=ids,
             images=images,
+            captions_out=captions,
         )
     _echo_store_written(out)
+    if captions is not None:
+        typer.echo(f"wrote {captions}: each image's caption, in the COCO captions format "
+                   f"(vlberts pretrain --captions={captions} --features={out})")
 
 
 @features_app.command("extract")

@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from vlberts.errors import first_line, VlbertsError
+from vlberts.features import msgpack
 from vlberts.features.record import RegionRecord
 from vlberts.features.tsv import b64_rows
 from vlberts.io import DuplicateKey, unique_keys
@@ -152,17 +154,14 @@ VILBERT_FIELDS = {"image_id": "image_id", "image_w": "image_w", "image_h": "imag
                   "boxes": "boxes", "features": "features", "cls_prob": "cls_prob"}
 
 
-def read_vilbert_lmdb(src: str | Path) -> Source:
-    """ViLBERT's fine-tuning LMDB: each value a pickled dict (image_id, image_h, image_w, num_boxes, boxes,
-    features) with numpy arrays (vilbert-multi-task) or base64 strings (vilbert_beta, which may add
-    cls_prob); the key `b"keys"` a pickled list of every image's key, in the order read here (without it,
-    the database's own key order). Pickles go through the restricted unpickler (`safe_pickle`, numpy arrays
-    allowed). Needs the `lmdb` package (`pip install 'vlberts[lmdb]'`)."""
-    src = Path(src)
+def _lmdb_values(src: Path, format: str, keys_entry: bytes, load_keys: Callable[[bytes], Any]
+                 ) -> Iterator[tuple[str, bytes]]:
+    """(where, value) of every record of an LMDB (a directory or a single file), in the order the list stored
+    under `keys_entry` gives (decoded by `load_keys`), or without it in the database's own key order."""
     try:
         import lmdb
     except ImportError:
-        raise VlbertsError("vilbert-lmdb needs the lmdb package: pip install 'vlberts[lmdb]'") from None
+        raise VlbertsError(f"{format} needs the lmdb package: pip install 'vlberts[lmdb]'") from None
     if not src.exists():
         raise VlbertsError("not found", path=src)
     try:
@@ -170,22 +169,114 @@ def read_vilbert_lmdb(src: str | Path) -> Source:
     except lmdb.Error as e:
         raise VlbertsError(f"cannot open as LMDB ({e})", path=src) from None
     with env, env.begin() as txn:
-        listed = txn.get(b"keys")
+        listed = txn.get(keys_entry)
         if listed is not None:
-            keys = safe_loads(listed, source=f"{src} (key b'keys')", numpy=True)
+            where = f"key {keys_entry!r}"
+            try:
+                keys = load_keys(listed)
+            except VlbertsError as e:
+                raise VlbertsError(e.message, path=src, record=where) from None
             if not isinstance(keys, list) or not all(isinstance(k, bytes) for k in keys):
-                raise VlbertsError("the b'keys' entry is not a list of byte strings", path=src, record="key b'keys'")
+                raise VlbertsError(f"the {keys_entry!r} entry is not a list of byte strings", path=src, record=where)
         else:
             keys = [k for k, _ in txn.cursor()]
         for key in keys:
             where = f"key {key[:40]!r}"
             value = txn.get(key)
             if value is None:
-                raise VlbertsError("listed in b'keys' but not in the database", path=src, record=where)
-            try:
-                yield where, value, _record(safe_loads(value, source=src, numpy=True), VILBERT_FIELDS)
-            except VlbertsError as e:
-                raise VlbertsError(e.message, path=src, record=where) from None
+                raise VlbertsError(f"listed in {keys_entry!r} but not in the database", path=src, record=where)
+            yield where, value
+
+
+def read_vilbert_lmdb(src: str | Path) -> Source:
+    """ViLBERT's fine-tuning LMDB: each value a pickled dict (image_id, image_h, image_w, num_boxes, boxes,
+    features) with numpy arrays (vilbert-multi-task) or base64 strings (vilbert_beta, which may add
+    cls_prob); the key `b"keys"` a pickled list of every image's key, in the order read here (without it,
+    the database's own key order). Pickles go through the restricted unpickler (`safe_pickle`, numpy arrays
+    allowed). Needs the `lmdb` package (`pip install 'vlberts[lmdb]'`)."""
+    src = Path(src)
+    load = partial(safe_loads, source=f"{src} (key b'keys')", numpy=True)
+    for where, value in _lmdb_values(src, "vilbert-lmdb", b"keys", load):
+        try:
+            yield where, value, _record(safe_loads(value, source=src, numpy=True), VILBERT_FIELDS)
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=src, record=where) from None
+
+
+# --------------------------------------------------------------------------- ViLBERT's Conceptual Captions LMDB (§1.3)
+
+# The datapoint vilbert_beta's `conceptual_caption_preprocess_sequential_train.py` writes, in this order.
+VILBERT_CC_FIELDS = ("features", "cls_prob", "boxes", "num_boxes", "image_h", "image_w", "image_id", "caption")
+
+
+def _tensorpack_loads(value: bytes, src: Path) -> Any:
+    """A value tensorpack's `LMDBSerializer` wrote: msgpack with msgpack_numpy (ViLBERT's, formats §1.3), or a
+    pickle, which tensorpack-style serialisers can be set to write instead (it starts with the PROTO opcode
+    0x80, which as msgpack would be an empty map, never a datapoint), read through the restricted
+    unpickler. (tensorpack's third serialiser, pyarrow's, is not read: its value fails as msgpack.)"""
+    if value[:1] == b"\x80":
+        return safe_loads(value, source=src, numpy=True)
+    try:
+        return msgpack.unpackb(value)
+    except ValueError as e:
+        raise VlbertsError(f"cannot read this value as msgpack: {first_line(e)}") from None
+
+
+def read_vilbert_cc_lmdb(src: str | Path, captions: list[tuple[str | int, str]] | None = None) -> Source:
+    """ViLBERT's pre-training LMDB of Conceptual Captions (tensorpack's `LMDBSerializer`: keys b"00000000",
+    b"00000001", ..., listed in order under b"__keys__"): each value the list `VILBERT_CC_FIELDS`, features
+    (N, D), the detector's class distribution (N, 1601, background first), pixel boxes (N, 4), the number
+    of boxes (the arrays may hold more rows; as ViLBERT's reader, the first `num_boxes` are the image's),
+    the image size, the image id (crc32 of the image's URL) and its caption. `cls_prob` becomes `obj_id` /
+    `obj_conf` as for the other formats. Each record's (image id, caption) is appended to `captions` when
+    given. Needs the `lmdb` package."""
+    src = Path(src)
+    for where, value in _lmdb_values(src, "vilbert-cc-lmdb", b"__keys__", lambda v: _key_list(_tensorpack_loads(v, src))):
+        try:
+            rec, image_id, caption = _cc_record(_tensorpack_loads(value, src))
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=src, record=where) from None
+        if captions is not None:
+            captions.append((image_id, caption))
+        yield where, value, rec
+
+
+def _key_list(keys: Any) -> Any:
+    """tensorpack's key list: byte strings, which a msgpack that wrote `str` for bytes gives as text."""
+    return [msgpack.as_bytes(k) if isinstance(k, str) else k for k in keys] if isinstance(keys, list) else keys
+
+
+def _cc_record(dp: Any) -> tuple[RegionRecord, str | int, str]:
+    """A datapoint -> (record, the image id as written (an int or a string), caption)."""
+    if not isinstance(dp, (list, tuple)) or len(dp) != len(VILBERT_CC_FIELDS):
+        got = f"{len(dp)} fields" if isinstance(dp, (list, tuple)) else type(dp).__name__
+        raise VlbertsError(f"expected the {len(VILBERT_CC_FIELDS)} fields {', '.join(VILBERT_CC_FIELDS)}, got {got}")
+    obj = dict(zip(VILBERT_CC_FIELDS, dp))
+    n = _positive_int(obj, "num_boxes", 0)
+    for name in ("features", "cls_prob", "boxes"):
+        a = obj[name]
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.shape[0] < n:
+            shape = a.shape if isinstance(a, np.ndarray) else type(a).__name__
+            raise VlbertsError(f"{name} must be an array of at least num_boxes = {n} rows, got {shape}")
+        obj[name] = a[:n]
+    caption = obj["caption"]
+    if isinstance(caption, bytes):
+        caption = caption.decode("utf-8", "surrogateescape")
+    if not isinstance(caption, str) or not caption.strip():
+        raise VlbertsError(f"caption must be a non-empty string, got {caption!r}")
+    try:
+        caption.encode("utf-8")
+    except UnicodeEncodeError:
+        raise VlbertsError("the caption is not UTF-8 text") from None
+    image_id = obj["image_id"]
+    if isinstance(image_id, bytes):
+        image_id = image_id.decode("utf-8", "replace")
+    elif isinstance(image_id, np.integer):
+        image_id = int(image_id)
+    if isinstance(image_id, bool) or not isinstance(image_id, (int, str)):
+        raise VlbertsError(f"image_id must be an integer or a string, got {image_id!r}")
+    obj["image_id"] = image_id
+    return _record(obj, VILBERT_FIELDS), image_id, caption
 
 
 # --------------------------------------------------------------------------- BAN HDF5 (§1.5)

@@ -2,7 +2,8 @@
 
 Formats (SPEC §2; formats-and-metrics.md §1): the BUTD 6-field and LXMERT 10-field TSVs (`tsv.py`), and
 the files the other original code bases wrote (`foreign.py`): VL-BERT's per-image JSON (a directory or
-a zip), ViLBERT's LMDB, BAN's HDF5 (with its `imgid2idx.pkl`), VisualBERT's Detectron `.th` (or `.npz`
+a zip), ViLBERT's LMDBs (its fine-tuning features, and its Conceptual Captions pre-training data with
+the captions), BAN's HDF5 (with its `imgid2idx.pkl`), VisualBERT's Detectron `.th` (or `.npz`
 directory, with the images for their sizes).
 
 `import_features` streams: one record is decoded and appended at a time, so a 20 GB COCO TSV needs the
@@ -24,15 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import first_line, VlbertsError
-from vlberts.features.foreign import read_ban_h5, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json
+from vlberts.features.foreign import (
+    read_ban_h5, read_vilbert_cc_lmdb, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json,
+)
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
-from vlberts.io import read_text
+from vlberts.io import read_text, write_json
 
-FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "ban-h5", "visualbert-th")
-DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "visualbert-th")  # may read a directory; the others a file
+FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "ban-h5", "visualbert-th")
+DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "visualbert-th")  # may read a directory; the others a file
 IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
+CAPTION_FORMATS = ("vilbert-cc-lmdb",)  # formats whose records also hold a caption (`captions_out`)
 
 
 def read_vocab(path: str | Path) -> list[str]:
@@ -52,9 +56,10 @@ def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRec
         yield f"line {lineno}", line, parse_tsv_line(fmt, line, path=src, lineno=lineno)
 
 
-def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None
-                 ) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
-    """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`."""
+def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None,
+                 captions: list[tuple[str | int, str]] | None = None) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+    """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`;
+    `captions` collects the (image id, caption) pairs of a format that holds them (vilbert-cc-lmdb)."""
     if format in IMPORT_FORMATS and format not in DIRECTORY_FORMATS and Path(src).is_dir():
         raise VlbertsError(f"is a directory, not a file (--format {format} reads one file)", path=src)
     if format in TSV_FORMATS:
@@ -63,6 +68,8 @@ def read_records(src: Path, format: str, ids: str | Path | None = None, images: 
         return read_vlbert_json(src)
     if format == "vilbert-lmdb":
         return read_vilbert_lmdb(src)
+    if format == "vilbert-cc-lmdb":
+        return read_vilbert_cc_lmdb(src, captions)
     if format == "ban-h5":
         if ids is None:
             raise VlbertsError("ban-h5 needs --ids, the {split}_imgid2idx.pkl written beside the .hdf5")
@@ -112,9 +119,12 @@ def import_features(
     progress: Callable[[int], None] | None = None,
     ids: str | Path | None = None,
     images: str | Path | None = None,
+    captions_out: str | Path | None = None,
 ) -> Path:
     """Stream a feature file in one of `IMPORT_FORMATS` into a new store at `out` (`ids`: BAN's
-    imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from).
+    imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from;
+    `captions_out`: vilbert-cc-lmdb only, where to write its records' captions as an official COCO
+    captions file, for `vlberts pretrain --captions`, once the store is complete).
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
     (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
@@ -127,13 +137,18 @@ def import_features(
         raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
     if out.exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=out)
+    if captions_out is not None and format not in CAPTION_FORMATS:
+        raise VlbertsError(f"{format} files hold no captions (--captions reads {', '.join(CAPTION_FORMATS)})")
+    if captions_out is not None and Path(captions_out).exists() and not overwrite:
+        raise VlbertsError("already exists (pass --overwrite to replace it)", path=captions_out)
+    captions: list[tuple[str | int, str]] | None = [] if captions_out is not None else None
     meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
     sha = hashlib.sha256()
     n_bytes = n_items = 0
     first_seen: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         writer: RegionStoreWriter | None = None
-        for at, raw, rec in _guarded(read_records(src, format, ids, images), src, format):
+        for at, raw, rec in _guarded(read_records(src, format, ids, images, captions), src, format):
             sha.update(raw)
             n_bytes += len(raw)
             n_items += 1
@@ -170,7 +185,20 @@ def import_features(
         count = {"lines": n_items} if format in TSV_FORMATS else {"records": n_items}
         source = {"format": format, "file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), **count}
         writer.metadata = dataclasses.replace(meta, source=source)
+    if captions_out is not None:
+        write_json(captions_out, coco_captions(captions, f"captions of {src.name}"), indent=None)
     return out
+
+
+def coco_captions(captions: list[tuple[str | int, str]], description: str) -> dict[str, Any]:
+    """(image id, caption) pairs as an official COCO captions file (formats §2.1): one image per id, no file
+    names (the features stand for the images), annotation ids 0, 1, ... in the pairs' order."""
+    images = list(dict.fromkeys(i for i, _ in captions))
+    return {
+        "info": {"description": description},
+        "images": [{"id": i, "file_name": ""} for i in images],
+        "annotations": [{"id": k, "image_id": i, "caption": c} for k, (i, c) in enumerate(captions)],
+    }
 
 
 def export_tsv(
