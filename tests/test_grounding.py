@@ -371,3 +371,55 @@ def test_heads_that_see_no_regions_pick_nothing_and_are_inactive():
     assert res.accuracy[0].tolist() == [0.0, 0.0] and not res.active[0].any()
     assert res.accuracy[1].tolist() == ground([inp]).accuracy[1].tolist()
     assert res.baseline_accuracy == 0.5  # the baseline does not depend on the heads
+
+
+# ------------------------------------------------------------------------ accuracy by kind of entity
+
+
+def caption_c() -> GroundingInput:
+    """One entity, "kite" (token 1, gold = region 1), that only head 2-2 finds; the baseline (region 0) misses it."""
+    attn = np.zeros((2, 2, 2, 2))  # (L, H, T, R)
+    attn[0, 0, 1], attn[0, 1, 1], attn[1, 0, 1], attn[1, 1, 1] = [16, 8], [8, 0], [32, 0], [0, 16]
+    attn /= 64
+    return GroundingInput(attn=attn, region_boxes=np.array([BOX0, BOX1], dtype=np.float64), region_conf=np.array([0.9, 0.1]),
+                          entities=[GroundingEntity([[1]], [BOX1], "c", "1", "the red kite", ("other",))])
+
+
+def test_breakdown_by_type_and_last_word_on_hand_made_maps():
+    from dataclasses import replace
+
+    from vlberts.analysis.grounding import BREAKDOWNS, EntityBreakdown
+    from vlberts.analysis.report import breakdown_markdown
+
+    a, b, c = caption_a(), caption_b(), caption_c()
+    a.entities = [replace(a.entities[0], types=("people",)), replace(a.entities[1], types=("animals",))]
+    b.entities = [replace(b.entities[0], types=("animals",)), replace(b.entities[1], types=("scene", "other"))]
+    acc = GroundingAccumulator()
+    groups = {name: EntityBreakdown(GroundingOptions(), key) for name, key in BREAKDOWNS.items()}
+    for inp in (a, b, c):
+        scores = acc.add(inp)
+        for g in groups.values():
+            g.add(inp, scores)
+    overall = acc.result()
+    # per entity (heads 1-1, 1-2, 2-1, 2-2): man T F F T, dog T T F F, ball T F T T, sky F F F F, kite F F F T
+    assert overall.accuracy.tolist() == [[0.6, 0.2], [0.2, 0.6]] and overall.best_head.label == "1-1"
+    rows = [(r.group, r.entities, r.baseline, r.overall_head, r.overall_head_accuracy, r.best_head, r.best_accuracy)
+            for r in groups["type"].rows(overall)]
+    assert rows == [  # the most entities first, then by name
+        ("animals", 2, 0.5, "1-1", 1.0, "1-1", 1.0),  # dog (baseline wrong) and ball (right)
+        ("other", 1, 0.0, "1-1", 0.0, "2-2", 1.0),  # the kite: only head 2-2 finds it
+        ("people", 1, 1.0, "1-1", 1.0, "1-1", 1.0),
+        ("scene/other", 1, 0.0, "1-1", 0.0, "1-1", 0.0),  # the sky matches no region
+    ]
+    words = {r.group: r for r in groups["last_word"].rows(overall)}
+    assert set(words) == {"man", "dog", "ball", "sky", "kite"} and words["kite"].best_head == "2-2"
+    # the groups add up to the whole
+    for g in groups.values():
+        rs = g.rows(overall)
+        assert sum(r.entities for r in rs) == overall.n_entities
+        assert sum(r.overall_head_accuracy * r.entities for r in rs) == pytest.approx(0.6 * 5)
+        assert sum(r.baseline * r.entities for r in rs) == pytest.approx(overall.baseline_accuracy * 5)
+    md = breakdown_markdown(groups["type"].rows(overall), "By entity type", k=2, note="a note")
+    assert "a note; 4 groups, the 2 largest:" in md and "| group | entities | baseline (%) | head 1-1 (%) |" in md
+    assert "| animals | 2 | 50.00 | 100.00 | 1-1 | 100.00 |" in md and "| other | 1 | 0.00 | 0.00 | 2-2 | 100.00 |" in md
+    assert "people" not in md  # beyond k

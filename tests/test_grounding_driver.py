@@ -178,6 +178,14 @@ def test_batching_in_length_order_changes_no_number_and_no_chosen_caption(tiny_w
         assert drawn == sorted([c.caption_id for c in analysed if len(c.entities) >= 2][:2])
 
 
+def _test_phrases(entities: Path) -> list[str]:
+    """Every visual phrase ([/EN#N/type words], N > 0) of the test split's Sentences files, read with a regex."""
+    import re
+
+    ids = (entities / "test.txt").read_text().split()
+    return [m.group(1) for i in ids for m in re.finditer(r"\[/EN#[1-9]\d*/\S+ ([^\]]+)\]", (entities / "Sentences" / f"{i}.txt").read_text())]
+
+
 def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrained, tmp_path):
     out = tmp_path / "g"
     rep = analyze_grounding(GroundingConfig(model=str(tiny_pretrained), entities=str(tiny_world.entities),
@@ -191,6 +199,19 @@ def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrai
     assert set(data["skipped_phrases"]) <= {"notvisual", "scene", "no box", "truncated"}
     assert (out / "entity_grounding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| rank | head |" in (out / "grounding.md").read_text()
+    # By entity type (the world's phrases are all "other") and by the phrase's last word: the groups add up.
+    best = rep.result.best_head
+    for key in ("by_entity_type", "by_last_word"):
+        rows = data[key]
+        assert sum(r["entities"] for r in rows) == data["n_entities"]
+        assert all(r["overall_head"] == best.label for r in rows)
+        assert sum(r["overall_head_accuracy"] * r["entities"] for r in rows) == pytest.approx(best.accuracy * data["n_entities"])
+        assert sum(r["baseline"] * r["entities"] for r in rows) == pytest.approx(data["baseline_accuracy"] * data["n_entities"])
+    assert [r["group"] for r in data["by_entity_type"]] == ["other"]
+    words = {w.split()[-1].lower() for w in _test_phrases(tiny_world.entities)}
+    assert {r["group"] for r in data["by_last_word"]} <= words and len(data["by_last_word"]) > 3
+    md = (out / "grounding.md").read_text()
+    assert "### By entity type (Flickr30K Entities)" in md and "### By the phrase's last word" in md
     # With the world's parses: the same arcs read among the words, every head, with the offset baseline.
     nsubj = data["text_syntax"]["nsubj (head->dep)"]
     assert nsubj["n"] > 0 and np.asarray(nsubj["accuracy"]).shape == (2, 4) and 0 < nsubj["offset_accuracy"] <= 1

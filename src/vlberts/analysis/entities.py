@@ -100,6 +100,7 @@ def entity_captions(
                     caption_id=f"{cap.image_id}_{cap.index}",
                     chain_id=str(p.chain_id),
                     phrase=p.text,
+                    types=tuple(p.types),
                 ))
                 spans.append((p.first_word_index, p.end))
             out.append(EntityCaption(cap.image_id, f"{cap.image_id}_{cap.index}", cap.words, ids, word_tokens, entities, spans))

@@ -26,7 +26,7 @@ K gold boxes of an entity.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -115,7 +115,7 @@ class GroundingEntity:
     gold_boxes: (K, 4) float xyxy pixels, K >= 1. Entities without a box (Flickr30K `nobndbox`,
         `scene`-only, `notvisual`) are not grounded and must be left out by the driver, as BAN and
         VisualBERT do.
-    caption_id, chain_id, phrase: for reporting only.
+    caption_id, chain_id, phrase, types: for reporting (and `EntityBreakdown`'s groups) only.
     """
 
     word_tokens: list[list[int]]
@@ -123,6 +123,7 @@ class GroundingEntity:
     caption_id: str = ""
     chain_id: str = ""
     phrase: str = ""
+    types: tuple[str, ...] = ()  # the Flickr30K Entities type(s) of its chain (people, clothing, ..., other)
 
     def __post_init__(self) -> None:
         where = f"entity {self.phrase!r} (caption {self.caption_id!r}, chain {self.chain_id!r})"
@@ -553,3 +554,59 @@ def ground(inputs: Iterable[GroundingInput], options: GroundingOptions = Groundi
     for inp in inputs:
         acc.add(inp)
     return acc.result()
+
+
+# --------------------------------------------------------------------------- accuracy by kind of entity
+
+BREAKDOWNS: dict[str, Callable[[GroundingEntity], str]] = {
+    # Flickr30K Entities' phrase types (people, clothing, bodyparts, animals, vehicles, instruments, scene, other),
+    # by which phrase-grounding results on it are usually broken down; several types are joined by "/".
+    "type": lambda e: "/".join(e.types) or "(none)",
+    # The word the default `--token=last` reads: "the man" and "the red shirt" end on their nouns, a phrase
+    # ending on a generic noun ("the cyan triangle shape") puts that word in the query's place.
+    "last_word": lambda e: e.phrase.split()[-1].lower() if e.phrase.split() else "(none)",
+}
+
+
+@dataclass(frozen=True)
+class BreakdownRow:
+    """One group of entities: how many, the baseline on them, the overall best head's accuracy on them, and the
+    group's own best head (accuracies as fractions)."""
+
+    group: str
+    entities: int
+    baseline: float
+    overall_head: str  # label of the best head over all entities
+    overall_head_accuracy: float
+    best_head: str  # label of the best head on this group
+    best_accuracy: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class EntityBreakdown:
+    """Entity grounding split into groups by a key of each entity (`BREAKDOWNS`): one `GroundingAccumulator`
+    per group, fed with the per-entity scores `GroundingAccumulator.add` returns, so the groups' counts add
+    up to the whole (entities, hits of every head, baseline hits)."""
+
+    def __init__(self, options: GroundingOptions, key: Callable[[GroundingEntity], str]):
+        self.options, self.key = options, key
+        self.groups: dict[str, GroundingAccumulator] = {}
+
+    def add(self, inp: GroundingInput, scores: CaptionScores) -> None:
+        for e, ent in enumerate(inp.entities):
+            acc = self.groups.setdefault(self.key(ent), GroundingAccumulator(self.options))
+            pick = slice(e, e + 1)
+            acc.add_scores(scores.hit[..., pick], scores.mass[..., pick], scores.baseline_hit[pick],
+                           scores.reachable[pick], captions=0)
+
+    def rows(self, overall: GroundingResult) -> list[BreakdownRow]:
+        """Every group, the most entities first (then by name), read against `overall`'s best head."""
+        head = overall.best_head
+        out = []
+        for group, acc in self.groups.items():
+            r = acc.result()
+            out.append(BreakdownRow(group, r.n_entities, r.baseline_accuracy, head.label,
+                                    float(r.accuracy[head.layer, head.head]), r.best_head.label, r.best_head.accuracy))
+        return sorted(out, key=lambda row: (-row.entities, row.group))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jinja2
 import numpy as np
 
-from vlberts.analysis.grounding import GroundingResult, HeadScore
+from vlberts.analysis.grounding import BreakdownRow, GroundingResult, HeadScore
 from vlberts.analysis.syntactic import PAPER_TABLE2, SyntacticResult
 
 
@@ -131,6 +131,25 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
             f"| {int(result.active[layer].sum())}/{result.num_heads} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def breakdown_markdown(rows: Sequence[BreakdownRow], title: str, k: int = 10, *, note: str = "") -> str:
+    """Entity grounding by group (`grounding.EntityBreakdown`): the `k` largest groups, each with its count,
+    the baseline on it, the overall best head's accuracy on it and its own best head."""
+    if not rows:
+        return ""
+    head = rows[0].overall_head
+    lines = [
+        f"### {md_text(title)}", "",
+        (f"{md_text(note)}; " if note else "")
+        + (f"{len(rows)} groups, the {k} largest:" if len(rows) > k else f"{len(rows)} group(s):"), "",
+        f"| group | entities | baseline (%) | head {head} (%) | best head | its accuracy (%) |",
+        "|:---|---:|---:|---:|:---|---:|",
+    ]
+    for r in rows[:k]:
+        lines.append(f"| {md_text(r.group)} | {r.entities} | {_pct(r.baseline)} | {_pct(r.overall_head_accuracy)} "
+                     f"| {r.best_head} | {_pct(r.best_accuracy)} |")
+    return "\n".join(lines) + "\n\n"
 
 
 def table2_markdown(result: SyntacticResult, k: int = 10, *, directions: bool = False,

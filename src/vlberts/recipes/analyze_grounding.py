@@ -64,9 +64,11 @@ from vlberts.analysis.attention_graphs import UPOS_TAGS
 from vlberts.analysis.entities import EntityCaption, SkipCounts, entity_captions, grounding_inputs, mask_words_by_pos
 from vlberts.analysis.explorer import ExplorerExample, ExplorerInfo, explorer_example, write_explorer
 from vlberts.analysis.figures import save_head_accuracy_figure, save_syntactic_grounding_figure
-from vlberts.analysis.grounding import GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult
+from vlberts.analysis.grounding import (
+    BREAKDOWNS, EntityBreakdown, GroundingAccumulator, GroundingInput, GroundingOptions, GroundingResult,
+)
 from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
-from vlberts.analysis.report import md_text, summary_markdown, syntactic_summary_markdown
+from vlberts.analysis.report import breakdown_markdown, md_text, summary_markdown, syntactic_summary_markdown
 from vlberts.analysis.syntactic import (
     FIGURE4_RELATIONS,
     ParseMismatch,
@@ -148,6 +150,7 @@ class GroundingReport:
     bad_records: dict = field(default_factory=dict)  # --skip_bad: images dropped, by kind, and the first message
     model_task: str = ""  # the task a fine-tuned model was trained on ("": a pre-trained model)
     figure_images: dict = field(default_factory=dict)  # --images: directory, images drawn, how many not found there
+    breakdowns: dict = field(default_factory=dict)  # "type" / "last_word" -> [BreakdownRow]: accuracy by kind of entity
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -312,6 +315,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
     captions, mask_note = apply_mask_pos(mask_pos, captions, parses, tok, cfg.entities)
     acc = GroundingAccumulator(options)
+    breakdowns = {name: EntityBreakdown(options, key) for name, key in BREAKDOWNS.items()}
     syn = SyntacticAccumulator(options) if parses is not None else None
     text_syn = TextSyntaxAccumulator(options.token) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
@@ -330,7 +334,9 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         maps = ""
         for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size,
                                          device=device, tag_subwords=tags, text_maps=syn is not None):
-            acc.add(inp)
+            scores = acc.add(inp)
+            for breakdown in breakdowns.values():
+                breakdown.add(inp, scores)
             if syn is not None:
                 _add_syntactic(syn, parses, cap, inp, parse_failed, text_syn)
             to_show, to_draw = cap.caption_id in show_ids, cap.caption_id in draw_ids
@@ -375,7 +381,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     report = GroundingReport(result, skipped.to_dict(), maps, round(time.perf_counter() - t0, 2), paths,
                              syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
                              None if text_syn is None else text_syn.result(), bad.to_dict(),
-                             str(meta.get("task", "")), figure_images)
+                             str(meta.get("task", "")), figure_images,
+                             {name: b.rows(result) for name, b in breakdowns.items()})
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -398,6 +405,10 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
             f.write(f"Images dropped by --skip_bad: {bad.total} ({_skips(dict(bad.counts))}; first: {md_text(bad.first)}).\n\n")
         if mask_note:
             f.write(f"Inputs: {mask_note}.\n\n")
+        f.write(breakdown_markdown(report.breakdowns["type"], "By entity type (Flickr30K Entities)", cfg.top_k))
+        f.write(breakdown_markdown(report.breakdowns["last_word"], "By the phrase's last word", cfg.top_k,
+                                   note="the word the default --token=last reads"
+                                   + ("" if options.token == "last" else f" (this run: --token={options.token})")))
         if syntactic is None:
             f.write(f"Syntactic grounding: {syntactic_note}.\n")
         else:
@@ -488,6 +499,9 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "parser_alignment_failures": dict(list(report.parse_failures.items())[:20]),
         "mask_pos": report.mask_pos,
         "mask_note": report.mask_note,
+        # Entity grounding by the entities' Flickr30K Entities type and by their phrase's last word.
+        "by_entity_type": [r.to_dict() for r in report.breakdowns.get("type", [])],
+        "by_last_word": [r.to_dict() for r in report.breakdowns.get("last_word", [])],
     }
 
 
