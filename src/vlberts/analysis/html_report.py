@@ -139,6 +139,12 @@ gold boxes (IoU &ge; {{ g.options.iou_threshold }}, rule <code>{{ g.options.iou_
 <table><tr><th>layer</th><th>best head</th><th>max accuracy (%)</th><th>mean accuracy (%)</th><th>active heads</th></tr>
 {% for row in layers %}<tr><td>{{ row.layer }}</td><td>{{ row.head }}</td><td>{{ row.max }}</td><td>{{ row.mean }}</td><td>{{ row.active }}</td></tr>
 {% endfor %}</table>
+{% if by_word %}<p>By the phrase's last word (the word the token option <code>last</code> reads; grounding.json
+<code>by_last_word</code>): how many entities, the baseline on them, head {{ by_word[0].overall_head }}'s accuracy on
+them, and their own best head.</p>
+<table><tr><th>last word</th><th>entities</th><th>baseline (%)</th><th>head {{ by_word[0].overall_head }} (%)</th><th>best head</th><th>its accuracy (%)</th></tr>
+{% for r in by_word %}<tr><td>{{ r.group }}</td><td>{{ r.entities }}</td><td>{{ '%.2f' % (100 * r.baseline) }}</td><td>{{ '%.2f' % (100 * r.overall_head_accuracy) }}</td><td>{{ r.best_head }}</td><td>{{ '%.2f' % (100 * r.best_accuracy) }}</td></tr>
+{% endfor %}</table>{% endif %}
 
 <h2>Timings (s)</h2>
 <table><tr><th>step</th><th>seconds</th></tr>
@@ -178,6 +184,7 @@ def write_demo_report(
         fig3_png=_png_data_uri(head_accuracy_figure(r)),
         heads_table=Markup(best_heads_html(r, 10)),  # already escaped by its own autoescaping template
         layers=layers,
+        by_word=list(getattr(grounding, "breakdowns", {}).get("last_word", []))[:12],
         summary_json=json.dumps(summary, indent=2),
     )
     path = out / "report.html"
