@@ -45,7 +45,7 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert "<h1>vlberts demo: VisualBERT on the embedded world</h1>" in html
     assert "http://" not in html and "https://" not in html  # self-contained
     by_word = json.loads((out / "grounding/grounding.json").read_text())["by_last_word"]
-    assert "By the phrase's last word" in html and f"<tr><td>{by_word[0]['group']}</td><td>{by_word[0]['entities']}</td>" in html
+    assert "By the phrase's last word" in html and f"<tr><td>{by_word[0]['group']}</td><td>{by_word[0]['n']}</td>" in html
     assert "entity grounding" in proc.stdout and "report:" in proc.stdout
     # The direction-word probe counts every left/right/above/below of the test captions.
     test_caps = json.loads((out / "world/annotations/captions_test.json").read_text())["annotations"]

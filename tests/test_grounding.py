@@ -399,11 +399,11 @@ def test_breakdown_by_type_and_last_word_on_hand_made_maps():
     for inp in (a, b, c):
         scores = acc.add(inp)
         for g in groups.values():
-            g.add(inp, scores)
+            g.add_caption(inp, scores)
     overall = acc.result()
     # per entity (heads 1-1, 1-2, 2-1, 2-2): man T F F T, dog T T F F, ball T F T T, sky F F F F, kite F F F T
     assert overall.accuracy.tolist() == [[0.6, 0.2], [0.2, 0.6]] and overall.best_head.label == "1-1"
-    rows = [(r.group, r.entities, r.baseline, r.overall_head, r.overall_head_accuracy, r.best_head, r.best_accuracy)
+    rows = [(r.group, r.n, r.baseline, r.overall_head, r.overall_head_accuracy, r.best_head, r.best_accuracy)
             for r in groups["type"].rows(overall)]
     assert rows == [  # the most entities first, then by name
         ("animals", 2, 0.5, "1-1", 1.0, "1-1", 1.0),  # dog (baseline wrong) and ball (right)
@@ -416,9 +416,9 @@ def test_breakdown_by_type_and_last_word_on_hand_made_maps():
     # the groups add up to the whole
     for g in groups.values():
         rs = g.rows(overall)
-        assert sum(r.entities for r in rs) == overall.n_entities
-        assert sum(r.overall_head_accuracy * r.entities for r in rs) == pytest.approx(0.6 * 5)
-        assert sum(r.baseline * r.entities for r in rs) == pytest.approx(overall.baseline_accuracy * 5)
+        assert sum(r.n for r in rs) == overall.n_entities
+        assert sum(r.overall_head_accuracy * r.n for r in rs) == pytest.approx(0.6 * 5)
+        assert sum(r.baseline * r.n for r in rs) == pytest.approx(overall.baseline_accuracy * 5)
     md = breakdown_markdown(groups["type"].rows(overall), "By entity type", k=2, note="a note")
     assert "a note; 4 groups, the 2 largest:" in md and "| group | entities | baseline (%) | head 1-1 (%) |" in md
     assert "| animals | 2 | 50.00 | 100.00 | 1-1 | 100.00 |" in md and "| other | 1 | 0.00 | 0.00 | 2-2 | 100.00 |" in md

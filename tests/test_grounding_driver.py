@@ -203,10 +203,10 @@ def test_analyze_recipe_writes_numbers_figure_and_table(tiny_world, tiny_pretrai
     best = rep.result.best_head
     for key in ("by_entity_type", "by_last_word"):
         rows = data[key]
-        assert sum(r["entities"] for r in rows) == data["n_entities"]
+        assert sum(r["n"] for r in rows) == data["n_entities"]
         assert all(r["overall_head"] == best.label for r in rows)
-        assert sum(r["overall_head_accuracy"] * r["entities"] for r in rows) == pytest.approx(best.accuracy * data["n_entities"])
-        assert sum(r["baseline"] * r["entities"] for r in rows) == pytest.approx(data["baseline_accuracy"] * data["n_entities"])
+        assert sum(r["overall_head_accuracy"] * r["n"] for r in rows) == pytest.approx(best.accuracy * data["n_entities"])
+        assert sum(r["baseline"] * r["n"] for r in rows) == pytest.approx(data["baseline_accuracy"] * data["n_entities"])
     assert [r["group"] for r in data["by_entity_type"]] == ["other"]
     words = {w.split()[-1].lower() for w in _test_phrases(tiny_world.entities)}
     assert {r["group"] for r in data["by_last_word"]} <= words and len(data["by_last_word"]) > 3

@@ -23,6 +23,9 @@ from vlberts.analysis.syntactic import (
     score_syntactic,
 )
 from vlberts.data.conllu import parse_conllu, read_conllu
+from vlberts.world.vocab import COLOUR_NAMES, SIZES
+
+COLOURS_AND_SIZES = (*COLOUR_NAMES, *SIZES)
 
 # Words:      a    man  rides on   the  skateboard  .
 # Word index: 0    1    2     3    4    5           6
@@ -162,6 +165,30 @@ def test_accuracies_per_relation_head_and_direction():
         "pobj (head->dep)", "det (dep->head)", "det (head->dep)"]
 
 
+def test_query_word_breakdown_splits_each_relation_by_the_word_read():
+    from vlberts.analysis.syntactic import QueryWordBreakdown
+
+    inp = syntactic_input()
+    inp.grounding.attn[0, 0, 1] = row(2)  # head 1-1 now misses from "a" (the big box); only 2-2 finds the man
+    acc, by_word = SyntacticAccumulator(), QueryWordBreakdown()
+    by_word.add(acc.add(inp), ("A",) + WORDS[1:])  # the words as the caption has them: lower-cased here
+    res = acc.result()
+    # det (dep->head): "a" -> man (1-1 wrong, 1-2 big box, 2-1 skateboard, 2-2 right), "the" -> skateboard
+    # (1-1 right, 2-1 right): per head 1/2, 0, 1/2, 1/2, so the relation's best head is 1-1 (the first of three).
+    assert res.relation("det (dep->head)").best_head.label == "1-1"
+    rows = by_word.rows(res)
+    got = [(r.group, r.n, r.baseline, r.overall_head, r.overall_head_accuracy, r.best_head, r.best_accuracy)
+           for r in rows["det (dep->head)"]]
+    assert got == [("a", 1, 0.0, "1-1", 0.0, "2-2", 1.0), ("the", 1, 1.0, "1-1", 1.0, "1-1", 1.0)]
+    assert [(r.group, r.best_head) for r in rows["nsubj (head->dep)"]] == [("rides", "1-1")]
+    assert [r.group for r in rows["pobj (head->dep)"]] == ["on"]
+    assert set(rows) == set(res.by_direction)
+    for key, rs in rows.items():  # the words add up to their relation-direction
+        whole = res.by_direction[key]
+        assert sum(r.n for r in rs) == whole.n_entities
+        assert sum(r.overall_head_accuracy * r.n for r in rs) == pytest.approx(whole.best_head.accuracy * whole.n_entities)
+
+
 def test_token_option_and_iou_rule_are_those_of_entity_grounding():
     # token="first": "skateboard" is read from "skate" (-> man), so L1H1's det drops to 3/4.
     first = ground_syntax([syntactic_input()], GroundingOptions(token="first"))
@@ -286,6 +313,13 @@ def test_recipe_writes_table2_and_figure4_and_matches_a_brute_force_count(tiny_w
     assert (out / "syntactic_grounding.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "grounding.md").read_text()
     assert "### Table 2: the 10 most common relations" in md and "| amod |" in md and "(dep->head)" in md
+    # By the query word: the adjectives of amod (dep->head), their counts adding up to the relation-direction's,
+    # checked against the brute-force count above (colour and size words of the world).
+    words = data["syntactic_by_query_word"]["amod (dep->head)"]
+    assert sum(r["n"] for r in words) == n
+    assert {r["group"] for r in words} <= set(COLOURS_AND_SIZES) and len(words) > 1
+    assert all(r["overall_head"] == got.best_head.label for r in words)
+    assert "## Syntactic grounding by the query word" in md and "### amod (dep-\\>head)" in md
 
 
 def test_recipe_without_parses_and_with_mismatched_parses(tiny_world, tiny_pretrained, tmp_path):

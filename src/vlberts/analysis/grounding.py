@@ -570,11 +570,11 @@ BREAKDOWNS: dict[str, Callable[[GroundingEntity], str]] = {
 
 @dataclass(frozen=True)
 class BreakdownRow:
-    """One group of entities: how many, the baseline on them, the overall best head's accuracy on them, and the
-    group's own best head (accuracies as fractions)."""
+    """One group of queries (entities, or a syntactic relation's arc instances): how many, the baseline on
+    them, the overall best head's accuracy on them, and the group's own best head (accuracies as fractions)."""
 
     group: str
-    entities: int
+    n: int  # queries in the group: entities, or arc instances of a syntactic relation
     baseline: float
     overall_head: str  # label of the best head over all entities
     overall_head_accuracy: float
@@ -585,28 +585,40 @@ class BreakdownRow:
         return dataclasses.asdict(self)
 
 
-class EntityBreakdown:
-    """Entity grounding split into groups by a key of each entity (`BREAKDOWNS`): one `GroundingAccumulator`
-    per group, fed with the per-entity scores `GroundingAccumulator.add` returns, so the groups' counts add
-    up to the whole (entities, hits of every head, baseline hits)."""
+class GroupedGrounding:
+    """Grounding queries (entities, or syntactic arc instances) counted in groups: one `GroundingAccumulator`
+    per group, so the groups' counts add up to the whole (queries, hits of every head, baseline hits)."""
 
-    def __init__(self, options: GroundingOptions, key: Callable[[GroundingEntity], str]):
-        self.options, self.key = options, key
+    def __init__(self, options: GroundingOptions):
+        self.options = options
         self.groups: dict[str, GroundingAccumulator] = {}
 
-    def add(self, inp: GroundingInput, scores: CaptionScores) -> None:
-        for e, ent in enumerate(inp.entities):
-            acc = self.groups.setdefault(self.key(ent), GroundingAccumulator(self.options))
-            pick = slice(e, e + 1)
-            acc.add_scores(scores.hit[..., pick], scores.mass[..., pick], scores.baseline_hit[pick],
-                           scores.reachable[pick], captions=0)
+    def add(self, group: str, hit: np.ndarray, mass: np.ndarray, baseline_hit: np.ndarray, reachable: np.ndarray) -> None:
+        """One query's scores: hit and mass (L, H, 1), baseline_hit and reachable (1,)."""
+        acc = self.groups.setdefault(group, GroundingAccumulator(self.options))
+        acc.add_scores(hit, mass, baseline_hit, reachable, captions=0)
 
     def rows(self, overall: GroundingResult) -> list[BreakdownRow]:
-        """Every group, the most entities first (then by name), read against `overall`'s best head."""
+        """Every group, the most queries first (then by name), read against `overall`'s best head."""
         head = overall.best_head
         out = []
         for group, acc in self.groups.items():
             r = acc.result()
             out.append(BreakdownRow(group, r.n_entities, r.baseline_accuracy, head.label,
                                     float(r.accuracy[head.layer, head.head]), r.best_head.label, r.best_head.accuracy))
-        return sorted(out, key=lambda row: (-row.entities, row.group))
+        return sorted(out, key=lambda row: (-row.n, row.group))
+
+
+class EntityBreakdown(GroupedGrounding):
+    """Entity grounding split into groups by a key of each entity (`BREAKDOWNS`), fed with the per-entity
+    scores `GroundingAccumulator.add` returns."""
+
+    def __init__(self, options: GroundingOptions, key: Callable[[GroundingEntity], str]):
+        super().__init__(options)
+        self.key = key
+
+    def add_caption(self, inp: GroundingInput, scores: CaptionScores) -> None:
+        for e, ent in enumerate(inp.entities):
+            pick = slice(e, e + 1)
+            self.add(self.key(ent), scores.hit[..., pick], scores.mass[..., pick], scores.baseline_hit[pick],
+                     scores.reachable[pick])

@@ -143,7 +143,7 @@ gold boxes (IoU &ge; {{ g.options.iou_threshold }}, rule <code>{{ g.options.iou_
 <code>by_last_word</code>): how many entities, the baseline on them, head {{ by_word[0].overall_head }}'s accuracy on
 them, and their own best head.</p>
 <table><tr><th>last word</th><th>entities</th><th>baseline (%)</th><th>head {{ by_word[0].overall_head }} (%)</th><th>best head</th><th>its accuracy (%)</th></tr>
-{% for r in by_word %}<tr><td>{{ r.group }}</td><td>{{ r.entities }}</td><td>{{ '%.2f' % (100 * r.baseline) }}</td><td>{{ '%.2f' % (100 * r.overall_head_accuracy) }}</td><td>{{ r.best_head }}</td><td>{{ '%.2f' % (100 * r.best_accuracy) }}</td></tr>
+{% for r in by_word %}<tr><td>{{ r.group }}</td><td>{{ r.n }}</td><td>{{ '%.2f' % (100 * r.baseline) }}</td><td>{{ '%.2f' % (100 * r.overall_head_accuracy) }}</td><td>{{ r.best_head }}</td><td>{{ '%.2f' % (100 * r.best_accuracy) }}</td></tr>
 {% endfor %}</table>{% endif %}
 
 <h2>Timings (s)</h2>

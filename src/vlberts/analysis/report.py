@@ -133,7 +133,8 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
     return "\n".join(lines) + "\n"
 
 
-def breakdown_markdown(rows: Sequence[BreakdownRow], title: str, k: int = 10, *, note: str = "") -> str:
+def breakdown_markdown(rows: Sequence[BreakdownRow], title: str, k: int = 10, *, note: str = "",
+                       counted: str = "entities") -> str:
     """Entity grounding by group (`grounding.EntityBreakdown`): the `k` largest groups, each with its count,
     the baseline on it, the overall best head's accuracy on it and its own best head."""
     if not rows:
@@ -143,11 +144,11 @@ def breakdown_markdown(rows: Sequence[BreakdownRow], title: str, k: int = 10, *,
         f"### {md_text(title)}", "",
         (f"{md_text(note)}; " if note else "")
         + (f"{len(rows)} groups, the {k} largest:" if len(rows) > k else f"{len(rows)} group(s):"), "",
-        f"| group | entities | baseline (%) | head {head} (%) | best head | its accuracy (%) |",
+        f"| group | {counted} | baseline (%) | head {head} (%) | best head | its accuracy (%) |",
         "|:---|---:|---:|---:|:---|---:|",
     ]
     for r in rows[:k]:
-        lines.append(f"| {md_text(r.group)} | {r.entities} | {_pct(r.baseline)} | {_pct(r.overall_head_accuracy)} "
+        lines.append(f"| {md_text(r.group)} | {r.n} | {_pct(r.baseline)} | {_pct(r.overall_head_accuracy)} "
                      f"| {r.best_head} | {_pct(r.best_accuracy)} |")
     return "\n".join(lines) + "\n\n"
 

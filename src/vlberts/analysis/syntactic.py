@@ -56,6 +56,8 @@ from typing import Any, Literal
 import numpy as np
 
 from vlberts.analysis.grounding import (
+    BreakdownRow,
+    GroupedGrounding,
     GroundingAccumulator,
     GroundingInput,
     GroundingOptions,
@@ -449,6 +451,28 @@ class SyntacticAccumulator:
             skipped=dict(sorted(self.skipped.items())),
             skipped_examples={k: list(v) for k, v in sorted(self.skipped_examples.items())},
         )
+
+
+class QueryWordBreakdown:
+    """Syntactic grounding of each relation-direction split by its query word (lower-cased), the word whose
+    attention is read: amod (dep->head) by adjective, nsubj (head->dep) by verb, pobj (head->dep) by
+    preposition. Table 2 takes one head per relation; a relation whose words are grounded by different
+    heads (one for "red", another for "green") shows here. Fed with the instance scores
+    `SyntacticAccumulator.add` returns and the caption's words."""
+
+    def __init__(self, options: GroundingOptions = GroundingOptions()):
+        self.options = options
+        self.tables: dict[str, GroupedGrounding] = {}
+
+    def add(self, s: SyntacticCaptionScores, words: Sequence[str]) -> None:
+        for i, (relation, direction, q) in enumerate(zip(s.relation, s.direction, s.query_word)):
+            table = self.tables.setdefault(direction_key(relation, direction), GroupedGrounding(self.options))
+            pick = slice(i, i + 1)
+            table.add(str(words[q]).lower(), s.hit[:, :, pick], s.mass[:, :, pick], s.baseline_hit[pick], s.reachable[pick])
+
+    def rows(self, result: SyntacticResult) -> dict[str, list[BreakdownRow]]:
+        """Per relation-direction, its query words' rows against that relation-direction's best head."""
+        return {k: t.rows(result.by_direction[k]) for k, t in self.tables.items()}
 
 
 def ground_syntax(inputs: Iterable[SyntacticInput], options: GroundingOptions = GroundingOptions()) -> SyntacticResult:

@@ -70,13 +70,16 @@ from vlberts.analysis.grounding import (
 from vlberts.analysis.qualitative import default_heads, pick_records, save_qualitative_figure
 from vlberts.analysis.report import breakdown_markdown, md_text, summary_markdown, syntactic_summary_markdown
 from vlberts.analysis.syntactic import (
+    DIRECTIONS,
     FIGURE4_RELATIONS,
     ParseMismatch,
     ParseNotTree,
+    QueryWordBreakdown,
     SyntacticAccumulator,
     SyntacticInput,
     SyntacticResult,
     arcs_from_parse,
+    direction_key,
 )
 from vlberts.analysis.text_syntax import TextSyntaxAccumulator, TextSyntaxResult
 from vlberts.config import apply_overrides, from_dict
@@ -151,6 +154,7 @@ class GroundingReport:
     model_task: str = ""  # the task a fine-tuned model was trained on ("": a pre-trained model)
     figure_images: dict = field(default_factory=dict)  # --images: directory, images drawn, how many not found there
     breakdowns: dict = field(default_factory=dict)  # "type" / "last_word" -> [BreakdownRow]: accuracy by kind of entity
+    syntactic_by_word: dict = field(default_factory=dict)  # "amod (dep->head)" -> [BreakdownRow] by the query word
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -318,6 +322,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     breakdowns = {name: EntityBreakdown(options, key) for name, key in BREAKDOWNS.items()}
     syn = SyntacticAccumulator(options) if parses is not None else None
     text_syn = TextSyntaxAccumulator(options.token) if parses is not None else None
+    syn_words = QueryWordBreakdown(options) if parses is not None else None
     shown: list[ExplorerExample] = []  # the explorer's captions, collected from the same forward passes
     drawn: list[ExplorerExample] = []  # the qualitative figures' captions (records shared with the explorer)
     # Which captions those are is decided in split order here: the forward passes come in length order.
@@ -336,9 +341,9 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                                          device=device, tag_subwords=tags, text_maps=syn is not None):
             scores = acc.add(inp)
             for breakdown in breakdowns.values():
-                breakdown.add(inp, scores)
+                breakdown.add_caption(inp, scores)
             if syn is not None:
-                _add_syntactic(syn, parses, cap, inp, parse_failed, text_syn)
+                _add_syntactic(syn, parses, cap, inp, parse_failed, text_syn, syn_words)
             to_show, to_draw = cap.caption_id in show_ids, cap.caption_id in draw_ids
             if to_show or to_draw:
                 rec = store.get(cap.image_id)
@@ -382,7 +387,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                              syntactic, syntactic_note, parse_failed, mask_pos, mask_note,
                              None if text_syn is None else text_syn.result(), bad.to_dict(),
                              str(meta.get("task", "")), figure_images,
-                             {name: b.rows(result) for name, b in breakdowns.items()})
+                             {name: b.rows(result) for name, b in breakdowns.items()},
+                             {} if syn_words is None or syntactic is None else syn_words.rows(syntactic))
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -414,6 +420,14 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         else:
             f.write(syntactic_summary_markdown(syntactic, cfg.top_k, title=f"Syntactic grounding ({cfg.split} split)"))
             f.write(f"\nSyntactic grounding {syntactic_note}.\n")
+            f.write("\n## Syntactic grounding by the query word\n\n"
+                    "Each relation of --relations, each direction, split by the word whose attention is read "
+                    "(lower-cased): the words' counts, baselines, the relation's best head on them, and their "
+                    "own best heads.\n\n")
+            for key in [direction_key(r, d) for r in relations for d in DIRECTIONS]:
+                if key in report.syntactic_by_word:
+                    f.write(breakdown_markdown(report.syntactic_by_word[key], key, cfg.top_k, note="query words",
+                                               counted="instances"))
             f.write("\n## Syntactic heads among the words (Clark et al., 2019)\n\n"
                     "From each word of an arc, the word each head's attention favours most (summed over a word's "
                     "subwords; [CLS], [SEP] and the word itself left out), against the best fixed offset "
@@ -452,10 +466,10 @@ def _check_qualitative_ids(qual_ids: list[str], captions: list[EntityCaption], s
 
 def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence], cap: EntityCaption,
                    inp: GroundingInput, parse_failed: dict[str, str] | None = None,
-                   text_syn: TextSyntaxAccumulator | None = None) -> None:
+                   text_syn: TextSyntaxAccumulator | None = None, by_word: QueryWordBreakdown | None = None) -> None:
     """Score one caption's arcs, or count why it cannot be (no parse; a parse of other words; a parser's
     tokens that do not align with the caption's words, `parse_failed`); with `text_syn`, also the same
-    arcs among the words (`inp.text_attn`)."""
+    arcs among the words (`inp.text_attn`); with `by_word`, the instances by their query word."""
     if parse_failed and cap.caption_id in parse_failed:
         syn.skip("parser tokens do not align with the caption's words", cap.caption_id)
         return
@@ -471,7 +485,9 @@ def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence],
     except ParseNotTree:
         syn.skip("parse has a cycle (a word that reaches no root)", cap.caption_id)
         return
-    syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
+    scores = syn.add(SyntacticInput(inp, cap.word_tokens, cap.entity_words, arcs, cap.caption_id))
+    if by_word is not None:
+        by_word.add(scores, cap.words)
     if text_syn is not None and inp.text_attn is not None:
         text_syn.add(inp.text_attn, cap.word_tokens, arcs)
 
@@ -502,6 +518,8 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         # Entity grounding by the entities' Flickr30K Entities type and by their phrase's last word.
         "by_entity_type": [r.to_dict() for r in report.breakdowns.get("type", [])],
         "by_last_word": [r.to_dict() for r in report.breakdowns.get("last_word", [])],
+        # Syntactic grounding per relation-direction by the word whose attention is read (its 20 commonest).
+        "syntactic_by_query_word": {k: [r.to_dict() for r in rows[:20]] for k, rows in report.syntactic_by_word.items()},
     }
 
 
