@@ -576,7 +576,7 @@ class BreakdownRow:
     group: str
     n: int  # queries in the group: entities, or arc instances of a syntactic relation
     baseline: float
-    overall_head: str  # label of the best head over all entities
+    overall_head: str  # label of the best head over the whole (all entities, or the relation-direction)
     overall_head_accuracy: float
     best_head: str  # label of the best head on this group
     best_accuracy: float

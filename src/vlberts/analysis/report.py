@@ -135,8 +135,9 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
 
 def breakdown_markdown(rows: Sequence[BreakdownRow], title: str, k: int = 10, *, note: str = "",
                        counted: str = "entities") -> str:
-    """Entity grounding by group (`grounding.EntityBreakdown`): the `k` largest groups, each with its count,
-    the baseline on it, the overall best head's accuracy on it and its own best head."""
+    """Grounding by group (`grounding.GroupedGrounding`: entities by type or last word, a relation's instances
+    by query word): the `k` largest groups, each with its count (`counted`: what is counted), the baseline on
+    it, the whole's best head's accuracy on it and its own best head."""
     if not rows:
         return ""
     head = rows[0].overall_head
