@@ -74,11 +74,11 @@ def pack(obj, new: bool = True) -> bytes:
         return head + raw
     if isinstance(obj, (list, tuple)):
         n = len(obj)
-        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n)
+        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n) if n < 65536 else b"\xdd" + struct.pack(">I", n)
         return head + b"".join(pack(v, new) for v in obj)
     if isinstance(obj, dict):
         n = len(obj)
-        head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
+        head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n) if n < 65536 else b"\xdf" + struct.pack(">I", n)
         return head + b"".join(pack(k, new) + pack(v, new) for k, v in obj.items())
     raise TypeError(type(obj))
 

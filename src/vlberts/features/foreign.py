@@ -222,14 +222,14 @@ def _tensorpack_loads(value: bytes, src: Path) -> Any:
         raise VlbertsError(f"cannot read this value as msgpack: {first_line(e)}") from None
 
 
-def read_vilbert_cc_lmdb(src: str | Path, captions: list[tuple[str | int, str]] | None = None) -> Source:
+def read_vilbert_cc_lmdb(src: str | Path, captions: Any = None) -> Source:
     """ViLBERT's pre-training LMDB of Conceptual Captions (tensorpack's `LMDBSerializer`: keys b"00000000",
     b"00000001", ..., listed in order under b"__keys__"): each value the list `VILBERT_CC_FIELDS`, features
     (N, D), the detector's class distribution (N, 1601, background first), pixel boxes (N, 4), the number
     of boxes (the arrays may hold more rows; as ViLBERT's reader, the first `num_boxes` are the image's),
     the image size, the image id (crc32 of the image's URL) and its caption. `cls_prob` becomes `obj_id` /
     `obj_conf` as for the other formats. Each record's (image id, caption) is appended to `captions` when
-    given. Needs the `lmdb` package."""
+    given (a list, or the importer's `CaptionSpool`). Needs the `lmdb` package."""
     src = Path(src)
     for where, value in _lmdb_values(src, "vilbert-cc-lmdb", b"__keys__", lambda v: _key_list(_tensorpack_loads(v, src))):
         try:

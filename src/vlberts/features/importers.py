@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import pickle
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -31,7 +33,7 @@ from vlberts.features.foreign import (
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
-from vlberts.io import read_text, write_json
+from vlberts.io import atomic_open, read_text
 
 FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "ban-h5", "visualbert-th")
 DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "visualbert-th")  # may read a directory; the others a file
@@ -57,7 +59,7 @@ def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRec
 
 
 def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None,
-                 captions: list[tuple[str | int, str]] | None = None) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
+                 captions: CaptionSpool | None = None) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
     """(where, raw bytes, record or None for a blank line) of a feature file in any `IMPORT_FORMATS`;
     `captions` collects the (image id, caption) pairs of a format that holds them (vilbert-cc-lmdb)."""
     if format in IMPORT_FORMATS and format not in DIRECTORY_FORMATS and Path(src).is_dir():
@@ -141,8 +143,19 @@ def import_features(
         raise VlbertsError(f"{format} files hold no captions (--captions reads {', '.join(CAPTION_FORMATS)})")
     if captions_out is not None and Path(captions_out).exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=captions_out)
-    captions: list[tuple[str | int, str]] | None = [] if captions_out is not None else None
     meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
+    captions = CaptionSpool(Path(captions_out).resolve().parent) if captions_out is not None else None
+    with contextlib.closing(captions) if captions is not None else contextlib.nullcontext():
+        _import_records(src, format, out, dtype, meta, progress, ids, images, captions)
+        if captions is not None:  # once the store is complete
+            captions.write(Path(captions_out), f"captions of {src.name}")
+    return out
+
+
+def _import_records(src: Path, format: str, out: Path, dtype: str, meta: StoreMetadata,
+                    progress: Callable[[int], None] | None, ids: str | Path | None, images: str | Path | None,
+                    captions: CaptionSpool | None) -> None:
+    """The streaming loop of `import_features`: every record of `src` into a new store at `out`."""
     sha = hashlib.sha256()
     n_bytes = n_items = 0
     first_seen: dict[str, str] = {}
@@ -185,21 +198,39 @@ def import_features(
         count = {"lines": n_items} if format in TSV_FORMATS else {"records": n_items}
         source = {"format": format, "file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), **count}
         writer.metadata = dataclasses.replace(meta, source=source)
-    if captions_out is not None:
-        write_json(captions_out, coco_captions(captions, f"captions of {src.name}"), indent=None)
-    return out
 
 
-def coco_captions(captions: list[tuple[str | int, str]], description: str) -> dict[str, Any]:
-    """(image id, caption) pairs as an official COCO captions file (formats §2.1): one image per id, no file
-    names (the features stand for the images), annotation ids 0, 1, ... in the pairs' order."""
-    images = list(dict.fromkeys(i for i, _ in captions))
-    return {
-        "info": {"description": description},
-        "images": [{"id": i, "file_name": ""} for i in images],
-        "annotations": [{"id": k, "image_id": i, "caption": c} for k, (i, c) in enumerate(captions)],
-    }
+class CaptionSpool:
+    """The (image id, caption) pairs of an import, spooled to an unnamed temporary file as they are read and
+    written out at the end as an official COCO captions file (formats §2.1: one image per id, in the pairs'
+    order, no file names since the features stand for the images; annotation ids 0, 1, ...), so that the
+    captions of millions of images take no memory. The importer refuses duplicate image ids, so each pair
+    is its own image."""
 
+    def __init__(self, directory: Path):
+        self._file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=directory)
+
+    def append(self, pair: tuple[str | int, str]) -> None:
+        self._file.write(json.dumps(list(pair)) + "\n")
+
+    def _pairs(self) -> Iterator[tuple[str | int, str]]:
+        self._file.seek(0)
+        for line in self._file:
+            image_id, caption = json.loads(line)
+            yield image_id, caption
+
+    def write(self, path: Path, description: str) -> None:
+        with atomic_open(path) as f:
+            f.write(f'{{"info": {json.dumps({"description": description})}, "images": [')
+            for k, (image_id, _) in enumerate(self._pairs()):
+                f.write((", " if k else "") + json.dumps({"id": image_id, "file_name": ""}))
+            f.write('], "annotations": [')
+            for k, (image_id, caption) in enumerate(self._pairs()):
+                f.write((", " if k else "") + json.dumps({"id": k, "image_id": image_id, "caption": caption}))
+            f.write("]}\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 def export_tsv(
     store: RegionStore | str | Path, path: str | Path, format: str, zero_missing_attrs: bool = False
