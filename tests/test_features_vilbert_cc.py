@@ -212,8 +212,11 @@ def test_vilbert_cc_lmdb_without_its_key_list_reads_the_database_order(tmp_path)
     pytest.importorskip("lmdb")
     images = _images(3)
     _write_cc_lmdb(tmp_path / "cc.lmdb", [pack(_datapoint(im)) for im in images], keys_value=None)
-    import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "cc.h5", captions_out=tmp_path / "cc.json")
-    _check(tmp_path / "cc.h5", tmp_path / "cc.json", images)
+    # the captions file in a directory that does not exist yet, as the store may be
+    captions = tmp_path / "new" / "dir" / "cc.json"
+    import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "cc.h5", captions_out=captions)
+    _check(tmp_path / "cc.h5", captions, images)
+    assert sorted(p.name for p in captions.parent.iterdir()) == ["cc.json"]  # the spool left nothing behind
 
 
 class _RunsCode:

@@ -564,7 +564,7 @@ BREAKDOWNS: dict[str, Callable[[GroundingEntity], str]] = {
     "type": lambda e: "/".join(e.types) or "(none)",
     # The word the default `--token=last` reads: "the man" and "the red shirt" end on their nouns, a phrase
     # ending on a generic noun ("the cyan triangle shape") puts that word in the query's place.
-    "last_word": lambda e: e.phrase.split()[-1].lower() if e.phrase.split() else "(none)",
+    "last_word": lambda e: (e.phrase.split() or ["(none)"])[-1].lower(),
 }
 
 

@@ -208,6 +208,7 @@ class CaptionSpool:
     is its own image."""
 
     def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)  # where the captions file goes, as `atomic_open` would
         self._file = tempfile.TemporaryFile("w+", encoding="utf-8", dir=directory)
 
     def append(self, pair: tuple[str | int, str]) -> None:
