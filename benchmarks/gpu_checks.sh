@@ -27,15 +27,12 @@
 # and found the CUDA-graph loop failing in Inductor. The fifth (h200-2026-11-27-run3): `TESTS=1 ... KERNELS=0
 # ATTN_KERNELS=efficient+flash ATTN_S=240` took 228 s (GPU tests 95 s, LXMERT-base at batch 512 with the runs of
 # back-to-back steps 125 s), and `TESTS=1 ... LOOP_IMAGES=300 LOOP_STEPS=300 LOOP_BATCH=240 RUN_S=60 GRAPHS_S=270`
-# 277 s (the CUDA-graph loop's 300 updates 89 s). What a next session could run: the GPU tests again
-# (`THROUGHPUT=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), and the batch-256/64 throughput rows, last measured before
-# the side-stream copy and the runs of steps (`TESTS=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0 MODES=reduce-overhead`).
-# After the fifth run the MLM head changed layout (`MLMHead`: (W h^T)^T, so the tied word table's gradient is summed
-# in place; on a GPU one more copy of the logits in eager mode): the fifth run's LXMERT batch-512 command above
-# (ATTN_KERNELS=efficient+flash) measures what it does to the 39.8% MFU. Since `75ad751` LXMERT's last
-# cross-modality layer also computes only the language rows its heads read (1.6% fewer FLOPs a base step, the
-# analytic count in `gpu_throughput.py` follows), and every single-stream VQA / pooled task head its one row:
-# the same command measures both.
+# 277 s (the CUDA-graph loop's 300 updates 89 s). The sixth (h200-2026-11-30, code at 48b3d95, after the MLM head's
+# layout and LXMERT's last-layer rows changed): `TESTS=0 ... KERNELS=0 ATTN_KERNELS=efficient+flash ATTN_S=220`
+# (LXMERT at batch 512, fresh machine) then `TESTS=1 TESTS_S=170` then the same with `ATTN_ARCH=visualbert
+# ATTN_S=150`, 325 s in one call (GPU tests 24 passed, 1 skipped, 99 s); on the warm machine the LXMERT command
+# again and `TESTS=0 B64=0 MODES=reduce-overhead SDPA_BACKENDS=` (the batch-256 rows), 262 s. What a next session
+# could run: the batch-64 rows (`TESTS=0 B256=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), the loop in CUDA graphs again.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
