@@ -381,3 +381,112 @@ def test_visualbert_th_takes_tensors_with_grad_bf16_or_sparse_and_vlbert_json_an
     with RegionStore(tmp_path / "json.h5") as s:
         assert [s.num_boxes(str(im["id"])) for im in images] == [len(images[0]["boxes"]), 0, len(images[2]["boxes"])]
         assert s.get(str(images[2]["id"])).cls_prob.shape == images[2]["cls_prob"].shape
+
+
+# --------------------------------------------------------------------------- MMF / Pythia and ViLBERT per-image .npy
+
+def _write_mmf(folder: Path, images: list[dict], background: bool = False, split: str = "train2014") -> list[str]:
+    """MMF's `extract_features_vmb.py` layout: `<name>.npy` the features, `<name>_info.npy` a dict; cls_prob
+    with the object columns only (its default) or the background first (`--background`). Returns the names."""
+    (folder / split).mkdir(parents=True, exist_ok=True)
+    names = []
+    for im in images:
+        name = f"COCO_{split}_{im['id']:012d}"
+        probs = im["cls_prob"] if background else im["cls_prob"][:, 1:]
+        np.save(folder / split / f"{name}.npy", im["features"])
+        np.save(folder / split / f"{name}_info.npy", {
+            "bbox": im["boxes"], "num_boxes": len(im["boxes"]), "objects": probs.argmax(1), "cls_prob": probs,
+            "image_width": im["w"], "image_height": im["h"]})
+        names.append(name)
+    return names
+
+
+def test_mmf_npy_features_with_their_info_files_and_vilbert_per_image_dicts(tmp_path):
+    """MMF's two-file layout under split folders (COCO stems become COCO ids; the background column the
+    default extractor cuts off comes back as 1 minus the row's sum; with `--background` the distribution
+    is kept as written) and ViLBERT's one-dict layout (its `image_id` inside) import to the same records."""
+    images = _images()
+    _write_mmf(tmp_path / "fc6", images[:2], split="train2014")
+    _write_mmf(tmp_path / "fc6", images[2:], split="val2014")
+    import_features(tmp_path / "fc6", "mmf-npy", tmp_path / "mmf.h5")
+    with RegionStore(tmp_path / "mmf.h5") as store:
+        assert store.ids() == ["100", "101", "102"]
+        for im in images:
+            rec = store.get(str(im["id"]))
+            assert (rec.image_w, rec.image_h) == (im["w"], im["h"])
+            np.testing.assert_array_equal(rec.boxes, im["boxes"])
+            np.testing.assert_array_equal(rec.features, im["features"])
+            np.testing.assert_allclose(rec.cls_prob, im["cls_prob"], atol=1e-6)  # (N, 1 + C), background first
+            np.testing.assert_array_equal(rec.obj_id, im["cls_prob"][:, 1:].argmax(1))
+    _write_mmf(tmp_path / "bg", images, background=True)
+    import_features(tmp_path / "bg", "mmf-npy", tmp_path / "bg.h5")
+    _check_store(tmp_path / "bg.h5", images, with_cls_prob=True)
+
+    vilbert = tmp_path / "vilbert"
+    vilbert.mkdir()
+    for im in images:
+        np.save(vilbert / f"{im['id']}.npy", {"image_id": str(im["id"]), "bbox": im["boxes"], "num_boxes": len(im["boxes"]),
+                                            "objects": im["cls_prob"].argmax(1), "cls_prob": im["cls_prob"],
+                                            "image_width": im["w"], "image_height": im["h"], "features": im["features"]})
+    import_features(vilbert, "mmf-npy", tmp_path / "vilbert.h5")
+    _check_store(tmp_path / "vilbert.h5", images, with_cls_prob=True)
+
+
+@pytest.mark.parametrize("breaker, message", [
+    (lambda d, n: (d / f"{n}_info.npy").unlink(), "features without COCO_train2014_000000000101_info.npy beside them"),
+    (lambda d, n: (d / f"{n}.npy").unlink(), "an _info.npy without the features file of its name beside it"),
+    (lambda d, n: np.save(d / f"{n}_info.npy", np.array([_RunsCode()], dtype=object)), "forbidden global posix.system"),
+    (lambda d, n: np.save(d / f"{n}.npy", np.zeros((3, 6), np.float32)), "bbox must be an array of shape (3, 4)"),
+    (lambda d, n: np.save(d / f"{n}_info.npy", {"bbox": np.zeros((5, 4), np.float32), "image_width": 640}),
+     "missing field(s) image_height"),
+    (lambda d, n: np.save(d / f"{n}.npy", np.array(["a", "b"])), "expected an (N, D) array of features or a dict"),
+    (lambda d, n: (d / f"{n}.npy").write_bytes(b"not numpy"), "not a .npy file"),
+])
+def test_mmf_npy_bad_files_are_one_line_errors_naming_the_file(tmp_path, breaker, message):
+    images = _images()
+    names = _write_mmf(tmp_path / "fc6", images)
+    breaker(tmp_path / "fc6" / "train2014", names[1])
+    with pytest.raises(VlbertsError) as err:
+        import_features(tmp_path / "fc6", "mmf-npy", tmp_path / "out.h5")
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert names[1] in str(err.value)  # the file (or the record inside the directory) is named
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_mmf_npy_probabilities_that_sum_past_one_are_refused_and_the_cli_exits_2(tmp_path):
+    images = _images(2)
+    names = _write_mmf(tmp_path / "fc6", images)
+    info = tmp_path / "fc6" / "train2014" / f"{names[0]}_info.npy"
+    np.save(info, {"bbox": images[0]["boxes"], "image_width": images[0]["w"], "image_height": images[0]["h"],
+                   "cls_prob": images[0]["cls_prob"] * 1.5})
+    run = subprocess.run([str(VLBERTS), "features", "import", str(tmp_path / "fc6"), "--format", "mmf-npy",
+                          "--out", str(tmp_path / "s.h5")], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "cls_prob rows must be probabilities" in run.stderr and names[0] in run.stderr
+    info.unlink()
+    (tmp_path / "fc6" / "train2014" / f"{names[0]}.npy").unlink()
+    run = subprocess.run([str(VLBERTS), "features", "import", str(tmp_path / "fc6"), "--format", "mmf-npy",
+                          "--out", str(tmp_path / "s.h5")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "1 images, 5 boxes, 6-d float32 features, fields boxes, features, cls_prob, obj_id, obj_conf" in run.stdout
+
+
+def test_the_worlds_store_written_as_mmf_npy_imports_back_to_the_same_records(tiny_world, tmp_path):
+    """Every record of the tiny world's store, written in MMF's default layout (the class distribution
+    without its background column) and imported back: the same boxes, features and sizes, the background
+    column restored to within float32 rounding, and the same objects derived from it."""
+    folder = tmp_path / "npy"
+    folder.mkdir()
+    with RegionStore(tiny_world.store) as store:
+        originals = list(store.records())
+    for rec in originals:
+        np.save(folder / f"{rec.image_id}.npy", rec.features)
+        np.save(folder / f"{rec.image_id}_info.npy", {"bbox": rec.boxes, "num_boxes": rec.num_boxes, "cls_prob": rec.cls_prob[:, 1:],
+                                                      "image_width": rec.image_w, "image_height": rec.image_h})
+    with RegionStore(import_features(folder, "mmf-npy", tmp_path / "imported.h5")) as store:
+        assert sorted(store.ids()) == sorted(rec.image_id for rec in originals)
+        for rec in originals:
+            again = store.get(rec.image_id)
+            assert set(again.differences(rec)) <= {"cls_prob", "attr_id", "attr_conf"}
+            np.testing.assert_allclose(again.cls_prob, rec.cls_prob, atol=2e-6)
+            np.testing.assert_array_equal(again.obj_id, rec.obj_id)

@@ -85,6 +85,7 @@ class ImportFormat(str, Enum):
     vilbert_cc_lmdb = "vilbert-cc-lmdb"
     ban_h5 = "ban-h5"
     visualbert_th = "visualbert-th"
+    mmf_npy = "mmf-npy"
 
 
 def _echo_store_written(out: Path) -> None:
@@ -101,11 +102,12 @@ def _echo_store_written(out: Path) -> None:
 
 @features_app.command("import")
 def features_import(
-    src: Path = typer.Argument(..., help="The feature file (or VL-BERT's directory / zip of per-image JSON) to import."),
+    src: Path = typer.Argument(..., help="The feature file (or the directory / zip of per-image files) to import."),
     format: ImportFormat = typer.Option(..., "--format", help="butd-tsv (6 fields), lxmert-tsv (10 fields), "
                                         "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's feature LMDB), vilbert-cc-lmdb (ViLBERT's "
                                         "Conceptual Captions pre-training LMDB), ban-h5 (BAN's HDF5), "
-                                        "visualbert-th (VisualBERT's Detectron .th, or a directory of .npz)."),
+                                        "visualbert-th (VisualBERT's Detectron .th, or a directory of .npz), mmf-npy (a directory of "
+                                        "MMF / Pythia per-image .npy with their _info.npy, or ViLBERT's per-image .npy)."),
     out: Path = typer.Option(..., help="The store (.h5) to write."),
     ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
     images: Optional[Path] = typer.Option(None, help="visualbert-th only: the images, whose sizes the file does not hold."),

@@ -1,6 +1,6 @@
 """Readers of the region-feature files the original code bases wrote, beside the BUTD and LXMERT TSVs
-(`tsv.py`): VL-BERT's per-image JSON, ViLBERT's LMDB, BAN's HDF5 and VisualBERT's Detectron `.th` / `.npz`
-files (SPEC §2; formats-and-metrics.md §1.3-1.5). Each reader yields `(where, raw, record)`: where the record sits in the source ("file
+(`tsv.py`): VL-BERT's per-image JSON, ViLBERT's LMDB, BAN's HDF5, VisualBERT's Detectron `.th` / `.npz`
+files and MMF's (Pythia's) and ViLBERT's per-image `.npy` (SPEC §2; formats-and-metrics.md §1.3-1.5). Each reader yields `(where, raw, record)`: where the record sits in the source ("file
 000042.json", "key b'42'", "image 3"), the raw bytes it came from (for the importer's content hash and
 progress) and the `RegionRecord`; `importers.import_features` streams them into a store.
 
@@ -13,7 +13,9 @@ LXMERT's extractor derives them: the arg-max and max over the non-background col
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -25,7 +27,7 @@ import numpy as np
 
 from vlberts.errors import first_line, VlbertsError
 from vlberts.features import msgpack
-from vlberts.features.record import RegionRecord
+from vlberts.features.record import CLS_PROB_ATOL, RegionRecord
 from vlberts.features.tsv import b64_rows
 from vlberts.io import DuplicateKey, unique_keys
 from vlberts.safe_pickle import safe_load, safe_loads
@@ -410,3 +412,122 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
         except VlbertsError as e:
             raise VlbertsError(e.message, path=e.path or src, record=e.record or where) from None
         yield where, boxes.tobytes() + feats.tobytes(), rec
+
+
+# --------------------------------------------------------------------------- MMF / Pythia and ViLBERT per-image .npy (§1.3, §1.5)
+
+# A COCO image's file stem ("COCO_train2014_000000000009"): the image is keyed by its COCO id (9), as the VQA
+# and COCO caption files name it.
+_COCO_STEM = re.compile(r"COCO_[A-Za-z]+\d{4}_(\d+)")
+
+
+def _read_npy(path: Path) -> tuple[Any, bytes]:
+    """One `.npy` file -> (what it holds, its bytes): a numeric array, read without pickles; or an object array
+    (what `np.save` writes for a dict), whose pickled body goes through the restricted unpickler (numpy arrays
+    allowed); a 0-d object array gives the object it holds."""
+    from numpy.lib import format as npy
+
+    data = path.read_bytes()
+    f = io.BytesIO(data)
+    try:
+        version = npy.read_magic(f)
+    except ValueError:
+        raise VlbertsError("not a .npy file (no numpy magic string)", path=path) from None
+    read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+    if read_header is None:
+        raise VlbertsError(f"unsupported .npy format version {version[0]}.{version[1]}", path=path)
+    shape, _, dtype = read_header(f)
+    if not dtype.hasobject:
+        f.seek(0)
+        return npy.read_array(f, allow_pickle=False), data
+    obj = safe_loads(data[f.tell():], source=path, numpy=True)
+    if not isinstance(obj, np.ndarray) or obj.shape != shape:
+        raise VlbertsError(f"the pickled body is not the {shape} object array its header announces", path=path)
+    return (obj[()] if obj.shape == () else obj), data
+
+
+def _full_distribution(cls_prob: np.ndarray) -> np.ndarray:
+    """A detector's class scores as the store keeps them: (N, 1 + C), background first, rows summing to 1.
+    Rows that already sum to 1 have the background column (ViLBERT's extractor; MMF's with `--background`);
+    MMF's default writes the C object columns alone (the softmax over all columns, the background's cut
+    off), and the background's column comes back as 1 minus the row's sum."""
+    if cls_prob.ndim != 2 or cls_prob.shape[1] == 0:
+        raise VlbertsError(f"cls_prob must be an (N, C) array, got shape {cls_prob.shape}")
+    if not len(cls_prob):
+        return cls_prob
+    sums = cls_prob.sum(1, dtype=np.float64)
+    if not np.isfinite(sums).all() or (cls_prob < 0).any() or (sums > 1 + CLS_PROB_ATOL).any():
+        raise VlbertsError("cls_prob rows must be probabilities (non-negative, summing to at most 1)")
+    if (np.abs(sums - 1) <= CLS_PROB_ATOL).all():
+        return cls_prob
+    background = np.clip(1 - sums, 0, 1).astype(np.float32)[:, None]
+    return np.concatenate([background, cls_prob], 1)
+
+
+def _npy_record(name: str, info: dict[str, Any], features: Any) -> RegionRecord:
+    """One image's fields, as MMF's `_info.npy` or ViLBERT's per-image dict names them, -> record."""
+    _missing(info, ("bbox", "image_width", "image_height"))
+    feats = np.asarray(features)
+    if feats.dtype.kind not in "fiu" or feats.ndim != 2:
+        raise VlbertsError(f"features must be an (N, D) array of numbers, got {feats.dtype} {feats.shape}")
+    n = len(feats)
+    boxes = _b64_or_array(info["bbox"], "bbox", n, 4)
+    image_id: Any = info.get("image_id", name)
+    if isinstance(image_id, str) and (coco := _COCO_STEM.fullmatch(image_id)):
+        image_id = int(coco.group(1))
+    rec: dict[str, Any] = dict(image_id=image_id, image_w=_positive_int(info, "image_width"),
+                               image_h=_positive_int(info, "image_height"), boxes=boxes,
+                               features=_float_array(feats, "features"))
+    if "cls_prob" in info:
+        rec["cls_prob"] = _full_distribution(_b64_or_array(info["cls_prob"], "cls_prob", n, None))
+        rec["obj_id"], rec["obj_conf"] = _best_non_background(rec["cls_prob"]) if n else (np.zeros(0), np.zeros(0))
+    return RegionRecord(**rec)
+
+
+def read_mmf_npy(src: str | Path) -> Source:
+    """Per-image `.npy` files under a directory (searched recursively, in path order), in either layout:
+
+    - MMF / Pythia (`tools/scripts/features/extract_features_vmb.py`; VisualBERT's VQA features,
+      `detectron_fix_100/fc6/...`): `<name>.npy` the features (N, D), and beside it `<name>_info.npy`, a dict
+      with `bbox` (N, 4) xyxy pixels, `image_width`, `image_height`, `num_boxes`, `objects` and `cls_prob`;
+    - ViLBERT's `script/extract_features.py`: one `<name>.npy` holding that dict with `features` and
+      `image_id` in it.
+
+    Every row is kept, as MMF's reader keeps them (`num_boxes` counts the rows that some class's NMS kept;
+    the file holds the top `--num_features` whatever their score). `cls_prob` becomes the store's full
+    distribution (`_full_distribution`), and `obj_id` / `obj_conf` come from it as for the other formats
+    (`objects` is its arg-max, so it is not read). The id is the dict's `image_id`, else the file's stem;
+    a COCO stem (`COCO_train2014_000000000009`) becomes its COCO id (9). Dicts are read through the
+    restricted unpickler; features alone, without their `_info.npy`, are refused (no boxes)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise VlbertsError("mmf-npy reads a directory of per-image .npy files" if src.exists() else "not found",
+                           path=src)
+    files = sorted(src.rglob("*.npy"))
+    infos = {p for p in files if p.name.endswith("_info.npy")}
+    stray = sorted(p for p in infos if p.with_name(p.name.removesuffix("_info.npy") + ".npy") not in files)
+    if stray:
+        raise VlbertsError("an _info.npy without the features file of its name beside it", path=stray[0])
+    for path in (p for p in files if p not in infos):
+        where = f"file {path.relative_to(src)}"
+        info_path = path.with_name(path.stem + "_info.npy")
+        try:
+            data, raw = _read_npy(path)
+            if isinstance(data, dict):  # ViLBERT's layout: the fields and the features in one dict
+                _missing(data, ("features",))
+                info, features = data, data["features"]
+            elif isinstance(data, np.ndarray) and data.dtype.kind in "fiu":
+                if info_path not in infos:
+                    raise VlbertsError(f"features without {info_path.name} beside them: MMF's extractor writes the "
+                                       "boxes and the image size there, and a store's regions need both")
+                (info, info_raw), features = _read_npy(info_path), data
+                raw += info_raw
+                if not isinstance(info, dict):
+                    raise VlbertsError(f"expected a dict of the image's fields, got {type(info).__name__}", path=info_path)
+            else:
+                got = f"{data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
+                raise VlbertsError(f"expected an (N, D) array of features or a dict of the image's fields, got {got}")
+            rec = _npy_record(path.stem, info, features)
+        except VlbertsError as e:
+            raise VlbertsError(e.message, path=e.path or path, record=e.record or where) from None
+        yield where, raw, rec

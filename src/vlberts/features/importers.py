@@ -28,15 +28,15 @@ from typing import Any
 
 from vlberts.errors import first_line, VlbertsError
 from vlberts.features.foreign import (
-    read_ban_h5, read_vilbert_cc_lmdb, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json,
+    read_ban_h5, read_mmf_npy, read_vilbert_cc_lmdb, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json,
 )
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.store import RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
 from vlberts.io import atomic_open, read_text
 
-FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "ban-h5", "visualbert-th")
-DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "visualbert-th")  # may read a directory; the others a file
+FOREIGN_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "ban-h5", "visualbert-th", "mmf-npy")
+DIRECTORY_FORMATS = ("vlbert-json", "vilbert-lmdb", "vilbert-cc-lmdb", "visualbert-th", "mmf-npy")  # may read a directory; the others a file
 IMPORT_FORMATS = (*TSV_FORMATS, *FOREIGN_FORMATS)  # butd-tsv, lxmert-tsv, then the others
 CAPTION_FORMATS = ("vilbert-cc-lmdb",)  # formats whose records also hold a caption (`captions_out`)
 
@@ -80,6 +80,8 @@ def read_records(src: Path, format: str, ids: str | Path | None = None, images: 
         if images is None:
             raise VlbertsError("visualbert-th needs --images, the directory of the images (their sizes are not in the file)")
         return read_visualbert_th(src, images)
+    if format == "mmf-npy":
+        return read_mmf_npy(src)
     raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
 
 
