@@ -441,6 +441,8 @@ def test_mmf_npy_features_with_their_info_files_and_vilbert_per_image_dicts(tmp_
      "missing field(s) image_height"),
     (lambda d, n: np.save(d / f"{n}.npy", np.array(["a", "b"])), "expected an (N, D) array of features or a dict"),
     (lambda d, n: (d / f"{n}.npy").write_bytes(b"not numpy"), "not a .npy file"),
+    (lambda d, n: (d / f"{n}.npy").write_bytes((d / f"{n}.npy").read_bytes()[:150]), "cannot read this .npy file's array (EOF"),
+    (lambda d, n: (d / f"{n}_info.npy").write_bytes((d / f"{n}_info.npy").read_bytes()[:200]), "truncated pickle"),
 ])
 def test_mmf_npy_bad_files_are_one_line_errors_naming_the_file(tmp_path, breaker, message):
     images = _images()

@@ -436,10 +436,16 @@ def _read_npy(path: Path) -> tuple[Any, bytes]:
     read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
     if read_header is None:
         raise VlbertsError(f"unsupported .npy format version {version[0]}.{version[1]}", path=path)
-    shape, _, dtype = read_header(f)
+    try:
+        shape, _, dtype = read_header(f)
+    except ValueError as e:
+        raise VlbertsError(f"cannot read this .npy file's header ({first_line(e)})", path=path) from None
     if not dtype.hasobject:
         f.seek(0)
-        return npy.read_array(f, allow_pickle=False), data
+        try:
+            return npy.read_array(f, allow_pickle=False), data
+        except ValueError as e:  # cut short: "EOF: reading array data, expected 128 bytes got 22"
+            raise VlbertsError(f"cannot read this .npy file's array ({first_line(e)})", path=path) from None
     obj = safe_loads(data[f.tell():], source=path, numpy=True)
     if not isinstance(obj, np.ndarray) or obj.shape != shape:
         raise VlbertsError(f"the pickled body is not the {shape} object array its header announces", path=path)
