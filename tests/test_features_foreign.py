@@ -492,3 +492,19 @@ def test_the_worlds_store_written_as_mmf_npy_imports_back_to_the_same_records(ti
             assert set(again.differences(rec)) <= {"cls_prob", "attr_id", "attr_conf"}
             np.testing.assert_allclose(again.cls_prob, rec.cls_prob, atol=2e-6)
             np.testing.assert_array_equal(again.obj_id, rec.obj_id)
+
+
+def test_a_format_without_captions_imports_into_image_samples_that_read_back_as_its_records(tmp_path):
+    from vlberts.data.shards import read_index, read_shard, sample_record
+
+    images = _images()
+    _write_mmf(tmp_path / "fc6", images)
+    import_features(tmp_path / "fc6", "mmf-npy", tmp_path / "s.h5")
+    index = import_features(tmp_path / "fc6", "mmf-npy", tmp_path / "sh", shard_size=2, shards=True)
+    obj = read_index(index)
+    assert (obj["samples"], obj["kinds"]["image"], len(obj["shards"])) == (3, 3, 2)
+    samples = [s for shard in obj["shards"] for s in read_shard(tmp_path / "sh" / shard["name"])]
+    with RegionStore(tmp_path / "s.h5") as store:
+        assert [s["image_id"] for s in samples] == store.ids()
+        for s in samples:
+            assert sample_record(s).differences(store.get(s["image_id"])) == []

@@ -302,3 +302,63 @@ def test_vilbert_pretrains_on_an_imported_cc_lmdb(tmp_path):
     assert run.returncode == 0, run.stderr
     last = json.loads((tmp_path / "pt" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 2 and all(np.isfinite(last[k]) and last[k] > 0 for k in ("mlm_loss", "region_kl_loss", "match_loss"))
+
+
+# --------------------------------------------------------------------------- straight into shards (--shards)
+
+def test_cc_lmdb_straight_into_shards_writes_what_the_store_then_shards_would(tmp_path):
+    """`import_features(shards=True)` (no store in between) writes shard files byte for byte equal to those `write_shards`
+    makes from the store and captions `import_features` writes; the index differs only in naming no store."""
+    pytest.importorskip("lmdb")
+    from vlberts.data.shards import read_index, write_shards
+
+    images = _images(7, pad_to=9)
+    _write_cc_lmdb(tmp_path / "cc.lmdb", [pack(_datapoint(im)) for im in images], pack(_keys(7)))
+    import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "cc.h5", captions_out=tmp_path / "cc.json")
+    via_store = write_shards(tmp_path / "cc.h5", tmp_path / "cc.json", tmp_path / "a", shard_size=3)
+    direct = import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "b", shard_size=3, shards=True)
+    a, b = read_index(via_store), read_index(direct)
+    assert [s["name"] for s in b["shards"]] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    for shard in a["shards"]:
+        assert (tmp_path / "a" / shard["name"]).read_bytes() == (tmp_path / "b" / shard["name"]).read_bytes()
+    assert (b["samples"], b["kinds"]["image-text"], b["shards"]) == (a["samples"], 7, a["shards"])
+    assert b["store"]["path"] is None and a["store"]["path"] == str(tmp_path / "cc.h5")
+    assert {k: v for k, v in b["store"].items() if k != "path"} == {k: v for k, v in a["store"].items() if k != "path"}
+    assert b["store"]["metadata"]["source"]["format"] == "vilbert-cc-lmdb"  # the LMDB's hash, as in the store
+
+
+def test_a_bad_record_stops_the_shard_import_with_no_index_and_the_shard_in_progress_removed(tmp_path):
+    pytest.importorskip("lmdb")
+
+    images = _images(6)
+    values = [pack(_datapoint(im)) for im in images]
+    odd = dict(images[4], cls_prob=np.full((images[4]["n"], 4), 0.25, np.float32))  # 4 classes where the rest have 5
+    values[4] = pack(_datapoint(odd))
+    _write_cc_lmdb(tmp_path / "cc.lmdb", values, pack(_keys(6)))
+    with pytest.raises(VlbertsError) as err:
+        import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "s", shard_size=3, shards=True)
+    assert "cls_prob has 4 classes but the shard set holds 5" in str(err.value) and "key b'00000004'" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["shard-000000.tar"]  # finished; no index, no temp file
+
+
+def test_cli_imports_into_shards_that_pretrain_reads_and_refuses_mixed_targets(tmp_path):
+    pytest.importorskip("lmdb")
+    images = _images(8)
+    _write_cc_lmdb(tmp_path / "cc.lmdb", [pack(_datapoint(im)) for im in images], pack(_keys(8)))
+    base = [str(VLBERTS), "features", "import", str(tmp_path / "cc.lmdb"), "--format", "vilbert-cc-lmdb"]
+    run = subprocess.run([*base, "--shards", str(tmp_path / "sh"), "--shard-size", "5", "--float16"],
+                         capture_output=True, text=True)
+    index = tmp_path / "sh" / "shard-index.json"
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == (f"wrote {index}: 8 samples (image-text 8) in 2 shard(s) (vlberts pretrain --shards={index})")
+    assert json.loads(index.read_text())["store"]["dtype"] == "float16"
+    run = subprocess.run([str(VLBERTS), "pretrain", f"--shards={index}", "--model=vilbert-tiny", "--steps=2",
+                          "--batch_size=4", "--chunk_images=8", f"--out={tmp_path / 'pt'}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    last = json.loads((tmp_path / "pt" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and all(np.isfinite(last[k]) and last[k] > 0 for k in ("mlm_loss", "region_kl_loss", "match_loss"))
+    for extra, message in (([], "give --out (the store to write) or --shards"),
+                           (["--out", str(tmp_path / "x.h5"), "--shards", str(tmp_path / "y")], "not both"),
+                           (["--shards", str(tmp_path / "y"), "--captions", str(tmp_path / "c.json")], "they go into the shards")):
+        run = subprocess.run([*base, *extra], capture_output=True, text=True)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr

@@ -108,7 +108,11 @@ def features_import(
                                         "Conceptual Captions pre-training LMDB), ban-h5 (BAN's HDF5), "
                                         "visualbert-th (VisualBERT's Detectron .th, or a directory of .npz), mmf-npy (a directory of "
                                         "MMF / Pythia per-image .npy with their _info.npy, or ViLBERT's per-image .npy)."),
-    out: Path = typer.Option(..., help="The store (.h5) to write."),
+    out: Optional[Path] = typer.Option(None, help="The store (.h5) to write (or give --shards)."),
+    shards: Optional[Path] = typer.Option(None, help="Instead of --out: write a shard set into this directory, with no store "
+                                          "in between (vilbert-cc-lmdb: each image with its caption)."),
+    shard_size: int = typer.Option(1000, "--shard-size", help="With --shards: samples per shard."),
+    prefix: str = typer.Option("shard", help="With --shards: the shard set's name (PREFIX-000000.tar, PREFIX-index.json)."),
     ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
     images: Optional[Path] = typer.Option(None, help="visualbert-th only: the images, whose sizes the file does not hold."),
     captions: Optional[Path] = typer.Option(None, help="vilbert-cc-lmdb only: also write its captions here, as a COCO "
@@ -117,14 +121,20 @@ def features_import(
     extractor: str = typer.Option("unknown", help="Name of the extractor that produced SRC, saved in the store."),
     classes: Optional[Path] = typer.Option(None, help="Object vocabulary (objects_vocab.txt) that objects_id indexes."),
     attributes: Optional[Path] = typer.Option(None, help="Attribute vocabulary (attributes_vocab.txt)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once the import has succeeded)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once the import has succeeded), or a shard "
+                                   "set of the same prefix in --shards."),
 ) -> None:
-    """Stream a feature file into a region store, one image at a time; a bad record leaves no store behind."""
+    """Stream a feature file into a region store (or a shard set), one image at a time; a bad record leaves no
+    store (no shard index) behind."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from vlberts.features.importers import import_features, read_vocab
     from vlberts.features.record import StoreMetadata
+
+    if (out is None) == (shards is None):
+        raise VlbertsError("give --out (a store) or --shards (a shard set's directory), not both" if out else
+                           "give --out (the store to write) or --shards (a directory for a shard set)")
 
     meta = StoreMetadata(
         extractor=extractor,
@@ -137,18 +147,18 @@ def features_import(
     # No bar when stderr is not a terminal: logs get the summary line only.
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("import", total=size)
-        import_features(
-            src,
-            format.value,
-            out,
-            dtype="float16" if float16 else "float32",
-            metadata=meta,
-            overwrite=overwrite,
-            progress=lambda n: bar.advance(task, n),
-            ids=ids,
-            images=images,
-            captions_out=captions,
-        )
+        common = dict(dtype="float16" if float16 else "float32", metadata=meta, overwrite=overwrite,
+                      progress=lambda n: bar.advance(task, n), ids=ids, images=images)
+        written = import_features(src, format.value, shards or out, captions_out=captions, shards=shards is not None,
+                                  shard_size=shard_size, prefix=prefix, **common)
+    if shards is not None:
+        from vlberts.io import read_json
+
+        obj = read_json(written)
+        kinds = ", ".join(f"{k} {n}" for k, n in obj["kinds"].items() if n)
+        typer.echo(f"wrote {written}: {obj['samples']} samples ({kinds}) in {len(obj['shards'])} shard(s) "
+                   f"(vlberts pretrain --shards={written})")
+        return
     _echo_store_written(out)
     if captions is not None:
         typer.echo(f"wrote {captions}: each image's caption, in the COCO captions format "

@@ -58,7 +58,7 @@ from vlberts.data.sampling import epoch_order
 from vlberts.data.text_corpus import image_id_lines, read_documents
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
-from vlberts.features.store import RegionStore
+from vlberts.features.store import RecordLayout, RegionStore
 from vlberts.io import atomic_path, read_json, require_text, write_json
 from vlberts.training.distributed import DistInfo
 
@@ -82,16 +82,9 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _image_sample(rec: RegionRecord, captions: list[str], dtype: str) -> dict[str, bytes]:
-    """The members (extension -> bytes) of one image: its json and one .npy per region field it holds."""
-    arrays: dict[str, np.ndarray] = {}
-    for name in REGION_FIELDS:
-        a = getattr(rec, name)
-        if a is None:
-            continue
-        if name in ("features", "cls_prob"):
-            a = a.astype(dtype, copy=False)  # a store opened with upcast=True gave float32 copies of float16
-        arrays[name] = a
+def _image_sample(rec: RegionRecord, captions: list[str], arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
+    """The members (extension -> bytes) of one image: its json and one .npy per region field it holds
+    (`arrays`, as `RecordLayout.arrays` gives them)."""
     meta = {
         "kind": "image-text" if captions else "image", "image_id": rec.image_id, "image_w": rec.image_w,
         "image_h": rec.image_h, "captions": captions, "fields": list(arrays),
@@ -141,6 +134,95 @@ def _sample_key(image_id: str, index: int) -> str:
     return image_id if _SAFE_KEY.fullmatch(image_id) else f"sample{index:09d}"
 
 
+def _check_target(out_dir: Path, prefix: str, shard_size: int, overwrite: bool) -> None:
+    if shard_size < 1:
+        raise VlbertsError(f"shard_size must be >= 1, got {shard_size}")
+    if not _SAFE_KEY.fullmatch(prefix):
+        raise VlbertsError(f"shard prefix {prefix!r} must be letters, digits, '_' or '-'")
+    if (out_dir / f"{prefix}-index.json").exists() and not overwrite:
+        raise VlbertsError(f"a shard set {prefix}-* is already there (pass --overwrite to replace it)", path=out_dir)
+
+
+def _make_dir(out_dir: Path) -> None:
+    try:  # here, not in the shard writer: a file at --out would end in a traceback there
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is there" if out_dir.is_file() else e.strerror or e
+        raise VlbertsError(f"cannot make the output directory ({why})", path=out_dir) from None
+
+
+def _store_entry(path: str | None, layout: RecordLayout, metadata: StoreMetadata) -> dict[str, Any]:
+    """What the index says of the regions' source: the store's path (None when records were imported straight
+    into shards), feature width, dtype, fields and metadata (`index_store` reads it back)."""
+    fields = [name for name, _, _ in layout.box_fields()]
+    return {"path": path, "feature_dim": layout.feature_dim, "dtype": layout.dtype, "fields": fields,
+            "metadata": metadata.to_dict()}
+
+
+def _finish_set(out_dir: Path, prefix: str, writer: "_ShardWriter", extra: dict[str, Any]) -> Path:
+    """The index json of a written shard set (`extra`'s entries before the shard list); an older set of the
+    same prefix loses its shards beyond the new ones. Returns the index's path."""
+    if not writer.shards:
+        raise VlbertsError("nothing to write (no captioned images, images or documents)", path=out_dir)
+    index_path = out_dir / f"{prefix}-index.json"
+    write_json(index_path, {
+        "format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION,
+        "samples": sum(s["samples"] for s in writer.shards),
+        "kinds": {k: sum(s["kinds"][k] for s in writer.shards) for k in KINDS},
+        **extra,
+        "shards": writer.shards,
+    })
+    # An overwritten set of more shards leaves its later ones behind; a reader that globs <prefix>-*.tar
+    # (WebDataset's usual brace or glob pattern) would read them with the new ones.
+    written = {s["name"] for s in writer.shards}
+    for stale in out_dir.glob(f"{prefix}-*.tar"):
+        if re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar", stale.name) and stale.name not in written:
+            stale.unlink(missing_ok=True)
+    return index_path
+
+
+class ShardSetWriter:
+    """Region records, each with its captions, written straight into a shard set laid out as `write_shards`
+    lays out a store's: for an import whose source is too large to keep twice (`vlberts features import
+    --shards`, e.g. ViLBERT's Conceptual Captions LMDB). Every record must fit `layout`
+    (`RecordLayout.arrays`); an image with captions is an "image-text" sample, one without an "image"
+    sample. The index's `store` entry has no path, and `metadata` as it is at close (an importer adds the
+    source's hash at the end). On an error (`abort`, or an exception leaving the `with` block) the shard in
+    progress is removed; the finished ones stay, and no index is written."""
+
+    def __init__(self, out_dir: str | Path, layout: RecordLayout, metadata: StoreMetadata, *, shard_size: int = 1000,
+                 prefix: str = "shard", overwrite: bool = False):
+        self.out_dir, self.layout, self.metadata, self.prefix = Path(out_dir), layout, metadata, prefix
+        _check_target(self.out_dir, prefix, shard_size, overwrite)
+        _make_dir(self.out_dir)
+        self._writer = _ShardWriter(self.out_dir, prefix, shard_size)
+        self._n = 0
+
+    def add(self, rec: RegionRecord, captions: Sequence[str] = ()) -> None:
+        arrays = self.layout.arrays(rec, self.metadata, path=self.out_dir, holder="shard set")
+        self._writer.add(_sample_key(rec.image_id, self._n), _image_sample(rec, list(captions), arrays),
+                         "image-text" if captions else "image")
+        self._n += 1
+
+    def close(self) -> Path:
+        """Finish the last shard and write the index; returns the index json's path."""
+        self._writer.close()
+        return _finish_set(self.out_dir, self.prefix, self._writer, {
+            "images_without_captions_skipped": 0, "store": _store_entry(None, self.layout, self.metadata)})
+
+    def abort(self, error: BaseException) -> None:
+        self._writer.close(error)
+
+    def __enter__(self) -> "ShardSetWriter":
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if error is None:
+            self.close()
+        else:
+            self.abort(error)
+
+
 def write_shards(
     store: RegionStore | str | Path | None,
     captions: Sequence[CaptionRef] | str | Path | None,
@@ -171,13 +253,8 @@ def write_shards(
         (otherwise an error).
     Returns the index json `<out_dir>/<prefix>-index.json`.
     """
-    if shard_size < 1:
-        raise VlbertsError(f"shard_size must be >= 1, got {shard_size}")
-    if not _SAFE_KEY.fullmatch(prefix):
-        raise VlbertsError(f"shard prefix {prefix!r} must be letters, digits, '_' or '-'")
     out_dir = Path(out_dir)
-    if (out_dir / f"{prefix}-index.json").exists() and not overwrite:
-        raise VlbertsError(f"a shard set {prefix}-* is already there (pass --overwrite to replace it)", path=out_dir)
+    _check_target(out_dir, prefix, shard_size, overwrite)
     if isinstance(store, (str, Path)):
         store = RegionStore(store, upcast=False)
     refs = read_caption_refs(captions) if isinstance(captions, (str, Path)) else captions
@@ -201,11 +278,8 @@ def write_shards(
         if missing:
             raise VlbertsError(f"{len(missing)} {what}(s) are not in the store", path=store.path, record=missing[0])
 
-    try:  # here, not in the shard writer: a file at --out would end in a traceback there
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = "a file is there" if out_dir.is_file() else e.strerror or e
-        raise VlbertsError(f"cannot make the output directory ({why})", path=out_dir) from None
+    _make_dir(out_dir)
+    layout = store.layout if store is not None else None
     writer = _ShardWriter(out_dir, prefix, shard_size)
     index, skipped = 0, 0
     try:
@@ -214,7 +288,7 @@ def write_shards(
             if refs is not None and not caps and not image_only and rec.image_id not in withheld:
                 skipped += 1
                 continue
-            sample = _image_sample(rec, caps, store.dtype)
+            sample = _image_sample(rec, caps, layout.arrays(rec, store.metadata, path=store.path))
             writer.add(_sample_key(rec.image_id, index), sample, "image-text" if caps else "image")
             index += 1
         for k, doc in enumerate(documents):
@@ -227,27 +301,10 @@ def write_shards(
         writer.close(e)
         raise
     writer.close()
-    if not writer.shards:
-        raise VlbertsError("nothing to write (no captioned images, images or documents)", path=out_dir)
-    index_path = out_dir / f"{prefix}-index.json"
-    write_json(index_path, {
-        "format": SHARD_FORMAT, "format_version": SHARD_FORMAT_VERSION,
-        "samples": sum(s["samples"] for s in writer.shards),
-        "kinds": {k: sum(s["kinds"][k] for s in writer.shards) for k in KINDS},
+    return _finish_set(out_dir, prefix, writer, {
         "images_without_captions_skipped": skipped,
-        "store": None if store is None else {
-            "path": str(store.path), "feature_dim": store.feature_dim, "dtype": store.dtype, "fields": store.fields,
-            "metadata": store.metadata.to_dict(),
-        },
-        "shards": writer.shards,
+        "store": None if store is None else _store_entry(str(store.path), layout, store.metadata),
     })
-    # An overwritten set of more shards leaves its later ones behind; a reader that globs <prefix>-*.tar
-    # (WebDataset's usual brace or glob pattern) would read them with the new ones.
-    written = {s["name"] for s in writer.shards}
-    for stale in out_dir.glob(f"{prefix}-*.tar"):
-        if re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar", stale.name) and stale.name not in written:
-            stale.unlink(missing_ok=True)
-    return index_path
 
 
 def read_index(index: Path) -> dict[str, Any]:

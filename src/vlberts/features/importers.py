@@ -31,7 +31,7 @@ from vlberts.features.foreign import (
     read_ban_h5, read_mmf_npy, read_vilbert_cc_lmdb, read_vilbert_lmdb, read_visualbert_th, read_vlbert_json,
 )
 from vlberts.features.record import RegionRecord, StoreMetadata
-from vlberts.features.store import RegionStore, RegionStoreWriter
+from vlberts.features.store import RecordLayout, RegionStore, RegionStoreWriter
 from vlberts.features.tsv import TSV_FORMATS, get_format, iter_tsv_lines, parse_tsv_line, write_tsv
 from vlberts.io import atomic_open, read_text
 
@@ -124,11 +124,20 @@ def import_features(
     ids: str | Path | None = None,
     images: str | Path | None = None,
     captions_out: str | Path | None = None,
+    shards: bool = False,
+    shard_size: int = 1000,
+    prefix: str = "shard",
 ) -> Path:
     """Stream a feature file in one of `IMPORT_FORMATS` into a new store at `out` (`ids`: BAN's
     imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from;
     `captions_out`: vilbert-cc-lmdb only, where to write its records' captions as an official COCO
-    captions file, for `vlberts pretrain --captions`, once the store is complete).
+    captions file, for `vlberts pretrain --captions`, once the store is complete). Returns `out`.
+
+    With `shards`, `out` is a directory, and the records go straight into a shard set there
+    (`data.shards.ShardSetWriter`: `shard_size` samples a shard, `<prefix>-index.json`, whose path is
+    returned), with no store in between, for a corpus too large to keep twice: a format whose records hold
+    a caption (vilbert-cc-lmdb) gives "image-text" samples, the others "image" samples; a bad record stops
+    the import with the shard in progress removed and no index written.
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
     (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
@@ -139,30 +148,65 @@ def import_features(
     src, out = Path(src), Path(out)
     if format not in IMPORT_FORMATS:
         raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
+    meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
+    if shards:
+        return _import_to_shards(src, format, out, dtype, meta, overwrite, progress, ids, images, captions_out,
+                                 shard_size, prefix)
     if out.exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=out)
     if captions_out is not None and format not in CAPTION_FORMATS:
         raise VlbertsError(f"{format} files hold no captions (--captions reads {', '.join(CAPTION_FORMATS)})")
     if captions_out is not None and Path(captions_out).exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=captions_out)
-    meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
     captions = CaptionSpool(Path(captions_out).resolve().parent) if captions_out is not None else None
     with contextlib.closing(captions) if captions is not None else contextlib.nullcontext():
-        _import_records(src, format, out, dtype, meta, progress, ids, images, captions)
+        def open_writer(layout: RecordLayout) -> RegionStoreWriter:
+            return RegionStoreWriter(out, feature_dim=layout.feature_dim, dtype=dtype, metadata=meta,
+                                     with_objects=layout.with_objects, with_attrs=layout.with_attrs,
+                                     with_cls_prob=layout.num_classes)
+
+        _import_records(src, format, dtype, meta, progress, ids, images, captions, open_writer,
+                        lambda writer, rec: writer.add(rec))
         if captions is not None:  # once the store is complete
             captions.write(Path(captions_out), f"captions of {src.name}")
     return out
 
 
-def _import_records(src: Path, format: str, out: Path, dtype: str, meta: StoreMetadata,
-                    progress: Callable[[int], None] | None, ids: str | Path | None, images: str | Path | None,
-                    captions: CaptionSpool | None) -> None:
-    """The streaming loop of `import_features`: every record of `src` into a new store at `out`."""
+def _import_to_shards(src: Path, format: str, out_dir: Path, dtype: str, meta: StoreMetadata, overwrite: bool,
+                      progress: Callable[[int], None] | None, ids: str | Path | None, images: str | Path | None,
+                      captions_out: str | Path | None, shard_size: int, prefix: str) -> Path:
+    """`import_features(shards=True)`: each record, with its caption where the format holds one, into a
+    `ShardSetWriter`; returns the index json."""
+    from vlberts.data.shards import ShardSetWriter
+
+    if captions_out is not None:
+        raise VlbertsError("--captions writes the captions beside a store (--out); with --shards they go into the shards")
+    pending: list[tuple[str | int, str]] = []  # the record just read's (image id, caption), where it has one
+
+    def open_writer(layout: RecordLayout) -> ShardSetWriter:
+        return ShardSetWriter(out_dir, layout, meta, shard_size=shard_size, prefix=prefix, overwrite=overwrite)
+
+    def add(writer: ShardSetWriter, rec: RegionRecord) -> None:
+        captions = [caption for _, caption in pending]
+        pending.clear()
+        writer.add(rec, captions)
+
+    _import_records(src, format, dtype, meta, progress, ids, images, pending, open_writer, add)
+    return out_dir / f"{prefix}-index.json"
+
+
+def _import_records(src: Path, format: str, dtype: str, meta: StoreMetadata, progress: Callable[[int], None] | None,
+                    ids: str | Path | None, images: str | Path | None, captions: Any,
+                    open_writer: Callable[[RecordLayout], Any], add: Callable[[Any, RegionRecord], None]) -> None:
+    """The streaming loop of `import_features` (into a store or a shard set): every record of `src`, checked (duplicate
+    ids; the first image must have boxes, which fix the feature width), into the writer `open_writer` makes
+    from the first record's layout (a `RegionStoreWriter`, a `ShardSetWriter`: entered as a context, its
+    `metadata` given the source at the end) by `add(writer, record)`."""
     sha = hashlib.sha256()
     n_bytes = n_items = 0
     first_seen: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        writer: RegionStoreWriter | None = None
+        writer: Any = None
         for at, raw, rec in _guarded(read_records(src, format, ids, images, captions), src, format):
             sha.update(raw)
             n_bytes += len(raw)
@@ -177,19 +221,9 @@ def _import_records(src: Path, format: str, out: Path, dtype: str, meta: StoreMe
                 if writer is None:
                     if rec.num_boxes == 0:
                         raise VlbertsError("the first image has no boxes, so the feature width is unknown", path=src, record=where)
-                    writer = stack.enter_context(
-                        RegionStoreWriter(
-                            out,
-                            feature_dim=rec.feature_dim,
-                            dtype=dtype,
-                            metadata=meta,
-                            with_objects=rec.has_objects,
-                            with_attrs=rec.has_attrs,
-                            with_cls_prob=None if rec.cls_prob is None else rec.cls_prob.shape[1],
-                        )
-                    )
+                    writer = stack.enter_context(open_writer(RecordLayout.of(rec, dtype)))
                 try:
-                    writer.add(rec)
+                    add(writer, rec)
                 except VlbertsError as e:
                     hint = " (truncated line?)" if "feature width" in e.message and format in TSV_FORMATS else ""
                     raise VlbertsError(e.message + hint, path=src, record=where) from None

@@ -23,6 +23,7 @@ the small per-image arrays and builds an id -> row dict when opened (about 0.1 s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -58,6 +59,81 @@ def _as_metadata(metadata: StoreMetadata | dict[str, Any] | None) -> StoreMetada
     if isinstance(metadata, StoreMetadata):
         return metadata
     return StoreMetadata.from_dict(metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordLayout:
+    """The per-box fields a corpus of region records holds and how they are stored, fixed before its first
+    record: a store's datasets (`RegionStoreWriter`), a shard set's members (`data.shards.ShardSetWriter`).
+    `arrays` is the one check a record passes to join either: a record that lacks one of the fields, or
+    carries one the corpus does not hold, is an error (nothing is dropped or invented silently)."""
+
+    feature_dim: int
+    dtype: str = "float32"  # of features and cls_prob (STORE_DTYPES)
+    num_classes: int | None = None  # cls_prob's width, or None: no cls_prob
+    with_objects: bool = False
+    with_attrs: bool = False
+
+    @classmethod
+    def of(cls, rec: RegionRecord, dtype: str = "float32") -> "RecordLayout":
+        """The layout a corpus takes from its first record."""
+        return cls(feature_dim=rec.feature_dim, dtype=dtype, num_classes=None if rec.cls_prob is None else rec.cls_prob.shape[1],
+                   with_objects=rec.has_objects, with_attrs=rec.has_attrs)
+
+    def box_fields(self) -> list[tuple[str, tuple[int, ...], Any]]:
+        """(name, row shape, dtype) of every per-box field, in the store's (and `REGION_FIELDS`') order."""
+        np_dtype = STORE_DTYPES[self.dtype]
+        fields: list[tuple[str, tuple[int, ...], Any]] = [("boxes", (4,), np.float32), ("features", (self.feature_dim,), np_dtype)]
+        if self.num_classes is not None:
+            fields.append(("cls_prob", (self.num_classes,), np_dtype))
+        if self.with_objects:
+            fields += [("obj_id", (), np.int64), ("obj_conf", (), np.float32)]
+        if self.with_attrs:
+            fields += [("attr_id", (), np.int64), ("attr_conf", (), np.float32)]
+        return fields
+
+    def arrays(self, rec: RegionRecord, metadata: StoreMetadata, *, path: Path, holder: str = "store") -> dict[str, np.ndarray]:
+        """The record's per-box fields as stored (name -> (N, ...) array, `box_fields`' order), after checking
+        that it fits: its feature width, its fields, its cls_prob width and class / attribute ids inside
+        `metadata`'s vocabularies, values inside float16's range where it is stored so. Errors name `path`
+        and the image."""
+        if rec.feature_dim != self.feature_dim and rec.num_boxes:
+            raise VlbertsError(f"feature width {rec.feature_dim} but the {holder} holds {self.feature_dim}-d features",
+                               path=path, record=rec.image_id)
+        present = {"cls_prob": rec.cls_prob is not None, "objects": rec.has_objects, "attrs": rec.has_attrs}
+        wanted = {"cls_prob": self.num_classes is not None, "objects": self.with_objects, "attrs": self.with_attrs}
+        for name in present:
+            if present[name] != wanted[name]:
+                has = "has" if present[name] else "lacks"
+                holds = "holds" if wanted[name] else "does not hold"
+                raise VlbertsError(f"record {has} {name} but the {holder} {holds} them", path=path, record=rec.image_id)
+        misfit = record_misfit(rec, cls_prob_width=self.num_classes, classes=metadata.classes,
+                               attributes=metadata.attributes, holder=holder)
+        if misfit:
+            raise VlbertsError(misfit, path=path, record=rec.image_id)
+        n = rec.num_boxes
+        given = {
+            "boxes": rec.boxes,
+            "features": rec.features.reshape(n, self.feature_dim),  # a 0-box record may arrive as (0, 0)
+            "cls_prob": None if rec.cls_prob is None else rec.cls_prob.reshape(n, -1 if n else self.num_classes),
+            "obj_id": rec.obj_id,
+            "obj_conf": rec.obj_conf,
+            "attr_id": rec.attr_id,
+            "attr_conf": rec.attr_conf,
+        }
+        out = {}
+        for name, _, dt in self.box_fields():
+            with np.errstate(over="ignore"):  # float16 overflow is reported below, by name
+                a = np.asarray(given[name]).astype(dt, copy=False)
+            if dt == np.float16 and not all_finite(a) and all_finite(np.asarray(given[name])):
+                raise VlbertsError(
+                    f"{name} values exceed the float16 range (max |x| = {np.abs(given[name]).max():.4g}); "
+                    "store as float32",
+                    path=path,
+                    record=rec.image_id,
+                )
+            out[name] = a
+        return out
 
 
 class RegionStoreWriter:
@@ -96,8 +172,8 @@ class RegionStoreWriter:
         self.num_classes = None if with_cls_prob is None else int(with_cls_prob)
         self.with_objects = bool(with_objects)
         self.with_attrs = bool(with_attrs)
+        self.layout = RecordLayout(self.feature_dim, dtype, self.num_classes, self.with_objects, self.with_attrs)
 
-        self._np_dtype = STORE_DTYPES[dtype]
         self._ids: list[str] = []
         self._index: dict[str, int] = {}
         self._w: list[int] = []
@@ -118,23 +194,9 @@ class RegionStoreWriter:
             self._stack.__exit__(type(e), e, e.__traceback__)
             raise
 
-    # (name, row shape, dtype) of every per-box dataset this store holds.
-    def _box_fields(self) -> list[tuple[str, tuple[int, ...], Any]]:
-        fields: list[tuple[str, tuple[int, ...], Any]] = [
-            ("boxes", (4,), np.float32),
-            ("features", (self.feature_dim,), self._np_dtype),
-        ]
-        if self.num_classes is not None:
-            fields.append(("cls_prob", (self.num_classes,), self._np_dtype))
-        if self.with_objects:
-            fields += [("obj_id", (), np.int64), ("obj_conf", (), np.float32)]
-        if self.with_attrs:
-            fields += [("attr_id", (), np.int64), ("attr_conf", (), np.float32)]
-        return fields
-
     def _create_datasets(self) -> dict[str, h5py.Dataset]:
         ds = {}
-        for name, row, dt in self._box_fields():
+        for name, row, dt in self.layout.box_fields():
             row_bytes = int(np.prod(row, dtype=np.int64)) * np.dtype(dt).itemsize
             ds[name] = self._f.create_dataset(
                 name, shape=(0, *row), maxshape=(None, *row), dtype=dt, chunks=(_chunk_rows(row_bytes), *row)
@@ -161,55 +223,16 @@ class RegionStoreWriter:
                 path=self.path,
                 record=rec.image_id,
             )
-        if rec.feature_dim != self.feature_dim and rec.num_boxes:
-            raise VlbertsError(
-                f"feature width {rec.feature_dim} but the store holds {self.feature_dim}-d features",
-                path=self.path,
-                record=rec.image_id,
-            )
-        self._check_fields(rec)
-        n = rec.num_boxes
-        arrays = {
-            "boxes": rec.boxes,
-            "features": rec.features.reshape(n, self.feature_dim),  # a 0-box record may arrive as (0, 0)
-            "cls_prob": None if rec.cls_prob is None else rec.cls_prob.reshape(n, -1 if n else self.num_classes),
-            "obj_id": rec.obj_id,
-            "obj_conf": rec.obj_conf,
-            "attr_id": rec.attr_id,
-            "attr_conf": rec.attr_conf,
-        }
-        for name, _, dt in self._box_fields():
-            with np.errstate(over="ignore"):  # float16 overflow is reported below, by name
-                a = np.asarray(arrays[name]).astype(dt, copy=False)
-            if dt == np.float16 and not all_finite(a) and all_finite(np.asarray(arrays[name])):
-                raise VlbertsError(
-                    f"{name} values exceed the float16 range (max |x| = {np.abs(arrays[name]).max():.4g}); "
-                    "store as float32",
-                    path=self.path,
-                    record=rec.image_id,
-                )
+        for name, a in self.layout.arrays(rec, self.metadata, path=self.path).items():
             self._buf[name].append(a)
             self._buf_bytes += a.nbytes
         self._index[rec.image_id] = len(self._ids)
         self._ids.append(rec.image_id)
         self._w.append(rec.image_w)
         self._h.append(rec.image_h)
-        self._count.append(n)
+        self._count.append(rec.num_boxes)
         if self._buf_bytes >= _FLUSH_BYTES:
             self._flush()
-
-    def _check_fields(self, rec: RegionRecord) -> None:
-        present = {"cls_prob": rec.cls_prob is not None, "objects": rec.has_objects, "attrs": rec.has_attrs}
-        wanted = {"cls_prob": self.num_classes is not None, "objects": self.with_objects, "attrs": self.with_attrs}
-        for name in present:
-            if present[name] != wanted[name]:
-                has = "has" if present[name] else "lacks"
-                holds = "holds" if wanted[name] else "does not hold"
-                raise VlbertsError(f"record {has} {name} but the store {holds} them", path=self.path, record=rec.image_id)
-        misfit = record_misfit(rec, cls_prob_width=self.num_classes, classes=self.metadata.classes,
-                               attributes=self.metadata.attributes)
-        if misfit:
-            raise VlbertsError(misfit, path=self.path, record=rec.image_id)
 
     def _flush(self) -> None:
         if not self._buf_bytes and all(not v for v in self._buf.values()):
@@ -574,6 +597,12 @@ class RegionStore:
 
     def get_many(self, image_ids: Iterable[str | int]) -> list[RegionRecord]:
         return [self.get(image_id) for image_id in image_ids]
+
+    @property
+    def layout(self) -> RecordLayout:
+        """The per-box fields this store holds, as its writer laid them out."""
+        num_classes = int(self._dataset("cls_prob").shape[1]) if "cls_prob" in self.fields else None
+        return RecordLayout(self.feature_dim, self.dtype, num_classes, "obj_id" in self.fields, "attr_id" in self.fields)
 
     def box_column(self, name: str) -> np.ndarray:
         """One per-box dataset read whole, in row order (obj_id, attr_id: 8 bytes a box)."""
