@@ -339,6 +339,12 @@ def test_a_bad_record_stops_the_shard_import_with_no_index_and_the_shard_in_prog
         import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "s", shard_size=3, shards=True)
     assert "cls_prob has 4 classes but the shard set holds 5" in str(err.value) and "key b'00000004'" in str(err.value)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["shard-000000.tar"]  # finished; no index, no temp file
+    # in float16 a feature past its range is refused as the store writer refuses it, not written as inf
+    values[4] = pack(_datapoint(dict(images[4], features=images[4]["features"] * 1e5)))
+    _write_cc_lmdb(tmp_path / "big.lmdb", values, pack(_keys(6)))
+    with pytest.raises(VlbertsError, match=r"key b'00000004'.*features values exceed the float16 range"):
+        import_features(tmp_path / "big.lmdb", "vilbert-cc-lmdb", tmp_path / "t", "float16", shards=True)
+    assert not (tmp_path / "t" / "shard-index.json").exists()
 
 
 def test_cli_imports_into_shards_that_pretrain_reads_and_refuses_mixed_targets(tmp_path):
