@@ -640,3 +640,49 @@ def test_a_tar_header_with_a_wrong_checksum_is_reported_with_the_shard(shard_set
     bad.write_bytes(bytes(raw))
     msg = _error(bad)
     assert "unreadable tar (a damaged header at byte" in msg and "record key" in msg  # tarfile alone: a quiet stop
+
+
+def test_the_shard_writer_writes_what_tarfile_and_np_save_write(tmp_path):
+    """Our tar and .npy writers against the standard ones: every member's header equal to tarfile's USTAR
+    header (mode 644, owner 0, mtime 0) but the device-number fields (NUL in Python 3.11's tarfile for regular
+    files, zeros in some versions) and so the checksum, the data and padding equal, the archive's end padded
+    alike; each .npy equal to np.save's bytes; an id too long for a member name gets a numbered key."""
+    from vlberts.data.shards import _npy_bytes, _sample_key, _ShardWriter
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(3, 5)).astype(np.float16), rng.normal(size=(0, 7)).astype(np.float32),
+              np.arange(4, dtype=np.int64), np.asfortranarray(rng.normal(size=(4, 3)).astype(np.float32)),
+              rng.normal(size=(36, 2048)).astype(np.float32)]
+    for a in arrays * 2:  # the second time from the header cache
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
+        assert _npy_bytes(a) == buf.getvalue()
+    samples = [(f"img{i}", {"json": json.dumps({"i": i}).encode() * (i * 37 + 1),
+                            "features.npy": _npy_bytes(rng.normal(size=(i + 1, 9)).astype(np.float32))}) for i in range(5)]
+    writer = _ShardWriter(tmp_path, "shard", 3)
+    for key, members in samples:
+        writer.add(key, members, "image")
+    writer.close()
+    expected = []
+    for part in (samples[:3], samples[3:]):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, members in part:
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+        expected.append(buf.getvalue())
+    for name, want in zip(("shard-000000.tar", "shard-000001.tar"), expected):
+        got = (tmp_path / name).read_bytes()
+        assert len(got) == len(want) and len(got) % 10240 == 0
+        blanked = [bytearray(b) for b in (got, want)]
+        with tarfile.open(tmp_path / name) as tar:  # tarfile accepts our checksums, and finds every member
+            offsets = [m.offset for m in tar.getmembers()]
+            assert [m.name for m in tar.getmembers()] == [f"{k}.{e}" for k, ms in (samples[:3] if name.endswith("0.tar") else samples[3:]) for e in ms]
+        for b in blanked:
+            for off in offsets:
+                b[off + 148:off + 156] = bytes(8)
+                b[off + 329:off + 345] = bytes(16)
+        assert blanked[0] == blanked[1]
+    assert _sample_key("a" * 80, 7) == "a" * 80 and _sample_key("a" * 81, 7) == "sample000000007"

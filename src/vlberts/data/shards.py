@@ -2,9 +2,9 @@
 
 A corpus the size of Conceptual Captions (3.3M images x 36 x 2048 float16 = 0.5 TB of features) never
 fits in memory, and random access into one HDF5 file over a network file system is slow. Shards turn
-it into sequential reads: each shard is a plain POSIX tar (the standard `tarfile` module; the layout is
-the one `webdataset` reads, so either reader works), and a sample is the run of consecutive members
-that share a key:
+it into sequential reads: each shard is a plain POSIX tar (written byte for byte as the standard
+`tarfile` module writes a ustar archive, without its per-member cost; the layout is the one `webdataset`
+reads, so either reader works), and a sample is the run of consecutive members that share a key:
 
     <key>.json           {"kind", "image_id", "image_w", "image_h", "captions": [...], "fields": [...]}
                          text-only documents: {"kind": "text", "text": ...} and nothing else, with the
@@ -67,19 +67,38 @@ SHARD_FORMAT_VERSION = 1
 KINDS = ("image-text", "image", "text")
 REGION_FIELDS = ("boxes", "features", "cls_prob", "obj_id", "obj_conf", "attr_id", "attr_conf")
 _SAFE_KEY = re.compile(r"[A-Za-z0-9_\-]+")  # WebDataset splits a member name at its first dot
+_BLOCK = 512  # a tar block
+_RECORD = 20 * _BLOCK  # tar pads an archive to a multiple of this (tarfile's RECORDSIZE, `tar -b20`)
+_MAX_KEY = 80  # sample keys in member names (<= 100 bytes: the key, a dot, the longest extension)
 
 
 # --------------------------------------------------------------------------- writing
+_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
 def _npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
-    return buf.getvalue()
+    """`a` as `np.save` writes it (format 1.0, C order), with the header of each (dtype, shape) built once:
+    numpy builds it anew per call, most of a small array's cost (a sample has seven of them)."""
+    a = np.ascontiguousarray(a)
+    key = (a.dtype.str, a.shape)
+    head = _NPY_HEADERS.get(key)
+    if head is None:
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(a))
+        head = buf.getvalue()
+        if len(_NPY_HEADERS) < 4096:
+            _NPY_HEADERS[key] = head
+    return head + a.tobytes()
 
 
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), 0o644, 0  # mtime 0: the same input gives the same bytes
-    tar.addfile(info, io.BytesIO(data))
+def _tar_header(name: bytes, size: int) -> bytes:
+    """The POSIX ustar header of a regular file as `tarfile` writes one with USTAR_FORMAT (mode 644, owner 0,
+    mtime 0, no user or group names, so that the same input gives the same bytes), built directly: `tarfile`
+    copies a TarInfo and formats each field in Python, about 0.1 ms a member. `name` must fit 100 bytes."""
+    head = (name.ljust(100, b"\0") + b"0000644\0" + b"0000000\0" + b"0000000\0" + b"%011o\0" % size
+            + b"00000000000\0" + b"        " + b"0").ljust(257, b"\0") + b"ustar\x0000"
+    head = head.ljust(_BLOCK, b"\0")
+    return head[:148] + b"%06o\0" % sum(head) + head[155:]  # the checksum counts its own field as 8 spaces
 
 
 def _image_sample(rec: RegionRecord, captions: list[str], arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
@@ -95,43 +114,55 @@ def _image_sample(rec: RegionRecord, captions: list[str], arrays: dict[str, np.n
 
 
 class _ShardWriter:
-    """Appends samples to `<prefix>-NNNNNN.tar`, starting a new shard every `shard_size` samples."""
+    """Appends samples to `<prefix>-NNNNNN.tar`, starting a new shard every `shard_size` samples. Each shard
+    is written as `tarfile` writes a USTAR archive (`_tar_header`, data padded to 512-byte blocks, two zero
+    blocks at the end and zeros up to a multiple of 10,240 bytes), under a temp name renamed when complete."""
 
     def __init__(self, out_dir: Path, prefix: str, shard_size: int):
         self.out_dir, self.prefix, self.shard_size = out_dir, prefix, shard_size
         self.shards: list[dict[str, Any]] = []
-        self._tar: tarfile.TarFile | None = None
+        self._file: Any = None
         self._atomic: Any = None
+        self._offset = 0
 
     def add(self, key: str, members: dict[str, bytes], kind: str) -> None:
-        if self._tar is None or self.shards[-1]["samples"] >= self.shard_size:
+        if self._file is None or self.shards[-1]["samples"] >= self.shard_size:
             self._close_shard()
             name = f"{self.prefix}-{len(self.shards):06d}.tar"
             self._atomic = atomic_path(self.out_dir / name)
-            self._tar = tarfile.open(self._atomic.__enter__(), "w", format=tarfile.USTAR_FORMAT)
+            self._file = open(self._atomic.__enter__(), "wb")
+            self._offset = 0
             self.shards.append({"name": name, "samples": 0, "kinds": dict.fromkeys(KINDS, 0)})
         for ext, data in members.items():
-            _add_member(self._tar, f"{key}.{ext}", data)
+            pad = -len(data) % _BLOCK
+            self._file.write(_tar_header(f"{key}.{ext}".encode(), len(data)))
+            self._file.write(data)
+            self._file.write(bytes(pad))
+            self._offset += _BLOCK + len(data) + pad
         self.shards[-1]["samples"] += 1
         self.shards[-1]["kinds"][kind] += 1
 
     def _close_shard(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
+        if self._file is not None:
+            end = self._offset + 2 * _BLOCK  # two zero blocks end the archive
+            self._file.write(bytes(2 * _BLOCK + (-end % _RECORD)))
+            self._file.close()
             self._atomic.__exit__(None, None, None)  # os.replace(tmp, shard)
-            self._tar = self._atomic = None
+            self._file = self._atomic = None
 
     def close(self, error: BaseException | None = None) -> None:
         if error is None:
             self._close_shard()
-        elif self._tar is not None:  # the shard in progress is removed; finished ones stay
-            self._tar.close()
+        elif self._file is not None:  # the shard in progress is removed; finished ones stay
+            self._file.close()
             self._atomic.__exit__(type(error), error, None)
-            self._tar = self._atomic = None
+            self._file = self._atomic = None
 
 
 def _sample_key(image_id: str, index: int) -> str:
-    return image_id if _SAFE_KEY.fullmatch(image_id) else f"sample{index:09d}"
+    """The image id, or a numbered key where the id holds other characters or is too long for a member's name
+    (a ustar name holds 100 bytes, and ".attr_conf.npy" follows the key)."""
+    return image_id if _SAFE_KEY.fullmatch(image_id) and len(image_id) <= _MAX_KEY else f"sample{index:09d}"
 
 
 def _check_target(out_dir: Path, prefix: str, shard_size: int, overwrite: bool) -> None:
@@ -452,7 +483,6 @@ def load_arrays(sample: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 
 
