@@ -511,10 +511,11 @@ def read_mmf_npy(src: str | Path) -> Source:
                            path=src)
     files = sorted(src.rglob("*.npy"))
     infos = {p for p in files if p.name.endswith("_info.npy")}
-    stray = sorted(p for p in infos if p.with_name(p.name.removesuffix("_info.npy") + ".npy") not in files)
+    feature_files = set(files) - infos  # sets: a VQA split holds 80,000 images or more
+    stray = sorted(p for p in infos if p.with_name(p.name.removesuffix("_info.npy") + ".npy") not in feature_files)
     if stray:
         raise VlbertsError("an _info.npy without the features file of its name beside it", path=stray[0])
-    for path in (p for p in files if p not in infos):
+    for path in sorted(feature_files):
         where = f"file {path.relative_to(src)}"
         info_path = path.with_name(path.stem + "_info.npy")
         try:
