@@ -345,6 +345,8 @@ def test_a_bad_record_stops_the_shard_import_with_no_index_and_the_shard_in_prog
     with pytest.raises(VlbertsError, match=r"key b'00000004'.*features values exceed the float16 range"):
         import_features(tmp_path / "big.lmdb", "vilbert-cc-lmdb", tmp_path / "t", "float16", shards=True)
     assert not (tmp_path / "t" / "shard-index.json").exists()
+    with pytest.raises(VlbertsError, match="unknown store dtype 'bfloat16'; valid: float32, float16"):
+        import_features(tmp_path / "cc.lmdb", "vilbert-cc-lmdb", tmp_path / "u", "bfloat16", shards=True)
 
 
 def test_cli_imports_into_shards_that_pretrain_reads_and_refuses_mixed_targets(tmp_path):

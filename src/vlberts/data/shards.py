@@ -73,7 +73,7 @@ _MAX_KEY = 80  # sample keys in member names (<= 100 bytes: the key, a dot, the 
 
 
 # --------------------------------------------------------------------------- writing
-_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_NPY_WRITE_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}  # (dtype, shape) -> header; the reader's cache is below
 
 
 def _npy_bytes(a: np.ndarray) -> bytes:
@@ -81,13 +81,13 @@ def _npy_bytes(a: np.ndarray) -> bytes:
     numpy builds it anew per call, most of a small array's cost (a sample has seven of them)."""
     a = np.ascontiguousarray(a)
     key = (a.dtype.str, a.shape)
-    head = _NPY_HEADERS.get(key)
+    head = _NPY_WRITE_HEADERS.get(key)
     if head is None:
         buf = io.BytesIO()
         np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(a))
         head = buf.getvalue()
-        if len(_NPY_HEADERS) < 4096:
-            _NPY_HEADERS[key] = head
+        if len(_NPY_WRITE_HEADERS) < 4096:
+            _NPY_WRITE_HEADERS[key] = head
     return head + a.tobytes()
 
 

@@ -74,6 +74,10 @@ class RecordLayout:
     with_objects: bool = False
     with_attrs: bool = False
 
+    def __post_init__(self) -> None:
+        if self.dtype not in STORE_DTYPES:
+            raise VlbertsError(f"unknown store dtype {self.dtype!r}; valid: {', '.join(STORE_DTYPES)}")
+
     @classmethod
     def of(cls, rec: RegionRecord, dtype: str = "float32") -> "RecordLayout":
         """The layout a corpus takes from its first record."""
