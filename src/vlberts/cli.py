@@ -839,17 +839,19 @@ def _write_metrics(out: Path, metrics: dict, lines: list[str]) -> None:
 def evaluate_vqa(
     ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {question_id, answer}."),
-    questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json)."),
-    annotations: Path = typer.Option(..., help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json)."),
+    questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json), "
+                                             "or a Pythia / MMF imdb .npy with the answers (imdb_minival2014.npy)."),
+    annotations: Optional[Path] = typer.Option(None, help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json); "
+                                                          "not with an imdb .npy."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
-    from vlberts.tasks.vqa import evaluate_predictions
+    from vlberts.tasks.vqa import answer_types, evaluate_predictions
 
     metrics = evaluate_predictions(predictions, questions, annotations)
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
-    types = ", ".join(f"{k} {v:.2f}" for k, v in metrics["per_answer_type"].items())
-    _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions ({types})"])
+    types = answer_types(metrics["per_answer_type"])
+    _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{types}"])
 
 
 @evaluate_app.command("gqa")

@@ -14,6 +14,10 @@ more: Python 3 writes ``bytes`` at protocols 0-2 as ``_codecs.encode(text, "lati
 answered with a function that does exactly that conversion and refuses any other codec.
 Persistent ids (PERSID) are refused too: there is nothing they could legitimately refer to.
 
+`read_npy` reads a `.npy` file the same way: a numeric array without any pickle, an object array (what
+``np.save`` writes for a dict or a list of dicts: MMF's feature info files, Pythia's imdb question files)
+through this unpickler.
+
 With ``numpy=True`` (ViLBERT's LMDB feature records pickle numpy arrays; formats-and-metrics.md §1.3) the
 names numpy's own pickles use are admitted as well, and nothing else: ``numpy.dtype``, ``numpy.ndarray``,
 ``numpy(._)core.multiarray._reconstruct`` (accepted only with ``numpy.ndarray`` as the type to build)
@@ -30,7 +34,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import VlbertsError
+from vlberts.errors import VlbertsError, first_line
 
 # Global names a plain-data pickle may use, by the name the pickle gives (Python 3 and Python 2 spellings).
 _BUILTIN_MODULES = frozenset({"builtins", "__builtin__"})
@@ -123,3 +127,38 @@ def safe_load(path: str | Path, *, encoding: str = "utf-8", numpy: bool = False)
     if not path.is_file():
         raise VlbertsError("file not found", path=path)
     return safe_loads(path.read_bytes(), source=path, encoding=encoding, numpy=numpy)
+
+
+def read_npy(path: str | Path) -> tuple[Any, bytes]:
+    """One `.npy` file -> (what it holds, its bytes): a numeric array, read without pickles; or an object array
+    (what `np.save` writes for a dict), whose pickled body goes through the restricted unpickler (numpy arrays
+    allowed); a 0-d object array gives the object it holds."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    path = Path(path)
+    if not path.is_file():
+        raise VlbertsError("file not found", path=path)
+    data = path.read_bytes()
+    f = io.BytesIO(data)
+    try:
+        version = npy.read_magic(f)
+    except ValueError:
+        raise VlbertsError("not a .npy file (no numpy magic string)", path=path) from None
+    read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+    if read_header is None:
+        raise VlbertsError(f"unsupported .npy format version {version[0]}.{version[1]}", path=path)
+    try:
+        shape, _, dtype = read_header(f)
+    except ValueError as e:
+        raise VlbertsError(f"cannot read this .npy file's header ({first_line(e)})", path=path) from None
+    if not dtype.hasobject:
+        f.seek(0)
+        try:
+            return npy.read_array(f, allow_pickle=False), data
+        except ValueError as e:  # cut short: "EOF: reading array data, expected 128 bytes got 22"
+            raise VlbertsError(f"cannot read this .npy file's array ({first_line(e)})", path=path) from None
+    obj = safe_loads(data[f.tell():], source=path, numpy=True)
+    if not isinstance(obj, np.ndarray) or obj.shape != shape:
+        raise VlbertsError(f"the pickled body is not the {shape} object array its header announces", path=path)
+    return (obj[()] if obj.shape == () else obj), data

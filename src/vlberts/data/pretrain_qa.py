@@ -26,7 +26,7 @@ from pathlib import Path
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.gqa import read_gqa
-from vlberts.data.vqa import read_vqa
+from vlberts.data.vqa import is_imdb, read_vqa
 from vlberts.errors import VlbertsError
 from vlberts.tasks.gqa import gqa_target, normalize_gqa_answer
 from vlberts.tasks.vqa import AnswerVocab, SoftTarget, normalize_answer, soft_target
@@ -53,14 +53,17 @@ def read_pretrain_qa(
 ) -> PretrainQA:
     """The questions of the given sources with their targets over the joint answer table (module docstring).
 
-    A VQA questions file needs its annotations file (the answers are there), and at least one source is
+    A VQA questions file needs its annotations file (the answers are there; a Pythia imdb `.npy` holds
+    both), and at least one source is
     needed; bad records are errors naming the file and the record (the sources' readers)."""
-    if bool(vqa_questions) != bool(vqa_annotations):
+    if bool(vqa_questions) != bool(vqa_annotations) and not (vqa_questions and is_imdb(vqa_questions)):
         raise VlbertsError("image-QA pre-training from VQA needs both the questions and the annotations file",
                            path=vqa_questions or vqa_annotations)
     if not vqa_questions and not gqa_questions:
         raise VlbertsError("image-QA pre-training needs VQA questions + annotations or GQA questions")
     vqa = read_vqa(vqa_questions, vqa_annotations) if vqa_questions else []
+    if vqa and not vqa[0].annotated:
+        raise VlbertsError("image-QA pre-training needs answered questions: this imdb has none", path=vqa_questions)
     gqa = read_gqa(gqa_questions, require_answers=True) if gqa_questions else []
     counts = Counter(normalize_answer(ex.multiple_choice_answer) for ex in vqa if ex.multiple_choice_answer is not None)
     counts.update(normalize_gqa_answer(ex.answer) for ex in gqa)

@@ -8,6 +8,13 @@ Formats (formats-and-metrics.md §2.2, Goyal et al. 2017):
   ``{"annotations": [{question_type, multiple_choice_answer, answers: [{answer, answer_confidence,
   answer_id}] x 10, image_id, answer_type, question_id}], ...}``
 
+* Pythia's (MMF's) imdb ``imdb_{split}.npy``, what VisualBERT's and VL-BERT's VQA code read
+  (formats-and-metrics.md §1.5): ``np.save`` of an object array whose element 0 is a header dict and
+  every other element one question, ``{image_name, image_id, question_id, feature_path, question_str,
+  question_tokens, all_answers, valid_answers}`` (the answers absent in a test split); MMF's later
+  form is a dict ``{"metadata": ..., "data": [questions]}``. `read_vqa` reads it when the questions
+  file ends in ``.npy`` (`read_vqa_imdb`); it holds its answers, so it takes no annotations file.
+
 Test splits ship without annotations, so annotations are optional. When they are given, every
 annotation must belong to a question and every question must have exactly one annotation: the
 official evaluator (GT-Vision-Lab/VQA ``vqaTools/vqa.py``) indexes both files by question_id and
@@ -19,12 +26,18 @@ This module only reads and checks; answer normalisation, accuracy and soft score
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_keys, require_text
+from vlberts.io import atomic_open, read_json, require_keys, require_text
+from vlberts.safe_pickle import read_npy
 
 # Every VQA v1/v2 question was answered by 10 workers; the official accuracy (a 10-choose-9 average)
 # and the 0.3-step soft scores are defined for exactly that many.
@@ -134,7 +147,8 @@ def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
 def read_vqa(
     questions_path: str | Path, annotations_path: str | Path | None = None, bad: BadRecords | None = None
 ) -> list[VQAExample]:
-    """Read a VQA v2 questions file and, optionally, its annotations file.
+    """Read a VQA v2 questions file and, optionally, its annotations file (or a Pythia imdb `.npy`,
+    which holds both: `read_vqa_imdb`).
 
     Returns one `VQAExample` per question. Without annotations the order is the questions file's;
     with annotations it is the annotations file's, the order in which the official evaluator
@@ -144,8 +158,13 @@ def read_vqa(
     """
     bad = bad if bad is not None else BadRecords()
     questions_path = Path(questions_path)
+    if is_imdb(questions_path):
+        if annotations_path:
+            raise VlbertsError("an imdb .npy holds its questions' answers: give it without an annotations file",
+                               path=annotations_path)
+        return read_vqa_imdb(questions_path, bad)
     questions, q_index, q_record = _read_questions(questions_path, bad)
-    if annotations_path is None:
+    if not annotations_path:
         return questions
 
     annotations_path = Path(annotations_path)
@@ -199,3 +218,145 @@ def read_vqa(
                 record=f"questions[{q_record[question.question_id]}]",
             ), "question without annotation")
     return examples
+
+
+# --------------------------------------------------------------------------- Pythia / MMF imdb files
+
+def is_imdb(path: str | Path) -> bool:
+    """Whether a VQA questions path names a Pythia / MMF imdb file (`.npy`) rather than VQA v2 JSON."""
+    return Path(path).suffix.lower() == ".npy"
+
+
+def _imdb_records(path: Path) -> tuple[list, int]:
+    """The question records of an imdb file and the position of the first (1 after Pythia's header)."""
+    obj, _ = read_npy(path)
+    if isinstance(obj, dict) and isinstance(obj.get("data"), (list, np.ndarray)):  # MMF: {metadata, data}
+        records = list(obj["data"])
+    elif isinstance(obj, np.ndarray) and obj.ndim == 1 and obj.dtype == object:  # Pythia: [header, q, q, ...]
+        records = list(obj)
+    else:
+        raise VlbertsError("expected an imdb: an object array of question dicts (Pythia) or a dict with a "
+                           "'data' list (MMF)", path=path)
+    # Pythia's element 0 is a header ({create_time, dataset_name, version, has_answer, ...}), no question;
+    # MMF's loader skips it the same way (its first record names no image).
+    start = 1 if records and isinstance(records[0], dict) and "question_id" not in records[0] else 0
+    return records, start
+
+
+def _imdb_int(rec: dict, key: str, *, path: Path, record: str) -> int:
+    value = rec[key]
+    if isinstance(value, np.integer):
+        value = int(value)
+    if not _is_int(value):
+        raise VlbertsError(f"{key} must be an integer, got {value!r}", path=path, record=record)
+    return value
+
+
+def _imdb_question(rec: dict, *, path: Path, record: str) -> str:
+    """`question_str`, or, in imdbs built without it, the question's tokens joined by spaces (Pythia's
+    tokens are lower-cased with the punctuation split off: "what", "color", "is", ...)."""
+    if "question_str" in rec:
+        return require_text(rec["question_str"], "question_str", path=path, record=record)
+    tokens = rec.get("question_tokens")
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise VlbertsError("needs question_str or a non-empty list of question_tokens", path=path, record=record)
+    return require_text(" ".join(tokens), "question_tokens", path=path, record=record)
+
+
+def _imdb_answers(rec: dict, *, path: Path, record: str) -> list[str] | None:
+    """The 10 annotators' answers: `all_answers` (Pythia) or `answers` (MMF, VL-BERT's reader); None for an
+    unanswered (test) question. `valid_answers` alone is refused: it keeps only the answers in the build's
+    answer table, and the official accuracy counts all ten."""
+    key = next((k for k in ("all_answers", "answers") if k in rec), None)
+    if key is None:
+        if "valid_answers" in rec:
+            raise VlbertsError("has valid_answers (the answers in Pythia's answer table) but not all_answers: "
+                               "the official accuracy needs all ten", path=path, record=record)
+        return None
+    answers = rec[key]
+    if isinstance(answers, np.ndarray):
+        answers = answers.tolist()
+    if not isinstance(answers, (list, tuple)) or len(answers) != NUM_GT_ANSWERS:
+        got = f"{len(answers)}" if isinstance(answers, (list, tuple)) else type(answers).__name__
+        raise VlbertsError(f"{key} must be a list of {NUM_GT_ANSWERS} strings, got {got}", path=path, record=record)
+    if not all(isinstance(a, str) for a in answers):
+        raise VlbertsError(f"{key} must hold strings only", path=path, record=record)
+    return list(answers)
+
+
+def read_vqa_imdb(path: str | Path, bad: BadRecords | None = None) -> list[VQAExample]:
+    """Read a Pythia / MMF imdb `.npy` (module docstring) into `VQAExample`s, in the file's order.
+
+    The object array is unpickled by the restricted unpickler (plain data and numpy arrays only). A record
+    is named by its position in the array (``imdb[i]``, the header being imdb[0]). An imdb has no
+    `multiple_choice_answer`, `answer_type` or `question_type`: the first is derived as VQA defines it, the
+    most frequent of the ten answers (ties: the first given); the types stay None (the metrics then have no
+    per-type rows). Either every question has its answers or none has (a test split)."""
+    bad = bad if bad is not None else BadRecords()
+    path = Path(path)
+    records, start = _imdb_records(path)
+    examples: list[VQAExample] = []
+    first_at: dict[int, int] = {}
+    annotated: bool | None = None
+    for i in range(start, len(records)):
+        rec, where = records[i], f"imdb[{i}]"
+        try:
+            require_keys(rec, ("image_id", "question_id"), path=path, record=where)
+            qid = _imdb_int(rec, "question_id", path=path, record=where)
+            if qid in first_at:
+                raise VlbertsError(f"duplicate question_id {qid} (first at imdb[{first_at[qid]}])", path=path, record=where)
+            image_id = rec["image_id"]
+            image_id = int(image_id) if isinstance(image_id, np.integer) else image_id
+            if not (_is_int(image_id) or isinstance(image_id, str)):
+                raise VlbertsError(f"image_id must be an integer or a string, got {image_id!r}", path=path, record=where)
+            question = _imdb_question(rec, path=path, record=where)
+            answers = _imdb_answers(rec, path=path, record=where)
+            if annotated is None:
+                annotated = answers is not None
+            elif annotated != (answers is not None):
+                raise VlbertsError("has no answers where the file's first question has them" if annotated else
+                                   "has answers where the file's first question has none", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
+        first_at[qid] = i
+        examples.append(VQAExample(
+            question_id=qid, image_id=image_id, question=question, answers=answers or [],
+            multiple_choice_answer=Counter(answers).most_common(1)[0][0] if answers else None,
+        ))
+    return examples
+
+
+def _imdb_tokens(question: str) -> list[str]:
+    """Pythia's `text_processing.tokenize`, near enough for a file we write: lower-cased words with the
+    punctuation dropped."""
+    return [t for t in "".join(c if c.isalnum() or c in "-'" else " " for c in question.lower()).split() if t]
+
+
+def write_vqa_imdb(path: str | Path, examples: Iterable[VQAExample], answers: Iterable[str] | None = None,
+                   image_name: str = "{image_id}") -> int:
+    """Write VQA examples as a Pythia imdb `.npy` (header + one dict a question), atomically; returns the number
+    of questions. `valid_answers` are the answers in `answers` (the answer table; all ten without one), or
+    ``["<unk>"]`` when none is, as Pythia's `build_imdb` writes them; `image_name` formats the image's name
+    (Pythia's COCO form: ``"COCO_train2014_{image_id:012d}"``). Unanswered examples get no answer fields."""
+    table = set(answers) if answers is not None else None
+    rows: list[dict[str, Any]] = []
+    for ex in examples:
+        name = image_name.format(image_id=ex.image_id)
+        row: dict[str, Any] = {"image_name": name, "image_id": ex.image_id, "question_id": ex.question_id,
+                               "feature_path": f"{name}.npy", "question_str": ex.question,
+                               "question_tokens": _imdb_tokens(ex.question)}
+        if ex.annotated:
+            valid = [a for a in ex.answers if table is None or a in table]
+            row.update(all_answers=list(ex.answers), valid_answers=valid or ["<unk>"])
+        rows.append(row)
+    header = {"create_time": "", "dataset_name": "vqa", "version": 1,
+              "has_answer": any("all_answers" in r for r in rows), "has_gt_layout": False}
+    # Through JSON text first: pickle writes a string object that occurs twice once and refers back to it, and
+    # which strings are one object depends on where the examples came from (another process, a JSON file);
+    # read back from one text they are shared the same way, so the bytes depend on the content alone.
+    array = np.empty(len(rows) + 1, dtype=object)
+    array[:] = json.loads(json.dumps([header, *rows]))
+    with atomic_open(path, "wb", encoding=None) as f:
+        np.save(f, array, allow_pickle=True)
+    return len(rows)

@@ -13,7 +13,6 @@ LXMERT's extractor derives them: the arg-max and max over the non-background col
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import zipfile
@@ -30,7 +29,7 @@ from vlberts.features import msgpack
 from vlberts.features.record import CLS_PROB_ATOL, RegionRecord
 from vlberts.features.tsv import b64_rows
 from vlberts.io import DuplicateKey, unique_keys
-from vlberts.safe_pickle import safe_load, safe_loads
+from vlberts.safe_pickle import read_npy, safe_load, safe_loads
 
 Source = Iterator[tuple[str, bytes, RegionRecord]]
 _F32 = np.dtype("<f4")
@@ -421,37 +420,6 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
 _COCO_STEM = re.compile(r"COCO_[A-Za-z]+\d{4}_(\d+)")
 
 
-def _read_npy(path: Path) -> tuple[Any, bytes]:
-    """One `.npy` file -> (what it holds, its bytes): a numeric array, read without pickles; or an object array
-    (what `np.save` writes for a dict), whose pickled body goes through the restricted unpickler (numpy arrays
-    allowed); a 0-d object array gives the object it holds."""
-    from numpy.lib import format as npy
-
-    data = path.read_bytes()
-    f = io.BytesIO(data)
-    try:
-        version = npy.read_magic(f)
-    except ValueError:
-        raise VlbertsError("not a .npy file (no numpy magic string)", path=path) from None
-    read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
-    if read_header is None:
-        raise VlbertsError(f"unsupported .npy format version {version[0]}.{version[1]}", path=path)
-    try:
-        shape, _, dtype = read_header(f)
-    except ValueError as e:
-        raise VlbertsError(f"cannot read this .npy file's header ({first_line(e)})", path=path) from None
-    if not dtype.hasobject:
-        f.seek(0)
-        try:
-            return npy.read_array(f, allow_pickle=False), data
-        except ValueError as e:  # cut short: "EOF: reading array data, expected 128 bytes got 22"
-            raise VlbertsError(f"cannot read this .npy file's array ({first_line(e)})", path=path) from None
-    obj = safe_loads(data[f.tell():], source=path, numpy=True)
-    if not isinstance(obj, np.ndarray) or obj.shape != shape:
-        raise VlbertsError(f"the pickled body is not the {shape} object array its header announces", path=path)
-    return (obj[()] if obj.shape == () else obj), data
-
-
 def _full_distribution(cls_prob: np.ndarray) -> np.ndarray:
     """A detector's class scores as the store keeps them: (N, 1 + C), background first, rows summing to 1.
     Rows that already sum to 1 have the background column (ViLBERT's extractor; MMF's with `--background`);
@@ -519,7 +487,7 @@ def read_mmf_npy(src: str | Path) -> Source:
         where = f"file {path.relative_to(src)}"
         info_path = path.with_name(path.stem + "_info.npy")
         try:
-            data, raw = _read_npy(path)
+            data, raw = read_npy(path)
             if isinstance(data, dict):  # ViLBERT's layout: the fields and the features in one dict
                 _missing(data, ("features",))
                 info, features = data, data["features"]
@@ -527,7 +495,7 @@ def read_mmf_npy(src: str | Path) -> Source:
                 if info_path not in infos:
                     raise VlbertsError(f"features without {info_path.name} beside them: MMF's extractor writes the "
                                        "boxes and the image size there, and a store's regions need both")
-                (info, info_raw), features = _read_npy(info_path), data
+                (info, info_raw), features = read_npy(info_path), data
                 raw += info_raw
                 if not isinstance(info, dict):
                     raise VlbertsError(f"expected a dict of the image's fields, got {type(info).__name__}", path=info_path)

@@ -251,7 +251,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     vocab = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
-                           path=getattr(cfg, task.answers_field))
+                           path=getattr(cfg, task.answers_field) or cfg.train_questions)
     store = RegionStore(cfg.features)
     if cfg.preload_features:
         store.preload()

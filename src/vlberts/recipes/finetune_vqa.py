@@ -2,7 +2,8 @@
 
 The shared answer-classifier fine-tuning (`recipes.finetune_qa`: the head of each architecture, the
 loss, the loop, prediction) with VQA's part of it (`VQA`): training reads VQA v2 questions +
-annotations and a region store; the answer vocabulary is built from the training answers (answers
+annotations (or a Pythia / MMF imdb `.npy`, VisualBERT's and VL-BERT's form, which holds both) and a
+region store; the answer vocabulary is built from the training answers (answers
 given by at least `min_answer_count` questions; 9 over train+val gives VQA v2's 3,129), or read from a
 fixed table (`answer_vocab`, e.g. LXMERT's trainval_ans2label.json); targets are the VQA soft
 scores; after training the model predicts the evaluation questions, writes them in the official
@@ -21,7 +22,7 @@ from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.data.vqa import VQAExample, read_vqa
+from vlberts.data.vqa import VQAExample, is_imdb, read_vqa
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's names for the shared pieces
@@ -43,12 +44,13 @@ from vlberts.text.tokenizer import TextTokenizer
 
 @dataclass(frozen=True)
 class FinetuneVQAConfig(FinetuneQAConfig):
-    train_questions: str = opt("", "VQA v2 questions json of the training split")
+    train_questions: str = opt("", "VQA v2 questions json of the training split, or a Pythia / MMF imdb .npy "
+                                   "(questions and answers in one file: no --train_annotations)")
     out: str = opt("runs/vqa", "run directory")
     min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 over VQA v2 train+val "
                                         "gives the 3,129 of LXMERT and ViLBERT; over train alone fewer: for theirs, "
                                         "--answer_vocab=trainval_ans2label.json)")
-    train_annotations: str = opt("", "VQA v2 annotations json of the training split")
+    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not with an imdb .npy)")
     eval_annotations: str = opt("", "annotations json of the evaluation questions (optional; scores them)")
 
 
@@ -58,7 +60,12 @@ CONFIG_CLASS = FinetuneVQAConfig
 def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], list[VQAExample]]:
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
+    if not cfg.train_annotations and not is_imdb(cfg.train_questions):
+        raise VlbertsError("--train_annotations is required with a VQA v2 questions JSON (a Pythia imdb .npy "
+                           "holds its answers)", path=cfg.train_questions)
     train = read_vqa(cfg.train_questions, cfg.train_annotations, bad)
+    if train and not train[0].annotated:
+        raise VlbertsError("the training questions have no answers (a test split's imdb?)", path=cfg.train_questions)
     return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
 
 
@@ -69,7 +76,7 @@ def _metrics(preds: dict[int, str], eval_examples: list[VQAExample], train: list
 
 
 VQA = QATask(
-    name="vqa", required=("train_questions", "train_annotations"), answers_field="train_annotations", read=_read,
+    name="vqa", required=("train_questions",), answers_field="train_annotations", read=_read,
     read_questions=lambda path, bad: read_vqa(path, None, bad), answer_vocab=build_answer_vocab, target=vqa_soft_target, metrics=_metrics, write_predictions=write_predictions,
 )
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, read_vqa
+from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, is_imdb, read_vqa
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json, require_keys, write_json
+from vlberts.io import read_json, read_text, require_keys, write_json
 from vlberts.tasks.predictions import require_complete, write_json_predictions
 
 # --------------------------------------------------------------------------- official normalisation
@@ -195,8 +195,8 @@ def _percent(values: Sequence[float]) -> float:
 class VQAScores:
     """Official VQA metrics. Percentages rounded to 2 decimals as vqaEval.setAccuracy does.
 
-    `per_answer_type` / `per_question_type` hold only the types present (as the official script);
-    keys are sorted. `accuracy_unrounded` keeps the full-precision overall percentage.
+    `per_answer_type` / `per_question_type` hold only the types present (as the official script; none
+    for questions read from a Pythia imdb, which has no types); keys are sorted. `accuracy_unrounded` keeps the full-precision overall percentage.
     """
 
     accuracy: float
@@ -215,8 +215,13 @@ class VQAScores:
         }
 
     def summary(self) -> str:
-        types = ", ".join(f"{k} {v:.2f}" for k, v in self.per_answer_type.items())
-        return f"VQA accuracy {self.accuracy:.2f}% on {self.num_questions} questions ({types})"
+        return f"VQA accuracy {self.accuracy:.2f}% on {self.num_questions} questions{answer_types(self.per_answer_type)}"
+
+
+def answer_types(per_answer_type: Mapping[str, float]) -> str:
+    """" (number 66.93, other 71.72, yes/no 71.31)", or "" when the questions have no answer types."""
+    types = ", ".join(f"{k} {v:.2f}" for k, v in per_answer_type.items())
+    return f" ({types})" if types else ""
 
 
 def score_predictions(predictions: Mapping[int, str], examples: Sequence[VQAExample]) -> VQAScores:
@@ -235,8 +240,10 @@ def score_predictions(predictions: Mapping[int, str], examples: Sequence[VQAExam
             raise ValueError(f"question_id {ex.question_id} has no GT answers")
         acc = vqa_accuracy(predictions[ex.question_id], ex.answers)
         per_q.append(acc)
-        by_answer_type.setdefault(str(ex.answer_type), []).append(acc)
-        by_question_type.setdefault(str(ex.question_type), []).append(acc)
+        if ex.answer_type is not None:  # an imdb's questions have no types (`read_vqa_imdb`)
+            by_answer_type.setdefault(ex.answer_type, []).append(acc)
+        if ex.question_type is not None:
+            by_question_type.setdefault(ex.question_type, []).append(acc)
     unrounded = _percent(per_q)
     return VQAScores(
         accuracy=round(unrounded, 2),
@@ -299,16 +306,20 @@ def write_predictions(path: str | Path, predictions: Iterable[tuple[int, str]]) 
 
 
 def evaluate_predictions(
-    predictions_path: str | Path, questions_path: str | Path, annotations_path: str | Path
+    predictions_path: str | Path, questions_path: str | Path, annotations_path: str | Path | None = None
 ) -> dict:
-    """Score an official predictions file as vqaEval.py does; returns `VQAScores.to_dict()`.
+    """Score an official predictions file as vqaEval.py does; returns `VQAScores.to_dict()`. The answers come
+    from the annotations file, or from the questions file itself when it is a Pythia imdb `.npy`.
 
     Keys: ``accuracy`` (percent, 2 decimals), ``accuracy_unrounded``, ``per_answer_type``,
     ``per_question_type``, ``num_questions``.
     """
+    if not annotations_path and not is_imdb(questions_path):
+        raise VlbertsError("scoring a VQA v2 questions JSON needs its annotations file (--annotations)",
+                           path=questions_path)
     examples = read_vqa(questions_path, annotations_path)
-    if not examples:
-        raise VlbertsError("no annotated questions to score", path=annotations_path)
+    if not examples or not examples[0].annotated:
+        raise VlbertsError("no annotated questions to score", path=annotations_path or questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
     return score_predictions(preds, examples).to_dict()
 
@@ -358,9 +369,24 @@ def write_answer_vocab(path: str | Path, vocab: AnswerVocab) -> None:
     write_json(path, list(vocab.answers), indent=None)
 
 
+def _answer_lines(path: str | Path) -> list[str]:
+    """A text file with one answer a line (Pythia's `answers_vqa.txt`, VisualBERT's and VL-BERT's table), line
+    i the class i; a blank line is an error naming it (Pythia would make it the class "")."""
+    lines = read_text(path).split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline ending the last line
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            raise VlbertsError("blank line in an answer table (one answer a line)", path=path, record=f"line {i}")
+    return [line.strip() for line in lines]
+
+
 def read_answer_vocab(path: str | Path) -> AnswerVocab:
-    """Read a JSON list of answers, or an ``{answer: index}`` object (LXMERT's trainval_ans2label.json)."""
-    data = read_json(path)
+    """Read a JSON list of answers, an ``{answer: index}`` object (LXMERT's trainval_ans2label.json), or a text
+    file of one answer a line (`.txt`: Pythia's answers_vqa.txt, kept as written, its `<unk>` line too, so
+    class indices are VisualBERT's; no ground-truth answer normalises to `<unk>`, so that class is never a
+    target, which is VisualBERT's `<unk>` -> 0)."""
+    data = _answer_lines(path) if Path(path).suffix.lower() == ".txt" else read_json(path)
     if isinstance(data, dict):
         if sorted(data.values()) != list(range(len(data))) or not all(isinstance(a, str) for a in data):
             raise VlbertsError("answer-to-index object must map strings to the indices 0..N-1", path=path)

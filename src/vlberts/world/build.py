@@ -6,6 +6,7 @@
     OUT/dataset_world.json                             Karpathy split file
     OUT/vqa/v2_OpenEnded_world_{split}_questions.json  VQA v2 questions
     OUT/vqa/v2_world_{split}_annotations.json          VQA v2 annotations (10 answers each)
+    OUT/vqa/imdb/imdb_{split}.npy, vqa/answers_vqa.txt  the same questions as Pythia's imdb files + answer table
     OUT/gqa/{train,val,testdev}_balanced_questions.json GQA balanced questions (world splits train/val/test)
     OUT/refcoco+/refs(unc).p, refs.json, instances.json  RefCOCO+ refs (pickle and JSON) + COCO instances
     OUT/nlvr2/{train,dev,test1}.json                   NLVR2 statements about image pairs (world splits train/val/test)
@@ -39,6 +40,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -370,6 +372,7 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
             f.writelines(f"{r.image_id}\n" for r in part)
         with atomic_open(root / "parses" / f"{split}.conllu") as f:
             f.writelines(r.conllu for r in part)
+    _write_vqa_imdb(root / "vqa", results)
     _write_refcoco(root / "refcoco+", results)
     # The image-only set (`world.documents`; the text documents are one of the pool's exports).
     world_documents.write_unpaired_images(root / "unpaired_images.txt", world_documents.unpaired_images(
@@ -377,6 +380,24 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
     if pool is not None:
         for job in pending:
             job.get()  # re-raises a worker's exception here
+
+
+def _write_vqa_imdb(folder: Path, results: list[_ImageOut]) -> None:
+    """The VQA questions once more in VisualBERT's form (`data.vqa.write_vqa_imdb`): Pythia's imdb file of each
+    split, `imdb/imdb_{split}.npy`, and its answer table `answers_vqa.txt`: `<unk>` (as Pythia's VQA table
+    has it), then every training question's multiple-choice answer, most frequent first."""
+    from vlberts.data.vqa import VQAExample, write_vqa_imdb
+
+    counts = Counter(a["multiple_choice_answer"] for r in results if r.split == "train" for a in r.vqa_annotations)
+    table = ["<unk>", *sorted(counts, key=lambda a: (-counts[a], a))]
+    with atomic_open(folder / "answers_vqa.txt") as f:
+        f.write("\n".join(table) + "\n")
+    for split in SPLITS:
+        examples = [VQAExample(question_id=q["question_id"], image_id=q["image_id"], question=q["question"],
+                               answers=[x["answer"] for x in a["answers"]],
+                               multiple_choice_answer=a["multiple_choice_answer"])
+                    for r in results if r.split == split for q, a in zip(r.vqa_questions, r.vqa_annotations)]
+        write_vqa_imdb(folder / "imdb" / f"imdb_{split}.npy", examples, table, image_name="{image_id:012d}")
 
 
 def _write_refcoco(folder: Path, results: list[_ImageOut]) -> None:
@@ -426,6 +447,8 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
             "karpathy": "dataset_world.json",
             "vqa_questions": "vqa/v2_OpenEnded_world_{split}_questions.json",
             "vqa_annotations": "vqa/v2_world_{split}_annotations.json",
+            "vqa_imdb": "vqa/imdb/imdb_{split}.npy (Pythia's imdb: the same questions and answers), "
+                        "vqa/answers_vqa.txt (its answer table, <unk> first)",
             "gqa_questions": "gqa/{train,val,testdev}_balanced_questions.json (world splits train, val, test)",
             "refcoco": "refcoco+/refs(unc).p (pickle, protocol 2), refcoco+/refs.json (the same refs), "
                        "refcoco+/instances.json (COCO instances of the images with refs); splits train, val, "
