@@ -213,3 +213,42 @@ def test_wvisualbert_on_a_store_without_detected_classes_is_one_line(tiny_world,
     assert proc.returncode == 2, proc.stderr
     assert "obj_id" in proc.stderr and str(bare) in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_several_training_files_and_questions_also_evaluated(tiny_world, tiny_pretrained, tmp_path):
+    """--train_questions=A,B (a VQA v2 JSON and an imdb mixed; one annotations file per JSON, in order) trains on
+    both; a training question that is also an evaluation question is an error, and --exclude_eval_questions
+    drops it from training (VisualBERT's train+val minus minival), counted in metrics.json; a file given twice
+    names the first; GQA takes several files the same way."""
+    import dataclasses
+
+    from vlberts.data.vqa import read_vqa
+    from vlberts.errors import BadRecords
+    from vlberts.recipes import finetune_gqa
+
+    (tq, ta), (vq, va) = tiny_world.vqa("train"), tiny_world.vqa("val")
+    val_imdb = tiny_world.root / "vqa" / "imdb" / "imdb_val.npy"
+    n_train, n_val = len(read_vqa(tq)), len(read_vqa(vq))
+    both = dict(train_questions=f"{tq},{val_imdb}", train_annotations=str(ta), epochs=0.1)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "both", **both))
+    metrics = json.loads((tmp_path / "both" / "metrics.json").read_text())
+    assert metrics["train_questions"] == n_train + n_val and metrics["train_questions_in_eval_dropped"] == 0
+
+    minival = vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "minival", **both, eval_questions=str(vq),
+                      eval_annotations=str(va))
+    with pytest.raises(VlbertsError, match=rf"{vq.name}: {n_val} of these evaluation questions are training questions "
+                                           r"too \(the first: question id \d+\); --exclude_eval_questions"):
+        finetune_vqa(minival)
+    finetune_vqa(dataclasses.replace(minival, exclude_eval_questions=True))
+    metrics = json.loads((tmp_path / "minival" / "metrics.json").read_text())
+    assert metrics["train_questions"] == n_train and metrics["train_questions_in_eval_dropped"] == n_val
+
+    with pytest.raises(VlbertsError, match=r"--train_annotations names 2 file\(s\) for 1 VQA v2 questions JSON"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "x", **{**both, "train_annotations": f"{ta},{va}"}))
+    with pytest.raises(VlbertsError, match=rf"imdb_val\.npy: question id \d+ is also in {val_imdb}"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "y", train_questions=f"{val_imdb},{val_imdb}",
+                             train_annotations=""))
+    gqa = tiny_world.root / "gqa"
+    train, _ = finetune_gqa._read(finetune_gqa.FinetuneGQAConfig(
+        train_questions=f"{gqa / 'train_balanced_questions.json'},{gqa / 'val_balanced_questions.json'}"), BadRecords())
+    assert len(train) == sum(len(json.loads((gqa / f"{s}_balanced_questions.json").read_text())) for s in ("train", "val"))

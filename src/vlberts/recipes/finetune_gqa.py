@@ -27,7 +27,9 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords
 from vlberts.data.gqa import GQAExample, read_gqa
 from vlberts.recipes.common import opt
-from vlberts.recipes.finetune_qa import FinetuneQAConfig, QATask, VQAModel, finetune_qa, load_qa_model
+from vlberts.recipes.finetune_qa import (
+    FinetuneQAConfig, QATask, VQAModel, file_list, finetune_qa, join_files, load_qa_model,
+)
 from vlberts.tasks.gqa import build_answer_vocab, gqa_metrics, gqa_target, write_predictions
 from vlberts.tasks.vqa import AnswerVocab
 from vlberts.text.tokenizer import TextTokenizer
@@ -35,7 +37,8 @@ from vlberts.text.tokenizer import TextTokenizer
 
 @dataclass(frozen=True)
 class FinetuneGQAConfig(FinetuneQAConfig):
-    train_questions: str = opt("", "GQA balanced questions json of the training split (with answers)")
+    train_questions: str = opt("", "GQA balanced questions json of the training split (with answers); several: "
+                                   "comma-separated (LXMERT: train and val)")
     eval_questions: str = opt("", "GQA questions json to predict (and score, when it has answers) after training")
     out: str = opt("runs/gqa", "run directory")
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes (1: all, as LXMERT)")
@@ -45,7 +48,7 @@ CONFIG_CLASS = FinetuneGQAConfig
 
 
 def _read(cfg: FinetuneGQAConfig, bad: BadRecords) -> tuple[list[GQAExample], list[GQAExample]]:
-    train = read_gqa(cfg.train_questions, require_answers=True, bad=bad)
+    train = join_files((q, read_gqa(q, require_answers=True, bad=bad)) for q in file_list(cfg.train_questions))
     return train, read_gqa(cfg.eval_questions, bad=bad) if cfg.eval_questions else []
 
 

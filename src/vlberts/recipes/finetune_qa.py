@@ -80,7 +80,7 @@ class FinetuneQAConfig(FinetuneConfig):
     """The settings every answer-classifier task shares (the loop's, `FinetuneConfig`, and these); each task
     recipe adds its files and defaults."""
 
-    train_questions: str = opt("", "questions json of the training split")
+    train_questions: str = opt("", "questions json of the training split (several: comma-separated, e.g. train and val)")
     eval_questions: str = opt("", "questions json to predict and score after training (optional)")
     out: str = opt("runs/qa", "run directory")
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes")
@@ -94,6 +94,9 @@ class FinetuneQAConfig(FinetuneConfig):
     eval_batch_size: int = opt(256, "examples per prediction batch")
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
+    exclude_eval_questions: bool = opt(False, "drop the training questions that are also evaluation questions (VisualBERT's "
+                                              "exclude_minival, ViLBERT's trainval minus minval); without it such an "
+                                              "overlap is an error")
     skip_bad: bool = opt(False, "drop malformed question/annotation records and questions whose image is not in "
                                 "the store, counting them (a warning and metrics.json's skipped_records), "
                                 "instead of stopping at the first")
@@ -115,6 +118,38 @@ class QATask:
     target: Target  # an annotated example, the classes -> its target scores
     metrics: Callable[[Mapping, Sequence, Sequence], dict]  # predictions, eval, train -> metric + baseline
     write_predictions: Callable[[Path, Iterable[tuple[Any, str]]], int]  # the official predictions file
+
+
+def file_list(value: str) -> list[str]:
+    """A setting naming one file or several, comma-separated (`--train_questions=train.json,val.json`)."""
+    return [v for v in value.split(",") if v]
+
+
+def join_files(parts: Iterable[tuple[str, list]]) -> list:
+    """The examples of several files in the order given (each file's own order); a question id in two of
+    them is an error naming both (the same file given twice, or two releases of one split)."""
+    seen: dict[Any, tuple[int, str]] = {}  # question id -> (file number, its path)
+    joined: list = []
+    for i, (path, examples) in enumerate(parts):
+        for ex in examples:
+            j, first = seen.setdefault(ex.question_id, (i, path))
+            if j != i:
+                raise VlbertsError(f"question id {ex.question_id!r} is also in {first}", path=path)
+        joined.extend(examples)
+    return joined
+
+
+def without_eval_questions(train: list, eval_examples: Sequence, exclude: bool, path: str) -> tuple[list, int]:
+    """The training examples that are not evaluation questions (read from `path`), and how many were: a
+    question in both would score what the model was trained on, so an overlap is an error unless `exclude`
+    drops it from training (how VisualBERT trains on train+val minus minival, and ViLBERT on train plus val
+    minus its last 3,000)."""
+    held_out = {ex.question_id for ex in eval_examples}
+    overlap = [ex.question_id for ex in train if ex.question_id in held_out]
+    if overlap and not exclude:
+        raise VlbertsError(f"{len(overlap)} of these evaluation questions are training questions too (the first: question "
+                           f"id {overlap[0]!r}); --exclude_eval_questions drops them from training", path=path)
+    return ([ex for ex in train if ex.question_id not in held_out] if overlap else train), len(overlap)
 
 
 def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:
@@ -248,6 +283,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
 
     bad = BadRecords(skip=cfg.skip_bad)
     train, eval_examples = task.read(cfg, bad)
+    train, in_eval = without_eval_questions(train, eval_examples, cfg.exclude_eval_questions, cfg.eval_questions)
     vocab = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
@@ -281,7 +317,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     if final is None:
         return None
 
-    metrics = {"train_questions": len(train), "num_answers": len(vocab), "skipped_records": bad.to_dict(),
+    metrics = {"train_questions": len(train), "train_questions_in_eval_dropped": in_eval,
+               "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
                "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, **mismatch}
     if cfg.eval_questions:

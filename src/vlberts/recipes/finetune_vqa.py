@@ -32,7 +32,9 @@ from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's na
     QATask,
     VQAModel,
     build_qa_model,
+    file_list,
     finetune_qa,
+    join_files,
     load_qa_model,
     predict_qa,
     qa_data,
@@ -45,12 +47,14 @@ from vlberts.text.tokenizer import TextTokenizer
 @dataclass(frozen=True)
 class FinetuneVQAConfig(FinetuneQAConfig):
     train_questions: str = opt("", "VQA v2 questions json of the training split, or a Pythia / MMF imdb .npy "
-                                   "(questions and answers in one file: no --train_annotations)")
+                                   "(questions and answers in one file: no --train_annotations); several: "
+                                   "comma-separated (train2014 and val2014)")
     out: str = opt("runs/vqa", "run directory")
     min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 over VQA v2 train+val "
                                         "gives the 3,129 of LXMERT and ViLBERT; over train alone fewer: for theirs, "
                                         "--answer_vocab=trainval_ans2label.json)")
-    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not with an imdb .npy)")
+    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not for an imdb .npy); several: "
+                                     "comma-separated, one for each questions json, in order")
     eval_annotations: str = opt("", "annotations json of the evaluation questions (optional; scores them)")
 
 
@@ -60,12 +64,20 @@ CONFIG_CLASS = FinetuneVQAConfig
 def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], list[VQAExample]]:
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
-    if not cfg.train_annotations and not is_imdb(cfg.train_questions):
+    questions, annotations = file_list(cfg.train_questions), iter(file_list(cfg.train_annotations))
+    json_files = [q for q in questions if not is_imdb(q)]
+    if json_files and not cfg.train_annotations:
         raise VlbertsError("--train_annotations is required with a VQA v2 questions JSON (a Pythia imdb .npy "
-                           "holds its answers)", path=cfg.train_questions)
-    train = read_vqa(cfg.train_questions, cfg.train_annotations, bad)
-    if train and not train[0].annotated:
-        raise VlbertsError("the training questions have no answers (a test split's imdb?)", path=cfg.train_questions)
+                           "holds its answers)", path=json_files[0])
+    if len(file_list(cfg.train_annotations)) != len(json_files):
+        raise VlbertsError(f"--train_annotations names {len(file_list(cfg.train_annotations))} file(s) for "
+                           f"{len(json_files)} VQA v2 questions JSON file(s): one each, in the same order (an imdb "
+                           f".npy holds its answers and takes none)", path=cfg.train_annotations)
+    parts = [(q, read_vqa(q, None if is_imdb(q) else next(annotations), bad)) for q in questions]
+    for path, examples in parts:
+        if examples and not examples[0].annotated:
+            raise VlbertsError("the training questions have no answers (a test split's imdb?)", path=path)
+    train = join_files(parts)
     return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
 
 
