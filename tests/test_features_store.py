@@ -190,6 +190,25 @@ def test_missing_id_names_store_and_id(tmp_path):
     assert e.value.path == str(path) and e.value.record == "b"
 
 
+def test_a_coco_image_is_found_by_its_id_and_by_its_file_stem(tmp_path):
+    """LXMERT's TSVs key COCO images by file stem, VQA's and Pythia's files by COCO id: a store written either
+    way answers both (the record keeps the id it was written with); other ids are not touched."""
+    stems = write_store_records(tmp_path / "stems.h5", [
+        make_record("COCO_val2014_000000000042", 2), make_record("COCO_train2014_000000000009", 3, seed=1),
+        make_record("7", 1, seed=2), make_record("vg_42x", 1, seed=3)])
+    numbers = write_store_records(tmp_path / "numbers.h5", [make_record(42, 2), make_record(9, 3, seed=1)])
+    with RegionStore(stems) as s, RegionStore(numbers) as n:
+        for store in (s, n):
+            assert 42 in store and "42" in store and "COCO_test2015_000000000042" in store
+            assert store.num_boxes(9) == store.num_boxes("COCO_train2014_000000000009") == 3
+            assert np.array_equal(store.get(42).features, store.get("COCO_val2014_000000000042").features)
+        assert s.get(42).image_id == "COCO_val2014_000000000042" and n.get("COCO_val2014_000000000042").image_id == "42"
+        assert s.get(7).image_id == "7" and "COCO_val2014_000000000007" not in n
+        assert "0042" not in s and 43 not in s and "x42" not in s and "COCO_val2014_x" not in s
+        with pytest.raises(VlbertsError, match="image id 43 not in store"):
+            s.get(43)
+
+
 @pytest.mark.parametrize(
     "bad, words",
     [

@@ -14,7 +14,6 @@ LXMERT's extractor derives them: the arg-max and max over the non-background col
 from __future__ import annotations
 
 import json
-import re
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ import numpy as np
 
 from vlberts.errors import first_line, VlbertsError
 from vlberts.features import msgpack
-from vlberts.features.record import CLS_PROB_ATOL, RegionRecord
+from vlberts.features.record import CLS_PROB_ATOL, RegionRecord, coco_number
 from vlberts.features.tsv import b64_rows
 from vlberts.io import DuplicateKey, unique_keys
 from vlberts.safe_pickle import read_npy, safe_load, safe_loads
@@ -415,11 +414,6 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
 
 # --------------------------------------------------------------------------- MMF / Pythia and ViLBERT per-image .npy (§1.3, §1.5)
 
-# A COCO image's file stem ("COCO_train2014_000000000009"): the image is keyed by its COCO id (9), as the VQA
-# and COCO caption files name it.
-_COCO_STEM = re.compile(r"COCO_[A-Za-z]+\d{4}_(\d+)")
-
-
 def _full_distribution(cls_prob: np.ndarray) -> np.ndarray:
     """A detector's class scores as the store keeps them: (N, 1 + C), background first, rows summing to 1.
     Rows that already sum to 1 have the background column (ViLBERT's extractor; MMF's with `--background`);
@@ -447,8 +441,8 @@ def _npy_record(name: str, info: dict[str, Any], features: Any) -> RegionRecord:
     n = len(feats)
     boxes = _b64_or_array(info["bbox"], "bbox", n, 4)
     image_id: Any = info.get("image_id", name)
-    if isinstance(image_id, str) and (coco := _COCO_STEM.fullmatch(image_id)):
-        image_id = int(coco.group(1))
+    if isinstance(image_id, str) and (coco := coco_number(image_id)) is not None:
+        image_id = int(coco)  # keyed by its COCO id, as the VQA and COCO caption files name it
     rec: dict[str, Any] = dict(image_id=image_id, image_w=_positive_int(info, "image_width"),
                                image_h=_positive_int(info, "image_height"), boxes=boxes,
                                features=_float_array(feats, "features"))

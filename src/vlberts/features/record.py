@@ -13,6 +13,7 @@ writer takes one. Conventions, fixed here once:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,18 @@ def canonical_image_id(image_id: object) -> str:
     if not image_id or any(c in image_id for c in _BAD_ID_CHARS) or not image_id.isprintable():
         raise VlbertsError(f"image id {image_id!r} is empty or holds a tab, newline or other control character")
     return image_id
+
+
+# A COCO image's file stem ("COCO_val2014_000000000042"), which LXMERT's TSVs and question files and MMF's
+# feature files use as the image's id, where VQA's, COCO's and Pythia's files use the COCO id (42).
+_COCO_STEM = re.compile(r"COCO_[A-Za-z]+\d{4}_(\d+)")
+
+
+def coco_number(image_id: str) -> str | None:
+    """The COCO id of a COCO file stem as a key ("COCO_val2014_000000000042" -> "42"), None for other ids.
+    COCO's ids are unique over its splits, so the stem and the number name one image."""
+    m = _COCO_STEM.fullmatch(image_id)
+    return str(int(m.group(1))) if m else None
 
 
 def as_float32(a: Any) -> np.ndarray:

@@ -37,7 +37,7 @@ import h5py
 import numpy as np
 
 from vlberts.errors import VlbertsError
-from vlberts.features.record import RegionRecord, StoreMetadata, all_finite, as_float32, canonical_image_id, labels_misfit, record_misfit
+from vlberts.features.record import RegionRecord, StoreMetadata, all_finite, as_float32, canonical_image_id, coco_number, labels_misfit, record_misfit
 from vlberts.io import atomic_path
 
 STORE_FORMAT = "vlberts-region-store"
@@ -430,6 +430,7 @@ class RegionStore:
             self.close()
             raise VlbertsError(f"damaged store: {problem}", path=self.path)
         self._index = {image_id: i for i, image_id in enumerate(self._ids)}
+        self._coco_rows: dict[str, int] | None = None  # COCO id -> row of its file stem (`_find`), when first needed
         self._cache: dict[str, RegionRecord] | None = None
 
     def _index_problem(self, f: h5py.File) -> str | None:
@@ -550,20 +551,37 @@ class RegionStore:
         return len(self._ids)
 
     def __contains__(self, image_id: object) -> bool:
-        try:
-            return canonical_image_id(image_id) in self._index
-        except VlbertsError:
-            return False
+        return self._find(image_id) is not None
 
     def ids(self) -> list[str]:
         """All image ids, in the order they were written."""
         return list(self._ids)
 
-    def _row(self, image_id: str | int) -> int:
+    def _find(self, image_id: object) -> int | None:
+        """The row of an image id, or None. A COCO image is found under either of its names: its COCO id (42:
+        VQA's, COCO's and Pythia's files, BUTD's TSVs) and its file stem (COCO_val2014_000000000042: LXMERT's
+        TSVs and question files), whichever the store was written with."""
         try:
-            row = self._index.get(canonical_image_id(image_id))
+            key = canonical_image_id(image_id)
         except VlbertsError:
-            row = None
+            return None
+        row = self._index.get(key)
+        if row is not None:
+            return row
+        number = key if key.isdigit() else coco_number(key)
+        if number is None:
+            return None
+        if (row := self._index.get(number)) is not None:
+            return row
+        if self._coco_rows is None:
+            self._coco_rows = {}
+            for i, stored in enumerate(self._ids):
+                if (n := coco_number(stored)) is not None:
+                    self._coco_rows.setdefault(n, i)
+        return self._coco_rows.get(number)
+
+    def _row(self, image_id: str | int) -> int:
+        row = self._find(image_id)
         if row is None:
             raise VlbertsError(f"image id {image_id} not in store", path=self.path, record=image_id)
         return row
