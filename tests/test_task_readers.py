@@ -3,6 +3,7 @@ to the released specifications (formats-and-metrics.md §2.3-2.6), including the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -26,7 +27,7 @@ from vlberts.data.vcr import (
     read_vcr_metadata,
     render_tokens,
 )
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.safe_pickle import safe_load, safe_loads
 
 
@@ -87,12 +88,40 @@ def test_gqa_bad_records_name_file_and_question(tmp_path):
     path.write_text(json.dumps({"8": {"imageId": "1", "question": "Is it red?", "answer": 3}}))
     with pytest.raises(VlbertsError, match=r"record question 8: field answer must be a string, got int"):
         read_gqa(path)
-    path.write_text(json.dumps([{"imageId": "1", "question": "?"}]))  # a list, not keyed by id
+    path.write_text(json.dumps([{"imageId": "1", "question": "?"}]))  # a list (LXMERT's form) of GQA's records
+    with pytest.raises(VlbertsError, match=r"q\.json: record \[0\]: missing field\(s\) question_id, img_id, sent"):
+        read_gqa(path)
+    path.write_text(json.dumps("questions"))
     with pytest.raises(VlbertsError, match="mapping question ids"):
         read_gqa(path)
     path.write_text('{"9": {"imageId": "1", "question": "Is')  # truncated download
     with pytest.raises(VlbertsError, match=r"q\.json: malformed JSON at line 1"):
         read_gqa(path)
+
+
+def test_gqa_reads_lxmerts_converted_list(tmp_path):
+    """LXMERT's data/gqa/*.json: a list of {question_id, img_id, sent, label: {answer: 1.0}} (submit.json
+    without labels); the same questions as GQA's own file, less the fields LXMERT dropped."""
+    (tmp_path / "gqa.json").write_text(json.dumps(GQA_QUESTIONS))
+    lxmert = [{"img_id": r["imageId"], "label": {r["answer"]: 1.0}, "question_id": qid, "sent": r["question"]}
+              for qid, r in GQA_QUESTIONS.items()]
+    (tmp_path / "valid.json").write_text(json.dumps(lxmert))
+    ours, theirs = read_gqa(tmp_path / "gqa.json"), read_gqa(tmp_path / "valid.json", require_answers=True)
+    assert [(q.question_id, q.image_id, q.question, q.answer) for q in theirs] == \
+           [(q.question_id, q.image_id, q.question, q.answer) for q in ours]
+    (tmp_path / "submit.json").write_text(json.dumps([{"img_id": "n1", "question_id": 5, "sent": "Is it red?"}]))
+    (q,) = read_gqa(tmp_path / "submit.json")
+    assert (q.question_id, q.image_id, q.answer) == ("5", "n1", None)
+    for rows, message in [
+        ([lxmert[0], lxmert[0]], r"\[1\] \(question 201307251\): duplicate question id 201307251 \(first at \[0\]\)"),
+        ([dict(lxmert[0], label={"yes": 1.0, "no": 1.0})], r"\[0\] \(question 201307251\): label must hold one answer"),
+        ([dict(lxmert[0], sent=" ")], r"\[0\] \(question 201307251\): field question is empty"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps(rows))
+        with pytest.raises(VlbertsError, match=r"bad\.json: record " + message):
+            read_gqa(tmp_path / "bad.json")
+    bad = BadRecords(skip=True)
+    assert len(read_gqa(tmp_path / "bad.json", bad=bad)) == 0 and bad.total == 1
 
 
 # --------------------------------------------------------------------------- NLVR2
@@ -120,6 +149,30 @@ def test_nlvr2_reads_true_false_strings_and_image_ids(tmp_path):
     assert a.sentence_key == b.sentence_key == "dev-850--0"
     assert c.sentence_key == "train-10171--2" and c.directory == "31" and c.left_image_id == "train-10171-3-img0"
     assert a.left_url == "http://l.jpg"
+
+
+def test_nlvr2_reads_lxmerts_converted_list(tmp_path):
+    """LXMERT's data/nlvr2/*.json: one JSON list of {identifier, img0, img1, label 0/1, sent, uid}: the same
+    statements as NLVR2's JSON lines, the images as named there."""
+    rows = [_nlvr2_row("dev-850-0-0", "True"), _nlvr2_row("dev-850-1-0", "False", sentence="One dog.")]
+    ours = read_nlvr2(_write_jsonl(tmp_path / "dev.json", rows))
+    lxmert = [{"identifier": r["identifier"], "img0": r["identifier"][:-2] + "-img0", "img1": r["identifier"][:-2] + "-img1",
+               "label": int(r["label"] == "True"), "sent": r["sentence"], "uid": f"nlvr2_dev_{i}"} for i, r in enumerate(rows)]
+    (tmp_path / "valid.json").write_text(json.dumps(lxmert))
+    theirs = read_nlvr2(tmp_path / "valid.json", require_labels=True)
+    assert [dataclasses.replace(e, left_url=None, right_url=None) for e in ours] == theirs
+    for change, message in [
+        ({"label": "True"}, r"label must be 0 or 1 \(LXMERT's form\), got 'True'"),
+        ({"label": 1.0}, r"label must be 0 or 1"),
+        ({"img1": ""}, r"img1 must be a non-empty string"),
+        ({"sent": None}, r"field sentence must be a string"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps([lxmert[0], {**lxmert[1], **change}]))
+        with pytest.raises(VlbertsError, match=r"bad\.json: record \[1\]: " + message):
+            read_nlvr2(tmp_path / "bad.json")
+    (tmp_path / "dup.json").write_text(json.dumps([lxmert[0], lxmert[0]]))
+    with pytest.raises(VlbertsError, match=r"dup\.json: record \[1\]: duplicate identifier dev-850-0-0 \(first at \[0\]\)"):
+        read_nlvr2(tmp_path / "dup.json")
 
 
 def test_nlvr2_identifier_parts():

@@ -840,9 +840,10 @@ def evaluate_vqa(
     ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {question_id, answer}."),
     questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json), "
-                                             "or a Pythia / MMF imdb .npy with the answers (imdb_minival2014.npy)."),
+                                             "or a file with the answers: a Pythia / MMF imdb .npy (imdb_minival2014.npy), "
+                                             "LXMERT's question list (minival.json)."),
     annotations: Optional[Path] = typer.Option(None, help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json); "
-                                                          "not with an imdb .npy."),
+                                                          "not with an imdb or LXMERT's list."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""

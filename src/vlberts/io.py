@@ -229,6 +229,13 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+def first_char(path: str | Path) -> bytes:
+    """The first character of a text file past a byte-order mark and white space (b"" if none in its first 4 KiB):
+    b"[" for a JSON list, b"{" for a JSON object or JSON lines, to tell a file's layout without parsing it."""
+    with open(require_file(path), "rb") as f:
+        return f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
+
+
 def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, parsed record) for each non-blank line of a JSON-lines file; a malformed or truncated
     line, or bytes that are not UTF-8, is an error naming the file and the line. With `bad` a malformed

@@ -11,6 +11,10 @@ e.g. ``"201307251"``) to a record::
      "entailed": ["..."], "equivalent": ["..."], "semantic": [...], "semanticStr": "...",
      "annotations": {...}}
 
+LXMERT's converted files (``data/gqa/{train,valid,testdev,submit}.json``, its
+``process_raw_data_scripts/process_data.py``) are read too: a JSON list of ``{"question_id", "img_id",
+"sent", "label": {answer: 1.0}}`` (no label in ``submit``), the same questions without the other fields.
+
 Only ``imageId`` and ``question`` are required: the test and challenge files ship without answers
 (and without most other fields). Image ids are strings (Visual Genome ids for train/val, ``n...``
 ids of COCO test images for testdev), the key of region stores.
@@ -20,6 +24,7 @@ This module only reads and checks; accuracy and prediction files live in `vlbert
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,8 +102,34 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
     )
 
 
+def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
+    """LXMERT's records as (question id, the record in GQA's own form, its name): `sent` the question,
+    `img_id` the image, the one key of `label` the answer; the record is named by its place in the list."""
+    seen: dict[str, int] = {}
+    for i, rec in enumerate(data):
+        where = f"[{i}]"
+        try:
+            require_keys(rec, ("question_id", "img_id", "sent"), path=path, record=where)
+            qid = rec["question_id"]
+            if isinstance(qid, bool) or not isinstance(qid, (str, int)):
+                raise VlbertsError(f"question_id must be a string, got {qid!r}", path=path, record=where)
+            qid, where = str(qid), f"[{i}] (question {qid})"
+            if qid in seen:
+                raise VlbertsError(f"duplicate question id {qid} (first at [{seen[qid]}])", path=path, record=where)
+            label = rec.get("label")
+            if label is not None and not (isinstance(label, dict) and len(label) == 1):
+                raise VlbertsError(f"label must hold one answer (GQA's), got {label!r}", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
+        seen[qid] = i
+        answer = {"answer": next(iter(label))} if label else {}
+        yield qid, {"imageId": rec["img_id"], "question": rec["sent"], **answer}, where
+
+
 def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords | None = None) -> list[GQAExample]:
-    """Read a GQA ``*_questions.json`` file; examples in file order.
+    """Read a GQA ``*_questions.json`` file (or LXMERT's converted list of the same questions); examples in file
+    order.
 
     With `require_answers`, a question without an answer is an error (use it for train/val/testdev,
     whose answers a metric needs). Errors name the file and the question id as ``question <id>``; with
@@ -107,13 +138,15 @@ def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords
     bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
-    if not isinstance(data, dict):
-        raise VlbertsError(
-            "expected a JSON object mapping question ids to question records (the GQA questions format)", path=path
-        )
+    if isinstance(data, list):
+        items = _lxmert_items(data, path, bad)
+    elif isinstance(data, dict):
+        items = ((qid, rec, f"question {qid}") for qid, rec in data.items())
+    else:
+        raise VlbertsError("expected a JSON object mapping question ids to question records (the GQA questions "
+                           "format) or a list of LXMERT's question records", path=path)
     examples = []
-    for qid, rec in data.items():
-        where = f"question {qid}"
+    for qid, rec, where in items:
         try:
             ex = parse_gqa_record(qid, rec, path=path, record=where)
             if require_answers and ex.answer is None:

@@ -14,6 +14,10 @@ one JSON object per line::
   hidden test file has none. Anything else (``true``, ``1``, ``"yes"``) is an error.
 * ``directory`` (train only) is the sub-folder ``train/<directory>/`` holding the images.
 
+LXMERT's converted files (``data/nlvr2/{train,valid,test}.json``, its
+``process_raw_data_scripts/process_dataset.py``) are read too: one JSON list of ``{"identifier", "img0",
+"img1", "label": 0 | 1, "sent", "uid"}``, the same statements, the label an integer, the images named.
+
 The sentence key for consistency (the same sentence written for several image pairs of one set)
 is the identifier with the pair id removed, ``split-setid--sentid`` (nlvr2 ``eval/metrics.py``).
 Accuracy and consistency live in `vlberts.tasks.nlvr2`.
@@ -21,13 +25,15 @@ Accuracy and consistency live in `vlberts.tasks.nlvr2`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import iter_jsonl, read_json, require_keys, require_text
+from vlberts.io import first_char, iter_jsonl, read_json, require_keys, require_text
 
 LABEL_STRINGS = {"True": True, "False": False}
 
@@ -123,8 +129,40 @@ def parse_nlvr2_record(rec: Any, *, path: Path, record: str) -> NLVR2Example:
     )
 
 
+def _lxmert_record(rec: Any, *, path: Path, record: str) -> NLVR2Example:
+    """One record of LXMERT's list (module docstring) as an `NLVR2Example`: `sent` the sentence, `label` 1
+    (True) or 0 (False), `img0` / `img1` the images (their names in LXMERT's feature files)."""
+    require_keys(rec, ("identifier", "sent", "img0", "img1"), path=path, record=record)
+    label = rec.get("label")
+    if label is not None and (isinstance(label, bool) or not isinstance(label, int) or label not in (0, 1)):
+        raise VlbertsError(f"label must be 0 or 1 (LXMERT's form), got {label!r}", path=path, record=record)
+    ex = parse_nlvr2_record({"identifier": rec["identifier"], "sentence": rec["sent"],
+                             "label": None if label is None else ("False", "True")[label]}, path=path, record=record)
+    images = []
+    for key in ("img0", "img1"):
+        if not isinstance(rec[key], str) or not rec[key]:
+            raise VlbertsError(f"{key} must be a non-empty string, got {rec[key]!r}", path=path, record=record)
+        images.append(rec[key])
+    return dataclasses.replace(ex, left_image_id=images[0], right_image_id=images[1])
+
+
+def _records(path: Path, bad: BadRecords) -> Iterator[tuple[str, Any, Callable[..., NLVR2Example]]]:
+    """(name, record, parser) of each record: NLVR2's JSON lines (``line N``), or LXMERT's JSON list (``[i]``),
+    told apart by the file's first character."""
+    if first_char(path) == b"[":
+        data = read_json(path)
+        if not isinstance(data, list):
+            raise VlbertsError("expected a JSON list of LXMERT's NLVR2 records", path=path)
+        for i, rec in enumerate(data):
+            yield f"[{i}]", rec, _lxmert_record
+    else:
+        for lineno, rec in iter_jsonl(path, bad):
+            yield f"line {lineno}", rec, parse_nlvr2_record
+
+
 def read_nlvr2(path: str | Path, *, require_labels: bool = False, bad: BadRecords | None = None) -> list[NLVR2Example]:
-    """Read an NLVR2 JSON-lines file; examples in file order, blank lines skipped.
+    """Read an NLVR2 JSON-lines file (or LXMERT's JSON list of the same statements); examples in file order,
+    blank lines skipped.
 
     Errors name the file and ``line N``: a malformed or truncated line, a bad identifier or label,
     a duplicate identifier, or (with `require_labels`) a missing label. With `bad` skipping
@@ -132,20 +170,19 @@ def read_nlvr2(path: str | Path, *, require_labels: bool = False, bad: BadRecord
     """
     bad = bad if bad is not None else BadRecords()
     examples: list[NLVR2Example] = []
-    first_line: dict[str, int] = {}
-    for lineno, rec in iter_jsonl(path, bad):
-        where = f"line {lineno}"
+    first_at: dict[str, str] = {}
+    for where, rec, parse in _records(Path(path), bad):
         try:
-            ex = parse_nlvr2_record(rec, path=path, record=where)
-            if ex.identifier in first_line:
-                raise VlbertsError(f"duplicate identifier {ex.identifier} (first at line {first_line[ex.identifier]})",
+            ex = parse(rec, path=path, record=where)
+            if ex.identifier in first_at:
+                raise VlbertsError(f"duplicate identifier {ex.identifier} (first at {first_at[ex.identifier]})",
                                    path=path, record=where)
             if require_labels and ex.label is None:
                 raise VlbertsError("missing field label", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
             continue
-        first_line[ex.identifier] = lineno
+        first_at[ex.identifier] = where
         examples.append(ex)
     return examples
 

@@ -13,7 +13,7 @@ both; the world writes both). Where the paper is silent:
 * joint answer table: the normalised answers (VQA `multiple_choice_answer` through the official
   normalisation, GQA `answer`) given by at least `min_count` questions of the sources together, most
   frequent first, ties alphabetical; `min_count` is chosen by the user (the world's answers are few);
-* targets: a VQA question's official soft scores over the table (`tasks.vqa.soft_target`), a GQA
+* targets: a VQA question's official soft scores over the table (`tasks.vqa.example_target`), a GQA
   question's ``{answer: 1.0}`` (`tasks.gqa.gqa_target`); a question none of whose answers is in the table
   stays a sentence without a QA label.
 """
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.gqa import read_gqa
-from vlberts.data.vqa import is_imdb, read_vqa
+from vlberts.data.vqa import holds_answers, read_vqa
 from vlberts.errors import VlbertsError
 from vlberts.tasks.gqa import gqa_target, normalize_gqa_answer
-from vlberts.tasks.vqa import AnswerVocab, SoftTarget, normalize_answer, soft_target
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget, example_target, normalize_answer
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def read_pretrain_qa(
     A VQA questions file needs its annotations file (the answers are there; a Pythia imdb `.npy` holds
     both), and at least one source is
     needed; bad records are errors naming the file and the record (the sources' readers)."""
-    if bool(vqa_questions) != bool(vqa_annotations) and not (vqa_questions and is_imdb(vqa_questions)):
+    if bool(vqa_questions) != bool(vqa_annotations) and not (vqa_questions and holds_answers(vqa_questions)):
         raise VlbertsError("image-QA pre-training from VQA needs both the questions and the annotations file",
                            path=vqa_questions or vqa_annotations)
     if not vqa_questions and not gqa_questions:
@@ -73,6 +73,6 @@ def read_pretrain_qa(
                            path=gqa_questions or vqa_annotations)
     sentences = [CaptionRef(str(ex.image_id), ex.question) for ex in vqa] + [
         CaptionRef(str(ex.image_id), ex.question) for ex in gqa]
-    targets = [soft_target(ex.answers, answers) for ex in vqa] + [gqa_target(ex, answers) for ex in gqa]
+    targets = [example_target(ex, answers) for ex in vqa] + [gqa_target(ex, answers) for ex in gqa]
     sources = tuple((str(f), n) for f, n in ((vqa_questions, len(vqa)), (gqa_questions, len(gqa))) if f)
     return PretrainQA(sentences, targets, answers, sources)

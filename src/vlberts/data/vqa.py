@@ -14,6 +14,13 @@ Formats (formats-and-metrics.md §2.2, Goyal et al. 2017):
   question_tokens, all_answers, valid_answers}`` (the answers absent in a test split); MMF's later
   form is a dict ``{"metadata": ..., "data": [questions]}``. `read_vqa` reads it when the questions
   file ends in ``.npy`` (`read_vqa_imdb`); it holds its answers, so it takes no annotations file.
+* LXMERT's converted files ``data/vqa/{train,nominival,minival,test}.json`` (its
+  ``process_raw_data_scripts``, answers scored by hengyuan-hu's ``compute_softscore.py``): a JSON list
+  of ``{answer_type, img_id, label: {answer: score}, question_id, question_type, sent}`` (no label in
+  test), ``img_id`` the COCO file stem. It keeps each answer's soft score, not the ten answers, so a
+  question is scored as LXMERT's evaluator scores it, by the label's score of the predicted answer
+  (the official accuracy where the answer strings agree); `read_vqa` reads a questions file that holds
+  a JSON list this way (`questions_format`).
 
 Test splits ship without annotations, so annotations are optional. When they are given, every
 annotation must belong to a question and every question must have exactly one annotation: the
@@ -36,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import atomic_open, read_json, require_keys, require_text
+from vlberts.io import atomic_open, first_char, read_json, require_keys, require_text
 from vlberts.safe_pickle import read_npy
 
 # Every VQA v1/v2 question was answered by 10 workers; the official accuracy (a 10-choose-9 average)
@@ -69,10 +76,13 @@ class VQAExample:
     multiple_choice_answer: str | None = None
     answer_type: str | None = None  # "yes/no" | "number" | "other" in VQA v2
     question_type: str | None = None  # e.g. "what color is the" (65 prefixes in VQA v2)
+    # LXMERT's files: {answer: soft score} in place of the ten answers (`answers` then empty); {} when none of
+    # the question's answers is in LXMERT's table.
+    label: dict[str, float] | None = None
 
     @property
     def annotated(self) -> bool:
-        return bool(self.answers)
+        return bool(self.answers) or self.label is not None
 
 
 def _is_int(value: Any) -> bool:
@@ -107,9 +117,9 @@ def _top_level_list(obj: Any, key: str, *, path: Path) -> list:
     return obj[key]
 
 
-def _read_questions(path: Path, bad: BadRecords) -> tuple[list[VQAExample], dict[int, int], dict[int, int]]:
+def _read_questions(path: Path, data: Any, bad: BadRecords) -> tuple[list[VQAExample], dict[int, int], dict[int, int]]:
     """Questions in file order, question_id -> index into that list, and question_id -> record position."""
-    records = _top_level_list(read_json(path), "questions", path=path)
+    records = _top_level_list(data, "questions", path=path)
     examples: list[VQAExample] = []
     index: dict[int, int] = {}
     first_at: dict[int, int] = {}  # question_id -> its record's position in the file
@@ -147,8 +157,8 @@ def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
 def read_vqa(
     questions_path: str | Path, annotations_path: str | Path | None = None, bad: BadRecords | None = None
 ) -> list[VQAExample]:
-    """Read a VQA v2 questions file and, optionally, its annotations file (or a Pythia imdb `.npy`,
-    which holds both: `read_vqa_imdb`).
+    """Read a VQA v2 questions file and, optionally, its annotations file (or a file that holds both: a
+    Pythia imdb `.npy`, `read_vqa_imdb`; LXMERT's question list, `questions_format`).
 
     Returns one `VQAExample` per question. Without annotations the order is the questions file's;
     with annotations it is the annotations file's, the order in which the official evaluator
@@ -158,12 +168,17 @@ def read_vqa(
     """
     bad = bad if bad is not None else BadRecords()
     questions_path = Path(questions_path)
-    if is_imdb(questions_path):
-        if annotations_path:
-            raise VlbertsError("an imdb .npy holds its questions' answers: give it without an annotations file",
-                               path=annotations_path)
+    kind = questions_format(questions_path)
+    if kind != "v2" and annotations_path:
+        what = "an imdb .npy" if kind == "imdb" else "a JSON list (LXMERT's questions; VQA v2's are an object)"
+        raise VlbertsError(f"{what} holds its questions' answers, so it takes no annotations file "
+                           f"({Path(annotations_path).name} given)", path=questions_path)
+    if kind == "imdb":
         return read_vqa_imdb(questions_path, bad)
-    questions, q_index, q_record = _read_questions(questions_path, bad)
+    data = read_json(questions_path)
+    if kind == "lxmert":
+        return _read_lxmert(questions_path, data, bad)
+    questions, q_index, q_record = _read_questions(questions_path, data, bad)
     if not annotations_path:
         return questions
 
@@ -220,12 +235,72 @@ def read_vqa(
     return examples
 
 
+# --------------------------------------------------------------------------- files that hold their answers
+
+def questions_format(path: str | Path) -> str:
+    """"imdb" (a Pythia / MMF `.npy`), "lxmert" (a JSON list: LXMERT's converted questions) or "v2" (a JSON
+    object: VQA v2 questions, whose answers are in an annotations file), told without parsing the file."""
+    if Path(path).suffix.lower() == ".npy":
+        return "imdb"
+    return "lxmert" if first_char(path) == b"[" else "v2"
+
+
+def holds_answers(path: str | Path) -> bool:
+    """Whether a VQA questions file holds its answers (imdb, LXMERT's list) and so takes no annotations file."""
+    return questions_format(path) != "v2"
+
+
+def _like_the_first(first: bool | None, has: bool, what: str, *, path: Path, record: str) -> bool:
+    """Either every question of a file that holds its answers has them or none has (a test split): the first
+    question decides (`first` None: this is it); returns the file's choice."""
+    if first is not None and has != first:
+        raise VlbertsError(f"has no {what}, which the file's first question has" if first else
+                           f"has {what}, which the file's first question has not", path=path, record=record)
+    return has if first is None else first
+
+
+def _lxmert_label(rec: dict, *, path: Path, record: str) -> dict[str, float] | None:
+    label = rec.get("label")
+    if label is None:
+        return None
+    if not isinstance(label, dict) or not all(
+            isinstance(a, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+            for a, v in label.items()):
+        raise VlbertsError(f"label must map answers to scores in [0, 1], got {label!r}", path=path, record=record)
+    return {a: float(v) for a, v in label.items()}
+
+
+def _read_lxmert(path: Path, data: list, bad: BadRecords) -> list[VQAExample]:
+    """LXMERT's question list (module docstring) -> `VQAExample`s with `label`, in file order; a record is named
+    by its place in the list (``[i]``). The multiple-choice answer (what `--min_answer_count` counts) is the
+    label's highest-scored answer (ties: the first); either every question has a label or none has (test)."""
+    examples: list[VQAExample] = []
+    first_at: dict[int, int] = {}
+    labelled: bool | None = None
+    for i, rec in enumerate(data):
+        where = f"[{i}]"
+        try:
+            require_keys(rec, ("img_id", "question_id", "sent"), path=path, record=where)
+            qid = _check_question_id(rec, path=path, record=where)
+            if qid in first_at:
+                raise VlbertsError(f"duplicate question_id {qid} (first at [{first_at[qid]}])", path=path, record=where)
+            image_id = _check_image_id({"image_id": rec["img_id"]}, path=path, record=where)
+            question = require_text(rec["sent"], "sent", path=path, record=where)
+            label = _lxmert_label(rec, path=path, record=where)
+            types = {k: _check_str(rec, k, path=path, record=where) if rec.get(k) is not None else None
+                     for k in ("answer_type", "question_type")}
+            labelled = _like_the_first(labelled, label is not None, "label", path=path, record=where)
+        except VlbertsError as err:
+            bad.handle(err)
+            continue
+        first_at[qid] = i
+        examples.append(VQAExample(question_id=qid, image_id=image_id, question=question, label=label,
+                                   multiple_choice_answer=max(label, key=label.__getitem__) if label else None,
+                                   **types))
+    return examples
+
+
 # --------------------------------------------------------------------------- Pythia / MMF imdb files
-
-def is_imdb(path: str | Path) -> bool:
-    """Whether a VQA questions path names a Pythia / MMF imdb file (`.npy`) rather than VQA v2 JSON."""
-    return Path(path).suffix.lower() == ".npy"
-
 
 def _imdb_records(path: Path) -> tuple[list, int]:
     """The question records of an imdb file and the position of the first (1 after Pythia's header)."""
@@ -306,16 +381,11 @@ def read_vqa_imdb(path: str | Path, bad: BadRecords | None = None) -> list[VQAEx
             if qid in first_at:
                 raise VlbertsError(f"duplicate question_id {qid} (first at imdb[{first_at[qid]}])", path=path, record=where)
             image_id = rec["image_id"]
-            image_id = int(image_id) if isinstance(image_id, np.integer) else image_id
-            if not (_is_int(image_id) or isinstance(image_id, str)):
-                raise VlbertsError(f"image_id must be an integer or a string, got {image_id!r}", path=path, record=where)
+            image_id = _check_image_id({"image_id": int(image_id) if isinstance(image_id, np.integer) else image_id},
+                                       path=path, record=where)
             question = _imdb_question(rec, path=path, record=where)
             answers = _imdb_answers(rec, path=path, record=where)
-            if annotated is None:
-                annotated = answers is not None
-            elif annotated != (answers is not None):
-                raise VlbertsError("has no answers where the file's first question has them" if annotated else
-                                   "has answers where the file's first question has none", path=path, record=where)
+            annotated = _like_the_first(annotated, answers is not None, "answers", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
             continue
@@ -346,7 +416,7 @@ def write_vqa_imdb(path: str | Path, examples: Iterable[VQAExample], answers: It
         row: dict[str, Any] = {"image_name": name, "image_id": ex.image_id, "question_id": ex.question_id,
                                "feature_path": f"{name}.npy", "question_str": ex.question,
                                "question_tokens": _imdb_tokens(ex.question)}
-        if ex.annotated:
+        if ex.answers:  # (an example read from LXMERT's list has scores, not the ten answers: none written)
             valid = [a for a in ex.answers if table is None or a in table]
             row.update(all_answers=list(ex.answers), valid_answers=valid or ["<unk>"])
         rows.append(row)

@@ -28,7 +28,7 @@ from vlberts.data.regions import RegionSource, detected_classes, load_regions, l
 from vlberts.data.vqa import VQAExample
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
-from vlberts.tasks.vqa import AnswerVocab, SoftTarget, dense_targets, soft_target
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget, dense_targets, example_target
 from vlberts.text.tokenizer import TextTokenizer
 
 # A target: annotated example, answer classes -> its scores (None: no target, e.g. when only predicting).
@@ -36,8 +36,9 @@ Target = Callable[[Any, AnswerVocab], SoftTarget | None]
 
 
 def vqa_soft_target(example: VQAExample, vocab: AnswerVocab) -> SoftTarget:
-    """VQA v2's target: soft scores of the ten GT answers (`tasks.vqa.soft_target`)."""
-    return soft_target(example.answers, vocab)
+    """VQA v2's target: soft scores of the ten GT answers (`tasks.vqa.example_target`; LXMERT's label scores
+    for its files)."""
+    return example_target(example, vocab)
 
 
 # A layout: question subwords, tokenizer -> (ids, segments, answer position).

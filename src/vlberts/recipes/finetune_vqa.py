@@ -2,8 +2,8 @@
 
 The shared answer-classifier fine-tuning (`recipes.finetune_qa`: the head of each architecture, the
 loss, the loop, prediction) with VQA's part of it (`VQA`): training reads VQA v2 questions +
-annotations (or a Pythia / MMF imdb `.npy`, VisualBERT's and VL-BERT's form, which holds both) and a
-region store; the answer vocabulary is built from the training answers (answers
+annotations (or a file that holds both: a Pythia / MMF imdb `.npy`, VisualBERT's and VL-BERT's form,
+or LXMERT's question list) and a region store; the answer vocabulary is built from the training answers (answers
 given by at least `min_answer_count` questions; 9 over train+val gives VQA v2's 3,129), or read from a
 fixed table (`answer_vocab`, e.g. LXMERT's trainval_ans2label.json); targets are the VQA soft
 scores; after training the model predicts the evaluation questions, writes them in the official
@@ -22,7 +22,7 @@ from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.data.vqa import VQAExample, is_imdb, read_vqa
+from vlberts.data.vqa import VQAExample, holds_answers, read_vqa
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's names for the shared pieces
@@ -46,14 +46,14 @@ from vlberts.text.tokenizer import TextTokenizer
 
 @dataclass(frozen=True)
 class FinetuneVQAConfig(FinetuneQAConfig):
-    train_questions: str = opt("", "VQA v2 questions json of the training split, or a Pythia / MMF imdb .npy "
-                                   "(questions and answers in one file: no --train_annotations); several: "
-                                   "comma-separated (train2014 and val2014)")
+    train_questions: str = opt("", "VQA v2 questions json of the training split, or a file with questions and "
+                                   "answers in one (no --train_annotations): a Pythia / MMF imdb .npy, LXMERT's "
+                                   "question list; several: comma-separated (train2014 and val2014)")
     out: str = opt("runs/vqa", "run directory")
     min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 over VQA v2 train+val "
                                         "gives the 3,129 of LXMERT and ViLBERT; over train alone fewer: for theirs, "
                                         "--answer_vocab=trainval_ans2label.json)")
-    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not for an imdb .npy); several: "
+    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not for an imdb or LXMERT list); several: "
                                      "comma-separated, one for each questions json, in order")
     eval_annotations: str = opt("", "annotations json of the evaluation questions (optional; scores them)")
 
@@ -65,15 +65,15 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], li
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
     questions, annotations = file_list(cfg.train_questions), iter(file_list(cfg.train_annotations))
-    json_files = [q for q in questions if not is_imdb(q)]
+    json_files = [q for q in questions if not holds_answers(q)]
     if json_files and not cfg.train_annotations:
         raise VlbertsError("--train_annotations is required with a VQA v2 questions JSON (a Pythia imdb .npy "
-                           "holds its answers)", path=json_files[0])
+                           "or LXMERT's question list holds its answers)", path=json_files[0])
     if len(file_list(cfg.train_annotations)) != len(json_files):
         raise VlbertsError(f"--train_annotations names {len(file_list(cfg.train_annotations))} file(s) for "
                            f"{len(json_files)} VQA v2 questions JSON file(s): one each, in the same order (an imdb "
-                           f".npy holds its answers and takes none)", path=cfg.train_annotations)
-    parts = [(q, read_vqa(q, None if is_imdb(q) else next(annotations), bad)) for q in questions]
+                           f".npy or LXMERT's list holds its answers and takes none)", path=cfg.train_annotations)
+    parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad)) for q in questions]
     for path, examples in parts:
         if examples and not examples[0].annotated:
             raise VlbertsError("the training questions have no answers (a test split's imdb?)", path=path)

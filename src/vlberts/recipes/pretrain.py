@@ -186,7 +186,8 @@ class PretrainConfig:
                                   "(ViLBERT's --objective 1), auto: the architecture's released code (README, \"Masked "
                                   "words of a mismatched caption\")")
     qa_vqa_questions: str = opt("", "LXMERT image-QA pre-training: VQA v2 questions json whose questions join the "
-                                "sentences, answers as QA labels (needs --qa_vqa_annotations), or a Pythia imdb .npy (holds both)")
+                                "sentences, answers as QA labels (needs --qa_vqa_annotations), or a Pythia imdb .npy or LXMERT's "
+                                "question list (hold both)")
     qa_vqa_annotations: str = opt("", "LXMERT image-QA pre-training: the VQA v2 annotations json of --qa_vqa_questions")
     qa_gqa_questions: str = opt("", "LXMERT image-QA pre-training: GQA balanced questions json (with answers)")
     qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")

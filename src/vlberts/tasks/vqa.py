@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, is_imdb, read_vqa
+from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, holds_answers, read_vqa
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, read_text, require_keys, write_json
 from vlberts.tasks.predictions import require_complete, write_json_predictions
@@ -174,6 +174,17 @@ def vqa_accuracy(prediction: str, gt_answers: Sequence[str]) -> float:
     return accuracy_processed(normalize_answer(prediction), process_gt_answers(gt_answers))
 
 
+def example_accuracy(prediction: str, example: VQAExample) -> float:
+    """The accuracy of one predicted answer for an annotated example: the official one from its ten answers,
+    or, for a question read from LXMERT's list (scores, not answers), LXMERT's: the score its label gives the
+    predicted answer (`VQAEvaluator.evaluate`; the official accuracy where the answer strings agree)."""
+    if example.answers:
+        return vqa_accuracy(prediction, example.answers)
+    if example.label is None:
+        raise ValueError(f"question_id {example.question_id} has no GT answers")
+    return example.label.get(prediction, 0.0)
+
+
 def soft_score(count: int) -> float:
     """VQA soft score of an answer given by `count` of the 10 annotators: 0, .3, .6, .9, 1 for 0..3, >=4.
 
@@ -204,14 +215,17 @@ class VQAScores:
     per_answer_type: dict[str, float]
     per_question_type: dict[str, float]
     num_questions: int
+    num_label_scored: int = 0  # questions from LXMERT's list, scored by their label (`example_accuracy`)
 
     def to_dict(self) -> dict:
+        label = {"label_scored_questions": self.num_label_scored} if self.num_label_scored else {}
         return {
             "accuracy": self.accuracy,
             "accuracy_unrounded": self.accuracy_unrounded,
             "per_answer_type": dict(self.per_answer_type),
             "per_question_type": dict(self.per_question_type),
             "num_questions": self.num_questions,
+            **label,
         }
 
     def summary(self) -> str:
@@ -225,7 +239,8 @@ def answer_types(per_answer_type: Mapping[str, float]) -> str:
 
 
 def score_predictions(predictions: Mapping[int, str], examples: Sequence[VQAExample]) -> VQAScores:
-    """Score raw predicted answers (question_id -> answer) on annotated examples, officially.
+    """Score raw predicted answers (question_id -> answer) on annotated examples, officially (questions read
+    from LXMERT's list by their label scores, counted in `num_label_scored`).
 
     Every example must be annotated and have a prediction (check a predictions *file* with
     `read_predictions` first for user-facing errors). Questions are summed in `examples` order.
@@ -238,7 +253,7 @@ def score_predictions(predictions: Mapping[int, str], examples: Sequence[VQAExam
     for ex in examples:
         if not ex.annotated:
             raise ValueError(f"question_id {ex.question_id} has no GT answers")
-        acc = vqa_accuracy(predictions[ex.question_id], ex.answers)
+        acc = example_accuracy(predictions[ex.question_id], ex)
         per_q.append(acc)
         if ex.answer_type is not None:  # an imdb's questions have no types (`read_vqa_imdb`)
             by_answer_type.setdefault(ex.answer_type, []).append(acc)
@@ -251,6 +266,7 @@ def score_predictions(predictions: Mapping[int, str], examples: Sequence[VQAExam
         per_answer_type={k: round(_percent(v), 2) for k, v in sorted(by_answer_type.items())},
         per_question_type={k: round(_percent(v), 2) for k, v in sorted(by_question_type.items())},
         num_questions=len(per_q),
+        num_label_scored=sum(1 for ex in examples if not ex.answers),
     )
 
 
@@ -314,7 +330,7 @@ def evaluate_predictions(
     Keys: ``accuracy`` (percent, 2 decimals), ``accuracy_unrounded``, ``per_answer_type``,
     ``per_question_type``, ``num_questions``.
     """
-    if not annotations_path and not is_imdb(questions_path):
+    if not annotations_path and not holds_answers(questions_path):
         raise VlbertsError("scoring a VQA v2 questions JSON needs its annotations file (--annotations)",
                            path=questions_path)
     examples = read_vqa(questions_path, annotations_path)
@@ -440,9 +456,20 @@ def soft_target(gt_answers: Sequence[str], vocab: AnswerVocab) -> SoftTarget:
     return SoftTarget(tuple(i for i, _ in hits), tuple(s for _, s in hits), dropped)
 
 
+def example_target(example: VQAExample, vocab: AnswerVocab) -> SoftTarget:
+    """An annotated example's soft scores over the vocabulary: `soft_target` of its ten answers, or, read from
+    LXMERT's list, its label's scores of the answers that are classes (LXMERT's target, computed by
+    hengyuan-hu's `compute_softscore.py` from the same counts)."""
+    if example.answers or example.label is None:
+        return soft_target(example.answers, vocab)
+    hits = sorted((vocab.ans2idx[a], s) for a, s in example.label.items() if a in vocab and s > 0)
+    dropped = tuple(sorted(a for a in example.label if a not in vocab))
+    return SoftTarget(tuple(i for i, _ in hits), tuple(s for _, s in hits), dropped)
+
+
 def soft_targets(examples: Sequence[VQAExample], vocab: AnswerVocab) -> tuple[list[SoftTarget], SoftTargetStats]:
-    """`soft_target` for every annotated example, with counts of what fell outside the vocabulary."""
-    targets = [soft_target(ex.answers, vocab) for ex in examples]
+    """`example_target` for every annotated example, with counts of what fell outside the vocabulary."""
+    targets = [example_target(ex, vocab) for ex in examples]
     stats = SoftTargetStats(
         num_questions=len(targets),
         num_without_target=sum(1 for t in targets if not t.labels),

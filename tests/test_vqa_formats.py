@@ -1,8 +1,10 @@
-"""Pythia's (MMF's) imdb `.npy` question files, VisualBERT's and VL-BERT's form of VQA (formats-and-metrics.md
-§1.5): the reader on files written by hand as Pythia's `build_imdb` writes them, the awkward cases (header
-element, MMF's dict form, questions given as tokens only, numpy integers, a test split without answers),
-damaged files as one-line errors, `answers_vqa.txt` answer tables, and fine-tuning and scoring from the
-world's questions written as imdb files giving what the VQA v2 JSON gives."""
+"""The VQA files besides VQA v2's JSON pair. Pythia's (MMF's) imdb `.npy` question files, VisualBERT's and
+VL-BERT's form (formats-and-metrics.md §1.5): the reader on files written by hand as Pythia's `build_imdb`
+writes them, the awkward cases (header element, MMF's dict form, questions given as tokens only, numpy
+integers, a test split without answers), damaged files as one-line errors, `answers_vqa.txt` answer tables,
+and fine-tuning and scoring from the world's questions written as imdb files giving what the VQA v2 JSON
+gives. LXMERT's converted question lists (§2.2: label scores instead of the ten answers): the reader, its
+targets and LXMERT's scoring against the official one, and the same run from them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import pickle
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +90,7 @@ def _pickled_code(tmp_path: Path) -> Path:
     ([_header(), _question(1, 2, all_answers=None)], r"imdb\[1\]: has valid_answers .* not all_answers"),
     ([_header(), _question(1, 2), _question(1, 3)], r"imdb\[2\]: duplicate question_id 1 \(first at imdb\[1\]\)"),
     ([_header(), _question(1, 2), _question(2, 3, all_answers=None, valid_answers=None)],
-     r"imdb\[2\]: has no answers where the file's first question has them"),
+     r"imdb\[2\]: has no answers, which the file's first question has"),
     ([_header(), _question(1, 2, question_str="  ")], r"imdb\[1\]: field question_str is empty"),
     ([_header(), _question(1.5, 2)], r"imdb\[1\]: question_id must be an integer, got 1.5"),
 ])
@@ -113,7 +116,8 @@ def test_damaged_files_are_one_line_errors(tmp_path):
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(VlbertsError, match=r"imdb\.npy: truncated pickle"):
         read_vqa(path)
-    with pytest.raises(VlbertsError, match=r"ann\.json: an imdb \.npy holds its questions' answers"):
+    with pytest.raises(VlbertsError, match=r"ok\.npy: an imdb \.npy holds its questions' answers, so it takes no "
+                                           r"annotations file \(ann\.json given\)"):
         read_vqa(_save(tmp_path / "ok.npy", [_header(), _question(1, 2)]), tmp_path / "ann.json")
 
 
@@ -204,3 +208,103 @@ def test_lxmert_image_qa_reads_an_imdb_as_the_json_pair(tiny_world, tmp_path):
     write_vqa_imdb(tmp_path / "imdb_test.npy", read_vqa(tiny_world.vqa("test")[0]))
     with pytest.raises(VlbertsError, match=r"imdb_test\.npy: image-QA pre-training needs answered questions"):
         read_pretrain_qa(tmp_path / "imdb_test.npy")
+
+
+# --------------------------------------------------------------------------- LXMERT's question lists
+
+
+def _lxmert(examples, stem: bool = True) -> list[dict]:
+    """The examples as LXMERT's converted files hold them: the label is hengyuan-hu's soft score of each
+    distinct (normalised) answer, img_id the COCO file stem."""
+    from vlberts.tasks.vqa import process_gt_answers, soft_score
+
+    rows = []
+    for ex in examples:
+        row = {"answer_type": ex.answer_type, "img_id": f"COCO_val2014_{ex.image_id:012d}" if stem else ex.image_id,
+               "question_id": ex.question_id, "question_type": ex.question_type, "sent": ex.question}
+        if ex.answers:
+            row["label"] = {a: soft_score(c) for a, c in Counter(process_gt_answers(ex.answers)).items()}
+        rows.append(row)
+    return rows
+
+
+def test_lxmert_question_list_reads_labels_and_scores_as_lxmert_does(tmp_path):
+    """A JSON list is LXMERT's form: question_id, img_id (kept as written), sent, the label's scores, the
+    types; the multiple-choice answer is the best-scored one; scoring reads the label's score of the
+    prediction, which is the official accuracy where the ten answers are known."""
+    from vlberts.data.vqa import VQAExample
+    from vlberts.tasks.vqa import example_target, score_predictions, soft_target
+
+    official = VQAExample(question_id=5, image_id=42, question="What color is the bus?", answers=list(TEN),
+                          answer_type="other", question_type="what color is the")
+    rows = _lxmert([official]) + [{"img_id": "COCO_val2014_000000000007", "question_id": 6, "sent": "Is it?",
+                                   "label": {}}]
+    (tmp_path / "minival.json").write_text(json.dumps(rows))
+    ex, empty = read_vqa(tmp_path / "minival.json")
+    assert (ex.question_id, ex.image_id, ex.question, ex.answers) == (5, "COCO_val2014_000000000042", official.question, [])
+    assert ex.label == {"red": 1.0, "dark red": 0.9, "maroon": 0.3} and ex.multiple_choice_answer == "red"
+    assert (ex.answer_type, ex.question_type) == ("other", "what color is the") and ex.annotated
+    assert empty.annotated and empty.label == {} and empty.multiple_choice_answer is None
+    vocab = read_answer_vocab_from(tmp_path, ["maroon", "red", "blue", "dark red"])
+    assert example_target(ex, vocab) == soft_target(official.answers, vocab)
+    for answer in ("red", "dark red", "maroon", "blue"):
+        mine = score_predictions({5: answer}, [ex])
+        assert mine.accuracy == score_predictions({5: answer}, [official]).accuracy
+        assert mine.to_dict()["label_scored_questions"] == 1
+    assert "label_scored_questions" not in score_predictions({5: "red"}, [official]).to_dict()
+    (tmp_path / "test.json").write_text(json.dumps([{"img_id": "x", "question_id": 1, "sent": "Why?"}]))
+    assert not read_vqa(tmp_path / "test.json")[0].annotated
+
+
+def read_answer_vocab_from(tmp_path: Path, answers: list[str]):
+    (tmp_path / "table.json").write_text(json.dumps(answers))
+    return read_answer_vocab(tmp_path / "table.json")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"label": ["red"]}, r"label must map answers to scores in \[0, 1\]"),
+    ({"label": {"red": 1.5}}, r"label must map answers to scores in \[0, 1\]"),
+    ({"sent": ""}, r"field sent is empty"),
+    ({"question_id": "5"}, r"question_id must be an integer, got '5'"),
+    ({"question_type": 3}, r"field question_type must be a string"),
+    ({"question_id": 1}, r"duplicate question_id 1 \(first at \[0\]\)"),
+    ({"label": None}, r"has no label, which the file's first question has"),
+])
+def test_lxmert_bad_records_name_the_file_and_the_record(tmp_path, change, message):
+    good = {"img_id": "COCO_val2014_000000000042", "question_id": 1, "sent": "Is it red?", "label": {"yes": 1}}
+    (tmp_path / "train.json").write_text(json.dumps([good, {**good, "question_id": 2, **change}]))
+    with pytest.raises(VlbertsError, match=r"train\.json: record \[1\]: " + message):
+        read_vqa(tmp_path / "train.json")
+    bad = BadRecords(skip=True)
+    assert len(read_vqa(tmp_path / "train.json", bad=bad)) == 1 and bad.total == 1
+
+
+def test_finetune_and_evaluate_from_lxmert_lists_equal_the_json_run(tiny_world, tiny_pretrained, tmp_path):
+    """The world's questions as LXMERT's lists (images named by COCO file stem, which the store, keyed by
+    COCO id, finds): the same targets, so the same model and predictions as from the JSON pair, and the same
+    accuracy by LXMERT's scoring; LXMERT's image-QA source reads them too."""
+    from vlberts.data.pretrain_qa import read_pretrain_qa
+    from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
+
+    (tq, ta), (eq, ea) = tiny_world.vqa("train"), tiny_world.vqa("test")
+    for name, (q, a) in (("train", (tq, ta)), ("minival", (eq, ea))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_lxmert(read_vqa(q, a))))
+    table = json.dumps(list(read_answer_vocab(tiny_world.root / "vqa" / "answers_vqa.txt").answers))
+    (tmp_path / "answers.json").write_text(table)
+    common = dict(init=str(tiny_pretrained), features=str(tiny_world.store), epochs=0.5, batch_size=16, lr=1e-3,
+                  ckpt_every=100, answer_vocab=str(tmp_path / "answers.json"))
+    finetune_vqa(FinetuneVQAConfig(**common, out=str(tmp_path / "json"), train_questions=str(tq),
+                                   train_annotations=str(ta), eval_questions=str(eq), eval_annotations=str(ea)))
+    finetune_vqa(FinetuneVQAConfig(**common, out=str(tmp_path / "lx"), train_questions=str(tmp_path / "train.json"),
+                                   eval_questions=str(tmp_path / "minival.json")))
+    m_json, m_lx = (json.loads((tmp_path / r / "metrics.json").read_text()) for r in ("json", "lx"))
+    assert m_lx["accuracy"] == m_json["accuracy"] and m_lx["per_answer_type"] == m_json["per_answer_type"]
+    assert m_lx["label_scored_questions"] == m_lx["num_questions"] == m_json["num_questions"]
+    assert (tmp_path / "lx" / "predictions.json").read_text() == (tmp_path / "json" / "predictions.json").read_text()
+    proc = subprocess.run([str(VLBERTS), "evaluate", "vqa", "--predictions", str(tmp_path / "lx" / "predictions.json"),
+                           "--questions", str(tmp_path / "minival.json"), "--out", str(tmp_path / "eval")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["accuracy"] == m_json["accuracy"]
+    from_json, from_lx = read_pretrain_qa(tq, ta, min_count=2), read_pretrain_qa(tmp_path / "train.json", min_count=2)
+    assert from_lx.answers == from_json.answers and from_lx.targets == from_json.targets
