@@ -17,6 +17,10 @@ batch (worker start-up excluded):
       single-caption examples with matching negatives, collated), in the training process (`--num_workers=0`)
       and read by 2 loader workers, each its own stream (`worker_batches`, `--num_workers=2`).
 
+(a) and (d) run twice more with float16 batches (`--float16_batches`, the default on CUDA: the features
+stay float16 from the file to the device, which widens them), interleaved with float32 runs; the ratio
+of the medians is printed.
+
 The files were just written, so they are in the page cache: these are loader costs, not disk speed.
 """
 
@@ -34,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from vlberts.data.coco import CaptionRef, read_caption_refs
-from vlberts.data.pretrain import CaptionPretrainData, collate_pretrain
+from vlberts.data.pretrain import CaptionPretrainData, RegionSetup, collate_pretrain
 from vlberts.data.regions import pad_regions, pad_sequences
 from vlberts.data.sampling import Position
 from vlberts.data.pretrain_stream import (
@@ -83,6 +87,15 @@ def rate(loader, n_batches: int, size=len) -> float:
     return n / (time.perf_counter() - t)
 
 
+def interleaved(measure, variants: tuple, repeats: int = 3) -> list[float]:
+    """The median rate of each variant (`measure(variant)`), the variants run in turn `repeats` times."""
+    rates: list[list[float]] = [[] for _ in variants]
+    for _ in range(repeats):
+        for i, v in enumerate(variants):
+            rates[i].append(measure(v))
+    return [float(np.median(r)) for r in rates]
+
+
 def store_rate(data: CaptionPretrainData, pad_id: int, n_batches: int) -> float:
     stream = batches(data, lambda ex: collate_pretrain(ex, pad_id=pad_id), batch_size=BATCH, seed=0, start=Position(),
                      num_workers=WORKERS)
@@ -107,12 +120,13 @@ def shard_rate(index: Path, tok: TextTokenizer, n_batches: int) -> float:
     return rate(loader, n_batches, size=lambda b: b[0].shape[0])
 
 
-def pretrain_stream_rate(index: Path, tok: TextTokenizer, n_batches: int, workers: int) -> float:
+def pretrain_stream_rate(index: Path, tok: TextTokenizer, n_batches: int, workers: int, float16: bool = False) -> float:
     corpus = ShardCorpus(index)
     corpus.info()
 
     def make(captions, regions, seed):
-        return CaptionPretrainData(captions, regions, tok, feature_dim=D, pairs=False, mismatch_prob=0.5, seed=seed)
+        return CaptionPretrainData(captions, regions, tok, feature_dim=D, pairs=False, mismatch_prob=0.5, seed=seed,
+                                   region_setup=RegionSetup(float16=float16))
 
     def stream(reader, start):
         return stream_batches(stream_examples(corpus, make, seed=0 if reader is None else 1 + reader[0], chunk_images=500,
@@ -174,11 +188,13 @@ def main() -> None:
         tok = TextTokenizer.train([r.text for r in refs[:5000]], vocab_size=200)
         store = RegionStore(store_path)
         data = CaptionPretrainData(refs, store, tok, feature_dim=D)
-        a = store_rate(data, tok.pad_id, args.batches)
+        data16 = CaptionPretrainData(refs, RegionStore(store_path, upcast=False), tok, feature_dim=D,
+                                     region_setup=RegionSetup(float16=True))
+        a, a16 = interleaved(lambda d: store_rate(d, tok.pad_id, args.batches), (data, data16))
         b = shard_rate(index, tok, args.batches)
         c = train_rate(data, tok.pad_id)
         d0 = pretrain_stream_rate(index, tok, args.stream_batches, 0)
-        d2 = pretrain_stream_rate(index, tok, args.stream_batches, WORKERS)
+        d2, d16 = interleaved(lambda f: pretrain_stream_rate(index, tok, args.stream_batches, WORKERS, f), (False, True))
 
     print(f"\n{len(store)} images x {R} regions x {D}-d float16; loaders: {WORKERS} workers, batch {BATCH}")
     print(f"{'':44s}{'examples/s':>12s}{'x training':>12s}")
@@ -188,6 +204,8 @@ def main() -> None:
     print(f"{'(d) pretrain --shards stream, no workers':44s}{d0:12.0f}{d0 / c:11.0f}x")
     print(f"{'(d) pretrain --shards stream, 2 workers':44s}{d2:12.0f}{d2 / c:11.0f}x")
     print(f"(d) 2 workers read the pre-training stream {d2 / d0:.2f}x as fast as the training process alone")
+    print(f"{'(a) float16 batches':44s}{a16:12.0f}{a16 / c:11.0f}x   {a16 / a:.2f}x float32 batches (medians of 3, interleaved)")
+    print(f"{'(d) float16 batches, 2 workers':44s}{d16:12.0f}{d16 / c:11.0f}x   {d16 / d2:.2f}x float32 batches (medians of 3, interleaved)")
 
 
 if __name__ == "__main__":

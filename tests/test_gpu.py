@@ -7,7 +7,8 @@
 - `vlberts pretrain` trains every architecture on CUDA in bf16 with fp32 master weights (MLM falls), and in fp16
   with loss scaling; an interrupted CUDA run resumes to the uninterrupted run's log and weights.
 - `--compile=true` on CUDA trains the eager model's numbers; fine-tuning and the grounding analysis run there.
-- The pre-training loader hands over batches in pinned memory (every tensor, nested batches included).
+- The pre-training loader hands over batches in pinned memory (every tensor, nested batches included), with
+  a float16 store's features float16 up to the device.
 - Gradient sums overlapped with backward on CUDA tensors equal one process's (2 processes: NCCL on 2 GPUs,
   gloo on the one GPU both share otherwise).
 
@@ -250,6 +251,24 @@ def test_interrupted_cuda_run_resumes_to_the_same_run(tiny_world, tmp_path):
     wa, wb = load_file(ref / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert max(_rel(wb[k], wa[k]) for k in wa if wa[k].norm() > 0) < 1e-3
+
+
+def test_float16_batches_on_cuda_train_as_float32_ones(tiny_world, tmp_path):
+    """On CUDA a float16 store's features stay float16 to the device by default (`--float16_batches=auto`),
+    widened on the copy stream: the run is the float32-batch run's, to CUDA's rounding (LXMERT: masked,
+    swapped and regressed features)."""
+    from vlberts.features.store import RegionStore, write_store_records
+
+    with RegionStore(tiny_world.store) as s:
+        store16 = write_store_records(tmp_path / "f16.h5", s.records(), dtype="float16", metadata=s.metadata)
+    logs = {}
+    for flag in ("auto", "false"):
+        pretrain(cfg_for(tiny_world, tmp_path / flag, model="lxmert-tiny", features=str(store16), steps=6,
+                         device="cuda", precision="fp32", float16_batches=flag))
+        logs[flag] = MetricsLog.read(tmp_path / flag / "metrics.jsonl")
+    for x, y in zip(logs["false"], logs["auto"], strict=True):
+        for k in ("mlm_loss", "feat_loss", "obj_loss"):
+            assert y[k] == pytest.approx(x[k], rel=1e-4), (x["step"], k)
 
 
 @pytest.mark.parametrize("mode, static, accum", [("default", False, 1), ("reduce-overhead", True, 2)])

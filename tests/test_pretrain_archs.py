@@ -5,6 +5,7 @@ targets, tags), and the objective weights can be overridden."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -425,3 +426,47 @@ def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, 
     for model in ("vlbert-tiny", "visualbert-tiny"):
         pretrain(cfg_for(tiny_world, tmp_path / model, model, steps=1, ckpt_every=100))
     assert seen == [True, False]
+
+
+@pytest.fixture(scope="module")
+def float16_store(tiny_world, tmp_path_factory) -> Path:
+    """The tiny world's store written as float16 (features and class scores), as real stores usually are."""
+    from vlberts.features.store import write_store_records
+
+    path = tmp_path_factory.mktemp("f16") / "features16.h5"
+    with RegionStore(tiny_world.store) as s:
+        return write_store_records(path, s.records(), dtype="float16", metadata=s.metadata)
+
+
+@pytest.mark.parametrize("model", ["visualbert-tiny", "lxmert-tiny", "vilbert-tiny", "wvisualbert-tiny"])
+def test_float16_batches_train_exactly_as_float32_ones(tiny_world, float16_store, tmp_path, model):
+    """--float16_batches=true (the default on CUDA) keeps a float16 store's features float16 through masking
+    (zeroed, swapped with another image's, kept) and collation, and `Batch.to` widens them where the step
+    runs: the same losses, bit for bit, and the same weights as float32 batches; the batches the loader
+    hands over are float16."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        pretrain(cfg_for(tiny_world, out, model, features=str(float16_store), steps=6, float16_batches=flag))
+        runs[flag] = (MetricsLog.read(out / "metrics.jsonl"), load_file(out / "model" / "model.safetensors"))
+    (log32, w32), (log16, w16) = runs["false"], runs["true"]
+    assert [losses_of(r) for r in log16] == [losses_of(r) for r in log32] and len(log16) == 6
+    assert w16.keys() == w32.keys() and all(torch.equal(w16[k], w32[k]) for k in w32)
+
+    with RegionStore(float16_store, upcast=False) as store:
+        tok = TextTokenizer.train([c.text for c in read_caption_refs(tiny_world.captions_train)], vocab_size=200)
+        recipe = RECIPES[model.split("-")[0]]
+        setup = region_setup(recipe, recipe.objectives, store, tok, with_tags=False)
+        data = CaptionPretrainData(read_caption_refs(tiny_world.captions_train)[:16], store, tok, pairs=False,
+                                   region_setup=dataclasses.replace(setup, float16=True))
+        batch = collate_pretrain([data[(0, i)] for i in range(8)], pad_id=tok.pad_id)
+    assert batch.inputs.region_feats.dtype == torch.float16
+    if batch.regions is not None:
+        assert batch.regions.feats is None or batch.regions.feats.dtype == torch.float16
+    moved = batch.to("cpu")
+    assert moved.inputs.region_feats.dtype == torch.float32
+    assert torch.equal(moved.inputs.region_feats, batch.inputs.region_feats.float())
+    with pytest.raises(VlbertsError, match="--float16_batches must be auto, true or false, got 'yes'"):
+        pretrain(cfg_for(tiny_world, tmp_path / "bad", model, float16_batches="yes"))

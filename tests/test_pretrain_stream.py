@@ -178,6 +178,21 @@ def test_streamed_pretraining_trains_and_resumes_exactly(shards, tmp_path):
     assert [r["mlm_loss"] for r in MetricsLog.read(run / "metrics.jsonl")] == [r["mlm_loss"] for r in log]
 
 
+def test_streamed_float16_batches_train_exactly_as_float32_ones(tiny_world, tmp_path):
+    """Shards of a float16 store, streamed with --float16_batches=true (CUDA's default) and false: the same
+    losses bit for bit (LXMERT: features zeroed, swapped with another image's, regressed)."""
+    from vlberts.features.store import RegionStore, write_store_records
+
+    with RegionStore(tiny_world.store) as s:
+        store16 = write_store_records(tmp_path / "f16.h5", s.records(), dtype="float16", metadata=s.metadata)
+    index = write_shards(store16, tiny_world.captions_train, tmp_path / "shards", shard_size=8)
+    logs = []
+    for flag in ("false", "true"):
+        pretrain(_cfg(index, tmp_path / flag, steps=5, float16_batches=flag))
+        logs.append([{k: v for k, v in r.items() if k.endswith("_loss")} for r in MetricsLog.read(tmp_path / flag / "metrics.jsonl")])
+    assert logs[0] == logs[1] and len(logs[0]) == 5 and "feat_loss" in logs[0][-1]
+
+
 def test_streamed_pretraining_misuse_is_one_clear_error(tiny_world, shards, tmp_path):
     with pytest.raises(VlbertsError, match="either --shards or --captions"):
         pretrain(_cfg(shards, tmp_path / "a", captions=str(tiny_world.captions_train)))

@@ -44,6 +44,10 @@ def _tensors(obj: Any) -> Iterator[Tensor]:
 BatchT = TypeVar("BatchT", bound="Batch")
 
 
+def _float32(t: Tensor) -> Tensor:
+    return t.float() if t.dtype == torch.float16 else t
+
+
 class Batch:
     """What every typed batch (a dataclass of tensors and nested batches) can do with its tensors.
 
@@ -53,8 +57,11 @@ class Batch:
     cannot overlap the GPU's work."""
 
     def to(self: BatchT, device: torch.device | str, non_blocking: bool = False) -> BatchT:
-        """Every tensor field (recursively) on `device`."""
-        return _map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+        """Every tensor field (recursively) on `device`, float16 ones as float32 there: a batch may carry region
+        features and class scores as a float16 store holds them (`RegionSetup.float16`), so that the loader
+        moves half the bytes, and the model and the losses read float32 (the same values: float16 -> float32
+        is exact)."""
+        return _map_tensors(self, lambda t: _float32(t.to(device, non_blocking=non_blocking)))
 
     def pin_memory(self: BatchT) -> BatchT:
         """Every tensor field (recursively) in page-locked host memory (needs an accelerator)."""

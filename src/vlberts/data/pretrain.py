@@ -85,6 +85,9 @@ class RegionSetup:
         used is checked to be a distribution (`features.record.cls_prob_misfit`).
     tag_subwords: W-VisualBERT tags, class c -> subword ids of its name (None: no tags); attr_subwords
         likewise for attributes, each box's tag being its attribute with `tag_attr_prob` (reference §3.6).
+    float16: float16 features stay float16 in the examples and the batch (the features, the regression
+        target; class scores keep the store's type anyway), half the bytes a loader moves; `Batch.to` widens
+        them where the step runs. Masking only zeroes and copies rows, so the values are the same.
     """
 
     rule: RegionMaskRule | None = None
@@ -95,6 +98,7 @@ class RegionSetup:
     tag_subwords: tuple[tuple[int, ...], ...] | None = None
     attr_subwords: tuple[tuple[int, ...], ...] | None = None
     tag_attr_prob: float = 0.15
+    float16: bool = False
 
 
 class CaptionPretrainData:
@@ -228,7 +232,7 @@ class CaptionPretrainData:
             labels = np.where(other, IGNORE_INDEX, labels)
         rec = self.regions.get(image)
         regions = load_regions(FetchedRecord(rec, getattr(self.regions, "path", None)), image, self.max_regions,
-                               self.feature_dim)
+                               self.feature_dim, float16=self.setup.float16)
         example = {
             "ids": masked,
             "segments": np.asarray(segments),
@@ -256,7 +260,8 @@ class CaptionPretrainData:
         pool = None
         if setup.replace_from_other_image and setup.rule.random > 0 and len(self.images) > 1:
             other = self._another_image(image, rng)
-            pool = load_regions(self.regions, other, self.max_regions, self.feature_dim).feats  # (R', D)
+            pool = load_regions(self.regions, other, self.max_regions, self.feature_dim,
+                                float16=setup.float16).feats  # (R', D)
             if not len(pool):
                 pool = None
         m = mask_regions(regions.feats, rng, setup.rule, pool=pool)

@@ -34,7 +34,7 @@ class RegionSource(Protocol):
 
 @dataclass
 class Regions:
-    feats: np.ndarray  # (R, D) float32
+    feats: np.ndarray  # (R, D) float32 (float16 as stored, when asked: `load_regions`)
     boxes: np.ndarray  # (R, 4) float32 normalised xyxy
     pixel_boxes: np.ndarray  # (R, 4) float32 xyxy pixels
     conf: np.ndarray | None  # (R,) detector confidence, when the store has it
@@ -51,10 +51,13 @@ class FetchedRecord:
         return self.rec
 
 
-def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None) -> Regions:
-    """The first `max_regions` regions of an image (stores keep them in detector order)."""
+def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None,
+                 float16: bool = False) -> Regions:
+    """The first `max_regions` regions of an image (stores keep them in detector order); features as float32,
+    or, with `float16`, float16 features as they are stored (`RegionSetup.float16`)."""
     rec = source.get(str(image_id))
-    feats = as_float32(rec.features[:max_regions])
+    feats = rec.features[:max_regions]
+    feats = feats if float16 and feats.dtype == np.float16 else as_float32(feats)
     if feature_dim is not None and feats.shape[1] != feature_dim:
         raise VlbertsError(
             f"region features are {feats.shape[1]}-d but the model expects {feature_dim}-d (visual_dim)",
@@ -116,11 +119,13 @@ def length_order(items: Sequence[Any], regions: RegionSource, max_regions: int) 
 
 
 def pad_regions(items: list[Regions]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack a batch of region sets, zero-padded to the largest: feats (B, R, D), boxes (B, R, 4), mask (B, R)."""
+    """Stack a batch of region sets, zero-padded to the largest: feats (B, R, D), boxes (B, R, 4), mask (B, R).
+    The features are float16 when every set with regions holds float16 (`load_regions`), else float32."""
     B = len(items)
     R = max(len(r.feats) for r in items)
     D = items[0].feats.shape[1]
-    feats = batch_tensor((B, R, D), torch.float32)  # written once: only the padding is zeroed
+    half = all(r.feats.dtype == np.float16 for r in items if len(r.feats)) and R > 0
+    feats = batch_tensor((B, R, D), torch.float16 if half else torch.float32)  # written once: only the padding is zeroed
     boxes = torch.zeros(B, R, 4)
     mask = torch.zeros(B, R, dtype=torch.bool)
     for i, r in enumerate(items):
