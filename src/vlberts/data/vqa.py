@@ -318,13 +318,9 @@ def _imdb_records(path: Path) -> tuple[list, int]:
     return records, start
 
 
-def _imdb_int(rec: dict, key: str, *, path: Path, record: str) -> int:
-    value = rec[key]
-    if isinstance(value, np.integer):
-        value = int(value)
-    if not _is_int(value):
-        raise VlbertsError(f"{key} must be an integer, got {value!r}", path=path, record=record)
-    return value
+def _python_ints(rec: dict, keys: tuple[str, ...]) -> dict:
+    """`rec` with numpy integers (an imdb built from numpy arrays) at `keys` as Python ints, for the checks."""
+    return {**rec, **{k: int(rec[k]) for k in keys if isinstance(rec.get(k), np.integer)}}
 
 
 def _imdb_question(rec: dict, *, path: Path, record: str) -> str:
@@ -377,12 +373,11 @@ def read_vqa_imdb(path: str | Path, bad: BadRecords | None = None) -> list[VQAEx
         rec, where = records[i], f"imdb[{i}]"
         try:
             require_keys(rec, ("image_id", "question_id"), path=path, record=where)
-            qid = _imdb_int(rec, "question_id", path=path, record=where)
+            rec = _python_ints(rec, ("image_id", "question_id"))
+            qid = _check_question_id(rec, path=path, record=where)
             if qid in first_at:
                 raise VlbertsError(f"duplicate question_id {qid} (first at imdb[{first_at[qid]}])", path=path, record=where)
-            image_id = rec["image_id"]
-            image_id = _check_image_id({"image_id": int(image_id) if isinstance(image_id, np.integer) else image_id},
-                                       path=path, record=where)
+            image_id = _check_image_id(rec, path=path, record=where)
             question = _imdb_question(rec, path=path, record=where)
             answers = _imdb_answers(rec, path=path, record=where)
             annotated = _like_the_first(annotated, answers is not None, "answers", path=path, record=where)

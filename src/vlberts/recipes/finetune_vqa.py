@@ -76,7 +76,7 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], li
     parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad)) for q in questions]
     for path, examples in parts:
         if examples and not examples[0].annotated:
-            raise VlbertsError("the training questions have no answers (a test split's imdb?)", path=path)
+            raise VlbertsError("the training questions have no answers (a test split's file?)", path=path)
     train = join_files(parts)
     return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
 

@@ -207,7 +207,8 @@ class VQAScores:
     """Official VQA metrics. Percentages rounded to 2 decimals as vqaEval.setAccuracy does.
 
     `per_answer_type` / `per_question_type` hold only the types present (as the official script; none
-    for questions read from a Pythia imdb, which has no types); keys are sorted. `accuracy_unrounded` keeps the full-precision overall percentage.
+    for questions read from a Pythia imdb, which has no types); keys are sorted. `accuracy_unrounded`
+    keeps the full-precision overall percentage.
     """
 
     accuracy: float
