@@ -45,7 +45,7 @@ def test_each_format_gives_the_task_texts_with_their_images(tiny_world):
 
 def test_bad_formats_and_maps_are_one_line_errors(tiny_world, tmp_path):
     q, _ = tiny_world.vqa("train")
-    with pytest.raises(VlbertsError, match="unknown captions format 'vqa2'; valid: coco, vqa, gqa, nlvr2, vcr$"):
+    with pytest.raises(VlbertsError, match="unknown captions format 'vqa2'; valid: coco, vqa, gqa, nlvr2, vcr, lxmert$"):
         task_caption_refs(q, "vqa2")
     with pytest.raises(VlbertsError, match="--image_map names NLVR2's images; the vqa format has none"):
         task_caption_refs(q, "vqa", image_map=tiny_world.root / "nlvr2" / "images.json")

@@ -12,6 +12,9 @@
     vcr    VCR questions (`{train,val}.jsonl`, labelled): each question twice with its image (`img_id`, the
            key VCR fine-tuning looks regions up by), as question + right answer and as question + right
            answer + right rationale; the test file (no labels) is refused
+    lxmert LXMERT's pre-training corpus (`mscoco_train.json`, `vgnococo.json`, ...; several comma-separated):
+           every caption and question of each image (`data.lxmert_corpus`); with `questions=False` the
+           captions only (the questions then come with their answers through `lxmert_image_qa`)
 
 Answers and labels are not read (task-specific pre-training is masked-word prediction on the texts alone),
 except VCR's, which choose the answer and rationale that are true of the image.
@@ -35,14 +38,16 @@ from pathlib import Path
 from vlberts.data.coco import CaptionRef, read_caption_refs
 from vlberts.errors import VlbertsError
 
-CAPTION_FORMATS = ("coco", "vqa", "gqa", "nlvr2", "vcr")
+CAPTION_FORMATS = ("coco", "vqa", "gqa", "nlvr2", "vcr", "lxmert")
 
 
 def task_caption_refs(path: str | Path, fmt: str = "coco", *, split: str = "train",
-                      image_map: str | Path | None = None, join: str | None = None) -> list[CaptionRef]:
+                      image_map: str | Path | None = None, join: str | None = None,
+                      questions: bool = True) -> list[CaptionRef]:
     """The (image id, text) pairs of `path` read as `fmt` (module docstring).
 
-    join: with ``vcr``, how a multi-object reference is written (`data.vcr_dataset.JOIN`); None: VisualBERT's."""
+    join: with ``vcr``, how a multi-object reference is written (`data.vcr_dataset.JOIN`); None: VisualBERT's.
+    questions: with ``lxmert``, False leaves the corpus's questions out."""
     if fmt not in CAPTION_FORMATS:
         raise VlbertsError(f"unknown captions format {fmt!r}; valid: {', '.join(CAPTION_FORMATS)}")
     if image_map and fmt != "nlvr2":
@@ -59,6 +64,10 @@ def task_caption_refs(path: str | Path, fmt: str = "coco", *, split: str = "trai
         return [CaptionRef(str(ex.image_id), ex.question) for ex in read_gqa(path)]
     if fmt == "vcr":
         return vcr_caption_refs(path, join=join)
+    if fmt == "lxmert":
+        from vlberts.data.lxmert_corpus import read_lxmert_corpus
+
+        return [CaptionRef(s.image_id, s.text) for s in read_lxmert_corpus(path) if questions or s.label is None]
     from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 
     names = read_image_map(image_map) if image_map else None

@@ -140,7 +140,8 @@ class PretrainConfig:
                                        "task's own texts for VisualBERT's task-specific pre-training: vqa, gqa "
                                        "(questions), nlvr2 (statements, each with each of its images), vcr "
                                        "(labelled jsonl: question + right answer, and + right rationale; "
-                                       "data/task_texts.py)")
+                                       "data/task_texts.py), or lxmert (LXMERT's pre-training corpus json, several "
+                                       "comma-separated: every caption and question)")
     image_map: str = opt("", "with --captions_format=nlvr2: JSON {NLVR2 image name: store image id} (the world's "
                              "nlvr2/images.json); without it the names are the store's keys")
     tokenizer: str = opt("", "directory with a BERT vocab.txt; empty: train a WordPiece vocabulary on the captions")
@@ -190,6 +191,8 @@ class PretrainConfig:
                                 "question list (hold both)")
     qa_vqa_annotations: str = opt("", "LXMERT image-QA pre-training: the VQA v2 annotations json of --qa_vqa_questions")
     qa_gqa_questions: str = opt("", "LXMERT image-QA pre-training: GQA balanced questions json (with answers)")
+    qa_lxmert: bool = opt(False, "LXMERT image-QA pre-training from LXMERT's own corpus (--captions_format=lxmert): "
+                          "its VQA, GQA and Visual7W questions carry their answers (labelf) as QA labels")
     qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")
     qa_last_fraction: float = opt(0.5, "the image-QA loss trains in this last fraction of the updates "
                                   "(LXMERT §3.3: the last 10 of 20 epochs)")
@@ -398,11 +401,18 @@ def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str
 
 
 def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
-    """LXMERT's image-QA pre-training data when the run names question files, else None."""
-    if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions):
+    """LXMERT's image-QA pre-training data when the run names question files (or `--qa_lxmert`), else None."""
+    if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions or cfg.qa_lxmert):
         return None
     if arch != "lxmert":
         raise VlbertsError(f"image-QA pre-training (--qa_*) is LXMERT's objective (§3.1.3); {arch} has no answer head")
+    if cfg.qa_lxmert:
+        if cfg.captions_format != "lxmert" or cfg.qa_vqa_questions or cfg.qa_gqa_questions:
+            raise VlbertsError("--qa_lxmert reads the questions of LXMERT's corpus: it needs --captions_format=lxmert "
+                               "and no --qa_vqa_questions / --qa_gqa_questions")
+        from vlberts.data.lxmert_corpus import lxmert_image_qa, read_lxmert_corpus
+
+        return lxmert_image_qa(read_lxmert_corpus(cfg.captions), cfg.captions, cfg.qa_min_answer_count)
     return read_pretrain_qa(cfg.qa_vqa_questions, cfg.qa_vqa_annotations, cfg.qa_gqa_questions,
                             min_count=cfg.qa_min_answer_count)
 
@@ -576,7 +586,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     else:
         # VCR's texts are written as this architecture's VCR fine-tuning writes them (its join of names).
         captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
-                                     join=VCR_JOIN[arch])
+                                     join=VCR_JOIN[arch], questions=not cfg.qa_lxmert)  # (QA questions join below)
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)

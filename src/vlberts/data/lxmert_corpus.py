@@ -1,0 +1,144 @@
+"""LXMERT's pre-training corpus files, read as pre-training sentences and image-QA labels (LXMERT §3.2, §3.3;
+formats-and-metrics.md §3.3).
+
+airsplay/lxmert's ``data/lxmert/{mscoco_train, mscoco_nominival, mscoco_minival, vgnococo}.json`` are each a
+JSON list with one record an image::
+
+    {"img_id": "COCO_val2014_000000000042",
+     "sentf": {"mscoco": ["A man ...", ...], "vg": [...], "vqa": ["What is ...?", ...], "gqa": [...]},
+     "labelf": {"vqa": [{"net": 1.0, "nets": 0.3}, ...], "gqa": [{"left": 1.0}, ...]}}
+
+``sentf`` holds the image's sentences by source: captions (``mscoco``, ``vg``) and questions (``vqa``, ``gqa``,
+``visual7w``); ``labelf`` the questions' answers with their scores, one dict a sentence of the same source
+(a question without answers has ``{}``). Every sentence is a pre-training sentence of its image (masked
+for MLM, swapped for matching); with image QA (`lxmert_image_qa`) the questions' labels are the QA targets.
+
+Where LXMERT's code fixes what the paper does not, we follow it: answers are normalised by its
+``AnswerTable.convert_ans`` (`convert_answer`). Its joint table is a released file (``all_ans.json``, 9,500
+answers); here the table is counted from the files, as `data.pretrain_qa` counts VQA's and GQA's: the
+converted answers that are the best-scored answer of at least `min_count` questions, most frequent first,
+ties alphabetical. Images are named by ``img_id`` as written (COCO file stems, which a store keyed by COCO
+id also finds; Visual Genome ids).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlberts.data.coco import CaptionRef
+from vlberts.data.pretrain_qa import PretrainQA
+from vlberts.errors import VlbertsError
+from vlberts.io import read_json, require_keys, require_text
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget
+
+# The sources whose sentences are questions with answers (`labelf`), as LXMERT's pre-training data names them.
+QA_SOURCES = ("vqa", "gqa", "visual7w")
+# `AnswerTable.ANS_CONVERT` of LXMERT's `src/pretrain/qa_answer_table.py`.
+_ANS_CONVERT = {
+    "a man": "man", "the man": "man", "a woman": "woman", "the woman": "woman",
+    "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
+    "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10", "grey": "gray",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LxmertSentence:
+    """One sentence of LXMERT's corpus: its image, text and source; a question's answers and scores."""
+
+    image_id: str
+    text: str
+    source: str  # mscoco, vg, vqa, gqa, visual7w
+    label: dict[str, float] | None = None  # sources in QA_SOURCES: {answer: score} ({} = no answer)
+
+
+def convert_answer(answer: str) -> str:
+    """LXMERT's `AnswerTable.convert_ans`: lower case; a trailing "." and a leading "a ", "an " or "the " dropped;
+    "one".."ten" as digits, "grey" as "gray"."""
+    answer = answer.lower()
+    if answer.endswith("."):
+        answer = answer[:-1].strip()
+    for article in ("a ", "an ", "the "):
+        if answer.startswith(article):
+            answer = answer[len(article):].strip()
+    return _ANS_CONVERT.get(answer, answer)
+
+
+def _label(value: Any, *, path: Path, record: str) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(
+            isinstance(a, str) and isinstance(s, (int, float)) and not isinstance(s, bool) and 0 <= s <= 1
+            for a, s in value.items()):
+        raise VlbertsError(f"a label must map answers to scores in [0, 1], got {value!r}", path=path, record=record)
+    return {a: float(s) for a, s in value.items()}
+
+
+def _image_sentences(rec: Any, *, path: Path, record: str) -> list[LxmertSentence]:
+    require_keys(rec, ("img_id", "sentf"), path=path, record=record)
+    image_id, sentf, labelf = rec["img_id"], rec["sentf"], rec.get("labelf") or {}
+    if not isinstance(image_id, str) or not image_id:
+        raise VlbertsError(f"img_id must be a non-empty string, got {image_id!r}", path=path, record=record)
+    if not isinstance(sentf, dict) or not isinstance(labelf, dict):
+        raise VlbertsError("sentf and labelf must be objects (source -> list)", path=path, record=record)
+    out = []
+    for source, sents in sentf.items():
+        where = f"{record}.sentf.{source}"
+        if not isinstance(sents, list):
+            raise VlbertsError(f"sentf.{source} must be a list of sentences", path=path, record=record)
+        labels = labelf.get(source)
+        if source in QA_SOURCES and (not isinstance(labels, list) or len(labels) != len(sents)):
+            got = len(labels) if isinstance(labels, list) else "none"
+            raise VlbertsError(f"labelf.{source} must hold one label for each of the {len(sents)} questions, got {got}",
+                               path=path, record=record)
+        for j, text in enumerate(sents):
+            label = _label(labels[j], path=path, record=f"{record}.labelf.{source}[{j}]") if source in QA_SOURCES else None
+            out.append(LxmertSentence(image_id, require_text(text, f"sentf.{source}[{j}]", path=path, record=where),
+                                      source, label))
+    return out
+
+
+def read_lxmert_corpus(paths: str | Path) -> list[LxmertSentence]:
+    """Every sentence of LXMERT's corpus files (one path, or several comma-separated), file by file, image by
+    image, in each image's source order. A damaged record is a one-line error naming the file and the record
+    (``[i] (img_id X)``, with the field: ``.sentf.vqa``, ``.labelf.vqa[3]``)."""
+    out: list[LxmertSentence] = []
+    for name in [p for p in str(paths).split(",") if p]:
+        path = Path(name)
+        data = read_json(path)
+        if not isinstance(data, list):
+            raise VlbertsError("expected a JSON list of image records {img_id, sentf, labelf} (LXMERT's "
+                               "pre-training corpus)", path=path)
+        for i, rec in enumerate(data):
+            img = rec.get("img_id") if isinstance(rec, dict) else None
+            out.extend(_image_sentences(rec, path=path, record=f"[{i}]" + (f" (img_id {img})" if img else "")))
+    if not out:
+        raise VlbertsError("no sentence in LXMERT's corpus files", path=paths)
+    return out
+
+
+def lxmert_image_qa(sentences: list[LxmertSentence], source: str, min_count: int = 1) -> PretrainQA:
+    """The corpus's questions as image-QA sentences (`data.pretrain_qa.PretrainQA`): targets are the questions'
+    label scores over the joint table (module docstring); a question none of whose answers is in the table
+    stays a sentence without a QA label. `source` names the files (for the run's record)."""
+    questions = [s for s in sentences if s.label is not None]
+    labels = [_converted(s.label) for s in questions]
+    counts = Counter(max(label, key=label.__getitem__) for label in labels if label)
+    answers = AnswerVocab(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+    if not len(answers):
+        raise VlbertsError(f"no answer is the best answer of {min_count}+ questions of LXMERT's corpus", path=source)
+    targets = []
+    for label in labels:
+        hits = sorted((answers.ans2idx[a], s) for a, s in label.items() if a in answers and s > 0)
+        targets.append(SoftTarget(tuple(i for i, _ in hits), tuple(s for _, s in hits),
+                                  tuple(sorted(a for a in label if a not in answers))))
+    return PretrainQA([CaptionRef(s.image_id, s.text) for s in questions], targets, answers, ((source, len(questions)),))
+
+
+def _converted(label: dict[str, float]) -> dict[str, float]:
+    """A label with its answers converted (`convert_answer`); answers that become one keep the higher score."""
+    out: dict[str, float] = {}
+    for answer, score in label.items():
+        a = convert_answer(answer)
+        out[a] = max(score, out.get(a, 0.0))
+    return out

@@ -1,0 +1,100 @@
+"""LXMERT's pre-training corpus files (`data/lxmert/mscoco_train.json`, ...; formats-and-metrics.md §3.3): the
+reader on hand-written records (sources, labels aligned with their questions, damaged records as one-line
+errors), LXMERT's answer conversion, the joint table and targets, and `vlberts pretrain
+--captions_format=lxmert --qa_lxmert` on the world's captions and questions written in that form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+
+from vlberts.data.lxmert_corpus import convert_answer, lxmert_image_qa, read_lxmert_corpus
+from vlberts.data.task_texts import task_caption_refs
+from vlberts.errors import VlbertsError
+
+RECORDS = [
+    {"img_id": "COCO_val2014_000000000042", "labelf": {"vqa": [{"Two": 1.0, "three": 0.3}, {}]},
+     "sentf": {"mscoco": ["A bus on a street.", "Two buses."], "vqa": ["How many buses?", "Why?"]}},
+    {"img_id": "2354786", "labelf": {"gqa": [{"the man": 1.0}]},
+     "sentf": {"vg": ["a man holding a kite"], "gqa": ["Who is holding the kite?"]}},
+]
+
+
+def test_corpus_sentences_sources_and_labels(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(RECORDS[:1]))
+    (tmp_path / "b.json").write_text(json.dumps(RECORDS[1:]))
+    sents = read_lxmert_corpus(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}")
+    assert [(s.image_id, s.source, s.text) for s in sents] == [
+        ("COCO_val2014_000000000042", "mscoco", "A bus on a street."), ("COCO_val2014_000000000042", "mscoco", "Two buses."),
+        ("COCO_val2014_000000000042", "vqa", "How many buses?"), ("COCO_val2014_000000000042", "vqa", "Why?"),
+        ("2354786", "vg", "a man holding a kite"), ("2354786", "gqa", "Who is holding the kite?")]
+    assert [s.label for s in sents] == [None, None, {"Two": 1.0, "three": 0.3}, {}, None, {"the man": 1.0}]
+    refs = task_caption_refs(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "lxmert")
+    assert len(refs) == 6 and refs[2].text == "How many buses?"
+    captions = task_caption_refs(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "lxmert", questions=False)
+    assert [r.text for r in captions] == ["A bus on a street.", "Two buses.", "a man holding a kite"]
+
+
+def test_answers_are_converted_as_lxmert_does_and_the_table_is_counted(tmp_path):
+    assert [convert_answer(a) for a in ("Two", "the man", "A Dog.", "grey", "an apple", "ten", "yes")] == \
+           ["2", "man", "dog", "gray", "apple", "10", "yes"]
+    (tmp_path / "c.json").write_text(json.dumps(RECORDS))
+    sents = read_lxmert_corpus(tmp_path / "c.json")
+    qa = lxmert_image_qa(sents, "corpus.json", min_count=1)
+    assert qa.answers.answers == ("2", "man")  # each question's best answer; "3" is never best; "Why?" has none
+    assert [r.text for r in qa.sentences] == ["How many buses?", "Why?", "Who is holding the kite?"]
+    assert [(t.labels, t.scores) for t in qa.targets] == [((0,), (1.0,)), ((), ()), ((1,), (1.0,))]
+    assert qa.targets[0].dropped == ("3",) and qa.labelled == 2
+    with pytest.raises(VlbertsError, match=r"no answer is the best answer of 2\+ questions"):
+        lxmert_image_qa(sents, "corpus.json", min_count=2)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"img_id": 7}, r"\[0\] \(img_id 7\): img_id must be a non-empty string, got 7"),
+    ({"labelf": {"vqa": [{"2": 1.0}]}}, r"\[0\] \(img_id X\): labelf.vqa must hold one label for each of the 2 questions, got 1"),
+    ({"labelf": {}}, r"\[0\] \(img_id X\): labelf.vqa must hold one label for each of the 2 questions, got none"),
+    ({"labelf": {"vqa": [{"2": 1.0}, {"x": 2}]}}, r"\[0\] \(img_id X\).labelf.vqa\[1\]: a label must map answers to scores in \[0, 1\]"),
+    ({"sentf": {"mscoco": "a caption"}}, r"\[0\] \(img_id X\): sentf.mscoco must be a list of sentences"),
+    ({"sentf": {"mscoco": ["fine", ""]}}, r"\[0\] \(img_id X\).sentf.mscoco: field sentf.mscoco\[1\] is empty"),
+])
+def test_damaged_records_are_one_line_errors_naming_file_and_record(tmp_path, change, message):
+    rec = {"img_id": "X", "sentf": {"mscoco": ["a caption"], "vqa": ["q1?", "q2?"]}, "labelf": {"vqa": [{"2": 1.0}, {}]}}
+    (tmp_path / "c.json").write_text(json.dumps([{**rec, **change}]))
+    with pytest.raises(VlbertsError, match=r"c\.json: record " + message):
+        read_lxmert_corpus(tmp_path / "c.json")
+
+
+def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
+    """The world's captions and VQA questions as LXMERT's corpus (images by COCO file stem): pre-training
+    reads every sentence, and with --qa_lxmert the questions train the image-QA head over the counted table."""
+    from vlberts.data.vqa import read_vqa
+    from vlberts.recipes.pretrain import PretrainConfig, pretrain
+    from vlberts.tasks.vqa import process_gt_answers, soft_score
+    from vlberts.training.metrics import MetricsLog
+
+    caps = json.loads(tiny_world.captions_train.read_text())["annotations"]
+    questions = read_vqa(*tiny_world.vqa("train"))
+    images: dict[int, dict] = {}
+    for c in caps:
+        images.setdefault(c["image_id"], {"mscoco": [], "vqa": [], "labels": []})["mscoco"].append(c["caption"])
+    for q in questions:
+        if q.image_id in images:
+            images[q.image_id]["vqa"].append(q.question)
+            images[q.image_id]["labels"].append({a: soft_score(n) for a, n in Counter(process_gt_answers(q.answers)).items()})
+    corpus = [{"img_id": f"COCO_train2014_{i:012d}", "sentf": {"mscoco": v["mscoco"], "vqa": v["vqa"]},
+               "labelf": {"vqa": v["labels"]}} for i, v in images.items()]
+    (tmp_path / "mscoco_train.json").write_text(json.dumps(corpus))
+    cfg = PretrainConfig(captions=str(tmp_path / "mscoco_train.json"), captions_format="lxmert", qa_lxmert=True,
+                         qa_last_fraction=1.0, features=str(tiny_world.store), out=str(tmp_path / "run"),
+                         model="lxmert-tiny", vocab_size=200, steps=4, batch_size=8, log_every=1, ckpt_every=100)
+    final = pretrain(cfg)
+    log = MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
+    assert len(log) == 4 and all("qa_loss" in r and "mlm_loss" in r for r in log)
+    config = json.loads((final / "config.json").read_text())
+    table = lxmert_image_qa(read_lxmert_corpus(tmp_path / "mscoco_train.json"), "c", 1).answers.answers
+    assert tuple(config["qa_answers"]) == table and config["config"]["num_qa_labels"] == len(table) > 2
+    with pytest.raises(VlbertsError, match="--qa_lxmert reads the questions of LXMERT's corpus"):
+        pretrain(dataclasses.replace(cfg, captions_format="coco", out=str(tmp_path / "bad")))
