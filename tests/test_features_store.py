@@ -190,9 +190,10 @@ def test_missing_id_names_store_and_id(tmp_path):
     assert e.value.path == str(path) and e.value.record == "b"
 
 
-def test_a_coco_image_is_found_by_its_id_and_by_its_file_stem(tmp_path):
+def test_a_coco_image_is_found_by_its_id_and_by_its_file_stem(tmp_path, capsys):
     """LXMERT's TSVs key COCO images by file stem, VQA's and Pythia's files by COCO id: a store written either
-    way answers both (the record keeps the id it was written with); other ids are not touched."""
+    way answers both (the record keeps the id it was written with), saying so once a store (a number alone
+    does not say whose image it is); other ids are not touched."""
     stems = write_store_records(tmp_path / "stems.h5", [
         make_record("COCO_val2014_000000000042", 2), make_record("COCO_train2014_000000000009", 3, seed=1),
         make_record("7", 1, seed=2), make_record("vg_42x", 1, seed=3)])
@@ -207,6 +208,14 @@ def test_a_coco_image_is_found_by_its_id_and_by_its_file_stem(tmp_path):
         assert "0042" not in s and 43 not in s and "x42" not in s and "COCO_val2014_x" not in s
         with pytest.raises(VlbertsError, match="image id 43 not in store"):
             s.get(43)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: {stems}: image 42 found as COCO_val2014_000000000042 (COCO's two names for one image: "
+                   "its id and its file stem); this store must hold COCO images under those numbers",
+                   f"warning: {numbers}: image COCO_test2015_000000000042 found as 42 (COCO's two names for one "
+                   "image: its id and its file stem); this store must hold COCO images under those numbers"]
+    with RegionStore(numbers) as n:  # an exact id says nothing
+        assert n.get(42).image_id == "42"
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

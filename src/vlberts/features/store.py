@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -431,6 +432,7 @@ class RegionStore:
             raise VlbertsError(f"damaged store: {problem}", path=self.path)
         self._index = {image_id: i for i, image_id in enumerate(self._ids)}
         self._coco_rows: dict[str, int] | None = None  # COCO id -> row of its file stem (`_find`), when first needed
+        self._coco_warned = False
         self._cache: dict[str, RegionRecord] | None = None
 
     def _index_problem(self, f: h5py.File) -> str | None:
@@ -571,14 +573,29 @@ class RegionStore:
         number = key if key.isdigit() else coco_number(key)
         if number is None:
             return None
-        if (row := self._index.get(number)) is not None:
-            return row
-        if self._coco_rows is None:
-            self._coco_rows = {}
-            for i, stored in enumerate(self._ids):
-                if (n := coco_number(stored)) is not None:
-                    self._coco_rows.setdefault(n, i)
-        return self._coco_rows.get(number)
+        if (row := self._index.get(number)) is None:
+            if self._coco_rows is None:
+                self._coco_rows = {}
+                for i, stored in enumerate(self._ids):
+                    if (n := coco_number(stored)) is not None:
+                        self._coco_rows.setdefault(n, i)
+            row = self._coco_rows.get(number)
+        if row is not None:
+            self._warn_coco_match(key, self._ids[row])
+        return row
+
+    def _warn_coco_match(self, asked: str, stored: str) -> None:
+        """One warning line (per store, in the process that reads the data first) when an id is found under
+        its other COCO name: a number does not say which data set's image it is (COCO's ids and Visual
+        Genome's overlap), so a store of other images under those numbers would be read as the COCO ones."""
+        if self._coco_warned:
+            return
+        self._coco_warned = True
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is None and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {self.path}: image {asked} found as {stored} (COCO's two names for one image: its id and "
+                  f"its file stem); this store must hold COCO images under those numbers", file=sys.stderr)
 
     def _row(self, image_id: str | int) -> int:
         row = self._find(image_id)
