@@ -262,8 +262,8 @@ def read_answer_vocab_from(tmp_path: Path, answers: list[str]):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"label": ["red"]}, r"label must map answers to scores in \[0, 1\]"),
-    ({"label": {"red": 1.5}}, r"label must map answers to scores in \[0, 1\]"),
+    ({"label": ["red"]}, r"a label must map answers to scores in \[0, 1\]"),
+    ({"label": {"red": 1.5}}, r"a label must map answers to scores in \[0, 1\]"),
     ({"sent": ""}, r"field sent is empty"),
     ({"question_id": "5"}, r"question_id must be an integer, got '5'"),
     ({"question_type": 3}, r"field question_type must be a string"),

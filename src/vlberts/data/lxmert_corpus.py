@@ -30,9 +30,10 @@ from typing import Any
 
 from vlberts.data.coco import CaptionRef
 from vlberts.data.pretrain_qa import PretrainQA
+from vlberts.data.vqa import label_scores
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys, require_text
-from vlberts.tasks.vqa import AnswerVocab, SoftTarget
+from vlberts.tasks.vqa import AnswerVocab, label_target
 
 # The sources whose sentences are questions with answers (`labelf`), as LXMERT's pre-training data names them.
 QA_SOURCES = ("vqa", "gqa", "visual7w")
@@ -66,14 +67,6 @@ def convert_answer(answer: str) -> str:
     return _ANS_CONVERT.get(answer, answer)
 
 
-def _label(value: Any, *, path: Path, record: str) -> dict[str, float]:
-    if not isinstance(value, dict) or not all(
-            isinstance(a, str) and isinstance(s, (int, float)) and not isinstance(s, bool) and 0 <= s <= 1
-            for a, s in value.items()):
-        raise VlbertsError(f"a label must map answers to scores in [0, 1], got {value!r}", path=path, record=record)
-    return {a: float(s) for a, s in value.items()}
-
-
 def _image_sentences(rec: Any, *, path: Path, record: str) -> list[LxmertSentence]:
     require_keys(rec, ("img_id", "sentf"), path=path, record=record)
     image_id, sentf, labelf = rec["img_id"], rec["sentf"], rec.get("labelf") or {}
@@ -92,7 +85,7 @@ def _image_sentences(rec: Any, *, path: Path, record: str) -> list[LxmertSentenc
             raise VlbertsError(f"labelf.{source} must hold one label for each of the {len(sents)} questions, got {got}",
                                path=path, record=record)
         for j, text in enumerate(sents):
-            label = _label(labels[j], path=path, record=f"{record}.labelf.{source}[{j}]") if source in QA_SOURCES else None
+            label = label_scores(labels[j], path=path, record=f"{record}.labelf.{source}[{j}]") if source in QA_SOURCES else None
             out.append(LxmertSentence(image_id, require_text(text, f"sentf.{source}[{j}]", path=path, record=where),
                                       source, label))
     return out
@@ -124,14 +117,10 @@ def lxmert_image_qa(sentences: list[LxmertSentence], source: str, min_count: int
     questions = [s for s in sentences if s.label is not None]
     labels = [_converted(s.label) for s in questions]
     counts = Counter(max(label, key=label.__getitem__) for label in labels if label)
-    answers = AnswerVocab(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+    answers = AnswerVocab.from_counts(counts, min_count)
     if not len(answers):
         raise VlbertsError(f"no answer is the best answer of {min_count}+ questions of LXMERT's corpus", path=source)
-    targets = []
-    for label in labels:
-        hits = sorted((answers.ans2idx[a], s) for a, s in label.items() if a in answers and s > 0)
-        targets.append(SoftTarget(tuple(i for i, _ in hits), tuple(s for _, s in hits),
-                                  tuple(sorted(a for a in label if a not in answers))))
+    targets = [label_target(label, answers) for label in labels]
     return PretrainQA([CaptionRef(s.image_id, s.text) for s in questions], targets, answers, ((source, len(questions)),))
 
 

@@ -67,7 +67,7 @@ def read_pretrain_qa(
     gqa = read_gqa(gqa_questions, require_answers=True) if gqa_questions else []
     counts = Counter(normalize_answer(ex.multiple_choice_answer) for ex in vqa if ex.multiple_choice_answer is not None)
     counts.update(normalize_gqa_answer(ex.answer) for ex in gqa)
-    answers = AnswerVocab(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+    answers = AnswerVocab.from_counts(counts, min_count)
     if not len(answers):
         raise VlbertsError(f"no answer is given by {min_count}+ questions of the image-QA sources",
                            path=gqa_questions or vqa_annotations)

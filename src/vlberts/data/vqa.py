@@ -259,15 +259,13 @@ def _like_the_first(first: bool | None, has: bool, what: str, *, path: Path, rec
     return has if first is None else first
 
 
-def _lxmert_label(rec: dict, *, path: Path, record: str) -> dict[str, float] | None:
-    label = rec.get("label")
-    if label is None:
-        return None
-    if not isinstance(label, dict) or not all(
+def label_scores(value: Any, *, path: Path, record: str) -> dict[str, float]:
+    """LXMERT's label, {answer: score} with scores in [0, 1] (its VQA lists and its pre-training corpus), checked."""
+    if not isinstance(value, dict) or not all(
             isinstance(a, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-            for a, v in label.items()):
-        raise VlbertsError(f"label must map answers to scores in [0, 1], got {label!r}", path=path, record=record)
-    return {a: float(v) for a, v in label.items()}
+            for a, v in value.items()):
+        raise VlbertsError(f"a label must map answers to scores in [0, 1], got {value!r}", path=path, record=record)
+    return {a: float(v) for a, v in value.items()}
 
 
 def _read_lxmert(path: Path, data: list, bad: BadRecords) -> list[VQAExample]:
@@ -286,7 +284,7 @@ def _read_lxmert(path: Path, data: list, bad: BadRecords) -> list[VQAExample]:
                 raise VlbertsError(f"duplicate question_id {qid} (first at [{first_at[qid]}])", path=path, record=where)
             image_id = _check_image_id({"image_id": rec["img_id"]}, path=path, record=where)
             question = require_text(rec["sent"], "sent", path=path, record=where)
-            label = _lxmert_label(rec, path=path, record=where)
+            label = None if rec.get("label") is None else label_scores(rec["label"], path=path, record=where)
             types = {k: _check_str(rec, k, path=path, record=where) if rec.get(k) is not None else None
                      for k in ("answer_type", "question_type")}
             labelled = _like_the_first(labelled, label is not None, "label", path=path, record=where)

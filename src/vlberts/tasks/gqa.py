@@ -192,7 +192,7 @@ def build_answer_vocab(train_examples: Iterable[GQAExample], min_count: int = 1)
     """Answer classes: normalised training answers given by at least `min_count` questions, most frequent
     first, ties alphabetical (index 0 is the majority answer). LXMERT keeps every trainval answer (1)."""
     counts = _answer_counts(train_examples)
-    return AnswerVocab(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+    return AnswerVocab.from_counts(counts, min_count)
 
 
 def gqa_target(example: GQAExample, vocab: AnswerVocab) -> SoftTarget:

@@ -364,6 +364,12 @@ class AnswerVocab:
     def __contains__(self, answer: object) -> bool:
         return answer in self.ans2idx
 
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int], min_count: int = 1) -> AnswerVocab:
+        """The answers counted at least `min_count` times, most frequent first, ties alphabetical (so index 0
+        is the majority answer): how every answer table here is built from training answers."""
+        return cls(tuple(sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))))
+
 
 def build_answer_vocab(examples: Iterable[VQAExample], min_count: int = 9) -> AnswerVocab:
     """Answers kept as classes: normalised `multiple_choice_answer`s of at least `min_count` questions.
@@ -377,8 +383,7 @@ def build_answer_vocab(examples: Iterable[VQAExample], min_count: int = 9) -> An
     counts = Counter(
         normalize_answer(ex.multiple_choice_answer) for ex in examples if ex.multiple_choice_answer is not None
     )
-    kept = sorted((a for a, c in counts.items() if c >= min_count), key=lambda a: (-counts[a], a))
-    return AnswerVocab(tuple(kept))
+    return AnswerVocab.from_counts(counts, min_count)
 
 
 def write_answer_vocab(path: str | Path, vocab: AnswerVocab) -> None:
@@ -463,8 +468,14 @@ def example_target(example: VQAExample, vocab: AnswerVocab) -> SoftTarget:
     hengyuan-hu's `compute_softscore.py` from the same counts)."""
     if example.answers or example.label is None:
         return soft_target(example.answers, vocab)
-    hits = sorted((vocab.ans2idx[a], s) for a, s in example.label.items() if a in vocab and s > 0)
-    dropped = tuple(sorted(a for a in example.label if a not in vocab))
+    return label_target(example.label, vocab)
+
+
+def label_target(label: Mapping[str, float], vocab: AnswerVocab) -> SoftTarget:
+    """A label's scores ({answer: score}, LXMERT's form) over the vocabulary; answers that are no class are
+    `dropped`."""
+    hits = sorted((vocab.ans2idx[a], s) for a, s in label.items() if a in vocab and s > 0)
+    dropped = tuple(sorted(a for a in label if a not in vocab))
     return SoftTarget(tuple(i for i, _ in hits), tuple(s for _, s in hits), dropped)
 
 
