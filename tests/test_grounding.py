@@ -423,3 +423,33 @@ def test_breakdown_by_type_and_last_word_on_hand_made_maps():
     assert "a note; 4 groups, the 2 largest:" in md and "| group | entities | baseline (%) | head 1-1 (%) |" in md
     assert "| animals | 2 | 50.00 | 100.00 | 1-1 | 100.00 |" in md and "| other | 1 | 0.00 | 0.00 | 2-2 | 100.00 |" in md
     assert "people" not in md  # beyond k
+
+
+def test_group_sums_add_each_key_exactly_across_flushes():
+    """Breakdowns and syntactic relations sum their queries in bulk (`GroupSums`): whatever the flush size,
+    each key's sums are those of its own queries, and keys come in order of first appearance."""
+    from vlberts.analysis.grounding import GroupSums
+
+    rng = np.random.default_rng(0)
+    calls = []
+    for _ in range(9):  # captions of 0-6 queries, keys of any hashable kind
+        n = int(rng.integers(0, 7))
+        keys = [("nsubj", w) if k % 2 else w for k, w in zip(rng.integers(0, 4, n), rng.choice(["a", "b", "c"], n))]
+        calls.append((keys, rng.random((2, 3, n)) < 0.5, rng.random((2, 3, n)), rng.random(n)))
+    want: dict = {}
+    for keys, hit, mass, base in calls:
+        for i, k in enumerate(keys):
+            h, m, b = want.get(k, (0, 0.0, 0.0))
+            want[k] = (h + hit[..., i].astype(int), m + mass[..., i], b + base[i])
+    for flush_every in (1, 4, 1000):
+        sums = GroupSums(flush_every=flush_every)
+        for keys, hit, mass, base in calls:
+            sums.add(keys, hit, mass, base)
+        got = sums.totals()
+        assert list(got) == list(want)  # first appearance, over every flush
+        for k, (h, m, b) in want.items():
+            np.testing.assert_array_equal(got[k][0], h)
+            np.testing.assert_allclose(got[k][1], m, rtol=1e-12)
+            assert got[k][2] == pytest.approx(b, rel=1e-12)
+    with pytest.raises(ValueError, match="2 keys"):
+        GroupSums().add(["a", "b"], np.zeros((2, 3, 1)))

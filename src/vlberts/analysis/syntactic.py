@@ -49,7 +49,7 @@ E entities, W words, Q distinct query words, S (arc, direction) instances of a c
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,6 +63,7 @@ from vlberts.analysis.grounding import (
     GroundingOptions,
     GroundingResult,
     HeadScore,
+    breakdown_rows,
     entity_correct_regions,
     most_confident_region,
     region_predictions,
@@ -395,8 +396,8 @@ class SyntacticAccumulator:
     def __init__(self, options: GroundingOptions = GroundingOptions()):
         self.options = options
         self.shape: tuple[int, int] | None = None  # (L, H)
-        self.relations: dict[str, GroundingAccumulator] = {}
-        self.by_direction: dict[str, GroundingAccumulator] = {}
+        self.relations = GroupedGrounding(options)  # instances by relation
+        self.by_direction = GroupedGrounding(options)  # instances by "relation (direction)"
         self.n_captions = 0
         self.n_arcs = 0
         self.n_arcs_without_entity = 0
@@ -423,27 +424,21 @@ class SyntacticAccumulator:
         self.n_arcs += s.n_arcs
         self.n_arcs_without_entity += s.n_arcs_without_entity
         self.n_truncated_queries += s.n_truncated_queries
-        rel = np.array(s.relation, dtype=object)  # (S,)
-        dirs = np.array(s.direction, dtype=object)  # (S,)
-        for name in dict.fromkeys(s.relation):  # distinct, in order of appearance
-            self._add(self.relations, name, s, rel == name)
-            for d in DIRECTIONS:
-                m = (rel == name) & (dirs == d)
-                if m.any():
-                    self._add(self.by_direction, direction_key(name, d), s, m)
+        keys = [direction_key(r, d) for r, d in zip(s.relation, s.direction)]
+        for table, groups in ((self.relations, s.relation), (self.by_direction, keys)):
+            # A caption counts once for each relation (relation-direction) it holds: at its first instance.
+            first = np.zeros(len(groups))
+            first[[groups.index(g) for g in dict.fromkeys(groups)]] = 1.0
+            table.add(groups, s.hit, s.mass, s.baseline_hit, s.reachable, captions=first)
         return s
-
-    def _add(self, table: dict[str, GroundingAccumulator], key: str, s: SyntacticCaptionScores, m: np.ndarray) -> None:
-        acc = table.setdefault(key, GroundingAccumulator(self.options))
-        acc.add_scores(s.hit[:, :, m], s.mass[:, :, m], s.baseline_hit[m], s.reachable[m])
 
     def result(self) -> SyntacticResult:
         """The totals so far; a result with no relations when nothing could be scored (the report
         then says why, from `skipped` and the arc counts)."""
         return SyntacticResult(
             options=self.options,
-            relations={k: a.result() for k, a in self.relations.items()},
-            by_direction={k: a.result() for k, a in self.by_direction.items()},
+            relations={k: a.result() for k, a in self.relations.groups.items()},
+            by_direction={k: a.result() for k, a in self.by_direction.groups.items()},
             n_captions=self.n_captions,
             n_arcs=self.n_arcs,
             n_arcs_without_entity=self.n_arcs_without_entity,
@@ -462,17 +457,18 @@ class QueryWordBreakdown:
 
     def __init__(self, options: GroundingOptions = GroundingOptions()):
         self.options = options
-        self.tables: dict[str, GroupedGrounding] = {}
+        self.table = GroupedGrounding(options)  # groups: (relation-direction, lower-cased query word)
 
     def add(self, s: SyntacticCaptionScores, words: Sequence[str]) -> None:
-        for i, (relation, direction, q) in enumerate(zip(s.relation, s.direction, s.query_word)):
-            table = self.tables.setdefault(direction_key(relation, direction), GroupedGrounding(self.options))
-            pick = slice(i, i + 1)
-            table.add(str(words[q]).lower(), s.hit[:, :, pick], s.mass[:, :, pick], s.baseline_hit[pick], s.reachable[pick])
+        self.table.add([(direction_key(r, d), str(words[q]).lower()) for r, d, q in zip(s.relation, s.direction, s.query_word)],
+                       s.hit, s.mass, s.baseline_hit, s.reachable)
 
     def rows(self, result: SyntacticResult) -> dict[str, list[BreakdownRow]]:
         """Per relation-direction, its query words' rows against that relation-direction's best head."""
-        return {k: t.rows(result.by_direction[k]) for k, t in self.tables.items()}
+        by_key: dict[str, dict[Hashable, GroundingAccumulator]] = {}
+        for (key, word), acc in self.table.groups.items():
+            by_key.setdefault(key, {})[word] = acc
+        return {k: breakdown_rows(groups, result.by_direction[k]) for k, groups in by_key.items()}
 
 
 def ground_syntax(inputs: Iterable[SyntacticInput], options: GroundingOptions = GroundingOptions()) -> SyntacticResult:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from vlberts.analysis.grounding import TokenChoice, token_positions, token_weights
+from vlberts.analysis.grounding import GroupSums, TokenChoice, token_positions, token_weights
 from vlberts.analysis.syntactic import DIRECTIONS, Arc, direction_key
 
 
@@ -117,24 +117,25 @@ class TextSyntaxAccumulator:
 
     def __init__(self, token: TokenChoice = "last"):
         self.token = token
-        self.hits: dict[str, np.ndarray] = {}  # key -> (L, H) int
+        self.hits = GroupSums()  # key -> (L, H) hits
         self.n: Counter = Counter()
-        self.offsets: dict[str, Counter] = {}
+        self.offsets: Counter = Counter()  # (key, offset) -> instances
 
     def add(self, attn: np.ndarray, word_tokens: Sequence[Sequence[int]], arcs: Sequence[Arc]) -> TextSyntaxScores:
         s = score_text_syntax(attn, word_tokens, arcs, self.token)
-        keys = np.array(s.keys, dtype=object)  # (S,)
-        for key in dict.fromkeys(s.keys):
-            m = keys == key
-            self.hits[key] = self.hits.get(key, 0) + s.hit[:, :, m].sum(-1)
-            self.n[key] += int(m.sum())
-            self.offsets.setdefault(key, Counter()).update(s.offsets[m].tolist())
+        self.hits.add(s.keys, s.hit)
+        self.n.update(s.keys)
+        self.offsets.update(zip(s.keys, s.offsets.tolist()))
         return s
 
     def result(self) -> TextSyntaxResult:
+        hits = self.hits.totals()
+        offsets: dict[str, dict[int, int]] = {}
+        for (key, offset), count in self.offsets.items():
+            offsets.setdefault(key, {})[offset] = count
         rows = {}
         for key in sorted(self.n, key=lambda k: (-self.n[k], k)):
             # Ties between offsets go to the nearer one, then the one before the query word.
-            offset, count = min(self.offsets[key].items(), key=lambda kv: (-kv[1], abs(kv[0]), kv[0]))
-            rows[key] = TextSyntaxRow(self.n[key], self.hits[key] / self.n[key], offset, count / self.n[key])
+            offset, count = min(offsets[key].items(), key=lambda kv: (-kv[1], abs(kv[0]), kv[0]))
+            rows[key] = TextSyntaxRow(self.n[key], np.rint(hits[key][0]) / self.n[key], offset, count / self.n[key])
         return TextSyntaxResult(rows)
