@@ -87,6 +87,16 @@ def tiny_pretrained(tiny_world, tmp_path_factory) -> Path:
     ))
 
 
+@pytest.fixture(scope="session")
+def float16_store(tiny_world, tmp_path_factory) -> Path:
+    """The tiny world's store written as float16 (features and class scores), as real stores usually are."""
+    from vlberts.features.store import RegionStore, write_store_records
+
+    path = tmp_path_factory.mktemp("f16") / "features16.h5"
+    with RegionStore(tiny_world.store) as s:
+        return write_store_records(path, s.records(), dtype="float16", metadata=s.metadata)
+
+
 def random_init_dir(arch: str, pretrained: Path, out: Path) -> Path:
     """A model directory with a randomly initialised `arch` pre-training model and the tokenizer (and
     feature width) of the pre-trained model at `pretrained`: the "no pre-training" control of task tests."""

@@ -253,22 +253,23 @@ def test_interrupted_cuda_run_resumes_to_the_same_run(tiny_world, tmp_path):
     assert max(_rel(wb[k], wa[k]) for k in wa if wa[k].norm() > 0) < 1e-3
 
 
-def test_float16_batches_on_cuda_train_as_float32_ones(tiny_world, tmp_path):
+def test_float16_batches_on_cuda_train_as_float32_ones(tiny_world, tiny_pretrained, float16_store, tmp_path):
     """On CUDA a float16 store's features stay float16 to the device by default (`--float16_batches=auto`),
     widened on the copy stream: the run is the float32-batch run's, to CUDA's rounding (LXMERT: masked,
-    swapped and regressed features)."""
-    from vlberts.features.store import RegionStore, write_store_records
-
-    with RegionStore(tiny_world.store) as s:
-        store16 = write_store_records(tmp_path / "f16.h5", s.records(), dtype="float16", metadata=s.metadata)
+    swapped and regressed features), in pre-training and in fine-tuning (VQA)."""
     logs = {}
     for flag in ("auto", "false"):
-        pretrain(cfg_for(tiny_world, tmp_path / flag, model="lxmert-tiny", features=str(store16), steps=6,
+        pretrain(cfg_for(tiny_world, tmp_path / flag, model="lxmert-tiny", features=str(float16_store), steps=6,
                          device="cuda", precision="fp32", float16_batches=flag))
         logs[flag] = MetricsLog.read(tmp_path / flag / "metrics.jsonl")
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / f"vqa-{flag}", features=str(float16_store),
+                             epochs=0.5, device="cuda", precision="fp32", float16_batches=flag))
+        logs["vqa-" + flag] = MetricsLog.read(tmp_path / f"vqa-{flag}" / "metrics.jsonl")
     for x, y in zip(logs["false"], logs["auto"], strict=True):
         for k in ("mlm_loss", "feat_loss", "obj_loss"):
             assert y[k] == pytest.approx(x[k], rel=1e-4), (x["step"], k)
+    for x, y in zip(logs["vqa-false"], logs["vqa-auto"], strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), x["step"]
 
 
 @pytest.mark.parametrize("mode, static, accum", [("default", False, 1), ("reduce-overhead", True, 2)])

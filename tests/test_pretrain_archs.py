@@ -428,16 +428,6 @@ def test_vlbert_masks_whole_words_and_the_others_subwords(tiny_world, tmp_path, 
     assert seen == [True, False]
 
 
-@pytest.fixture(scope="module")
-def float16_store(tiny_world, tmp_path_factory) -> Path:
-    """The tiny world's store written as float16 (features and class scores), as real stores usually are."""
-    from vlberts.features.store import write_store_records
-
-    path = tmp_path_factory.mktemp("f16") / "features16.h5"
-    with RegionStore(tiny_world.store) as s:
-        return write_store_records(path, s.records(), dtype="float16", metadata=s.metadata)
-
-
 @pytest.mark.parametrize("model", ["visualbert-tiny", "lxmert-tiny", "vilbert-tiny", "wvisualbert-tiny"])
 def test_float16_batches_train_exactly_as_float32_ones(tiny_world, float16_store, tmp_path, model):
     """--float16_batches=true (the default on CUDA) keeps a float16 store's features float16 through masking

@@ -149,10 +149,12 @@ class EntityData:
         rule: str = "any",
         train: bool = False,
         tag_subwords: Sequence[Sequence[int]] | None = None,
+        float16: bool = False,
     ):
         self.regions = regions
         self.max_regions = max_regions
         self.feature_dim = feature_dim
+        self.float16 = float16
         self.rule = rule
         self.tag_subwords = tag_subwords
         boxes: dict[str, list[Box]] = {}
@@ -189,7 +191,7 @@ class EntityData:
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key
         cap = self.captions[index]
-        regions = load_regions(self.regions, cap.image_id, self.max_regions, self.feature_dim)
+        regions = load_regions(self.regions, cap.image_id, self.max_regions, self.feature_dim, self.float16)
         item = {
             "ids": list(cap.ids),
             "regions": regions,

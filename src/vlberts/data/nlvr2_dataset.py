@@ -71,6 +71,7 @@ class NLVR2Data:
         max_regions: int = 36,
         feature_dim: int | None = None,
         tag_subwords: Sequence[Sequence[int]] | None = None,
+        float16: bool = False,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
@@ -80,6 +81,7 @@ class NLVR2Data:
             raise ValueError("one (left, right) image pair per example")
         self.examples, self.images, self.regions, self.tok = examples, images, regions, tokenizer
         self.encoding, self.max_regions, self.feature_dim, self.tag_subwords = encoding, max_regions, feature_dim, tag_subwords
+        self.float16 = float16
         budget = max_text_len - 2
         encs = tokenizer.tok.encode_batch([e.sentence for e in examples], add_special_tokens=False)
         self.ids = [[tokenizer.cls_id, *e.ids[:budget], tokenizer.sep_id] for e in encs]
@@ -102,7 +104,8 @@ class NLVR2Data:
             "ids": self.ids[index],
             "label": IGNORE_LABEL if label is None else int(label),
             "index": index,
-            "images": [load_regions(self.regions, i, self.max_regions, self.feature_dim) for i in self.images[index]],
+            "images": [load_regions(self.regions, i, self.max_regions, self.feature_dim, self.float16)
+                       for i in self.images[index]],
             "joint": self.encoding == "joint",
         }
         if self.tag_subwords is not None:

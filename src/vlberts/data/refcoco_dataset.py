@@ -53,12 +53,14 @@ class RefData:
         feature_dim: int | None = None,
         soft: bool = False,
         tag_subwords: Sequence[Sequence[int]] | None = None,
+        float16: bool = False,
     ):
         self.expressions = expressions
         self.regions = regions
         self.tok = tokenizer
         self.max_regions = max_regions
         self.feature_dim = feature_dim
+        self.float16 = float16
         self.soft = soft
         self.tag_subwords = tag_subwords
         budget = max_text_len - 2  # [CLS] ... [SEP]
@@ -76,7 +78,7 @@ class RefData:
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key
         ex = self.expressions[index]
-        regions = load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim)
+        regions = load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim, self.float16)
         boxes = [tuple(b) for b in regions.pixel_boxes.tolist()]
         item = {
             "ids": self.ids[index],

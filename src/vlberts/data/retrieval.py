@@ -174,7 +174,7 @@ class PairEncoder:
     def __init__(
         self, texts: Sequence[str], regions: RegionSource, tok: TextTokenizer, *, text_format: str,
         max_text_len: int, max_regions: int, feature_dim: int | None = None,
-        tag_subwords: Sequence[Sequence[int]] | None = None, cache: bool = False,
+        tag_subwords: Sequence[Sequence[int]] | None = None, cache: bool = False, float16: bool = False,
     ):
         if text_format not in LAYOUTS:
             raise ValueError(f"unknown text_format {text_format!r}; valid: {', '.join(LAYOUTS)}")
@@ -183,6 +183,7 @@ class PairEncoder:
         encs = tok.tok.encode_batch(list(texts), add_special_tokens=False) if texts else []
         self.text = [layout(e.ids[:budget], tok) for e in encs]  # (ids, segments) per caption
         self.regions, self.max_regions, self.feature_dim = regions, max_regions, feature_dim
+        self.float16 = float16
         self.tag_subwords = tag_subwords
         self.pad_id = tok.pad_id
         self._cache: dict[str, dict] | None = {} if cache else None
@@ -190,7 +191,7 @@ class PairEncoder:
     def image(self, image_id: str) -> dict:
         if self._cache is not None and image_id in self._cache:
             return self._cache[image_id]
-        item: dict = {"regions": load_regions(self.regions, image_id, self.max_regions, self.feature_dim)}
+        item: dict = {"regions": load_regions(self.regions, image_id, self.max_regions, self.feature_dim, self.float16)}
         if self.tag_subwords is not None:
             obj_id = detected_classes(self.regions, image_id)
             item["tags"] = tag_tokens(obj_id[: len(item["regions"].feats)], self.tag_subwords)

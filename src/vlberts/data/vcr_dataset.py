@@ -44,6 +44,7 @@ from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.regions import Regions, RegionSource, detected_classes, length_keys, pad_regions, pad_sequences
 from vlberts.data.vcr import NUM_CHOICES, VCRExample, rationale_context, read_vcr_metadata, render_tokens
 from vlberts.errors import VlbertsError
+from vlberts.features.record import as_float32
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.text.tokenizer import TextTokenizer
 
@@ -111,7 +112,7 @@ class VCRData:
         self, examples: Sequence[VCRExample], mode: str, regions: RegionSource, tokenizer: TextTokenizer, *,
         join: str = "separate", max_text_len: int = 80, feature_dim: int | None = None,
         object_regions: str = "iou", metadata_dir: str | Path | None = None,
-        tag_subwords: Sequence[Sequence[int]] | None = None,
+        tag_subwords: Sequence[Sequence[int]] | None = None, float16: bool = False,
     ):
         if mode not in MODES:
             raise VlbertsError(f"unknown VCR mode {mode!r}; valid: {', '.join(MODES)}")
@@ -121,6 +122,7 @@ class VCRData:
             raise VlbertsError("object_regions=iou needs the metadata directory (the objects' boxes)")
         self.examples, self.mode, self.regions, self.tok = examples, mode, regions, tokenizer
         self.feature_dim, self.object_regions, self.tag_subwords = feature_dim, object_regions, tag_subwords
+        self.float16 = float16
         self.metadata_dir = Path(metadata_dir) if metadata_dir is not None else None
         self.choices = []  # per example: 4 x (ids, segments, alignment)
         for ex in examples:
@@ -155,7 +157,8 @@ class VCRData:
             sx, sy = rec.image_w / meta.width, rec.image_h / meta.height  # store pixels per metadata pixel
             boxes = np.asarray(meta.boxes, dtype=np.float64) * np.array([sx, sy, sx, sy])
             rows = box_iou(boxes, np.asarray(rec.boxes, dtype=np.float64)).argmax(1)  # (n,)
-        feats = np.asarray(rec.features, dtype=np.float32)[rows]  # (n, D)
+        feats = np.asarray(rec.features)[rows]  # (n, D)
+        feats = feats if self.float16 and feats.dtype == np.float16 else as_float32(feats)
         if self.feature_dim is not None and feats.shape[1] != self.feature_dim:
             raise VlbertsError(f"region features are {feats.shape[1]}-d but the model expects {self.feature_dim}-d "
                                f"(visual_dim)", path=store_path, record=f"image {ex.img_id}")

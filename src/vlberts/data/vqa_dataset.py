@@ -104,6 +104,7 @@ class VQAData:
         text_format: str = "mask",
         tag_subwords: Sequence[Sequence[int]] | None = None,
         target: Target | None = None,
+        float16: bool = False,
     ):
         if text_format not in TEXT_FORMATS:
             raise ValueError(f"unknown text_format {text_format!r}; valid: {', '.join(TEXT_FORMATS)}")
@@ -113,6 +114,7 @@ class VQAData:
         self.vocab = vocab
         self.max_regions = max_regions
         self.feature_dim = feature_dim
+        self.float16 = float16
         self.tag_subwords = tag_subwords
         specials, layout = TEXT_FORMATS[text_format]
         budget = max_text_len - specials
@@ -143,7 +145,7 @@ class VQAData:
             "answer_pos": self.answer_pos[index],
             "target": self.targets[index],
             "question_id": ex.question_id if isinstance(ex.question_id, int) else index,
-            "regions": load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim),
+            "regions": load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim, self.float16),
         }
         if self.tag_subwords is not None:
             item["tags"] = self._tags(ex.image_id, len(item["regions"].feats))

@@ -113,6 +113,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+FLOAT16_BATCHES_HELP = ("float16 features stay float16 from the store or shards to the device, which widens them "
+                        "(the same values, half the bytes a loader moves): auto (on CUDA), true, false")
+
+
+def float16_batches(setting: str, device: torch.device) -> bool:
+    """`--float16_batches`: auto keeps float16 features float16 up to the device on CUDA, where the loader's bytes
+    (36 x 2048 a region set) cost host memory bandwidth and copy time; a CPU step widens them itself, so there
+    it only moves the conversion from the loader workers into the training process."""
+    if setting not in ("auto", "true", "false"):
+        raise VlbertsError(f"--float16_batches must be auto, true or false, got {setting!r}")
+    return device.type == "cuda" if setting == "auto" else setting == "true"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

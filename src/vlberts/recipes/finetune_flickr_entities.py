@@ -46,7 +46,7 @@ from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.flickr_entities import FlickrEntitiesModel, grounding_loss
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.flickr_entities import IOU_RULES, TOP_K, candidates, rank_regions, score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -83,11 +83,12 @@ def load_flickr_entities_model(directory: str | Path) -> tuple[FlickrEntitiesMod
 
 
 def entity_data(model: FlickrEntitiesModel, captions: list[PhraseCaption], store: RegionStore, tok: TextTokenizer,
-                *, max_regions: int, rule: str, train: bool) -> EntityData:
-    """The captions laid out for `model`, with detector tags from the store if it reads them."""
+                *, max_regions: int, rule: str, train: bool, float16: bool = False) -> EntityData:
+    """The captions laid out for `model`, with detector tags from the store if it reads them; float16 features
+    kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
     return EntityData(captions, store, max_regions=max_regions, feature_dim=model.cfg.visual_dim, rule=rule,
-                      train=train, tag_subwords=tags)
+                      train=train, tag_subwords=tags, float16=float16)
 
 
 @torch.no_grad()
@@ -162,9 +163,7 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
         raise VlbertsError(f"--eval_splits={cfg.eval_splits} names a split twice")
 
     bad = BadRecords(skip=cfg.skip_bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     train_images = read_split_images(cfg.entities, cfg.train_split, store, bad)
     eval_images = {s: read_split_images(cfg.entities, s, store, bad) for s in eval_splits}
     if bad.total and dist.main:
@@ -183,7 +182,7 @@ def finetune_flickr_entities(cfg: FinetuneFlickrEntitiesConfig) -> Path | None:
     train_skipped: Counter = Counter()
     train_captions = phrase_captions(train_images, tok, cfg.max_text_len, train_skipped)
     train_data = entity_data(model, train_captions, store, tok, max_regions=cfg.max_regions, rule=cfg.iou_rule,
-                             train=True)
+                             train=True, float16=float16)
     if not len(train_data):
         raise VlbertsError(f"no training phrase of split {cfg.train_split!r} has a positive region",
                            path=Path(cfg.entities) / f"{cfg.train_split}.txt")

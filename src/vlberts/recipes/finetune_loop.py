@@ -41,8 +41,9 @@ from torch import Tensor, nn
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
+from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights
 from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
@@ -89,6 +90,7 @@ class FinetuneConfig:
     prefetch: int = opt(-1, PREFETCH_HELP)
     tensorboard: bool = opt(False, TENSORBOARD_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
+    float16_batches: str = opt("auto", FLOAT16_BATCHES_HELP)
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted")
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
@@ -111,8 +113,21 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, P
     for key in required:
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
+    float16_batches(cfg.float16_batches, device)  # a bad setting stops the run before any data is read
     cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)
     return cfg, Path(cfg.out), device, dist
+
+
+def open_features(cfg: FinetuneConfig, device: torch.device) -> tuple[RegionStore, bool]:
+    """The run's region store (`--features`, read into memory first with `--preload_features`) and whether its
+    training batches carry float16 features as a float16 store holds them (`--float16_batches`): the store then
+    hands them over as stored, the training dataset keeps them (its `float16`), and `Batch.to` widens them on
+    the device. Evaluation datasets read the same store and widen in the loader, as before."""
+    float16 = float16_batches(cfg.float16_batches, device)
+    store = RegionStore(cfg.features, upcast=not float16)
+    if cfg.preload_features:
+        store.preload()
+    return store, float16
 
 
 def check_features(store: Any, init: str | Path, dist: DistInfo | None = None,

@@ -37,12 +37,11 @@ from vlberts.data.nlvr2_dataset import NLVR2Data, collate_nlvr2
 from vlberts.data.regions import RegionSource
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -101,12 +100,13 @@ def resolve_images(
 
 def nlvr2_data(
     model: NLVR2Model, examples: Sequence[NLVR2Example], images: Sequence[tuple[str, str]], regions: RegionSource,
-    tok: TextTokenizer, *, max_text_len: int, max_regions: int,
+    tok: TextTokenizer, *, max_text_len: int, max_regions: int, float16: bool = False,
 ) -> NLVR2Data:
-    """The examples laid out for the model's encoding, with detector tags when the model reads them."""
+    """The examples laid out for the model's encoding, with detector tags when the model reads them; float16
+    features kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, regions, tok)
     return NLVR2Data(examples, images, regions, tok, encoding=model.encoding, max_text_len=max_text_len,
-                     max_regions=max_regions, feature_dim=model.cfg.visual_dim, tag_subwords=tags)
+                     max_regions=max_regions, feature_dim=model.cfg.visual_dim, tag_subwords=tags, float16=float16)
 
 
 def build_nlvr2_model(init: str | Path, encoding: str = "auto") -> tuple[NLVR2Model, Any]:
@@ -156,9 +156,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
     train = read_nlvr2(cfg.train_statements, require_labels=True, bad=bad)
     evals = read_nlvr2(cfg.eval_statements, bad=bad) if cfg.eval_statements else []
     image_map = read_image_map(cfg.image_map) if cfg.image_map else None
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     train, train_images = resolve_images(train, cfg.train_statements, store, cfg.features, image_map, cfg.image_map, bad)
     evals, eval_images = resolve_images(evals, cfg.eval_statements, store, cfg.features, image_map, cfg.image_map, bad)
     require_eval_examples(evals, cfg.eval_statements)
@@ -176,7 +174,8 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     features, mismatch = check_features(store, cfg.init, dist)
-    data = nlvr2_data(model, train, train_images, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions)
+    data = nlvr2_data(model, train, train_images, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
+                      float16=float16)
 
     # Train through the shared loop.
     extra = {"task": "nlvr2", "encoding": model.encoding, "features": features}

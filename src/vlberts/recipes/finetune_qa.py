@@ -47,7 +47,7 @@ from vlberts.models.vlbert import VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
@@ -226,13 +226,14 @@ def model_answers(meta: Mapping[str, Any], path: Path) -> tuple[str, ...]:
 
 def qa_data(
     model: VQAModel, examples: list, regions: RegionSource, tok: TextTokenizer, vocab: AnswerVocab,
-    *, max_text_len: int, max_regions: int, target: Target | None = None,
+    *, max_text_len: int, max_regions: int, target: Target | None = None, float16: bool = False,
 ) -> VQAData:
     """The examples laid out for `model`'s head, with detector tags from the store if the model reads them;
-    targets by `target` (default: VQA soft scores)."""
+    targets by `target` (default: VQA soft scores); float16 features kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, regions, tok)
     return VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
-                   feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags, target=target)
+                   feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags, target=target,
+                   float16=float16)
 
 
 @torch.no_grad()
@@ -288,9 +289,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
                            path=getattr(cfg, task.answers_field) or cfg.train_questions)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
     train, eval_examples = (examples_with_features(examples, path, store, cfg.features, bad)
@@ -305,7 +304,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         )
     features, mismatch = check_features(store, cfg.init, dist)
     data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-                   target=task.target)
+                   target=task.target, float16=float16)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
     extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head, "features": features}
     final = finetune_loop(

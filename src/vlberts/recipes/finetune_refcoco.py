@@ -45,7 +45,7 @@ from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -88,11 +88,12 @@ def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokeniz
 
 
 def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,
-             *, max_text_len: int, max_regions: int, soft: bool = False) -> RefData:
-    """The expressions laid out for `model`, with detector tags from the store if it reads them."""
+             *, max_text_len: int, max_regions: int, soft: bool = False, float16: bool = False) -> RefData:
+    """The expressions laid out for `model`, with detector tags from the store if it reads them; float16
+    features kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
     return RefData(expressions, store, tok, max_text_len=max_text_len, max_regions=max_regions,
-                   feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags)
+                   feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags, float16=float16)
 
 
 @torch.no_grad()
@@ -189,9 +190,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
 
     bad = BadRecords(skip=cfg.skip_bad)
     data = read_refcoco(cfg.refs, cfg.instances, bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     train = _with_features(data.expressions(cfg.train_split), cfg.train_split, store, bad)
     evals = {s: _with_features(data.expressions(s), s, store, bad) for s in eval_splits}
     if bad.total and dist.main:  # first, so that an error below for an emptied split shows what was skipped
@@ -216,7 +215,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     # The gt track's store holds the gold boxes on purpose: only a difference in the features of a box warns.
     features, mismatch = check_features(store, cfg.init, dist, ignore=BOX_SELECTION if cfg.track == "gt" else ())
     train_data = ref_data(model, train, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-                          soft=cfg.soft_iou)
+                          soft=cfg.soft_iou, float16=float16)
     extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist, extra=extra,

@@ -58,7 +58,7 @@ from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
 from vlberts.recipes.common import autocast, fit_text_len, opt, resolve_device, seed_everything, set_threads, write_run_config
-from vlberts.recipes.finetune_loop import check_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
+from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -129,11 +129,13 @@ def load_retrieval_model(directory: str | Path) -> RetrievalModel:
 
 
 def pair_encoder(model: RetrievalModel, texts: list[str], regions: RegionSource, tok: TextTokenizer, *,
-                 max_text_len: int, max_regions: int, cache: bool = False) -> PairEncoder:
-    """Pairs laid out for `model` (its caption layout; W-VisualBERT's detector tags from the store)."""
+                 max_text_len: int, max_regions: int, cache: bool = False, float16: bool = False) -> PairEncoder:
+    """Pairs laid out for `model` (its caption layout; W-VisualBERT's detector tags from the store); float16
+    features kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, regions, tok)
     return PairEncoder(texts, regions, tok, text_format=model.text_format, max_text_len=max_text_len,
-                       max_regions=max_regions, feature_dim=model.cfg.visual_dim, tag_subwords=tags, cache=cache)
+                       max_regions=max_regions, feature_dim=model.cfg.visual_dim, tag_subwords=tags, cache=cache,
+                       float16=float16)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -233,9 +235,7 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
         raise VlbertsError(f"--hard_negatives must be at least 1, got {cfg.hard_negatives}")
 
     bad = BadRecords(skip=cfg.skip_bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     train = read_retrieval_split(cfg.split_file, cfg.train_split, store, bad, store_path=cfg.features)
     if len(train.image_ids) < 2:
         raise VlbertsError(f"split {cfg.train_split!r} has {len(train.image_ids)} images with features; 4-way "
@@ -256,7 +256,7 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
     # ViLBERT §4: hard negatives among the nearest neighbours of the target image (data.retrieval).
     neighbours = nearest_neighbours(image_embeddings(store, train.image_ids, cfg.max_regions), cfg.hard_negatives)
     encoder = pair_encoder(model, [c.text for c in train.captions], store, tok, max_text_len=cfg.max_text_len,
-                           max_regions=cfg.max_regions)
+                           max_regions=cfg.max_regions, float16=float16)
     data = RetrievalGroups(train, encoder, neighbours, cfg.seed)
     extra = {"task": "retrieval", "head": "linear_on_pooled", "head_init": head_init,
              "text_format": model.text_format, "hard_negatives": int(neighbours.shape[1]), "features": features}

@@ -40,7 +40,7 @@ from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, wri
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
@@ -173,12 +173,13 @@ def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer
 
 
 def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer, *,
-             max_text_len: int, object_regions: str, metadata_dir: Path) -> VCRData:
-    """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags)."""
+             max_text_len: int, object_regions: str, metadata_dir: Path, float16: bool = False) -> VCRData:
+    """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags); float16
+    features kept so with `float16` (`open_features`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
     return VCRData(examples, mode, store, tok, join=model.join, max_text_len=max_text_len,
                    feature_dim=model.cfg.visual_dim, object_regions=object_regions, metadata_dir=metadata_dir,
-                   tag_subwords=tags)
+                   tag_subwords=tags, float16=float16)
 
 
 @torch.no_grad()
@@ -216,9 +217,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
                            "(default: metadata/ next to --train_file); pass --metadata_dir=DIR", path=metadata_dir)
 
     bad = BadRecords(skip=cfg.skip_bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
+    store, float16 = open_features(cfg, device)
     train = read_vcr_file(cfg.train_file, bad, require_labels=True)
     evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
     train = usable_examples(train, cfg.train_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
@@ -240,7 +239,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     features, mismatch = check_features(store, cfg.init, dist)
     model.uses_alignment = model.uses_alignment and cfg.alignment
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
-    data = vcr_data(model, train, cfg.mode, store, tok, **layout)
+    data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "join": model.join,
              "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features}
     final = finetune_loop(

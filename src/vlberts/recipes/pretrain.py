@@ -79,7 +79,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import (
     IMAGE_SEED,
     TEXT_SEED,
@@ -230,9 +230,7 @@ class PretrainConfig:
     prefetch: int = opt(-1, PREFETCH_HELP)
     tensorboard: bool = opt(False, TENSORBOARD_HELP)
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
-    float16_batches: str = opt("auto", "float16 features stay float16 from the store or shards to the device, which "
-                                       "widens them (the same values, half the bytes a loader moves): auto (on CUDA), "
-                                       "true, false")
+    float16_batches: str = opt("auto", FLOAT16_BATCHES_HELP)
     stop_after: int = opt(0, "stop after this many updates in this invocation, as if interrupted (0: run to the end)")
     fsdp: bool = opt(False, FSDP_HELP)
     compile: bool = opt(False, COMPILE_HELP)
@@ -529,15 +527,6 @@ def region_setup(
         labels=tuple(k for k in LABEL_FIELDS if k in needs), tag_subwords=tags, attr_subwords=attrs,
         soft_cls_prob="region_kl" in weights or ("roi_cls" in weights and recipe.roi_target == "soft"),
     )
-
-
-def float16_batches(setting: str, device: torch.device) -> bool:
-    """`--float16_batches`: auto keeps float16 features float16 up to the device on CUDA, where the loader's bytes
-    (36 x 2048 a region set) cost host memory bandwidth and copy time; a CPU step widens them itself, so there
-    it only moves the conversion from the loader workers into the training process."""
-    if setting not in ("auto", "true", "false"):
-        raise VlbertsError(f"--float16_batches must be auto, true or false, got {setting!r}")
-    return device.type == "cuda" if setting == "auto" else setting == "true"
 
 
 def pretrain(cfg: PretrainConfig) -> Path | None:
