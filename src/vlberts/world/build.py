@@ -171,8 +171,8 @@ class WorldInfo:
             f"pixels (seed {self.seed}; {parts}) with {self.n_objects} objects, {self.n_captions} captions holding "
             f"{self.n_entities} entity phrases and gold dependency parses, {self.n_questions} VQA questions with "
             f"10 answers each, {self.n_gqa_questions} GQA questions and {self.n_refcoco_refs} RefCOCO+ refs, NLVR2 "
-            f"statements, VCR questions, text documents and an image-only set, in COCO, Karpathy, VQA v2, GQA, "
-            f"NLVR2, VCR, RefCOCO+, Flickr30K Entities and CoNLL-U formats (every file: world.json); "
+            f"statements, VCR questions, text documents and an image-only set, in COCO, Karpathy, VQA v2 (and Pythia "
+            f"imdb), GQA, NLVR2, VCR, RefCOCO+, Flickr30K Entities and CoNLL-U formats (every file: world.json); "
             f"{self.seconds:.1f} s ({rate:.0f} images/s, {self.workers} worker{'s' if self.workers != 1 else ''})."
         )
 
