@@ -194,3 +194,43 @@ def test_bad_imports_are_one_line(tmp_path, run):
     assert "already exists and is not empty (pass --overwrite to replace it)" in error(
         str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}")
     assert run(str(src), "--format=hf-visualbert", f"--vocab={small}", f"--out={out}", "--overwrite")[0] == 0
+
+
+def test_hf_lxmert_with_its_answer_table_starts_vqa_from_its_qa_head(tiny_world, tiny_pretrained, tmp_path, run):
+    """`--qa_answers=all_ans.json` names the QA head's rows (LXMERT's released table, in order): VQA fine-tuning
+    from the imported model then starts its classifier from the head, LXMERT's `--loadLXMERTQA`."""
+    from vlberts.data.vqa import read_vqa
+    from vlberts.recipes.finetune_qa import build_qa_model
+    from vlberts.tasks.vqa import build_answer_vocab
+
+    vqa_answers = build_answer_vocab(read_vqa(*tiny_world.vqa("train")), 1).answers
+    table = [*reversed(vqa_answers[1:]), "kite"]  # every VQA answer but the first, in another order
+    hf = _randomised(transformers.LxmertForPreTraining(transformers.LxmertConfig(
+        vocab_size=len((tiny_pretrained / "vocab.txt").read_text().splitlines()), hidden_size=32,
+        num_attention_heads=2, intermediate_size=37, l_layers=1, r_layers=1, x_layers=1,
+        visual_feat_dim=RegionStore(tiny_world.store).feature_dim, max_position_embeddings=64,
+        num_qa_labels=len(table), num_object_labels=11, num_attr_labels=5)))
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    (tmp_path / "all_ans.json").write_text(json.dumps([{"ans": a, "dsets": ["vqa"]} for a in table]))
+    out = tmp_path / "m"
+    code, _, err = run(str(src), "--format=hf-lxmert", f"--vocab={tiny_pretrained / 'vocab.txt'}", f"--out={out}",
+                       f"--qa_answers={tmp_path / 'all_ans.json'}")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["qa_answers"] == table
+
+    model, _, copied = build_qa_model(out, build_answer_vocab(read_vqa(*tiny_world.vqa("train")), 1))
+    assert copied == len(vqa_answers) - 1
+    head = {k: v for k, v in hf.state_dict().items() if k.startswith("answer_head.logit_fc.3.")}
+    w, b = model.state_dict()["classifier.logit_fc.3.weight"], model.state_dict()["classifier.logit_fc.3.bias"]
+    for i, answer in enumerate(vqa_answers[1:], 1):
+        assert torch.equal(w[i], head["answer_head.logit_fc.3.weight"][table.index(answer)])
+        assert torch.equal(b[i], head["answer_head.logit_fc.3.bias"][table.index(answer)])
+    assert not w[0].any() and b[0] == 0  # not in the table: zero, as LXMERT's load_lxmert_qa leaves it
+
+    (tmp_path / "short.json").write_text(json.dumps(table[:-1]))
+    code, _, err = run(str(src), "--format=hf-lxmert", f"--vocab={tiny_pretrained / 'vocab.txt'}",
+                       f"--out={tmp_path / 'bad'}", f"--qa_answers={tmp_path / 'short.json'}")
+    assert code == 2 and err.strip() == (f"error: {tmp_path / 'short.json'}: --qa_answers names {len(table) - 1} "
+                                         f"answers but the checkpoint's QA head has {len(table)} rows")
+    assert not (tmp_path / "bad").exists()

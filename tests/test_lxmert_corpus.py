@@ -52,6 +52,39 @@ def test_answers_are_converted_as_lxmert_does_and_the_table_is_counted(tmp_path)
         lxmert_image_qa(sents, "corpus.json", min_count=2)
 
 
+ALL_ANS = [{"ans": "man", "dsets": ["gqa", "vqa"]}, {"ans": "kite", "dsets": ["gqa"]}, {"ans": "2", "dsets": ["vqa"]},
+           {"ans": "red", "dsets": ["visual7w"]}]  # LXMERT's data/lxmert/all_ans.json: class order, data sets
+
+
+def test_the_released_answer_table_is_read_in_its_order_and_labels_keep_its_answers_only(tmp_path):
+    """`--qa_answers=all_ans.json`: LXMERT's table as released (its QA head's rows), all of it or the answers of
+    some data sets (its `--qaSets`); a label's answers outside it are dropped, as its `LXMERTDataset` does."""
+    from vlberts.tasks.vqa import read_answer_vocab
+
+    (tmp_path / "all_ans.json").write_text(json.dumps(ALL_ANS))
+    assert read_answer_vocab(tmp_path / "all_ans.json").answers == ("man", "kite", "2", "red")
+    assert read_answer_vocab(tmp_path / "all_ans.json", ["vqa"]).answers == ("man", "2")
+    assert read_answer_vocab(tmp_path / "all_ans.json", ["gqa", "visual7w"]).answers == ("man", "kite", "red")
+    (tmp_path / "c.json").write_text(json.dumps(RECORDS))
+    qa = lxmert_image_qa(read_lxmert_corpus(tmp_path / "c.json"), "c.json",
+                         answers=read_answer_vocab(tmp_path / "all_ans.json", ["vqa"]))
+    assert qa.answers.answers == ("man", "2")  # the file's order, not the counted one ("2" first)
+    assert [(t.labels, t.scores, t.dropped) for t in qa.targets] == [((1,), (1.0,), ("3",)), ((), (), ()),
+                                                                     ((0,), (1.0,), ())]
+    with pytest.raises(VlbertsError, match=r"the answer table is empty \(no answer of coco\)"):
+        read_answer_vocab(tmp_path / "all_ans.json", ["coco"])
+    (tmp_path / "bad.json").write_text(json.dumps([ALL_ANS[0], {"ans": 2, "dsets": ["vqa"]}]))
+    with pytest.raises(VlbertsError, match=r"bad\.json: record \[1\]: an all_ans.json record needs ans"):
+        read_answer_vocab(tmp_path / "bad.json")
+    (tmp_path / "nosets.json").write_text(json.dumps([{"ans": "man"}]))
+    assert read_answer_vocab(tmp_path / "nosets.json").answers == ("man",)
+    with pytest.raises(VlbertsError, match=r"record \[0\]: an all_ans.json record needs ans .* and dsets"):
+        read_answer_vocab(tmp_path / "nosets.json", ["vqa"])
+    (tmp_path / "list.json").write_text(json.dumps(["man", "2"]))
+    with pytest.raises(VlbertsError, match="answer data sets are named in LXMERT's all_ans.json only"):
+        read_answer_vocab(tmp_path / "list.json", ["vqa"])
+
+
 @pytest.mark.parametrize("change, message", [
     ({"img_id": 7}, r"\[0\] \(img_id 7\): img_id must be a non-empty string, got 7"),
     ({"labelf": {"vqa": [{"2": 1.0}]}}, r"\[0\] \(img_id X\): labelf.vqa must hold one label for each of the 2 questions, got 1"),
@@ -98,3 +131,16 @@ def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
     assert tuple(config["qa_answers"]) == table and config["config"]["num_qa_labels"] == len(table) > 2
     with pytest.raises(VlbertsError, match="--qa_lxmert reads the questions of LXMERT's corpus"):
         pretrain(dataclasses.replace(cfg, captions_format="coco", out=str(tmp_path / "bad")))
+
+    # LXMERT's released table instead of the counted one: its answers, in its order, are the QA head's rows.
+    released = [{"ans": a, "dsets": ["vqa"]} for a in reversed(table[:3])] + [{"ans": "kite", "dsets": ["gqa"]}]
+    (tmp_path / "all_ans.json").write_text(json.dumps(released))
+    final = pretrain(dataclasses.replace(cfg, out=str(tmp_path / "released"), qa_answers=str(tmp_path / "all_ans.json"),
+                                         qa_answer_sets="vqa"))
+    config = json.loads((final / "config.json").read_text())
+    assert config["qa_answers"] == list(reversed(table[:3])) and config["config"]["num_qa_labels"] == 3
+    with pytest.raises(VlbertsError, match="--qa_answer_sets picks answers of an all_ans.json --qa_answers"):
+        pretrain(dataclasses.replace(cfg, out=str(tmp_path / "bad"), qa_answer_sets="vqa"))
+    with pytest.raises(VlbertsError, match="image-QA pre-training needs VQA questions"):  # a table, no questions
+        pretrain(dataclasses.replace(cfg, out=str(tmp_path / "bad"), captions=str(tiny_world.captions_train),
+                                     captions_format="coco", qa_lxmert=False, qa_answers=str(tmp_path / "all_ans.json")))

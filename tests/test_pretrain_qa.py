@@ -114,9 +114,32 @@ def test_lxmert_pretrains_image_qa_in_the_last_half_and_resumes_exactly(tiny_wor
         row = want["answer_head.logit_fc.3.weight"][answers.index(answer)]
         assert torch.equal(own["classifier.logit_fc.3.weight"][vocab.ans2idx[answer]], row)
     assert torch.equal(own["classifier.logit_fc.0.weight"], want["answer_head.logit_fc.0.weight"])
-    new = [i for i, answer in enumerate(vocab.answers) if answer not in answers]  # rows left as initialised
-    assert all(not torch.equal(own["classifier.logit_fc.3.weight"][i], want["answer_head.logit_fc.3.weight"][0])
-               for i in new)
+    new = [i for i, answer in enumerate(vocab.answers) if answer not in answers]  # zero, as LXMERT leaves them
+    assert all(not own["classifier.logit_fc.3.weight"][i].any() for i in new)
+
+
+def test_each_fine_tuning_answer_starts_from_the_row_of_its_lxmert_form():
+    """`copy_qa_head` is LXMERT's `load_lxmert_qa`: a fine-tuning answer reads the pre-training row of the answer
+    as `AnswerTable.convert_ans` writes it ("two" -> "2", "the man" -> "man"); one the table lacks starts at zero
+    (weights and bias); the hidden layers are copied."""
+    from vlberts.models.builders import model_config
+    from vlberts.recipes.finetune_qa import copy_qa_head, qa_model
+    from vlberts.tasks.vqa import AnswerVocab
+
+    cfg = model_config("lxmert-tiny", vocab_size=50, visual_dim=16)
+    torch.manual_seed(0)
+    pre = ("man", "2", "yes")
+    sd = {"answer_head." + k[len("classifier."):]: v for k, v in qa_model(cfg, len(pre)).state_dict().items()
+          if k.startswith("classifier.")}  # a classifier of the pre-training table's size stands for the head
+    model = qa_model(cfg, 4)
+    assert copy_qa_head(model, sd, pre, AnswerVocab(("two", "yes", "cat", "the man"))) == 3
+    got = model.state_dict()
+    for dst, src in ((0, 1), (1, 2), (3, 0)):
+        for part in ("weight", "bias"):
+            assert torch.equal(got[f"classifier.logit_fc.3.{part}"][dst], sd[f"answer_head.logit_fc.3.{part}"][src])
+    assert not got["classifier.logit_fc.3.weight"][2].any() and got["classifier.logit_fc.3.bias"][2] == 0
+    assert torch.equal(got["classifier.logit_fc.0.weight"], sd["answer_head.logit_fc.0.weight"])
+    assert copy_qa_head(model, sd, pre[:2], AnswerVocab(("two", "yes", "cat", "the man"))) == 0  # 2 names, 3 rows
 
 
 def test_image_qa_needs_lxmert_and_questions(tiny_world, tmp_path):

@@ -791,6 +791,9 @@ def models_import(
     config: Optional[Path] = typer.Option(None, help="vilbert: the original JSON config of the weights (default: "
                                           "the released base config, 6 co-attention layers); vlbert: a JSON object "
                                           "of settings to change from vlbert-base, e.g. {\"num_region_classes\": 81}."),
+    qa_answers: Optional[Path] = typer.Option(None, "--qa_answers", help="hf-lxmert: the answers of the QA head's rows, in order "
+                                              "(LXMERT's all_ans.json), so that VQA/GQA fine-tuning starts from the "
+                                              "head (LXMERT's --loadLXMERTQA)."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (once the new one is complete)."),
 ) -> None:
     """Write a released checkpoint as a vlberts model directory, for every command that takes a model
@@ -802,7 +805,7 @@ def models_import(
     from vlberts.models.builders import arch_of
     from vlberts.models.importing import import_model
 
-    model, path = import_model(src, format, out, vocab=vocab, config=config, overwrite=overwrite)
+    model, path = import_model(src, format, out, vocab=vocab, config=config, qa_answers=qa_answers, overwrite=overwrite)
     if getattr(model, "left_out_head", None):
         typer.echo(f"left out: {model.left_out_head} (no place for it in the pre-training model; config.json's "
                    "left_out)")

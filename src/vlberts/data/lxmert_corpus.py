@@ -15,9 +15,9 @@ for MLM, swapped for matching); with image QA (`lxmert_image_qa`) the questions'
 
 Where LXMERT's code fixes what the paper does not, we follow it: answers are normalised by its
 ``AnswerTable.convert_ans`` (`convert_answer`). Its joint table is a released file (``all_ans.json``, 9,500
-answers); here the table is counted from the files, as `data.pretrain_qa` counts VQA's and GQA's: the
-converted answers that are the best-scored answer of at least `min_count` questions, most frequent first,
-ties alphabetical. Images are named by ``img_id`` as written (COCO file stems, which a store keyed by COCO
+answers), read when given (`--qa_answers`, `tasks.vqa.read_answer_vocab`); without it the table is counted
+from the files, as `data.pretrain_qa` counts VQA's and GQA's: the converted answers that are the best-scored
+answer of at least `min_count` questions, most frequent first, ties alphabetical. Images are named by ``img_id`` as written (COCO file stems, which a store keyed by COCO
 id also finds; Visual Genome ids).
 """
 
@@ -110,14 +110,18 @@ def read_lxmert_corpus(paths: str | Path) -> list[LxmertSentence]:
     return out
 
 
-def lxmert_image_qa(sentences: list[LxmertSentence], source: str, min_count: int = 1) -> PretrainQA:
+def lxmert_image_qa(sentences: list[LxmertSentence], source: str, min_count: int = 1,
+                    answers: AnswerVocab | None = None) -> PretrainQA:
     """The corpus's questions as image-QA sentences (`data.pretrain_qa.PretrainQA`): targets are the questions'
-    label scores over the joint table (module docstring); a question none of whose answers is in the table
-    stays a sentence without a QA label. `source` names the files (for the run's record)."""
+    label scores over the joint table (module docstring), or over `answers` when given (LXMERT's released
+    ``all_ans.json``, `--qa_answers`: its code's table, whose answers are already converted); answers outside
+    the table leave the label, as LXMERT's `LXMERTDataset` drops them, and a question none of whose answers is
+    in the table stays a sentence without a QA label. `source` names the files (for the run's record)."""
     questions = [s for s in sentences if s.label is not None]
     labels = [_converted(s.label) for s in questions]
-    counts = Counter(max(label, key=label.__getitem__) for label in labels if label)
-    answers = AnswerVocab.from_counts(counts, min_count)
+    if answers is None:
+        counts = Counter(max(label, key=label.__getitem__) for label in labels if label)
+        answers = AnswerVocab.from_counts(counts, min_count)
     if not len(answers):
         raise VlbertsError(f"no answer is the best answer of {min_count}+ questions of LXMERT's corpus", path=source)
     targets = [label_target(label, answers) for label in labels]

@@ -49,9 +49,10 @@ class PretrainQA:
 
 def read_pretrain_qa(
     vqa_questions: str | Path = "", vqa_annotations: str | Path = "", gqa_questions: str | Path = "",
-    *, min_count: int = 1,
+    *, min_count: int = 1, answers: AnswerVocab | None = None,
 ) -> PretrainQA:
-    """The questions of the given sources with their targets over the joint answer table (module docstring).
+    """The questions of the given sources with their targets over the joint answer table (module docstring), or
+    over `answers` when given (a released table, `--qa_answers`: answers outside it are dropped from the labels).
 
     A VQA questions file needs its annotations file (the answers are there; a Pythia imdb `.npy` holds
     both), and at least one source is
@@ -65,9 +66,10 @@ def read_pretrain_qa(
     if vqa and not vqa[0].annotated:
         raise VlbertsError("image-QA pre-training needs answered questions: this imdb has none", path=vqa_questions)
     gqa = read_gqa(gqa_questions, require_answers=True) if gqa_questions else []
-    counts = Counter(normalize_answer(ex.multiple_choice_answer) for ex in vqa if ex.multiple_choice_answer is not None)
-    counts.update(normalize_gqa_answer(ex.answer) for ex in gqa)
-    answers = AnswerVocab.from_counts(counts, min_count)
+    if answers is None:
+        counts = Counter(normalize_answer(ex.multiple_choice_answer) for ex in vqa if ex.multiple_choice_answer is not None)
+        counts.update(normalize_gqa_answer(ex.answer) for ex in gqa)
+        answers = AnswerVocab.from_counts(counts, min_count)
     if not len(answers):
         raise VlbertsError(f"no answer is given by {min_count}+ questions of the image-QA sources",
                            path=gqa_questions or vqa_annotations)

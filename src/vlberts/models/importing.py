@@ -99,9 +99,17 @@ def _lowercase(src: Path, vocab: Path) -> bool:
 
 
 def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Path | None = None,
-                 config: str | Path | None = None, overwrite: bool = False) -> tuple[nn.Module, Path]:
+                 config: str | Path | None = None, qa_answers: str | Path | None = None,
+                 overwrite: bool = False) -> tuple[nn.Module, Path]:
     """Convert `src` (of format `fmt`, one of `FORMATS`) and write it as the vlberts model directory `out`;
-    returns the converted model and `out`."""
+    returns the converted model and `out`.
+
+    qa_answers: the answer table of an LXMERT checkpoint's QA head, one name a row in order (LXMERT's released
+    ``all_ans.json``, or any table `read_answer_vocab` reads), recorded as `config.json`'s `qa_answers`, so that
+    VQA and GQA fine-tuning start their classifier from the head (`finetune_qa.copy_qa_head`, LXMERT's
+    `--loadLXMERTQA`); its length must be the head's rows."""
+    from vlberts.tasks.vqa import read_answer_vocab
+
     from vlberts.training.checkpoint import require_vocab_fits, save_model_dir
 
     src, out = Path(src), Path(out)
@@ -122,6 +130,13 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     cfg = model.cfg
     require_vocab_fits(vocab_file, cfg, holder="the checkpoint")
     extra = {"imported_from": str(src), "import_format": fmt}
+    if qa_answers is not None:
+        rows = getattr(cfg, "num_qa_labels", 0)
+        answers = read_answer_vocab(qa_answers).answers
+        if len(answers) != rows:
+            raise VlbertsError(f"--qa_answers names {len(answers)} answers but the checkpoint's QA head has {rows} "
+                               "rows" + ("" if rows else " (it has no QA head)"), path=qa_answers)
+        extra["qa_answers"] = list(answers)
     left_out = getattr(model, "left_out_head", None)  # a task head the model has no place for (convert_hf)
     if left_out:
         extra["left_out"] = left_out

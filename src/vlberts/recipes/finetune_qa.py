@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from vlberts.data.lxmert_corpus import convert_answer
 from vlberts.data.regions import RegionSource
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
@@ -180,10 +181,12 @@ def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = Tr
 
 def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answers: Sequence[str],
                  vocab: AnswerVocab) -> int:
-    """LXMERT's `--loadLXMERTQA` (released `src/lxrt/entry.py`/`tasks/vqa.py load_lxmert_qa`): a model whose
+    """LXMERT's `--loadLXMERTQA` (released `src/pretrain/qa_answer_table.py load_lxmert_qa`): a model whose
     pre-training image-QA head has the same shape as its answer classifier starts from it -- the hidden
-    layers copied, and the output row of every answer both tables share; the other answers' rows stay as
-    initialised. Returns the number of rows copied (0 when the checkpoint has no QA head or answer names)."""
+    layers copied, and each answer's output row (weights and bias) from the pre-training table's row of the
+    answer as LXMERT's `AnswerTable.convert_ans` writes it ("two" reads the row of "2", "the man" that of
+    "man"); an answer the table lacks starts at zero, as there. Returns the number of rows copied (0 when the
+    checkpoint has no QA head or answer names)."""
     head = {k[len("answer_head."):]: v for k, v in sd.items() if k.startswith("answer_head.")}
     mine = {k[len("classifier."):]: v for k, v in model.state_dict().items() if k.startswith("classifier.")}
     out_layer = "logit_fc.3."  # `AnswerMLP`'s output Linear(2D, A): one row per answer
@@ -191,11 +194,13 @@ def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answe
             or any(head[k].shape[1:] != v.shape[1:] or (head[k].shape != v.shape and not k.startswith(out_layer))
                    for k, v in mine.items())):
         return 0
-    shared = [(vocab.ans2idx[a], i) for i, a in enumerate(pretrain_answers) if a in vocab]
+    table = {a: i for i, a in enumerate(pretrain_answers)}
+    shared = [(d, table[convert_answer(a)]) for d, a in enumerate(vocab.answers) if convert_answer(a) in table]
     dst, src = [d for d, _ in shared], [s for _, s in shared]
     with torch.no_grad():
         for name, value in mine.items():  # state_dict tensors share the parameters' storage
             if name.startswith(out_layer):
+                value.zero_()
                 value[dst] = head[name][src]
             else:
                 value.copy_(head[name])

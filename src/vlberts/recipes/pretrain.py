@@ -96,7 +96,7 @@ from vlberts.recipes.pretrain_mix import (
     streamed_batch_sizes,
     withhold_captions,
 )
-from vlberts.tasks.vqa import SoftTarget
+from vlberts.tasks.vqa import SoftTarget, read_answer_vocab
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
     TrainState,
@@ -194,6 +194,11 @@ class PretrainConfig:
     qa_lxmert: bool = opt(False, "LXMERT image-QA pre-training from LXMERT's own corpus (--captions_format=lxmert): "
                           "its VQA, GQA and Visual7W questions carry their answers (labelf) as QA labels")
     qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")
+    qa_answers: str = opt("", "the joint answer table from a file instead of counted from the questions: LXMERT's "
+                          "released all_ans.json (9,500 answers, its QA head's rows in order) or any table --answer_vocab "
+                          "reads; answers outside it are dropped from the labels")
+    qa_answer_sets: str = opt("", "with an all_ans.json --qa_answers: keep the answers of these data sets only (e.g. "
+                              "vqa,gqa; LXMERT's --qaSets); default: every answer, as LXMERT's pre-training")
     qa_last_fraction: float = opt(0.5, "the image-QA loss trains in this last fraction of the updates "
                                   "(LXMERT §3.3: the last 10 of 20 epochs)")
     text_corpus: str = opt("", "text-only documents (BERT's format: one sentence per line, a blank line between "
@@ -400,19 +405,24 @@ def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str
 
 def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
     """LXMERT's image-QA pre-training data when the run names question files (or `--qa_lxmert`), else None."""
-    if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions or cfg.qa_lxmert):
+    if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions or cfg.qa_lxmert
+            or cfg.qa_answers or cfg.qa_answer_sets):
         return None
     if arch != "lxmert":
         raise VlbertsError(f"image-QA pre-training (--qa_*) is LXMERT's objective (§3.1.3); {arch} has no answer head")
+    sets = [s.strip() for s in cfg.qa_answer_sets.split(",") if s.strip()]
+    if sets and not cfg.qa_answers:
+        raise VlbertsError("--qa_answer_sets picks answers of an all_ans.json --qa_answers; give the file")
+    answers = read_answer_vocab(cfg.qa_answers, sets) if cfg.qa_answers else None
     if cfg.qa_lxmert:
         if cfg.captions_format != "lxmert" or cfg.qa_vqa_questions or cfg.qa_gqa_questions:
             raise VlbertsError("--qa_lxmert reads the questions of LXMERT's corpus: it needs --captions_format=lxmert "
                                "and no --qa_vqa_questions / --qa_gqa_questions")
         from vlberts.data.lxmert_corpus import lxmert_image_qa, read_lxmert_corpus
 
-        return lxmert_image_qa(read_lxmert_corpus(cfg.captions), cfg.captions, cfg.qa_min_answer_count)
+        return lxmert_image_qa(read_lxmert_corpus(cfg.captions), cfg.captions, cfg.qa_min_answer_count, answers)
     return read_pretrain_qa(cfg.qa_vqa_questions, cfg.qa_vqa_annotations, cfg.qa_gqa_questions,
-                            min_count=cfg.qa_min_answer_count)
+                            min_count=cfg.qa_min_answer_count, answers=answers)
 
 
 def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg, with_qa: bool = False) -> dict[str, float]:

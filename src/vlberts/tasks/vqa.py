@@ -403,12 +403,21 @@ def _answer_lines(path: str | Path) -> list[str]:
     return [line.strip() for line in lines]
 
 
-def read_answer_vocab(path: str | Path) -> AnswerVocab:
-    """Read a JSON list of answers, an ``{answer: index}`` object (LXMERT's trainval_ans2label.json), or a text
-    file of one answer a line (`.txt`: Pythia's answers_vqa.txt, kept as written, its `<unk>` line too, so
-    class indices are VisualBERT's; no ground-truth answer normalises to `<unk>`, so that class is never a
-    target, which is VisualBERT's `<unk>` -> 0)."""
+def read_answer_vocab(path: str | Path, sets: Sequence[str] = ()) -> AnswerVocab:
+    """Read a JSON list of answers, an ``{answer: index}`` object (LXMERT's trainval_ans2label.json), LXMERT's
+    joint pre-training table ``all_ans.json`` (a list of ``{"ans": answer, "dsets": [data sets]}``, in class
+    order), or a text file of one answer a line (`.txt`: Pythia's answers_vqa.txt, kept as written, its
+    `<unk>` line too, so class indices are VisualBERT's; no ground-truth answer normalises to `<unk>`, so that
+    class is never a target, which is VisualBERT's `<unk>` -> 0).
+
+    sets: keep only the answers of ``all_ans.json`` used by one of these data sets (``vqa``, ``gqa``,
+    ``visual7w``), in the file's order, as LXMERT's ``AnswerTable(dsets)`` does; the other forms name no data
+    set, so giving sets for them is an error."""
     data = _answer_lines(path) if Path(path).suffix.lower() == ".txt" else read_json(path)
+    if isinstance(data, list) and data and all(isinstance(a, dict) for a in data):
+        data = _lxmert_answers(data, sets, path)
+    elif sets:
+        raise VlbertsError("answer data sets are named in LXMERT's all_ans.json only ({ans, dsets} records)", path=path)
     if isinstance(data, dict):
         if sorted(data.values()) != list(range(len(data))) or not all(isinstance(a, str) for a in data):
             raise VlbertsError("answer-to-index object must map strings to the indices 0..N-1", path=path)
@@ -416,12 +425,26 @@ def read_answer_vocab(path: str | Path) -> AnswerVocab:
     elif isinstance(data, list) and all(isinstance(a, str) for a in data):
         answers = data
     else:
-        raise VlbertsError("expected a JSON list of answers or an {answer: index} object", path=path)
+        raise VlbertsError("expected a JSON list of answers, an {answer: index} object or LXMERT's all_ans.json "
+                           "({ans, dsets} records)", path=path)
     if len(set(answers)) != len(answers):
         raise VlbertsError("answer vocabulary has duplicate entries", path=path)
     if not answers:
-        raise VlbertsError("the answer table is empty", path=path)
+        raise VlbertsError("the answer table is empty" + (f" (no answer of {', '.join(sets)})" if sets else ""), path=path)
     return AnswerVocab(tuple(answers))
+
+
+def _lxmert_answers(records: list[dict], sets: Sequence[str], path: str | Path) -> list[str]:
+    """The answers of LXMERT's all_ans.json records, those of `sets` only when given."""
+    out = []
+    for i, rec in enumerate(records):
+        answer, used = rec.get("ans"), rec.get("dsets", None if sets else [])
+        if not isinstance(answer, str) or not isinstance(used, list) or not all(isinstance(d, str) for d in used):
+            raise VlbertsError("an all_ans.json record needs ans (a string) and dsets (a list of data set names)",
+                               path=path, record=f"[{i}]")
+        if not sets or set(used) & set(sets):
+            out.append(answer)
+    return out
 
 
 # --------------------------------------------------------------------------- soft-score targets
