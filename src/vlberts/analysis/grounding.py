@@ -481,8 +481,8 @@ class GroupSums:
     appearance, each array summed over the key's queries. Queries wait in a buffer and are summed
     `flush_every` at a time with one matrix product per array against their one-hot group matrix: a
     grounding analysis splits ~100,000 queries into hundreds of groups (entities by type or last word, arc
-    instances by relation and by query word), and numpy calls per query cost more than its forward pass's
-    last layer. Sums are float64; counts of 0/1 values are exact.
+    instances by relation and by query word), and numpy calls per query took ~7 s of a 5,000-caption run
+    (profiled). Sums are float64; counts of 0/1 values are exact.
     """
 
     def __init__(self, flush_every: int = 4096):
@@ -646,14 +646,13 @@ class BreakdownRow:
         return dataclasses.asdict(self)
 
 
-def breakdown_rows(groups: dict[Hashable, GroundingAccumulator], overall: GroundingResult,
-                   label: Callable[[Hashable], str] = str) -> list[BreakdownRow]:
+def breakdown_rows(groups: dict[Hashable, GroundingAccumulator], overall: GroundingResult) -> list[BreakdownRow]:
     """Every group, the most queries first (then by name), read against `overall`'s best head."""
     head = overall.best_head
     out = []
     for group, acc in groups.items():
         r = acc.result()
-        out.append(BreakdownRow(label(group), r.n_entities, r.baseline_accuracy, head.label,
+        out.append(BreakdownRow(str(group), r.n_entities, r.baseline_accuracy, head.label,
                                 float(r.accuracy[head.layer, head.head]), r.best_head.label, r.best_head.accuracy))
     return sorted(out, key=lambda row: (-row.n, row.group))
 

@@ -17,8 +17,8 @@ Where LXMERT's code fixes what the paper does not, we follow it: answers are nor
 ``AnswerTable.convert_ans`` (`convert_answer`). Its joint table is a released file (``all_ans.json``, 9,500
 answers), read when given (`--qa_answers`, `tasks.vqa.read_answer_vocab`); without it the table is counted
 from the files, as `data.pretrain_qa` counts VQA's and GQA's: the converted answers that are the best-scored
-answer of at least `min_count` questions, most frequent first, ties alphabetical. Images are named by ``img_id`` as written (COCO file stems, which a store keyed by COCO
-id also finds; Visual Genome ids).
+answer of at least `min_count` questions, most frequent first, ties alphabetical. Images are named by
+``img_id`` as written (COCO file stems, which a store keyed by COCO id also finds; Visual Genome ids).
 """
 
 from __future__ import annotations
