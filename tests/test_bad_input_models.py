@@ -378,6 +378,12 @@ def test_a_weights_pickle_with_other_objects_is_refused_in_one_line_and_a_trunca
     cut.write_bytes(cut.read_bytes()[:300])
     with pytest.raises(VlbertsError, match=r"cannot read weights \(truncated, corrupt, or not a PyTorch weights file\)"):
         read_state_dict(cut)
+    other = tmp_path / "features.h5"
+    other.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))  # another kind of file given as weights
+    with pytest.raises(VlbertsError) as err:
+        read_state_dict(other)
+    assert str(err.value) == (f"{other}: cannot read weights: not a PyTorch weights file (it starts with "
+                              "b'\\x89HDF', where torch.save writes a zip archive or a pickle)")
 
 
 def test_a_bert_vocabulary_holds_the_special_tokens_and_utf8_lines(tmp_path):

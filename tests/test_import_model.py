@@ -112,6 +112,50 @@ def test_hf_lxmert_imports_with_its_heads_and_loads_back(tmp_path, run):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+def test_original_lxmert_imports_from_its_own_key_layout_with_the_same_outputs(tmp_path, run):
+    """airsplay/lxmert's `*_LXRT.pth` (`bert.` where Hugging Face has `lxmert.`, `module.` from DataParallel, the
+    tied decoder saved too): imported with its config read off the tensors, the outputs are the HF model's."""
+    from vlberts.models.convert_hf_lxmert import load_hf_lxmert
+
+    hf = _randomised(transformers.LxmertForPreTraining(transformers.LxmertConfig(
+        vocab_size=40, hidden_size=128, num_attention_heads=2, intermediate_size=37, l_layers=2, r_layers=1,
+        x_layers=3, visual_feat_dim=16, max_position_embeddings=64, num_qa_labels=7, num_object_labels=11,
+        num_attr_labels=5)))
+    original = {"module." + ("bert." + k[len("lxmert."):] if k.startswith("lxmert.") else k): v.clone()
+                for k, v in hf.state_dict().items()}
+    assert "module.bert.encoder.x_layers.2.visual_attention.att.query.weight" in original
+    assert "module.cls.predictions.decoder.weight" in original and "module.answer_head.logit_fc.3.bias" in original
+    torch.save(original, tmp_path / "Epoch20_LXRT.pth")
+    vocab = _vocab(tmp_path / "vocab.txt", 40)
+
+    code, out_, err = run(str(tmp_path / "Epoch20_LXRT.pth"), "--format=lxmert", f"--vocab={vocab}",
+                          f"--out={tmp_path / 'm'}")
+    assert code == 0, err
+    ours, cfg, meta = load_pretraining_model(tmp_path / "m")
+    assert (cfg.language_layers, cfg.relation_layers, cfg.cross_layers, cfg.num_heads, cfg.intermediate_size) == (2, 1, 3, 2, 37)
+    assert (cfg.num_qa_labels, cfg.num_object_labels, cfg.num_attr_labels, cfg.visual_dim) == (7, 11, 5, 16)
+    assert meta["import_format"] == "lxmert"
+    hf.save_pretrained(tmp_path / "hf")  # the same weights in Hugging Face's layout, read by its converter
+    ref = load_hf_lxmert(tmp_path / "hf")
+    x = _batch(40, 16)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    for name in ("mlm_logits", "match_logits", "obj_logits", "attr_logits", "feat_pred", "qa_logits"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+    # The heads are not in the names of the weights: hidden_size / 64 unless --config says.
+    (tmp_path / "heads.json").write_text(json.dumps({"num_attention_heads": 4}))
+    code, _, err = run(str(tmp_path / "Epoch20_LXRT.pth"), "--format=lxmert", f"--vocab={vocab}",
+                       f"--out={tmp_path / 'm4'}", f"--config={tmp_path / 'heads.json'}")
+    assert code == 0, err
+    assert load_pretraining_model(tmp_path / "m4")[1].num_heads == 4
+    torch.save({"module.something.weight": torch.zeros(2)}, tmp_path / "other.pth")
+    code, _, err = run(str(tmp_path / "other.pth"), "--format=lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'x'}")
+    assert code == 2 and err.strip() == (f"error: {tmp_path / 'other.pth'}: not an LXMERT checkpoint: no "
+                                         "bert.embeddings.word_embeddings.weight (LXMERT's LXRTPretraining state dict, "
+                                         "e.g. Epoch20_LXRT.pth)")
+
+
 def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path, run):
     from test_vilbert import ORIGINAL_CONFIG, _original_state_dict, _write_original
 
@@ -176,7 +220,7 @@ def test_bad_imports_are_one_line(tmp_path, run):
     assert error(str(src), "--format=hf-visualbert", f"--out={out}") == (
         f"error: {src}: no vocab.txt beside the checkpoint: pass --vocab with the BERT vocabulary it was trained "
         "with (e.g. bert-base-uncased's vocab.txt)")
-    assert "unknown format 'hf-visualbrt'; valid: hf-visualbert, hf-lxmert, vilbert, vlbert" in error(
+    assert "unknown format 'hf-visualbrt'; valid: hf-visualbert, hf-lxmert, lxmert, vilbert, vlbert" in error(
         str(src), "--format=hf-visualbrt", f"--out={out}")
     big = _vocab(tmp_path / "big.txt", 13)
     assert error(str(src), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (

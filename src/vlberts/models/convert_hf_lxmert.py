@@ -24,6 +24,16 @@ prefix; rule 1 adds it):
 Heads the file does not hold (all of them for a bare `LxmertModel`; `cls` and `obj_predict_head` for
 `LxmertForQuestionAnswering`) stay freshly initialised; any other missing, unexpected or mis-shaped key
 is a `VlbertsError` naming the first offending keys.
+
+LXMERT's own checkpoints (airsplay/lxmert `snap/pretrained/model_LXRT.pth`, the released `Epoch20_LXRT.pth`: a
+`torch.save`d state dict of its `LXRTPretraining`, keys prefixed `module.` when saved from `DataParallel`) use
+Hugging Face's module names but for the backbone's prefix, `bert.` where Hugging Face has `lxmert.` (Hugging
+Face's port keeps LXMERT's names: `encoder.visn_fc`, `encoder.layer/r_layers/x_layers`, `visual_attention`,
+`lang_inter`, `obj_predict_head.decoder_dict`, `answer_head.logit_fc`). `load_original_lxmert` strips
+`module.`, renames `bert.` -> `lxmert.` and applies the table above. Such a file carries no config: the
+layer counts, widths, vocabulary, feature size and heads are read off the tensors' names and shapes; the
+number of attention heads is not in them, so it is hidden_size / 64 (LXMERT's and BERT's 12 for 768) unless
+`config` says otherwise (a JSON object of Hugging Face `LxmertConfig` settings).
 """
 
 from __future__ import annotations
@@ -90,13 +100,72 @@ def load_hf_lxmert(path: str | Path) -> LxmertForPreTraining:
     """Load a HF LXMERT checkpoint directory into our `LxmertForPreTraining`."""
     path = Path(path)
     cfg = lxmert_config_from_hf(read_json_object(path / "config.json"), where=str(path / "config.json"))
+    return _load(cfg, read_state_dict(path), path)
+
+
+# LXMERT's own checkpoint keys -> Hugging Face's: DataParallel's prefix dropped, the backbone renamed.
+ORIGINAL_LXMERT_RULES = [(r"^module\.", ""), (r"^bert\.", "lxmert.")]
+
+
+def load_original_lxmert(path: str | Path, config: str | Path | None = None) -> LxmertForPreTraining:
+    """Load an airsplay/lxmert checkpoint (`*_LXRT.pth`) into our `LxmertForPreTraining` (module docstring):
+    its config read off the tensors, `config` a JSON object of Hugging Face settings that changes it."""
+    path = Path(path)
+    state, names = {}, {}
+    for k, v in read_state_dict(path).items():
+        state[rename_key(k, ORIGINAL_LXMERT_RULES)], names[rename_key(k, ORIGINAL_LXMERT_RULES)] = v, k
+    hf = original_lxmert_config(state, path)
+    if config is not None:
+        hf.update(read_json_object(config))
+    return _load(lxmert_config_from_hf(hf, where=str(config or path)), state, path, names)
+
+
+def original_lxmert_config(state: dict, path: str | Path) -> dict:
+    """The Hugging Face `LxmertConfig` settings an LXMERT state dict's names and shapes hold (its keys already
+    in Hugging Face's names); a file without LXMERT's word embeddings is an error naming it."""
+    word = state.get("lxmert.embeddings.word_embeddings.weight")
+    if word is None:
+        raise VlbertsError("not an LXMERT checkpoint: no bert.embeddings.word_embeddings.weight (LXMERT's "
+                           "LXRTPretraining state dict, e.g. Epoch20_LXRT.pth)", path=path)
+
+    def layers(prefix: str) -> int:
+        return len({k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)})
+
+    def rows(key: str) -> int:
+        return int(state[key].shape[0]) if key in state else 0
+
+    hidden = int(word.shape[1])
+    ffn = next((v for k, v in state.items() if k.endswith(("intermediate.dense.weight", "lang_inter.dense.weight"))), None)
+    heads = "obj_predict_head.decoder_dict."
+    return {
+        "vocab_size": int(word.shape[0]), "hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
+        "intermediate_size": int(ffn.shape[0]) if ffn is not None else 4 * hidden,
+        "l_layers": layers("lxmert.encoder.layer."), "r_layers": layers("lxmert.encoder.r_layers."),
+        "x_layers": layers("lxmert.encoder.x_layers."),
+        "max_position_embeddings": rows("lxmert.embeddings.position_embeddings.weight"),
+        "type_vocab_size": rows("lxmert.embeddings.token_type_embeddings.weight"),
+        "visual_feat_dim": int(state["lxmert.encoder.visn_fc.visn_fc.weight"].shape[1])
+        if "lxmert.encoder.visn_fc.visn_fc.weight" in state else 2048,
+        "visual_pos_dim": int(state["lxmert.encoder.visn_fc.box_fc.weight"].shape[1])
+        if "lxmert.encoder.visn_fc.box_fc.weight" in state else 4,
+        "task_obj_predict": any(k.startswith(heads) for k in state),
+        "num_object_labels": rows(heads + "obj.weight"), "visual_obj_loss": heads + "obj.weight" in state,
+        "num_attr_labels": rows(heads + "attr.weight"), "visual_attr_loss": heads + "attr.weight" in state,
+        "visual_feat_loss": heads + "feat.weight" in state,
+        "num_qa_labels": rows("answer_head.logit_fc.3.weight"), "task_qa": "answer_head.logit_fc.3.weight" in state,
+    }
+
+
+def _load(cfg: LxmertConfig, state: dict, source: Path, names: dict[str, str] | None = None) -> LxmertForPreTraining:
+    """`state` (Hugging Face's key names; `names`: each one's name in the file, for messages) into a new model of
+    `cfg`, strictly but for the heads the file lacks."""
     model = LxmertForPreTraining(cfg)
     sd, file_names = {}, {}
-    for k, v in read_state_dict(path).items():
+    for k, v in state.items():
         ours = rename_key(k, HF_LXMERT_RULES)
         if ours:
-            sd[ours], file_names[ours] = v, k
+            sd[ours], file_names[ours] = v, (names or {}).get(k, k)
     absent = tuple(p for p in _HEAD_PREFIXES if not any(k.startswith(p) for k in sd))
-    load_into(model, sd, source=path, allow_missing=lambda k: k.startswith(absent), file_names=file_names)
+    load_into(model, sd, source=source, allow_missing=lambda k: k.startswith(absent), file_names=file_names)
     model.tie_weights()
     return model

@@ -42,6 +42,12 @@ def _hf_lxmert(src: Path, config: Path | None) -> nn.Module:
     return load_hf_lxmert(src)
 
 
+def _lxmert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_hf_lxmert import load_original_lxmert
+
+    return load_original_lxmert(src, config)
+
+
 def _vilbert(src: Path, config: Path | None) -> nn.Module:
     from vlberts.models.convert_vilbert import load_original_vilbert
 
@@ -71,6 +77,9 @@ FORMATS: dict[str, tuple[Callable[[Path, Path | None], nn.Module], str]] = {
                                       "VisualBertForMultipleChoice or VisualBertForRegionToPhraseAlignment: its encoder, "
                                       "the task head left out and named in config.json's left_out)"),
     "hf-lxmert": (_hf_lxmert, "a Hugging Face save_pretrained directory (LxmertModel or LxmertForPreTraining)"),
+    "lxmert": (_lxmert, "airsplay/lxmert weights (*_LXRT.pth, e.g. the released Epoch20_LXRT.pth); its config is read "
+                        "off the tensors, --config a JSON object of Hugging Face LxmertConfig settings that changes it "
+                        "(num_attention_heads is not in the file: hidden_size / 64 unless given)"),
     "vilbert": (_vilbert, "facebookresearch/vilbert-multi-task weights (.bin); --config its JSON config"),
     "vlbert": (_vlbert, "jackroos/VL-BERT weights (PREFIX-EPOCH.model or a state dict); --config a JSON object of "
                         "settings to change from vlbert-base"),
@@ -120,9 +129,9 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     if fmt.startswith("hf-") and not src.is_dir():
         raise VlbertsError(f"--format {fmt} reads a save_pretrained directory (config.json and the weights), not a "
                            f"file: give its folder, {src.parent}", path=src)
-    if config is not None and fmt not in ("vilbert", "vlbert"):
-        raise VlbertsError(f"--config is read for --format vilbert and vlbert only (the {fmt} checkpoint carries its "
-                           "config)")
+    if config is not None and fmt not in ("lxmert", "vilbert", "vlbert"):
+        raise VlbertsError(f"--config is read for --format lxmert, vilbert and vlbert only (the {fmt} checkpoint "
+                           "carries its config)")
     vocab_file = find_vocab(src, None if vocab is None else Path(vocab))
     tok = TextTokenizer.from_vocab(vocab_file, lowercase=_lowercase(src, vocab_file))
     loader, _ = FORMATS[fmt]

@@ -51,6 +51,13 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     path = find_weights(path)
     if path.suffix == ".safetensors":
         return read_safetensors(path)
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive (since PyTorch 1.6) or, before, a pickle (protocol opcode 0x80); anything
+    # else (an HDF5 store, a text file) would reach the unpickler and read as "refused objects".
+    if not head.startswith((b"PK", b"\x80")):
+        raise VlbertsError(f"cannot read weights: not a PyTorch weights file (it starts with {head!r}, where "
+                           "torch.save writes a zip archive or a pickle)", path=path)
     try:
         with warnings.catch_warnings():  # e.g. a plain pickle's legacy-format UserWarning: the error below says it
             warnings.simplefilter("ignore")
