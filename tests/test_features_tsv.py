@@ -330,3 +330,33 @@ def test_cli_import_info_export(tmp_path):
     res = runner.invoke(app, ["features", "export", str(out), "--format", "lxmert-tsv", "--out", str(tmp_path / "x.tsv")])
     assert res.exit_code == 0, res.output
     assert [r.image_id for r in read_lxmert_tsv(tmp_path / "x.tsv")] == [i[0] for i in LXMERT_ITEMS]
+
+
+def test_several_files_of_one_format_import_into_one_store(tmp_path):
+    """LXMERT's train2014 and val2014 TSVs into one store (`features import A B`): every image of both, as the
+    single-file import reads each; the store's source lists both files; an image in both is an error naming
+    both files, and an empty file among them names itself; no store is left by a failure."""
+    a, b = tmp_path / "train2014_obj36.tsv", tmp_path / "val2014_obj36.tsv"
+    write_lxmert_like_extract(a, LXMERT_ITEMS[:2])
+    write_lxmert_like_extract(b, LXMERT_ITEMS[2:])
+    write_lxmert_like_extract(tmp_path / "all.tsv", LXMERT_ITEMS)
+    runner = CliRunner()
+    res = runner.invoke(app, ["features", "import", str(a), str(b), "--format", "lxmert-tsv", "--out", str(tmp_path / "s.h5")])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(f"wrote {tmp_path / 's.h5'}: 3 images, 42 boxes")
+    one = import_features(tmp_path / "all.tsv", "lxmert-tsv", tmp_path / "one.h5")
+    with RegionStore(tmp_path / "s.h5") as both, RegionStore(one) as single:
+        assert both.ids() == single.ids() == [i[0] for i in LXMERT_ITEMS]
+        assert all(both.get(i).differences(single.get(i)) == [] for i in single.ids())
+        source = both.metadata.source
+    assert source["format"] == "lxmert-tsv" and [f["file"] for f in source["files"]] == [str(a.resolve()), str(b.resolve())]
+    assert [f["lines"] for f in source["files"]] == [2, 1] and source["files"][1]["bytes"] == b.stat().st_size
+
+    write_lxmert_like_extract(b, LXMERT_ITEMS[1:])  # its first image is in a.tsv too
+    with pytest.raises(VlbertsError) as err:
+        import_features([a, b], "lxmert-tsv", tmp_path / "dup.h5")
+    assert str(err.value) == f"{b}: record line 1 (image dev-850-0-img0): duplicate image id dev-850-0-img0 (first on line 2 of {a})"
+    b.write_text("")
+    with pytest.raises(VlbertsError, match=rf"^{b}: no records in this lxmert-tsv file$"):
+        import_features([a, b], "lxmert-tsv", tmp_path / "empty.h5")
+    assert not (tmp_path / "dup.h5").exists() and not (tmp_path / "empty.h5").exists() and leftovers(tmp_path) == []

@@ -102,7 +102,9 @@ def _echo_store_written(out: Path) -> None:
 
 @features_app.command("import")
 def features_import(
-    src: Path = typer.Argument(..., help="The feature file (or the directory / zip of per-image files) to import."),
+    src: list[Path] = typer.Argument(..., help="The feature file (or the directory / zip of per-image files) to import; "
+                                     "several of one format go into one store, e.g. LXMERT's train2014_obj36.tsv "
+                                     "val2014_obj36.tsv."),
     format: ImportFormat = typer.Option(..., "--format", help="butd-tsv (6 fields), lxmert-tsv (10 fields), "
                                         "vlbert-json (per-image JSON), vilbert-lmdb (ViLBERT's feature LMDB), vilbert-cc-lmdb (ViLBERT's "
                                         "Conceptual Captions pre-training LMDB), ban-h5 (BAN's HDF5), "
@@ -124,8 +126,8 @@ def features_import(
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once the import has succeeded), or a shard "
                                    "set of the same prefix in --shards."),
 ) -> None:
-    """Stream a feature file into a region store (or a shard set), one image at a time; a bad record leaves no
-    store (no shard index) behind."""
+    """Stream a feature file (or several) into a region store (or a shard set), one image at a time; a bad record
+    leaves no store (no shard index) behind."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -142,7 +144,7 @@ def features_import(
         attributes=None if attributes is None else read_vocab(attributes),
     )
     console = Console(stderr=True)
-    size = src.stat().st_size if src.is_file() else None
+    size = sum(s.stat().st_size for s in src) if all(s.is_file() for s in src) else None
     columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     # No bar when stderr is not a terminal: logs get the summary line only.
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:

@@ -7,7 +7,9 @@ the captions), BAN's HDF5 (with its `imgid2idx.pkl`), VisualBERT's Detectron `.t
 directory, with the images for their sizes).
 
 `import_features` streams: one record is decoded and appended at a time, so a 20 GB COCO TSV needs the
-memory of one image plus the writer's 32 MB buffer. The store is written atomically: a bad record
+memory of one image plus the writer's 32 MB buffer. Several files of one format go into one store, file after
+file (LXMERT's `train2014_obj36.tsv` and `val2014_obj36.tsv` for training on train + nominival; its
+`vg_gqa_obj36.tsv` beside them for pre-training), an image id in two of them being an error naming both. The store is written atomically: a bad record
 anywhere (even the last, truncated one) leaves no output file behind, and an existing store under the
 same name stays as it was.
 """
@@ -22,7 +24,7 @@ import pickle
 import tempfile
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +115,7 @@ def _guarded(records: Iterator[tuple[str, bytes, RegionRecord | None]], src: Pat
 
 
 def import_features(
-    src: str | Path,
+    src: str | Path | Sequence[str | Path],
     format: str,
     out: str | Path,
     dtype: str = "float32",
@@ -128,8 +130,8 @@ def import_features(
     shard_size: int = 1000,
     prefix: str = "shard",
 ) -> Path:
-    """Stream a feature file in one of `IMPORT_FORMATS` into a new store at `out` (`ids`: BAN's
-    imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from;
+    """Stream a feature file in one of `IMPORT_FORMATS` (or several, `src` a sequence: one after the other) into a
+    new store at `out` (`ids`: BAN's imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from;
     `captions_out`: vilbert-cc-lmdb only, where to write its records' captions as an official COCO
     captions file, for `vlberts pretrain --captions`, once the store is complete). Returns `out`.
 
@@ -141,16 +143,19 @@ def import_features(
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
     (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
-    others). `progress` is called with the number of bytes consumed after each record. Every bad
+    others; for several files, the format and `files`, a list of those per file). `progress` is called with the number of bytes consumed after each record. Every bad
     record raises `VlbertsError(path=src, record="line L (image ID)")` (or "file F", "key K", ...); a
     duplicate id names where it first appeared.
     """
-    src, out = Path(src), Path(out)
+    sources = [Path(src)] if isinstance(src, (str, Path)) else [Path(s) for s in src]
+    if not sources:
+        raise VlbertsError("no feature file to import")
+    out = Path(out)
     if format not in IMPORT_FORMATS:
         raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
     meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
     if shards:
-        return _import_to_shards(src, format, out, dtype, meta, overwrite, progress, ids, images, captions_out,
+        return _import_to_shards(sources, format, out, dtype, meta, overwrite, progress, ids, images, captions_out,
                                  shard_size, prefix)
     if out.exists() and not overwrite:
         raise VlbertsError("already exists (pass --overwrite to replace it)", path=out)
@@ -165,14 +170,14 @@ def import_features(
                                      with_objects=layout.with_objects, with_attrs=layout.with_attrs,
                                      with_cls_prob=layout.num_classes)
 
-        _import_records(src, format, dtype, meta, progress, ids, images, captions, open_writer,
+        _import_records(sources, format, dtype, meta, progress, ids, images, captions, open_writer,
                         lambda writer, rec: writer.add(rec))
         if captions is not None:  # once the store is complete
-            captions.write(Path(captions_out), f"captions of {src.name}")
+            captions.write(Path(captions_out), f"captions of {', '.join(s.name for s in sources)}")
     return out
 
 
-def _import_to_shards(src: Path, format: str, out_dir: Path, dtype: str, meta: StoreMetadata, overwrite: bool,
+def _import_to_shards(sources: list[Path], format: str, out_dir: Path, dtype: str, meta: StoreMetadata, overwrite: bool,
                       progress: Callable[[int], None] | None, ids: str | Path | None, images: str | Path | None,
                       captions_out: str | Path | None, shard_size: int, prefix: str) -> Path:
     """`import_features(shards=True)`: each record, with its caption where the format holds one, into a
@@ -191,48 +196,54 @@ def _import_to_shards(src: Path, format: str, out_dir: Path, dtype: str, meta: S
         pending.clear()
         writer.add(rec, captions)
 
-    _import_records(src, format, dtype, meta, progress, ids, images, pending, open_writer, add)
+    _import_records(sources, format, dtype, meta, progress, ids, images, pending, open_writer, add)
     return out_dir / f"{prefix}-index.json"
 
 
-def _import_records(src: Path, format: str, dtype: str, meta: StoreMetadata, progress: Callable[[int], None] | None,
+def _import_records(sources: list[Path], format: str, dtype: str, meta: StoreMetadata, progress: Callable[[int], None] | None,
                     ids: str | Path | None, images: str | Path | None, captions: Any,
                     open_writer: Callable[[RecordLayout], Any], add: Callable[[Any, RegionRecord], None]) -> None:
-    """The streaming loop of `import_features` (into a store or a shard set): every record of `src`, checked (duplicate
-    ids; the first image must have boxes, which fix the feature width), into the writer `open_writer` makes
-    from the first record's layout (a `RegionStoreWriter`, a `ShardSetWriter`: entered as a context, its
-    `metadata` given the source at the end) by `add(writer, record)`."""
-    sha = hashlib.sha256()
-    n_bytes = n_items = 0
-    first_seen: dict[str, str] = {}
+    """The streaming loop of `import_features` (into a store or a shard set): every record of each file of
+    `sources` in turn, checked (duplicate ids, within a file and across files; the first image must have
+    boxes, which fix the feature width), into the writer `open_writer` makes from the first record's layout
+    (a `RegionStoreWriter`, a `ShardSetWriter`: entered as a context, its `metadata` given the source at the
+    end) by `add(writer, record)`."""
+    first_seen: dict[str, tuple[Path, str]] = {}
+    files = []  # per file: what `source` records of it
     with contextlib.ExitStack() as stack:
         writer: Any = None
-        for at, raw, rec in _guarded(read_records(src, format, ids, images, captions), src, format):
-            sha.update(raw)
-            n_bytes += len(raw)
-            n_items += 1
-            if rec is not None:
-                where = f"{at} (image {rec.image_id})"
-                if rec.image_id in first_seen:
-                    raise VlbertsError(
-                        f"duplicate image id {rec.image_id} (first on {first_seen[rec.image_id]})", path=src, record=where
-                    )
-                first_seen[rec.image_id] = at
-                if writer is None:
-                    if rec.num_boxes == 0:
-                        raise VlbertsError("the first image has no boxes, so the feature width is unknown", path=src, record=where)
-                    writer = stack.enter_context(open_writer(RecordLayout.of(rec, dtype)))
-                try:
-                    add(writer, rec)
-                except VlbertsError as e:
-                    hint = " (truncated line?)" if "feature width" in e.message and format in TSV_FORMATS else ""
-                    raise VlbertsError(e.message + hint, path=src, record=where) from None
-            if progress is not None:
-                progress(len(raw))
-        if writer is None:
-            raise VlbertsError(f"no records in this {format} file", path=src)
-        count = {"lines": n_items} if format in TSV_FORMATS else {"records": n_items}
-        source = {"format": format, "file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), **count}
+        for src in sources:
+            sha = hashlib.sha256()
+            n_bytes = n_items = n_records = 0
+            for at, raw, rec in _guarded(read_records(src, format, ids, images, captions), src, format):
+                sha.update(raw)
+                n_bytes += len(raw)
+                n_items += 1
+                if rec is not None:
+                    n_records += 1
+                    where = f"{at} (image {rec.image_id})"
+                    if rec.image_id in first_seen:
+                        path, first = first_seen[rec.image_id]
+                        raise VlbertsError(f"duplicate image id {rec.image_id} (first on {first}"
+                                           + ("" if path == src else f" of {path}") + ")", path=src, record=where)
+                    first_seen[rec.image_id] = (src, at)
+                    if writer is None:
+                        if rec.num_boxes == 0:
+                            raise VlbertsError("the first image has no boxes, so the feature width is unknown", path=src,
+                                               record=where)
+                        writer = stack.enter_context(open_writer(RecordLayout.of(rec, dtype)))
+                    try:
+                        add(writer, rec)
+                    except VlbertsError as e:
+                        hint = " (truncated line?)" if "feature width" in e.message and format in TSV_FORMATS else ""
+                        raise VlbertsError(e.message + hint, path=src, record=where) from None
+                if progress is not None:
+                    progress(len(raw))
+            if not n_records:
+                raise VlbertsError(f"no records in this {format} file", path=src)
+            count = {"lines": n_items} if format in TSV_FORMATS else {"records": n_items}
+            files.append({"file": str(src.resolve()), "bytes": n_bytes, "sha256": sha.hexdigest(), **count})
+        source = {"format": format, **files[0]} if len(files) == 1 else {"format": format, "files": files}
         writer.metadata = dataclasses.replace(meta, source=source)
 
 
