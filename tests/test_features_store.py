@@ -218,6 +218,22 @@ def test_a_coco_image_is_found_by_its_id_and_by_its_file_stem(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_number_naming_two_images_of_a_mixed_store_is_an_error(tmp_path):
+    """LXMERT's COCO and Visual Genome TSVs in one store: "42" (a Visual Genome image) and
+    COCO_val2014_000000000042 (a COCO one). A VQA file's 42 means the COCO image, a GQA file's the Visual Genome
+    one; the store cannot tell, so a plain 42 is an error naming both; the stem and other numbers are read."""
+    mixed = write_store_records(tmp_path / "mixed.h5", [
+        make_record("COCO_val2014_000000000042", 2), make_record("42", 3, seed=1), make_record("2354786", 1, seed=2)])
+    with RegionStore(mixed) as s:
+        with pytest.raises(VlbertsError) as err:
+            s.get(42)
+        assert s.get("COCO_val2014_000000000042").num_boxes == 2 and s.get("2354786").num_boxes == 1
+    assert str(err.value) == (f"{mixed}: record image 42: image id 42 is ambiguous in this store: it holds 42 and "
+                              "COCO_val2014_000000000042 (a number names a COCO image or another data set's, e.g. Visual "
+                              "Genome's); name COCO images by file stem (LXMERT's question lists) or read a store of one "
+                              "data set")
+
+
 @pytest.mark.parametrize(
     "bad, words",
     [

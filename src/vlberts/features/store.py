@@ -569,20 +569,32 @@ class RegionStore:
             return None
         row = self._index.get(key)
         if row is not None:
+            if key.isdigit() and self._coco_stems().get(key, row) != row:
+                # Two images under one number: a COCO file stem and a plain id (a store of LXMERT's COCO and
+                # Visual Genome TSVs). Which one a number means depends on who asks (VQA's files: COCO's;
+                # GQA's: Visual Genome's), so neither is returned.
+                raise VlbertsError(f"image id {key} is ambiguous in this store: it holds {key} and "
+                                   f"{self._ids[self._coco_stems()[key]]} (a number names a COCO image or another data "
+                                   "set's, e.g. Visual Genome's); name COCO images by file stem (LXMERT's question "
+                                   "lists) or read a store of one data set", path=self.path, record=f"image {key}")
             return row
         number = key if key.isdigit() else coco_number(key)
         if number is None:
             return None
         if (row := self._index.get(number)) is None:
-            if self._coco_rows is None:
-                self._coco_rows = {}
-                for i, stored in enumerate(self._ids):
-                    if (n := coco_number(stored)) is not None:
-                        self._coco_rows.setdefault(n, i)
-            row = self._coco_rows.get(number)
+            row = self._coco_stems().get(number)
         if row is not None:
             self._warn_coco_match(key, self._ids[row])
         return row
+
+    def _coco_stems(self) -> dict[str, int]:
+        """COCO id -> row of the store's images written under a COCO file stem (built once)."""
+        if self._coco_rows is None:
+            self._coco_rows = {}
+            for i, stored in enumerate(self._ids):
+                if (n := coco_number(stored)) is not None:
+                    self._coco_rows.setdefault(n, i)
+        return self._coco_rows
 
     def _warn_coco_match(self, asked: str, stored: str) -> None:
         """One warning line (per store, in the process that reads the data first) when an id is found under
