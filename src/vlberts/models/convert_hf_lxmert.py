@@ -113,7 +113,8 @@ def load_original_lxmert(path: str | Path, config: str | Path | None = None) -> 
     path = Path(path)
     state, names = {}, {}
     for k, v in read_state_dict(path).items():
-        state[rename_key(k, ORIGINAL_LXMERT_RULES)], names[rename_key(k, ORIGINAL_LXMERT_RULES)] = v, k
+        hf_key = rename_key(k, ORIGINAL_LXMERT_RULES)
+        state[hf_key], names[hf_key] = v, k
     hf = original_lxmert_config(state, path)
     if config is not None:
         hf.update(read_json_object(config))
