@@ -7,11 +7,11 @@ the captions), BAN's HDF5 (with its `imgid2idx.pkl`), VisualBERT's Detectron `.t
 directory, with the images for their sizes).
 
 `import_features` streams: one record is decoded and appended at a time, so a 20 GB COCO TSV needs the
-memory of one image plus the writer's 32 MB buffer. Several files of one format go into one store, file after
-file (LXMERT's `train2014_obj36.tsv` and `val2014_obj36.tsv` for training on train + nominival; its
-`vg_gqa_obj36.tsv` beside them for pre-training), an image id in two of them being an error naming both. The store is written atomically: a bad record
-anywhere (even the last, truncated one) leaves no output file behind, and an existing store under the
-same name stays as it was.
+memory of one image plus the writer's 32 MB buffer. Several files of one format go into one store, file
+after file (LXMERT's `train2014_obj36.tsv` and `val2014_obj36.tsv` for training on train + nominival; its
+`vg_gqa_obj36.tsv` beside them for pre-training), an image id in two of them being an error naming both.
+The store is written atomically: a bad record anywhere (even the last, truncated one) leaves no output
+file behind, and an existing store under the same name stays as it was.
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def import_features(
     shard_size: int = 1000,
     prefix: str = "shard",
 ) -> Path:
-    """Stream a feature file in one of `IMPORT_FORMATS` (or several, `src` a sequence: one after the other) into a
-    new store at `out` (`ids`: BAN's imgid2idx pickle; `images`: the image directory visualbert-th reads the image sizes from;
-    `captions_out`: vilbert-cc-lmdb only, where to write its records' captions as an official COCO
-    captions file, for `vlberts pretrain --captions`, once the store is complete). Returns `out`.
+    """Stream a feature file in one of `IMPORT_FORMATS` (or several, `src` a sequence: one after the other) into
+    a new store at `out` (`ids`: BAN's imgid2idx pickle; `images`: the image directory visualbert-th reads the
+    image sizes from; `captions_out`: vilbert-cc-lmdb only, where to write its records' captions as an
+    official COCO captions file, for `vlberts pretrain --captions`, once the store is complete). Returns `out`.
 
     With `shards`, `out` is a directory, and the records go straight into a shard set there
     (`data.shards.ShardSetWriter`: `shard_size` samples a shard, `<prefix>-index.json`, whose path is
@@ -143,9 +143,10 @@ def import_features(
 
     `metadata` describes the extractor when the user knows it; the importer adds `source`
     (format, absolute path, bytes read, sha256 of them, and the lines of a TSV or the records of the
-    others; for several files, the format and `files`, a list of those per file). `progress` is called with the number of bytes consumed after each record. Every bad
-    record raises `VlbertsError(path=src, record="line L (image ID)")` (or "file F", "key K", ...); a
-    duplicate id names where it first appeared.
+    others; for several files, the format and `files`, a list of those per file). `progress` is called with
+    the number of bytes consumed after each record. Every bad record raises `VlbertsError(path=src,
+    record="line L (image ID)")` (or "file F", "key K", ...); a duplicate id names where it first appeared
+    (and in which file, when that is another).
     """
     sources = [Path(src)] if isinstance(src, (str, Path)) else [Path(s) for s in src]
     if not sources:

@@ -195,7 +195,7 @@ def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answe
                    for k, v in mine.items())):
         return 0
     table = {a: i for i, a in enumerate(pretrain_answers)}
-    shared = [(d, table[convert_answer(a)]) for d, a in enumerate(vocab.answers) if convert_answer(a) in table]
+    shared = [(d, table[a]) for d, a in enumerate(map(convert_answer, vocab.answers)) if a in table]
     dst, src = [d for d, _ in shared], [s for _, s in shared]
     with torch.no_grad():
         for name, value in mine.items():  # state_dict tensors share the parameters' storage
