@@ -850,14 +850,19 @@ def evaluate_vqa(
     questions: Path = typer.Option(..., help="VQA v2 questions JSON (v2_OpenEnded_mscoco_<split>_questions.json), "
                                              "or a file with the answers: a Pythia / MMF imdb .npy (imdb_minival2014.npy), "
                                              "LXMERT's question list (minival.json)."),
-    annotations: Optional[Path] = typer.Option(None, help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json); "
-                                                          "not with an imdb or LXMERT's list."),
+    annotations: Optional[Path] = typer.Option(None, help="VQA v2 annotations JSON (v2_mscoco_<split>_annotations.json), "
+                                                          "or ViLBERT's cache/<split>_target.pkl; not with an imdb or "
+                                                          "LXMERT's list."),
+    answer_vocab: Optional[Path] = typer.Option(None, "--answer_vocab", "--answer-vocab", help="With a target.pkl: "
+                                                "the answer table its labels index (ViLBERT's cache/trainval_ans2label.pkl)."),
+    eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
+                                  "largest question ids (ViLBERT's minval: the last 3,000 of val2014); 0: all."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
     from vlberts.tasks.vqa import answer_types, evaluate_predictions
 
-    metrics = evaluate_predictions(predictions, questions, annotations)
+    metrics = evaluate_predictions(predictions, questions, annotations, answer_vocab, eval_last)
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     types = answer_types(metrics["per_answer_type"])
     _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{types}"])

@@ -22,6 +22,13 @@ Formats (formats-and-metrics.md §2.2, Goyal et al. 2017):
   (the official accuracy where the answer strings agree); `read_vqa` reads a questions file that holds
   a JSON list this way (`questions_format`).
 
+* ViLBERT's answer targets ``cache/{train,val}_target.pkl`` (vilbert-multi-task's VQA data, written by
+  hengyuan-hu's ``tools/compute_softscore.py``): a pickled list of ``{question_id, image_id, labels,
+  scores}``, each label an index into ``cache/trainval_ans2label.pkl`` (the 3,129 answers) and each score
+  its answer's 0.3-step soft score, beside the VQA v2 questions file. `read_vqa` reads one given as the
+  annotations file (a ``.pkl``; through the restricted unpickler) with that answer table, into the same
+  ``{answer: score}`` labels as LXMERT's lists.
+
 Test splits ship without annotations, so annotations are optional. When they are given, every
 annotation must belong to a question and every question must have exactly one annotation: the
 official evaluator (GT-Vision-Lab/VQA ``vqaTools/vqa.py``) indexes both files by question_id and
@@ -35,8 +42,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +52,7 @@ import numpy as np
 
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import atomic_open, first_char, read_json, require_keys, require_text
-from vlberts.safe_pickle import read_npy
+from vlberts.safe_pickle import read_npy, safe_load
 
 # Every VQA v1/v2 question was answered by 10 workers; the official accuracy (a 10-choose-9 average)
 # and the 0.3-step soft scores are defined for exactly that many.
@@ -59,6 +67,7 @@ _ANNOTATION_KEYS = (
     "answer_type",
     "question_id",
 )
+_TARGET_KEYS = ("question_id", "image_id", "labels", "scores")  # ViLBERT's target.pkl records
 
 
 @dataclass(frozen=True)
@@ -155,16 +164,20 @@ def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
 
 
 def read_vqa(
-    questions_path: str | Path, annotations_path: str | Path | None = None, bad: BadRecords | None = None
+    questions_path: str | Path, annotations_path: str | Path | None = None, bad: BadRecords | None = None,
+    answers: Sequence[str] | None = None,
 ) -> list[VQAExample]:
     """Read a VQA v2 questions file and, optionally, its annotations file (or a file that holds both: a
-    Pythia imdb `.npy`, `read_vqa_imdb`; LXMERT's question list, `questions_format`).
+    Pythia imdb `.npy`, `read_vqa_imdb`; LXMERT's question list, `questions_format`). The annotations may
+    be ViLBERT's target pickle (`is_target_pickle`), whose labels index `answers`, the answer table it was
+    made with (trainval_ans2label.pkl, `tasks.vqa.read_answer_vocab`).
 
     Returns one `VQAExample` per question. Without annotations the order is the questions file's;
     with annotations it is the annotations file's, the order in which the official evaluator
     iterates (and sums) questions. Bad input raises `VlbertsError` naming the file and the record
-    (``questions[i]``, ``annotations[i]``, ``annotations[i].answers[j]``); with `bad` skipping, a bad
-    record is dropped and counted instead (and so is a question left without its annotation).
+    (``questions[i]``, ``annotations[i]``, ``annotations[i].answers[j]``; a target pickle's ``[i]``); with
+    `bad` skipping, a bad record is dropped and counted instead (and so is a question left without its
+    annotation).
     """
     bad = bad if bad is not None else BadRecords()
     questions_path = Path(questions_path)
@@ -183,21 +196,26 @@ def read_vqa(
         return questions
 
     annotations_path = Path(annotations_path)
-    records = _top_level_list(read_json(annotations_path), "annotations", path=annotations_path)
+    if is_target_pickle(annotations_path):
+        if answers is None:
+            raise VlbertsError("ViLBERT's target pickle names answers by their index in the answer table it was made "
+                               "with: give that table (trainval_ans2label.pkl) as --answer_vocab", path=annotations_path)
+        records, keys, name = _target_records(annotations_path), _TARGET_KEYS, "[{}]"
+        build = partial(_target_example, answers=tuple(answers))
+    else:
+        records = _top_level_list(read_json(annotations_path), "annotations", path=annotations_path)
+        keys, name, build = _ANNOTATION_KEYS, "annotations[{}]", _annotation_example
     examples: list[VQAExample] = []
-    seen: dict[int, int] = {}
+    seen: dict[int, str] = {}
     for i, rec in enumerate(records):
-        where = f"annotations[{i}]"
+        where = name.format(i)
         try:
-            require_keys(rec, _ANNOTATION_KEYS, path=annotations_path, record=where)
+            require_keys(rec, keys, path=annotations_path, record=where)
             qid = _check_question_id(rec, path=annotations_path, record=where)
             if qid in seen:
-                raise VlbertsError(
-                    f"duplicate annotation for question_id {qid} (first at annotations[{seen[qid]}])",
-                    path=annotations_path,
-                    record=where,
-                )
-            seen[qid] = i
+                raise VlbertsError(f"duplicate annotation for question_id {qid} (first at {seen[qid]})",
+                                   path=annotations_path, record=where)
+            seen[qid] = where
             if qid not in q_index:
                 raise VlbertsError(
                     f"question_id {qid} has no question in {questions_path.name}", path=annotations_path, record=where
@@ -211,17 +229,7 @@ def read_vqa(
                     path=annotations_path,
                     record=where,
                 )
-            examples.append(
-                VQAExample(
-                    question_id=qid,
-                    image_id=image_id,
-                    question=question.question,
-                    answers=_read_answers(rec, path=annotations_path, record=where),
-                    multiple_choice_answer=_check_str(rec, "multiple_choice_answer", path=annotations_path, record=where),
-                    answer_type=_check_str(rec, "answer_type", path=annotations_path, record=where),
-                    question_type=_check_str(rec, "question_type", path=annotations_path, record=where),
-                )
-            )
+            examples.append(build(rec, question, path=annotations_path, record=where))
         except VlbertsError as err:
             bad.handle(err)
 
@@ -233,6 +241,57 @@ def read_vqa(
                 record=f"questions[{q_record[question.question_id]}]",
             ), "question without annotation")
     return examples
+
+
+def _annotation_example(rec: dict, question: VQAExample, *, path: Path, record: str) -> VQAExample:
+    """A VQA v2 annotation record of `question` -> the annotated example."""
+    return VQAExample(
+        question_id=question.question_id,
+        image_id=question.image_id,
+        question=question.question,
+        answers=_read_answers(rec, path=path, record=record),
+        multiple_choice_answer=_check_str(rec, "multiple_choice_answer", path=path, record=record),
+        answer_type=_check_str(rec, "answer_type", path=path, record=record),
+        question_type=_check_str(rec, "question_type", path=path, record=record),
+    )
+
+
+# --------------------------------------------------------------------------- ViLBERT's target pickles
+
+def is_target_pickle(path: str | Path) -> bool:
+    """Whether an annotations file is ViLBERT's `{split}_target.pkl` (told by its suffix) rather than VQA v2 JSON."""
+    return Path(path).suffix.lower() == ".pkl"
+
+
+def _target_records(path: Path) -> list:
+    records = safe_load(path)
+    if not isinstance(records, list):
+        raise VlbertsError(f"expected a pickled list of {{{', '.join(_TARGET_KEYS)}}} records (ViLBERT's "
+                           f"target.pkl), got a {type(records).__name__}", path=path)
+    return records
+
+
+def _target_example(rec: dict, question: VQAExample, *, answers: tuple[str, ...], path: Path,
+                    record: str) -> VQAExample:
+    """A target record of `question` -> the example with its {answer: score} label (the answers named through
+    `answers`); the multiple-choice answer, which --min_answer_count counts, is the best-scored one (ties:
+    the first), as for LXMERT's lists; the optional question_type / answer_type are kept."""
+    labels, scores = rec["labels"], rec["scores"]
+    if not isinstance(labels, list) or not isinstance(scores, list) or len(labels) != len(scores):
+        raise VlbertsError(f"labels and scores must be lists of one length, got {labels!r} and {scores!r}",
+                           path=path, record=record)
+    label: dict[str, float] = {}
+    for index, score in zip(labels, scores):
+        if not _is_int(index) or not 0 <= index < len(answers):
+            raise VlbertsError(f"label {index!r} is not an index into the {len(answers)}-answer table",
+                               path=path, record=record)
+        if answers[index] in label:
+            raise VlbertsError(f"label {index} ({answers[index]!r}) is given twice", path=path, record=record)
+        label[answers[index]] = label_scores({answers[index]: score}, path=path, record=record)[answers[index]]
+    types = {k: _check_str(rec, k, path=path, record=record) if rec.get(k) is not None else None
+             for k in ("answer_type", "question_type")}
+    return VQAExample(question_id=question.question_id, image_id=question.image_id, question=question.question,
+                      label=label, multiple_choice_answer=max(label, key=label.__getitem__) if label else None, **types)
 
 
 # --------------------------------------------------------------------------- files that hold their answers

@@ -50,6 +50,7 @@ from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
+from vlberts.tasks.predictions import last_questions
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -87,14 +88,16 @@ class FinetuneQAConfig(FinetuneConfig):
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes")
     answer_vocab: str = opt("", "a fixed answer table instead of the one counted from the training answers: a JSON "
                                 "list of answers (class i = item i) or an {answer: index} object, e.g. LXMERT's "
-                                "trainval_ans2label.json (VQA v2's 3,129, counted over train+val); min_answer_count "
-                                "is then unused")
+                                "trainval_ans2label.json (VQA v2's 3,129, counted over train+val), or ViLBERT's "
+                                "trainval_ans2label.pkl; min_answer_count is then unused")
     loss: str = opt("auto", "auto (the architecture's paper: kl for VisualBERT, bce for the others), bce (BCE x answers) or kl")
     max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
     eval_batch_size: int = opt(256, "examples per prediction batch")
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
+    eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only (ViLBERT's "
+                            "minval: the last 3,000 of val2014); 0: all of them")
     exclude_eval_questions: bool = opt(False, "drop the training questions that are also evaluation questions (VisualBERT's "
                                               "exclude_minival, ViLBERT's trainval minus minval); without it such an "
                                               "overlap is an error")
@@ -286,9 +289,13 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     share the prediction of the evaluation set."""
     cfg, out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     check_loss(cfg.loss)
+    if cfg.eval_last < 0 or (cfg.eval_last and not cfg.eval_questions):
+        raise VlbertsError(f"--eval_last=N keeps the last N of --eval_questions (N >= 0), got {cfg.eval_last}"
+                           + ("" if cfg.eval_questions else " and no --eval_questions"))
 
     bad = BadRecords(skip=cfg.skip_bad)
     train, eval_examples = task.read(cfg, bad)
+    eval_examples = last_questions(eval_examples, cfg.eval_last)  # (ViLBERT's minval)
     train, in_eval = without_eval_questions(train, eval_examples, cfg.exclude_eval_questions, cfg.eval_questions)
     vocab = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):

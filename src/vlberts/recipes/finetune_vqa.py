@@ -22,7 +22,7 @@ from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.data.vqa import VQAExample, holds_answers, read_vqa
+from vlberts.data.vqa import VQAExample, holds_answers, is_target_pickle, read_vqa
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's names for the shared pieces
@@ -40,7 +40,14 @@ from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's na
     qa_data,
     qa_model,
 )
-from vlberts.tasks.vqa import AnswerVocab, build_answer_vocab, majority_baseline, score_predictions, write_predictions
+from vlberts.tasks.vqa import (
+    AnswerVocab,
+    build_answer_vocab,
+    majority_baseline,
+    read_answer_vocab,
+    score_predictions,
+    write_predictions,
+)
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -53,9 +60,11 @@ class FinetuneVQAConfig(FinetuneQAConfig):
     min_answer_count: int = opt(9, "answers given by fewer training questions are not classes (9 over VQA v2 train+val "
                                         "gives the 3,129 of LXMERT and ViLBERT; over train alone fewer: for theirs, "
                                         "--answer_vocab=trainval_ans2label.json)")
-    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not for an imdb or LXMERT list); several: "
-                                     "comma-separated, one for each questions json, in order")
-    eval_annotations: str = opt("", "annotations json of the evaluation questions (optional; scores them)")
+    train_annotations: str = opt("", "VQA v2 annotations json of the training split (not for an imdb or LXMERT list), "
+                                     "or ViLBERT's cache/train_target.pkl (with --answer_vocab=trainval_ans2label.pkl); "
+                                     "several: comma-separated, one for each questions json, in order")
+    eval_annotations: str = opt("", "annotations json (or ViLBERT's target.pkl) of the evaluation questions (optional; "
+                                    "scores them)")
 
 
 CONFIG_CLASS = FinetuneVQAConfig
@@ -73,12 +82,25 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], li
         raise VlbertsError(f"--train_annotations names {len(file_list(cfg.train_annotations))} file(s) for "
                            f"{len(json_files)} VQA v2 questions JSON file(s): one each, in the same order (an imdb "
                            f".npy or LXMERT's list holds its answers and takes none)", path=cfg.train_annotations)
-    parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad)) for q in questions]
+    table = _target_table(cfg)
+    parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad, table)) for q in questions]
     for path, examples in parts:
         if examples and not examples[0].annotated:
             raise VlbertsError("the training questions have no answers (a test split's file?)", path=path)
     train = join_files(parts)
-    return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad) if cfg.eval_questions else []
+    return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad, table) if cfg.eval_questions else []
+
+
+def _target_table(cfg: FinetuneVQAConfig) -> tuple[str, ...] | None:
+    """The answers of --answer_vocab when an annotations file is ViLBERT's target pickle (its labels are indices
+    into that table, trainval_ans2label.pkl), else None."""
+    pickles = [a for a in file_list(cfg.train_annotations) + file_list(cfg.eval_annotations) if is_target_pickle(a)]
+    if not pickles:
+        return None
+    if not cfg.answer_vocab:
+        raise VlbertsError("ViLBERT's target pickle names answers by their index in the answer table it was made "
+                           "with: give that table (trainval_ans2label.pkl) as --answer_vocab", path=pickles[0])
+    return read_answer_vocab(cfg.answer_vocab).answers
 
 
 def _metrics(preds: dict[int, str], eval_examples: list[VQAExample], train: list[VQAExample]) -> dict:

@@ -1,4 +1,5 @@
-"""What every task's prediction file shares: one prediction per example, no duplicates, none missing."""
+"""What every task's prediction file shares: one prediction per example, no duplicates, none missing; which
+examples an evaluation keeps (`last_questions`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,12 @@ def choose(scores: Sequence[float]) -> int:
         if s > scores[best]:
             best = i
     return best
+
+
+def last_questions(examples: list, n: int) -> list:
+    """The `n` examples with the largest question ids, in their own order (all of them for n = 0): ViLBERT's
+    VQA minval is the last 3,000 of val2014's questions sorted by id (vilbert-multi-task `vqa_dataset.py`)."""
+    if not n or n >= len(examples):
+        return examples
+    kept = set(sorted(ex.question_id for ex in examples)[-n:])
+    return [ex for ex in examples if ex.question_id in kept]

@@ -16,6 +16,7 @@ Reported numbers (vqaEval.setAccuracy) are 100 * mean, rounded to 2 decimals wit
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,8 +29,9 @@ from torch import Tensor
 
 from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, holds_answers, read_vqa
 from vlberts.errors import VlbertsError
-from vlberts.io import read_json, read_text, require_keys, write_json
-from vlberts.tasks.predictions import require_complete, write_json_predictions
+from vlberts.io import atomic_open, read_json, read_text, require_keys, write_json
+from vlberts.safe_pickle import safe_load
+from vlberts.tasks.predictions import last_questions, require_complete, write_json_predictions
 
 # --------------------------------------------------------------------------- official normalisation
 
@@ -323,10 +325,14 @@ def write_predictions(path: str | Path, predictions: Iterable[tuple[int, str]]) 
 
 
 def evaluate_predictions(
-    predictions_path: str | Path, questions_path: str | Path, annotations_path: str | Path | None = None
+    predictions_path: str | Path, questions_path: str | Path, annotations_path: str | Path | None = None,
+    answer_vocab: str | Path | None = None, last: int = 0,
 ) -> dict:
     """Score an official predictions file as vqaEval.py does; returns `VQAScores.to_dict()`. The answers come
-    from the annotations file, or from the questions file itself when it is a Pythia imdb `.npy`.
+    from the annotations file, or from the questions file itself when it is a Pythia imdb `.npy`. ViLBERT's
+    target pickle as the annotations file names its answers through `answer_vocab` (trainval_ans2label.pkl);
+    its questions score their label's score of the prediction, as ViLBERT's evaluation does. `last`: score only
+    the questions with the `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`).
 
     Keys: ``accuracy`` (percent, 2 decimals), ``accuracy_unrounded``, ``per_answer_type``,
     ``per_question_type``, ``num_questions``.
@@ -334,7 +340,8 @@ def evaluate_predictions(
     if not annotations_path and not holds_answers(questions_path):
         raise VlbertsError("scoring a VQA v2 questions JSON needs its annotations file (--annotations)",
                            path=questions_path)
-    examples = read_vqa(questions_path, annotations_path)
+    table = read_answer_vocab(answer_vocab).answers if answer_vocab else None
+    examples = last_questions(read_vqa(questions_path, annotations_path, answers=table), last)
     if not examples or not examples[0].annotated:
         raise VlbertsError("no annotated questions to score", path=annotations_path or questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
@@ -406,14 +413,16 @@ def _answer_lines(path: str | Path) -> list[str]:
 def read_answer_vocab(path: str | Path, sets: Sequence[str] = ()) -> AnswerVocab:
     """Read a JSON list of answers, an ``{answer: index}`` object (LXMERT's trainval_ans2label.json), LXMERT's
     joint pre-training table ``all_ans.json`` (a list of ``{"ans": answer, "dsets": [data sets]}``, in class
-    order), or a text file of one answer a line (`.txt`: Pythia's answers_vqa.txt, kept as written, its
+    order), a text file of one answer a line (`.txt`: Pythia's answers_vqa.txt, kept as written, its
     `<unk>` line too, so class indices are VisualBERT's; no ground-truth answer normalises to `<unk>`, so that
-    class is never a target, which is VisualBERT's `<unk>` -> 0).
+    class is never a target, which is VisualBERT's `<unk>` -> 0), or a pickle of either JSON form (`.pkl`,
+    through the restricted unpickler: ViLBERT's cache/trainval_ans2label.pkl or trainval_label2ans.pkl).
 
     sets: keep only the answers of ``all_ans.json`` used by one of these data sets (``vqa``, ``gqa``,
     ``visual7w``), in the file's order, as LXMERT's ``AnswerTable(dsets)`` does; the other forms name no data
     set, so giving sets for them is an error."""
-    data = _answer_lines(path) if Path(path).suffix.lower() == ".txt" else read_json(path)
+    suffix = Path(path).suffix.lower()
+    data = _answer_lines(path) if suffix == ".txt" else safe_load(path) if suffix == ".pkl" else read_json(path)
     if isinstance(data, list) and data and all(isinstance(a, dict) for a in data):
         data = _lxmert_answers(data, sets, path)
     elif sets:
@@ -425,7 +434,7 @@ def read_answer_vocab(path: str | Path, sets: Sequence[str] = ()) -> AnswerVocab
     elif isinstance(data, list) and all(isinstance(a, str) for a in data):
         answers = data
     else:
-        raise VlbertsError("expected a JSON list of answers, an {answer: index} object or LXMERT's all_ans.json "
+        raise VlbertsError("expected a list of answers, an {answer: index} object or LXMERT's all_ans.json "
                            "({ans, dsets} records)", path=path)
     if len(set(answers)) != len(answers):
         raise VlbertsError("answer vocabulary has duplicate entries", path=path)
@@ -492,6 +501,26 @@ def example_target(example: VQAExample, vocab: AnswerVocab) -> SoftTarget:
     if example.answers or example.label is None:
         return soft_target(example.answers, vocab)
     return label_target(example.label, vocab)
+
+
+def write_vqa_targets(path: str | Path, examples: Iterable[VQAExample], vocab: AnswerVocab) -> int:
+    """Write annotated examples as ViLBERT's target pickle (`data.vqa` docstring: hengyuan-hu's
+    `compute_target`), atomically: each question's soft scores over `vocab` (`example_target`, the scores
+    training uses), its classes as indices; returns the number of records."""
+    rows = []
+    for ex in examples:
+        target = example_target(ex, vocab)
+        rows.append({"question_id": ex.question_id, "image_id": ex.image_id,
+                     "labels": list(target.labels), "scores": list(target.scores)})
+    with atomic_open(path, "wb", encoding=None) as f:
+        pickle.dump(rows, f, protocol=2)
+    return len(rows)
+
+
+def write_answer_table(path: str | Path, vocab: AnswerVocab) -> None:
+    """The answer table as ViLBERT's `trainval_ans2label.pkl` ({answer: index}), atomically."""
+    with atomic_open(path, "wb", encoding=None) as f:
+        pickle.dump(dict(vocab.ans2idx), f, protocol=2)
 
 
 def label_target(label: Mapping[str, float], vocab: AnswerVocab) -> SoftTarget:

@@ -7,6 +7,7 @@
     OUT/vqa/v2_OpenEnded_world_{split}_questions.json  VQA v2 questions
     OUT/vqa/v2_world_{split}_annotations.json          VQA v2 annotations (10 answers each)
     OUT/vqa/imdb/imdb_{split}.npy, vqa/answers_vqa.txt  the same questions as Pythia's imdb files + answer table
+    OUT/vqa/cache/{split}_target.pkl, trainval_ans2label.pkl  the same answers as ViLBERT's targets + answer table
     OUT/gqa/{train,val,testdev}_balanced_questions.json GQA balanced questions (world splits train/val/test)
     OUT/refcoco+/refs(unc).p, refs.json, instances.json  RefCOCO+ refs (pickle and JSON) + COCO instances
     OUT/nlvr2/{train,dev,test1}.json                   NLVR2 statements about image pairs (world splits train/val/test)
@@ -172,7 +173,8 @@ class WorldInfo:
             f"{self.n_entities} entity phrases and gold dependency parses, {self.n_questions} VQA questions with "
             f"10 answers each, {self.n_gqa_questions} GQA questions and {self.n_refcoco_refs} RefCOCO+ refs, NLVR2 "
             f"statements, VCR questions, text documents and an image-only set, in COCO, Karpathy, VQA v2 (and Pythia "
-            f"imdb), GQA, NLVR2, VCR, RefCOCO+, Flickr30K Entities and CoNLL-U formats (every file: world.json); "
+            f"imdb, ViLBERT's targets), GQA, NLVR2, VCR, RefCOCO+, Flickr30K Entities and CoNLL-U formats (every "
+            f"file: world.json); "
             f"{self.seconds:.1f} s ({rate:.0f} images/s, {self.workers} worker{'s' if self.workers != 1 else ''})."
         )
 
@@ -373,6 +375,7 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
         with atomic_open(root / "parses" / f"{split}.conllu") as f:
             f.writelines(r.conllu for r in part)
     _write_vqa_imdb(root / "vqa", results)
+    _write_vqa_targets(root / "vqa" / "cache", results)
     _write_refcoco(root / "refcoco+", results)
     # The image-only set (`world.documents`; the text documents are one of the pool's exports).
     world_documents.write_unpaired_images(root / "unpaired_images.txt", world_documents.unpaired_images(
@@ -386,18 +389,37 @@ def _write_vqa_imdb(folder: Path, results: list[_ImageOut]) -> None:
     """The VQA questions once more in VisualBERT's form (`data.vqa.write_vqa_imdb`): Pythia's imdb file of each
     split, `imdb/imdb_{split}.npy`, and its answer table `answers_vqa.txt`: `<unk>` (as Pythia's VQA table
     has it), then every training question's multiple-choice answer, most frequent first."""
-    from vlberts.data.vqa import VQAExample, write_vqa_imdb
+    from vlberts.data.vqa import write_vqa_imdb
 
     counts = Counter(a["multiple_choice_answer"] for r in results if r.split == "train" for a in r.vqa_annotations)
     table = ["<unk>", *sorted(counts, key=lambda a: (-counts[a], a))]
     with atomic_open(folder / "answers_vqa.txt") as f:
         f.write("\n".join(table) + "\n")
     for split in SPLITS:
-        examples = [VQAExample(question_id=q["question_id"], image_id=q["image_id"], question=q["question"],
-                               answers=[x["answer"] for x in a["answers"]],
-                               multiple_choice_answer=a["multiple_choice_answer"])
-                    for r in results if r.split == split for q, a in zip(r.vqa_questions, r.vqa_annotations)]
-        write_vqa_imdb(folder / "imdb" / f"imdb_{split}.npy", examples, table, image_name="{image_id:012d}")
+        write_vqa_imdb(folder / "imdb" / f"imdb_{split}.npy", _vqa_examples(results, split), table,
+                       image_name="{image_id:012d}")
+
+
+def _vqa_examples(results: list[_ImageOut], split: str) -> list:
+    """The split's VQA questions with their ten answers, as `data.vqa.VQAExample`s."""
+    from vlberts.data.vqa import VQAExample
+
+    return [VQAExample(question_id=q["question_id"], image_id=q["image_id"], question=q["question"],
+                       answers=[x["answer"] for x in a["answers"]], multiple_choice_answer=a["multiple_choice_answer"])
+            for r in results if r.split == split for q, a in zip(r.vqa_questions, r.vqa_annotations)]
+
+
+def _write_vqa_targets(folder: Path, results: list[_ImageOut]) -> None:
+    """The VQA answers once more in ViLBERT's form (`data.vqa`, vilbert-multi-task's `cache/`): the answer table
+    `trainval_ans2label.pkl` (hengyuan-hu's: answers of at least 9 train + val questions) and each split's
+    `{split}_target.pkl` of soft scores over it, beside the VQA v2 questions files."""
+    from vlberts.tasks.vqa import build_answer_vocab, write_answer_table, write_vqa_targets
+
+    examples = {split: _vqa_examples(results, split) for split in SPLITS}
+    vocab = build_answer_vocab(examples["train"] + examples["val"], 9)
+    write_answer_table(folder / "trainval_ans2label.pkl", vocab)
+    for split in SPLITS:
+        write_vqa_targets(folder / f"{split}_target.pkl", examples[split], vocab)
 
 
 def _write_refcoco(folder: Path, results: list[_ImageOut]) -> None:
@@ -449,6 +471,8 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
             "vqa_annotations": "vqa/v2_world_{split}_annotations.json",
             "vqa_imdb": "vqa/imdb/imdb_{split}.npy (Pythia's imdb: the same questions and answers), "
                         "vqa/answers_vqa.txt (its answer table, <unk> first)",
+            "vqa_targets": "vqa/cache/{split}_target.pkl (ViLBERT's soft-score targets of the same questions), "
+                           "vqa/cache/trainval_ans2label.pkl (their answer table)",
             "gqa_questions": "gqa/{train,val,testdev}_balanced_questions.json (world splits train, val, test)",
             "refcoco": "refcoco+/refs(unc).p (pickle, protocol 2), refcoco+/refs.json (the same refs), "
                        "refcoco+/instances.json (COCO instances of the images with refs); splits train, val, "
