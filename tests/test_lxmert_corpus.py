@@ -100,13 +100,10 @@ def test_damaged_records_are_one_line_errors_naming_file_and_record(tmp_path, ch
         read_lxmert_corpus(tmp_path / "c.json")
 
 
-def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
-    """The world's captions and VQA questions as LXMERT's corpus (images by COCO file stem): pre-training
-    reads every sentence, and with --qa_lxmert the questions train the image-QA head over the counted table."""
+def _world_corpus(tiny_world, path):
+    """The world's training captions and VQA questions written as LXMERT's corpus file (images by COCO stem)."""
     from vlberts.data.vqa import read_vqa
-    from vlberts.recipes.pretrain import PretrainConfig, pretrain
     from vlberts.tasks.vqa import process_gt_answers, soft_score
-    from vlberts.training.metrics import MetricsLog
 
     caps = json.loads(tiny_world.captions_train.read_text())["annotations"]
     questions = read_vqa(*tiny_world.vqa("train"))
@@ -119,7 +116,17 @@ def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
             images[q.image_id]["labels"].append({a: soft_score(n) for a, n in Counter(process_gt_answers(q.answers)).items()})
     corpus = [{"img_id": f"COCO_train2014_{i:012d}", "sentf": {"mscoco": v["mscoco"], "vqa": v["vqa"]},
                "labelf": {"vqa": v["labels"]}} for i, v in images.items()]
-    (tmp_path / "mscoco_train.json").write_text(json.dumps(corpus))
+    path.write_text(json.dumps(corpus))
+    return path
+
+
+def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
+    """The world's captions and VQA questions as LXMERT's corpus (images by COCO file stem): pre-training
+    reads every sentence, and with --qa_lxmert the questions train the image-QA head over the counted table."""
+    from vlberts.recipes.pretrain import PretrainConfig, pretrain
+    from vlberts.training.metrics import MetricsLog
+
+    _world_corpus(tiny_world, tmp_path / "mscoco_train.json")
     cfg = PretrainConfig(captions=str(tmp_path / "mscoco_train.json"), captions_format="lxmert", qa_lxmert=True,
                          qa_last_fraction=1.0, features=str(tiny_world.store), out=str(tmp_path / "run"),
                          model="lxmert-tiny", vocab_size=200, steps=4, batch_size=8, log_every=1, ckpt_every=100)
@@ -144,3 +151,66 @@ def test_lxmert_pretrains_on_its_corpus_with_image_qa(tiny_world, tmp_path):
     with pytest.raises(VlbertsError, match="image-QA pre-training needs VQA questions"):  # a table, no questions
         pretrain(dataclasses.replace(cfg, out=str(tmp_path / "bad"), captions=str(tiny_world.captions_train),
                                      captions_format="coco", qa_lxmert=False, qa_answers=str(tmp_path / "all_ans.json")))
+
+
+def test_lxmert_corpus_streams_from_shards_with_its_questions_and_image_qa(tiny_world, tmp_path):
+    """LXMERT's corpus written into shards (`python -m vlberts.data.shards --captions-format lxmert`): each image
+    keeps its questions with their answers, the index counts the best answers, and a streamed `--qa_lxmert` run
+    counts the same joint table as a run reading the file, trains the QA head on the questions' targets (only
+    theirs) and resumes exactly."""
+    import subprocess
+    import sys
+
+    from vlberts.data.pretrain_stream import QuestionRef, ShardCorpus, stream_examples
+    from vlberts.data.shards import read_index
+    from vlberts.features.store import RegionStore
+    from vlberts.recipes.pretrain import PretrainConfig, pretrain
+    from vlberts.training.distributed import DistInfo
+    from vlberts.training.metrics import MetricsLog
+
+    corpus_file = _world_corpus(tiny_world, tmp_path / "mscoco_train.json")
+    sentences = read_lxmert_corpus(corpus_file)
+    proc = subprocess.run([sys.executable, "-m", "vlberts.data.shards", "--store", str(tiny_world.store), "--captions",
+                           str(corpus_file), "--captions-format", "lxmert", "--out", str(tmp_path / "shards"),
+                           "--shard-size", "8"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    index = tmp_path / "shards" / "shard-index.json"
+    questions = [s for s in sentences if s.label is not None]
+    assert read_index(index)["questions"] == len(questions) > 0
+    table = lxmert_image_qa(sentences, "c", 1).answers
+    assert ShardCorpus(index).qa_answer_counts == dict(Counter(max(t, key=t.get) for t in
+                                                               (dict(q.label) for q in questions) if t))
+
+    # A chunk's sentences: every caption and question of its images, the questions with their labels.
+    seen = []
+    stream = stream_examples(ShardCorpus(index), lambda caps, regions, seed: seen.append(caps) or {(0, 0): {}},
+                             seed=0, chunk_images=4, dist=DistInfo(), buffer=2)
+    next(stream)
+    store = RegionStore(tiny_world.store)
+    by_image = {}  # by the id the store holds the image under (its COCO number; the corpus names the file stem)
+    for s in sentences:
+        by_image.setdefault(store.stored_id(s.image_id), []).append((s.text, s.label))
+    chunk = {r.image_id for r in seen[0]}
+    assert sorted((r.text, r.label if isinstance(r, QuestionRef) else None) for r in seen[0]) == sorted(
+        x for img in chunk for x in by_image[img])
+
+    cfg = PretrainConfig(shards=str(index), qa_lxmert=True, qa_last_fraction=1.0, out=str(tmp_path / "run"),
+                         model="lxmert-tiny", vocab_size=200, steps=6, batch_size=8, log_every=1, ckpt_every=2,
+                         chunk_images=6, shuffle_buffer=4, seed=1)
+    final = pretrain(cfg)
+    log = MetricsLog.read(tmp_path / "run" / "metrics.jsonl")
+    assert len(log) == 6 and all(r["qa_loss"] > 0 and "mlm_loss" in r for r in log)
+    config = json.loads((final / "config.json").read_text())
+    assert tuple(config["qa_answers"]) == table.answers and config["config"]["num_qa_labels"] == len(table)
+    resumed = tmp_path / "resumed"
+    assert pretrain(dataclasses.replace(cfg, out=str(resumed), stop_after=3)) is None  # last checkpoint: step 2
+    pretrain(dataclasses.replace(cfg, out=str(resumed)))
+    assert [r["qa_loss"] for r in MetricsLog.read(resumed / "metrics.jsonl")] == [r["qa_loss"] for r in log]
+
+    with pytest.raises(VlbertsError, match="with --shards, image QA reads the questions the shards hold"):
+        pretrain(dataclasses.replace(cfg, out=str(tmp_path / "bad"), qa_vqa_questions=str(tiny_world.vqa("train")[0])))
+    from vlberts.data.shards import write_shards
+
+    plain = write_shards(tiny_world.store, tiny_world.captions_train, tmp_path / "plain", shard_size=8)
+    with pytest.raises(VlbertsError, match="--qa_lxmert: these shards hold no questions"):
+        pretrain(dataclasses.replace(cfg, shards=str(plain), out=str(tmp_path / "bad")))

@@ -196,7 +196,7 @@ def test_streamed_float16_batches_train_exactly_as_float32_ones(tiny_world, tmp_
 def test_streamed_pretraining_misuse_is_one_clear_error(tiny_world, shards, tmp_path):
     with pytest.raises(VlbertsError, match="either --shards or --captions"):
         pretrain(_cfg(shards, tmp_path / "a", captions=str(tiny_world.captions_train)))
-    with pytest.raises(VlbertsError, match="does not stream"):
+    with pytest.raises(VlbertsError, match=r"question files \(--qa_vqa_questions, --qa_gqa_questions\) do not stream"):
         pretrain(_cfg(shards, tmp_path / "b", qa_gqa_questions=str(tiny_world.root / "gqa" / "train_balanced_questions.json")))
     with pytest.raises(VlbertsError, match="chunk_images must be >= 2"):
         pretrain(_cfg(shards, tmp_path / "c", chunk_images=1))

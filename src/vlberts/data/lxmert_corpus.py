@@ -24,6 +24,7 @@ answer of at least `min_count` questions, most frequent first, ties alphabetical
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from vlberts.data.pretrain_qa import PretrainQA
 from vlberts.data.vqa import label_scores
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys, require_text
-from vlberts.tasks.vqa import AnswerVocab, label_target
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget, label_target
 
 # The sources whose sentences are questions with answers (`labelf`), as LXMERT's pre-training data names them.
 QA_SOURCES = ("vqa", "gqa", "visual7w")
@@ -118,14 +119,36 @@ def lxmert_image_qa(sentences: list[LxmertSentence], source: str, min_count: int
     the table leave the label, as LXMERT's `LXMERTDataset` drops them, and a question none of whose answers is
     in the table stays a sentence without a QA label. `source` names the files (for the run's record)."""
     questions = [s for s in sentences if s.label is not None]
-    labels = [_converted(s.label) for s in questions]
     if answers is None:
-        counts = Counter(max(label, key=label.__getitem__) for label in labels if label)
-        answers = AnswerVocab.from_counts(counts, min_count)
+        answers = counted_answer_table(qa_answer_counts(s.label for s in questions), min_count, source)
+    targets = [qa_target(s.label, answers) for s in questions]
+    return PretrainQA([CaptionRef(s.image_id, s.text) for s in questions], targets, answers, ((source, len(questions)),))
+
+
+def qa_answer_counts(labels: Iterable[dict[str, float]]) -> Counter:
+    """How many questions have each (converted) answer as their best-scored one: what the joint table is counted
+    from (`counted_answer_table`; a shard set's index keeps them for a streamed run)."""
+    counts: Counter = Counter()
+    for label in labels:
+        converted = _converted(label)
+        if converted:
+            counts[max(converted, key=converted.__getitem__)] += 1
+    return counts
+
+
+def counted_answer_table(counts: Mapping[str, int], min_count: int, source: str | Path) -> AnswerVocab:
+    """The joint table of `qa_answer_counts`: answers that are the best of at least `min_count` questions, most
+    frequent first, ties alphabetical; none is a one-line error naming `source`."""
+    answers = AnswerVocab.from_counts(Counter(counts), min_count)
     if not len(answers):
         raise VlbertsError(f"no answer is the best answer of {min_count}+ questions of LXMERT's corpus", path=source)
-    targets = [label_target(label, answers) for label in labels]
-    return PretrainQA([CaptionRef(s.image_id, s.text) for s in questions], targets, answers, ((source, len(questions)),))
+    return answers
+
+
+def qa_target(label: dict[str, float], answers: AnswerVocab) -> SoftTarget:
+    """A question's QA target: its label's answers converted (`convert_answer`) and scored over the joint table
+    (those outside it dropped)."""
+    return label_target(_converted(label), answers)
 
 
 def _converted(label: dict[str, float]) -> dict[str, float]:

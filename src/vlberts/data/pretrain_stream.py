@@ -12,7 +12,8 @@ captions and other images drawn from the chunk's other images (LXMERT §3.1.3 an
 "a sentence from another image"). A chunk's examples are visited in a permutation drawn from
 (seed, rank, chunk), then the next chunk is read. H-VisualBERT's image-only samples (kind "image", its
 `--unpaired_images` as shards) stream the same way, in chunks of images built into `ImageOnlyData`, and text-only
-documents in chunks of documents (`stream_documents`).
+documents in chunks of documents (`stream_documents`). An image's questions (shards of LXMERT's corpus) join
+its captions as `QuestionRef`s, which carry their answers for LXMERT's image QA (`--qa_lxmert`).
 
 Position and exact resume: a rank's position is (chunk, examples of that chunk consumed, where its shard
 reader stood when it began drawing that chunk: `ShardReader.state()`, the shard RNG, the shard being read
@@ -71,6 +72,14 @@ class StreamPosition:
         return cls(**d) if d else cls()
 
 
+@dataclass(frozen=True)
+class QuestionRef(CaptionRef):
+    """A question of a chunk's image (LXMERT's corpus in shards): a pre-training sentence, with its answers
+    {answer: score} for image QA."""
+
+    label: dict[str, float] | None = None
+
+
 class ShardCorpus:
     """A shard index's description of its corpus, standing in for a `RegionStore` where pre-training
     asks what the regions hold: `feature_dim`, `fields`, `metadata` (classes, attributes), `info()`."""
@@ -81,6 +90,8 @@ class ShardCorpus:
         index = read_index(self.path)
         self.kinds = {k: int(v) for k, v in index.get("kinds", {}).items()}  # samples of each kind
         self.images = self.kinds.get("image-text", 0)  # captioned images
+        self.questions = int(index.get("questions", 0))  # LXMERT's image-QA questions among their sentences
+        self.qa_answer_counts: dict[str, int] = dict(index.get("qa_answer_counts", {}))  # best answers' counts
         if not index.get("store"):
             raise VlbertsError("shards hold no region features (written without a store)", path=self.path)
         self.feature_dim, self.fields, self.metadata = index_store(index, self.path)
@@ -194,6 +205,7 @@ def stream_examples(
             misses = 0
             records[s["image_id"]] = corpus.record(load_arrays(s)) if chunk >= start.chunk else None
             captions.extend(CaptionRef(s["image_id"], c) for c in s.get("captions", ()))
+            captions.extend(QuestionRef(s["image_id"], q["text"], q["label"]) for q in s.get("questions", ()))
         if chunk < start.chunk:  # consumed before the resume point: read, not built
             chunk += 1
             continue

@@ -7,6 +7,8 @@ it into sequential reads: each shard is a plain POSIX tar (written byte for byte
 reads, so either reader works), and a sample is the run of consecutive members that share a key:
 
     <key>.json           {"kind", "image_id", "image_w", "image_h", "captions": [...], "fields": [...]}
+                         and, for LXMERT's corpus, the image's questions with their answers,
+                         "questions": [{"text", "label": {answer: score}}] (LXMERT §3.1.3 image QA)
                          text-only documents: {"kind": "text", "text": ...} and nothing else, with the
                          document's sentences as "sentences": [...] when it was given as sentences
                          (BERT's corpus format; next-sentence prediction needs them)
@@ -53,9 +55,11 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from vlberts.data.coco import CaptionRef, read_caption_refs
+from vlberts.data.lxmert_corpus import qa_answer_counts
 from vlberts.data.regions import Regions, load_regions
 from vlberts.data.sampling import epoch_order
 from vlberts.data.text_corpus import image_id_lines, read_documents
+from vlberts.data.vqa import label_scores
 from vlberts.errors import EXIT_BAD_INPUT, VlbertsError
 from vlberts.features.record import RegionRecord, StoreMetadata, labels_misfit, record_misfit
 from vlberts.features.store import RecordLayout, RegionStore
@@ -101,13 +105,16 @@ def _tar_header(name: bytes, size: int) -> bytes:
     return head[:148] + b"%06o\0" % sum(head) + head[155:]  # the checksum counts its own field as 8 spaces
 
 
-def _image_sample(rec: RegionRecord, captions: list[str], arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
+def _image_sample(rec: RegionRecord, captions: list[str], arrays: dict[str, np.ndarray],
+                  questions: Sequence[dict[str, Any]] = ()) -> dict[str, bytes]:
     """The members (extension -> bytes) of one image: its json and one .npy per region field it holds
-    (`arrays`, as `RecordLayout.arrays` gives them)."""
-    meta = {
-        "kind": "image-text" if captions else "image", "image_id": rec.image_id, "image_w": rec.image_w,
+    (`arrays`, as `RecordLayout.arrays` gives them). `questions`: {"text", "label"} of each of its questions."""
+    meta: dict[str, Any] = {
+        "kind": "image-text" if captions or questions else "image", "image_id": rec.image_id, "image_w": rec.image_w,
         "image_h": rec.image_h, "captions": captions, "fields": list(arrays),
     }
+    if questions:
+        meta["questions"] = list(questions)
     members = {"json": json.dumps(meta).encode()}
     members.update({f"{name}.npy": _npy_bytes(a) for name, a in arrays.items()})
     return members
@@ -265,6 +272,7 @@ def write_shards(
     withhold: Collection[str] | str | Path = (),
     documents: Iterable[str | Sequence[str]] = (),
     overwrite: bool = False,
+    questions: Sequence[tuple[CaptionRef, dict[str, float]]] = (),
 ) -> Path:
     """Pack a region store and its captions (and optionally text-only documents) into tar shards.
 
@@ -282,6 +290,9 @@ def write_shards(
         (`data.text_corpus.read_documents`), stored as "sentences" beside their joined "text".
     overwrite: replace a shard set of the same prefix in `out_dir`, its shards beyond the new ones removed
         (otherwise an error).
+    questions: LXMERT's image-QA questions, (image and question, {answer: score}): written with their image
+        (its "questions"), and the index counts each (converted) best answer, "qa_answer_counts", from which a
+        streamed run counts the joint answer table as a run reading the corpus file does.
     Returns the index json `<out_dir>/<prefix>-index.json`.
     """
     out_dir = Path(out_dir)
@@ -292,10 +303,18 @@ def write_shards(
     withhold_file = Path(withhold) if isinstance(withhold, (str, Path)) else None
     lines = image_id_lines(withhold_file) if withhold_file is not None else {}
     withheld = set(lines) if withhold_file is not None else {str(i) for i in withhold}
+    # Texts by the id the store holds their image under (a COCO image has two names: LXMERT's corpus uses the
+    # file stem, a store may hold the number); a name the store lacks stays as given, for the error below.
+    stored = (lambda i: store.stored_id(i) or i) if isinstance(store, RegionStore) else (lambda i: i)
     by_image: dict[str, list[str]] = {}
     for ref in refs or ():
         if ref.image_id not in withheld:
-            by_image.setdefault(ref.image_id, []).append(ref.text)
+            by_image.setdefault(stored(ref.image_id), []).append(ref.text)
+    asked: dict[str, list[dict[str, Any]]] = {}
+    for ref, label in questions:
+        if ref.image_id not in withheld:
+            asked.setdefault(stored(ref.image_id), []).append({"text": ref.text, "label": label})
+            by_image.setdefault(stored(ref.image_id), [])
     if by_image and store is None:
         raise VlbertsError("captions given without a region store")
     if withheld and store is None:
@@ -315,12 +334,12 @@ def write_shards(
     index, skipped = 0, 0
     try:
         for rec in store.records() if store is not None else ():
-            caps = by_image.get(rec.image_id, [])
-            if refs is not None and not caps and not image_only and rec.image_id not in withheld:
+            caps, asks = by_image.get(rec.image_id, []), asked.get(rec.image_id, [])
+            if (refs is not None or questions) and not caps + asks and not image_only and rec.image_id not in withheld:
                 skipped += 1
                 continue
-            sample = _image_sample(rec, caps, layout.arrays(rec, store.metadata, path=store.path))
-            writer.add(_sample_key(rec.image_id, index), sample, "image-text" if caps else "image")
+            sample = _image_sample(rec, caps, layout.arrays(rec, store.metadata, path=store.path), asks)
+            writer.add(_sample_key(rec.image_id, index), sample, "image-text" if caps or asks else "image")
             index += 1
         for k, doc in enumerate(documents):
             meta = {"kind": "text", "text": doc} if isinstance(doc, str) else {
@@ -332,9 +351,12 @@ def write_shards(
         writer.close(e)
         raise
     writer.close()
+    extra: dict[str, Any] = {"images_without_captions_skipped": skipped}
+    if questions:
+        written = [q["label"] for asks in asked.values() for q in asks]
+        extra.update(questions=len(written), qa_answer_counts=dict(qa_answer_counts(written).most_common()))
     return _finish_set(out_dir, prefix, writer, {
-        "images_without_captions_skipped": skipped,
-        "store": None if store is None else _store_entry(str(store.path), layout, store.metadata),
+        **extra, "store": None if store is None else _store_entry(str(store.path), layout, store.metadata),
     })
 
 
@@ -417,11 +439,17 @@ def _check_meta(meta: dict[str, Any], name: str, *, shard: Path, record: str) ->
         for j, sentence in enumerate(sentences):
             require_text(sentence, f"sentences[{j}]", path=shard, record=record)
     if meta["kind"] == "image-text":
-        captions = meta["captions"]
-        if not isinstance(captions, list) or not captions:
-            raise VlbertsError(f"{name}: captions must be a non-empty list", path=shard, record=record)
+        captions, questions = meta["captions"], meta.get("questions", [])
+        if not isinstance(captions, list) or not isinstance(questions, list) or not captions + questions:
+            raise VlbertsError(f"{name}: captions (or questions) must be a non-empty list", path=shard, record=record)
         for j, caption in enumerate(captions):
             require_text(caption, f"captions[{j}]", path=shard, record=record)
+        for j, question in enumerate(questions):
+            if not isinstance(question, dict) or "text" not in question or "label" not in question:
+                raise VlbertsError(f"{name}: questions[{j}] must be an object with text and label", path=shard,
+                                   record=record)
+            require_text(question["text"], f"questions[{j}].text", path=shard, record=record)
+            label_scores(question["label"], path=shard, record=f"{record} questions[{j}]")
     if not isinstance(meta.get("fields", []), list):
         raise VlbertsError(f"{name}: fields must be a list of region field names", path=shard, record=record)
 
@@ -1087,7 +1115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = _OneLineParser(prog="python -m vlberts.data.shards", description="Write WebDataset-style tar shards "
                                  "from a region store and its captions, or check a written shard set (--check).")
     ap.add_argument("--store", help="region store (HDF5)")
-    ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples)")
+    ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples), or another "
+                    "--captions-format")
+    ap.add_argument("--captions-format", default="coco", help="coco (COCO or Karpathy), lxmert (LXMERT's corpus "
+                    "files, comma-separated: captions, and questions with their answers for image QA), vqa, gqa, vcr "
+                    "(as vlberts pretrain --captions_format reads them)")
     ap.add_argument("--split", default="train", help="Karpathy split of --captions")
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
@@ -1112,17 +1144,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.store is None and args.documents is None) or args.out is None:
         ap.error("writing shards needs --store (and/or --documents) and --out (or give --check INDEX)")
     try:
-        refs = None if args.captions is None else read_caption_refs(args.captions, split=args.split)
+        refs, questions = _caption_file(args.captions, args.captions_format, args.split)
         documents = read_documents(args.documents) if args.documents else []
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
                              image_only=args.image_only, withhold=args.withhold or (), documents=documents,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, questions=questions)
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     obj = read_json(index)
     print(json.dumps({"index": str(index), "shards": len(obj["shards"]), "samples": obj["samples"], "kinds": obj["kinds"]}))
     return 0
+
+
+def _caption_file(path: str | None, fmt: str, split: str) -> tuple[list[CaptionRef] | None, list]:
+    """The captions of `path` read as `fmt` (`data.task_texts`), and LXMERT's questions with their labels apart."""
+    if path is None:
+        return None, []
+    if fmt == "lxmert":
+        from vlberts.data.lxmert_corpus import read_lxmert_corpus
+
+        sentences = read_lxmert_corpus(path)
+        return ([CaptionRef(s.image_id, s.text) for s in sentences if s.label is None],
+                [(CaptionRef(s.image_id, s.text), s.label) for s in sentences if s.label is not None])
+    from vlberts.data.task_texts import task_caption_refs
+
+    return task_caption_refs(path, fmt, split=split), []
 
 
 def _check_command(index: str, max_problems: int) -> int:

@@ -559,6 +559,11 @@ class RegionStore:
         """All image ids, in the order they were written."""
         return list(self._ids)
 
+    def stored_id(self, image_id: object) -> str | None:
+        """The id the store holds an image under (`_find`: a COCO image by either of its names), or None."""
+        row = self._find(image_id)
+        return None if row is None else self._ids[row]
+
     def _find(self, image_id: object) -> int | None:
         """The row of an image id, or None. A COCO image is found under either of its names: its COCO id (42:
         VQA's, COCO's and Pythia's files, BUTD's TSVs) and its file stem (COCO_val2014_000000000042: LXMERT's

@@ -42,8 +42,10 @@ from vlberts.data.coco import CaptionRef
 from vlberts.data.task_texts import task_caption_refs
 from vlberts.data.pretrain import LABEL_FIELDS, MISMATCH_REPLACE, CaptionPretrainData, FixedShapes, ImageOnlyData, RegionSetup, collate_pretrain, unpaired_view
 from vlberts.data.pixels import DEFAULT_PATTERN, DEFAULT_SIZE, PixelLoader
+from vlberts.data.lxmert_corpus import counted_answer_table, qa_target
 from vlberts.data.pretrain_qa import PretrainQA, read_pretrain_qa
 from vlberts.data.pretrain_stream import (
+    QuestionRef,
     ShardCorpus,
     StreamPosition,
     WorkerPositions,
@@ -191,8 +193,9 @@ class PretrainConfig:
                                 "question list (hold both)")
     qa_vqa_annotations: str = opt("", "LXMERT image-QA pre-training: the VQA v2 annotations json of --qa_vqa_questions")
     qa_gqa_questions: str = opt("", "LXMERT image-QA pre-training: GQA balanced questions json (with answers)")
-    qa_lxmert: bool = opt(False, "LXMERT image-QA pre-training from LXMERT's own corpus (--captions_format=lxmert): "
-                          "its VQA, GQA and Visual7W questions carry their answers (labelf) as QA labels")
+    qa_lxmert: bool = opt(False, "LXMERT image-QA pre-training from LXMERT's own corpus (--captions_format=lxmert, or "
+                          "--shards written from it): its VQA, GQA and Visual7W questions carry their answers (labelf) "
+                          "as QA labels")
     qa_min_answer_count: int = opt(1, "joint answer table: answers given by at least this many questions")
     qa_answers: str = opt("", "the joint answer table from a file instead of counted from the questions: LXMERT's "
                           "released all_ans.json (9,500 answers, its QA head's rows in order) or any table --answer_vocab "
@@ -350,10 +353,11 @@ def shard_documents(shards: list[Path], limit: int) -> list[list[str]]:
 
 
 def shard_captions(corpus: ShardCorpus, limit: int) -> list[CaptionRef]:
-    """The first `limit` captions of the shards in file order (to train a vocabulary on)."""
+    """The first `limit` captions (and questions) of the shards in file order (to train a vocabulary on)."""
     out: list[CaptionRef] = []
     for sample in ShardStream(corpus.shards, shuffle=False, kinds=("image-text",), dist=DistInfo(), arrays=False):
         out.extend(CaptionRef(sample["image_id"], c) for c in sample["captions"])
+        out.extend(CaptionRef(sample["image_id"], q["text"]) for q in sample.get("questions", ()))
         if len(out) >= limit:
             break
     return out[:limit]
@@ -403,8 +407,10 @@ def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str
     return loader
 
 
-def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
-    """LXMERT's image-QA pre-training data when the run names question files (or `--qa_lxmert`), else None."""
+def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None) -> PretrainQA | None:
+    """LXMERT's image-QA pre-training data when the run names question files (or `--qa_lxmert`), else None.
+    A streamed run (`shards`) reads the questions its shards hold as they stream (`QuestionRef`): here only
+    the joint table, from `--qa_answers` or counted from the index's counts, and no sentences."""
     if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions or cfg.qa_lxmert
             or cfg.qa_answers or cfg.qa_answer_sets):
         return None
@@ -414,6 +420,16 @@ def image_qa(cfg: PretrainConfig, arch: str) -> PretrainQA | None:
     if sets and not cfg.qa_answers:
         raise VlbertsError("--qa_answer_sets picks answers of an all_ans.json --qa_answers; give the file")
     answers = read_answer_vocab(cfg.qa_answers, sets) if cfg.qa_answers else None
+    if shards is not None:
+        if not cfg.qa_lxmert or cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions:
+            raise VlbertsError("with --shards, image QA reads the questions the shards hold (--qa_lxmert); question "
+                               "files (--qa_vqa_questions, --qa_gqa_questions) do not stream")
+        if not shards.questions:
+            raise VlbertsError("--qa_lxmert: these shards hold no questions (write LXMERT's corpus into shards with "
+                               "python -m vlberts.data.shards --captions FILES --captions-format lxmert)", path=shards.path)
+        if answers is None:
+            answers = counted_answer_table(shards.qa_answer_counts, cfg.qa_min_answer_count, shards.path)
+        return PretrainQA([], [], answers, ((str(shards.path), shards.questions),))
     if cfg.qa_lxmert:
         if cfg.captions_format != "lxmert" or cfg.qa_vqa_questions or cfg.qa_gqa_questions:
             raise VlbertsError("--qa_lxmert reads the questions of LXMERT's corpus: it needs --captions_format=lxmert "
@@ -571,14 +587,13 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if cfg.mismatch_replace not in MISMATCH_REPLACE:
         raise VlbertsError(f"--mismatch_replace must be one of {', '.join(MISMATCH_REPLACE)}, got {cfg.mismatch_replace!r}")
     recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
-    qa = image_qa(cfg, arch)
-    if streamed:
-        if qa is not None:
-            raise VlbertsError("image-QA pre-training reads question files; it does not stream from --shards")
+    corpus = ShardCorpus(cfg.shards) if streamed else None
+    qa = image_qa(cfg, arch, corpus)
+    if corpus is not None:
         if cfg.batch_size % dist.world:
             raise VlbertsError(f"with --shards each of the {dist.world} ranks streams batch_size / ranks examples: "
                                f"--batch_size={cfg.batch_size} must be a multiple of {dist.world}")
-        store: RegionStore | ShardCorpus = ShardCorpus(cfg.shards)
+        store: RegionStore | ShardCorpus = corpus
         captions = shard_captions(store, VOCAB_CAPTIONS)  # for training a vocabulary only
         # H-VisualBERT's image-only set, streamed from its own shards (their "image" samples).
         image_store = image_only_corpus(cfg.unpaired_images, store) if cfg.unpaired_images else None
@@ -702,10 +717,17 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         def pair_batches(reader: tuple[int, int] | None, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
             """The caption stream of this rank (reader None) or of one of its loader workers."""
             return stream_batches(stream_examples(
-                store, lambda caps, regions, seed: make_data(caps, regions, seed=seed),
+                store, lambda caps, regions, seed: make_data(caps, regions, seed=seed, qa_targets=streamed_qa(caps)),
                 seed=cfg.seed if reader is None else stream_seed(cfg.seed, LOADER_SEED + reader[0]),
                 chunk_images=cfg.chunk_images, dist=dist, start=start, buffer=cfg.shuffle_buffer, reader=reader,
             ), pair_collate, sizes["pairs"])
+
+        def streamed_qa(caps: list[CaptionRef]) -> list[SoftTarget] | None:
+            """A chunk's QA targets: its questions' over the joint table (LXMERT §3.1.3), none for captions."""
+            if "qa" not in weights:
+                return None
+            return [qa_target(c.label, qa.answers) if isinstance(c, QuestionRef) and c.label is not None
+                    else SoftTarget((), ()) for c in caps]
 
         pairs_start = stream_start(resumed_data, dist, out, workers=cfg.num_workers)
         stream = (worker_batches(lambda k, pos: pair_batches((k, cfg.num_workers), pos), pairs_start)
