@@ -156,6 +156,74 @@ def test_original_lxmert_imports_from_its_own_key_layout_with_the_same_outputs(t
                                          "e.g. Epoch20_LXRT.pth)")
 
 
+def _original_visualbert(hf, head: str = "cls") -> dict:
+    """A Hugging Face VisualBERT's weights in uclanlp/visualbert's own names (Hugging Face's conversion script's
+    renames undone; the old code had no decoder bias, and the task head was `bert.classifier`)."""
+    out = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("position_ids") or k == "cls.predictions.decoder.bias":
+            continue
+        k = ("bert.bert." + k[len("visual_bert."):] if k.startswith("visual_bert.") else
+             "bert." + k if k.startswith("cls.predictions.") or k.startswith("cls.seq_relationship.") else
+             f"bert.{head}." + k[len("cls."):] if k.startswith("cls.") else k)
+        for theirs, ours in (("visual_token_type_embeddings", "token_type_embeddings_visual"),
+                             ("visual_position_embeddings", "position_embeddings_visual"),
+                             ("visual_projection", "projection")):
+            k = k.replace(theirs, ours)
+        out[k] = v.clone()
+    return out
+
+
+def test_original_visualbert_imports_from_its_own_key_layout_with_the_same_outputs(tmp_path, run):
+    """uclanlp/visualbert's `.th` files: a pre-trained one imports with its config read off the tensors and the
+    outputs of the same weights saved by Hugging Face; a fine-tuned one gives its encoder, its task head (told
+    by the file's name) and VCR's ResNet-50 left out and named."""
+    from vlberts.models.convert_hf import load_hf_visualbert
+
+    config = transformers.VisualBertConfig(vocab_size=40, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=37, visual_embedding_dim=16, max_position_embeddings=64)
+    hf = _randomised(transformers.VisualBertForPreTraining(config))
+    original = _original_visualbert(hf)
+    assert {"bert.bert.embeddings.projection.weight", "bert.bert.embeddings.token_type_embeddings_visual.weight",
+            "bert.cls.seq_relationship.weight", "bert.cls.predictions.decoder.weight"} <= original.keys()
+    torch.save(original, tmp_path / "coco_pre_trained.th")
+    vocab = _vocab(tmp_path / "vocab.txt", 40)
+    code, out_, err = run(str(tmp_path / "coco_pre_trained.th"), "--format=visualbert", f"--vocab={vocab}",
+                          f"--out={tmp_path / 'm'}")
+    assert code == 0, err
+    assert "as visualbert, 2 layers x 2 heads, width 128, visual_dim 16" in out_
+    ours, cfg, meta = load_pretraining_model(tmp_path / "m")
+    assert meta["import_format"] == "visualbert" and "left_out" not in meta and cfg.intermediate_size == 37
+    hf.save_pretrained(tmp_path / "hf")
+    ref = load_hf_visualbert(tmp_path / "hf")
+    x = _batch(40, 16)
+    with torch.no_grad():
+        a, b = ours.eval()(x), ref.eval()(x)
+    assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.match_logits, b.match_logits)
+
+    vcr = _randomised(transformers.VisualBertForMultipleChoice(config))
+    fine_tuned = {**_original_visualbert(vcr, head="classifier"), "detector.backbone.conv1.weight": torch.zeros(4, 3, 7, 7)}
+    assert "bert.classifier.weight" in fine_tuned
+    torch.save(fine_tuned, tmp_path / "vcr_fine_tune.th")
+    (tmp_path / "heads.json").write_text(json.dumps({"num_attention_heads": 4}))
+    code, out_, err = run(str(tmp_path / "vcr_fine_tune.th"), "--format=visualbert", f"--vocab={vocab}",
+                          f"--out={tmp_path / 'vcr'}", f"--config={tmp_path / 'heads.json'}")
+    assert code == 0, err
+    ours, cfg, meta = load_pretraining_model(tmp_path / "vcr")
+    assert cfg.num_heads == 4
+    assert meta["left_out"].startswith("VisualBertForMultipleChoice's choice scorer on the pooled output")
+    assert meta["left_out"].endswith("the ResNet-50 detector (1 detector.* tensors; region features come from a store)")
+    enc = {k: v for k, v in ours.state_dict().items() if k.startswith("bert.")}
+    assert all(torch.equal(v, vcr.state_dict()["visual_bert." + k[len("bert."):]]) for k, v in enc.items()
+               if "visual_bert." + k[len("bert."):] in vcr.state_dict())
+
+    torch.save({"something.weight": torch.zeros(2)}, tmp_path / "other.th")
+    code, _, err = run(str(tmp_path / "other.th"), "--format=visualbert", f"--vocab={vocab}", f"--out={tmp_path / 'x'}")
+    assert code == 2 and err.strip() == (f"error: {tmp_path / 'other.th'}: not a VisualBERT checkpoint: no "
+                                         "bert.bert.embeddings.word_embeddings.weight (uclanlp/visualbert's .th state "
+                                         "dict, e.g. coco_pre_trained.th)")
+
+
 def test_original_vilbert_imports_with_its_config_and_loads_back(tmp_path, run):
     from test_vilbert import ORIGINAL_CONFIG, _original_state_dict, _write_original
 
@@ -220,7 +288,7 @@ def test_bad_imports_are_one_line(tmp_path, run):
     assert error(str(src), "--format=hf-visualbert", f"--out={out}") == (
         f"error: {src}: no vocab.txt beside the checkpoint: pass --vocab with the BERT vocabulary it was trained "
         "with (e.g. bert-base-uncased's vocab.txt)")
-    assert "unknown format 'hf-visualbrt'; valid: hf-visualbert, hf-lxmert, lxmert, vilbert, vlbert" in error(
+    assert "unknown format 'hf-visualbrt'; valid: hf-visualbert, visualbert, hf-lxmert, lxmert, vilbert, vlbert" in error(
         str(src), "--format=hf-visualbrt", f"--out={out}")
     big = _vocab(tmp_path / "big.txt", 13)
     assert error(str(src), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (

@@ -784,18 +784,20 @@ def models_cmd(ctx: typer.Context) -> None:
 
 @models_app.command("import")
 def models_import(
-    src: Path = typer.Argument(..., help="The released checkpoint: a directory (hf-*) or a weights file (vilbert, vlbert)."),
+    src: Path = typer.Argument(..., help="The released checkpoint: a directory (hf-*) or a weights file (visualbert, "
+                               "lxmert, vilbert, vlbert)."),
     format: str = typer.Option(..., "--format", help="hf-visualbert, hf-lxmert (Hugging Face save_pretrained "
-                               "directories), lxmert (airsplay/lxmert *_LXRT.pth), vilbert (vilbert-multi-task .bin), "
-                               "vlbert (VL-BERT .model)."),
+                               "directories), visualbert (uclanlp/visualbert .th), lxmert (airsplay/lxmert *_LXRT.pth), "
+                               "vilbert (vilbert-multi-task .bin), vlbert (VL-BERT .model)."),
     out: Path = typer.Option(..., help="The vlberts model directory to write."),
     vocab: Optional[Path] = typer.Option(None, help="The BERT vocab.txt the checkpoint was trained with (default: "
                                          "one beside SRC)."),
     config: Optional[Path] = typer.Option(None, help="vilbert: the original JSON config of the weights (default: "
                                           "the released base config, 6 co-attention layers); vlbert: a JSON object "
                                           "of settings to change from vlbert-base, e.g. {\"num_region_classes\": 81}; "
-                                          "lxmert: a JSON object of Hugging Face LxmertConfig settings to change from "
-                                          "those read off the weights, e.g. {\"num_attention_heads\": 12}."),
+                                          "visualbert / lxmert: a JSON object of Hugging Face VisualBertConfig / "
+                                          "LxmertConfig settings to change from those read off the weights, e.g. "
+                                          "{\"num_attention_heads\": 12}."),
     qa_answers: Optional[Path] = typer.Option(None, "--qa_answers", help="hf-lxmert: the answers of the QA head's rows, in order "
                                               "(LXMERT's all_ans.json), so that VQA/GQA fine-tuning starts from the "
                                               "head (LXMERT's --loadLXMERTQA)."),

@@ -36,6 +36,25 @@ unexpected or mis-shaped key is a `VlbertsError` naming the first offending keys
 [SEP]; HF reads text position `attention_mask.sum(1) - 2`): `load_hf_visualbert_vqa` loads encoder and
 classifier (`cls.` -> `classifier.`), with as many answers as `cls.weight` has rows.
 
+VisualBERT's own released files (uclanlp/visualbert: `coco_pre_trained.th`, `vqa_pre_trained.th`,
+`vqa_fine_tuned.th`, `nlvr2_*.th`, `vcr_*.th`; `torch.save` state dicts) load through the same code after the
+renames Hugging Face's conversion script (`convert_visual_bert_original_pytorch_checkpoint_to_pytorch.py`)
+applies to them, as `load_original_visualbert`:
+
+| # | VisualBERT's key                        | as Hugging Face's                    |
+|---|-----------------------------------------|--------------------------------------|
+| 1 | `bert.bert.`                            | `visual_bert.`                       |
+| 2 | `bert.cls.`, `bert.classifier.`         | `cls.` (the second: a task head)     |
+| 3 | `token_type_embeddings_visual`          | `visual_token_type_embeddings`       |
+| 4 | `position_embeddings_visual`            | `visual_position_embeddings`         |
+| 5 | `projection`                            | `visual_projection`                  |
+| 6 | `detector.*` (VCR's ResNet-50)          | left out: vlberts reads region features from a store |
+
+The file holds no config: widths, layers, vocabulary, positions, segment types and the visual feature width
+are read off the tensors, the attention heads are hidden_size / 64 (BERT's 12) unless `config` says
+otherwise, and the task head is told by the file's name, as Hugging Face's script tells it (`vqa` ->
+question answering, `nlvr` -> visual reasoning, `vcr` -> multiple choice; `pre` in the name: none).
+
 LXMERT's converter lives in `convert_hf_lxmert.py` (its rename table is longer); `load_hf_lxmert` is
 re-exported here so that every Hugging Face loader is reachable from this module.
 """
@@ -172,7 +191,74 @@ def load_hf_visualbert(path: str | Path) -> VisualBertForPreTraining:
     model's `left_out_head` says which (None: none was).
     """
     path = Path(path)
-    cfg, archs, sd, names = _read(path)
+    return _load_pretraining(*_read(path), path)
+
+
+ORIGINAL_VISUALBERT_RULES = [  # uclanlp/visualbert's names -> Hugging Face's (the module docstring's table)
+    (r"^bert\.bert\.", "visual_bert."),
+    (r"^bert\.(cls|classifier)\.", "cls."),
+    (r"token_type_embeddings_visual", "visual_token_type_embeddings"),
+    (r"position_embeddings_visual", "visual_position_embeddings"),
+    (r"\.projection\.", ".visual_projection."),
+    (r"^detector\..*", ""),  # VCR's fine-tuned ResNet-50: features come from a store here
+]
+# The task head of a released file, told by its name as Hugging Face's conversion script tells it.
+_ORIGINAL_TASKS = (("vcr", "VisualBertForMultipleChoice"), ("nlvr", "VisualBertForVisualReasoning"),
+                   ("vqa", "VisualBertForQuestionAnswering"))
+
+
+def load_original_visualbert(path: str | Path, config: str | Path | None = None) -> VisualBertForPreTraining:
+    """Load one of VisualBERT's own released `.th` files into our `VisualBertForPreTraining` (module docstring):
+    its config read off the tensors, `config` a JSON object of Hugging Face `VisualBertConfig` settings that
+    changes it; a fine-tuned file's task head is left out and named, as for Hugging Face's classes."""
+    path = Path(path)
+    raw = read_state_dict(path)
+    hf_names = {k: rename_key(k, ORIGINAL_VISUALBERT_RULES) for k in raw}
+    detector = sum(1 for k in raw if k.startswith("detector."))
+    sd_hf = {hf_names[k]: v for k, v in raw.items() if hf_names[k]}
+    hf = original_visualbert_config(sd_hf, path)
+    if config is not None:
+        hf.update(read_json_object(config))
+    cfg = visualbert_config_from_hf(hf, where=str(config or path))
+    names = {ours: k for k, h in hf_names.items() if h and (ours := rename_key(h, HF_VISUALBERT_RULES))}
+    stem = path.name.lower()
+    archs = None if "pre" in stem else next(([c] for key, c in _ORIGINAL_TASKS if key in stem), None)
+    model = _load_pretraining(cfg, archs, rename_keys(sd_hf, HF_VISUALBERT_RULES), names, path)
+    if model.left_out_head:  # no config.json here: the file's name is what would have told the head
+        model.left_out_head = model.left_out_head.replace("config.json names no architecture",
+                                                          "the file's name does not say which")
+    if detector:
+        model.left_out_head = "; ".join(x for x in (model.left_out_head, f"the ResNet-50 detector ({detector} detector.* "
+                                                    "tensors; region features come from a store)") if x)
+    return model
+
+
+def original_visualbert_config(sd: dict, path: str | Path) -> dict:
+    """The Hugging Face `VisualBertConfig` settings a VisualBERT state dict's names and shapes hold (its keys
+    in Hugging Face's names); a file without the word embeddings is an error naming it."""
+    word = sd.get("visual_bert.embeddings.word_embeddings.weight")
+    if word is None:
+        raise VlbertsError("not a VisualBERT checkpoint: no bert.bert.embeddings.word_embeddings.weight (uclanlp/"
+                           "visualbert's .th state dict, e.g. coco_pre_trained.th)", path=path)
+    prefix = "visual_bert.encoder.layer."
+    ffn = sd.get(prefix + "0.intermediate.dense.weight")
+    projection = sd.get("visual_bert.embeddings.visual_projection.weight")
+    hidden = int(word.shape[1])
+    return {
+        "vocab_size": int(word.shape[0]), "hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
+        "num_hidden_layers": len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)}),
+        "intermediate_size": int(ffn.shape[0]) if ffn is not None else 4 * hidden,
+        "max_position_embeddings": int(sd["visual_bert.embeddings.position_embeddings.weight"].shape[0])
+        if "visual_bert.embeddings.position_embeddings.weight" in sd else 512,
+        "type_vocab_size": int(sd["visual_bert.embeddings.token_type_embeddings.weight"].shape[0])
+        if "visual_bert.embeddings.token_type_embeddings.weight" in sd else 2,
+        "visual_embedding_dim": int(projection.shape[1]) if projection is not None else 2048,
+    }
+
+
+def _load_pretraining(cfg: VisualBertConfig, archs: list[str] | None, sd: dict, names: dict[str, str],
+                      path: Path) -> VisualBertForPreTraining:
+    """`load_hf_visualbert`'s body: the renamed weights into the pre-training model, a task head left out."""
     model = VisualBertForPreTraining(cfg)
     head_keys, left_out = _task_head(sd, archs, cfg, path)
     sd = {k: v for k, v in sd.items() if k not in head_keys}

@@ -36,6 +36,12 @@ def _hf_visualbert(src: Path, config: Path | None) -> nn.Module:
     return load_hf_visualbert(src)
 
 
+def _visualbert(src: Path, config: Path | None) -> nn.Module:
+    from vlberts.models.convert_hf import load_original_visualbert
+
+    return load_original_visualbert(src, config)
+
+
 def _hf_lxmert(src: Path, config: Path | None) -> nn.Module:
     from vlberts.models.convert_hf_lxmert import load_hf_lxmert
 
@@ -76,6 +82,9 @@ FORMATS: dict[str, tuple[Callable[[Path, Path | None], nn.Module], str]] = {
                                       "or a fine-tuned VisualBertForQuestionAnswering, VisualBertForVisualReasoning, "
                                       "VisualBertForMultipleChoice or VisualBertForRegionToPhraseAlignment: its encoder, "
                                       "the task head left out and named in config.json's left_out)"),
+    "visualbert": (_visualbert, "uclanlp/visualbert weights (.th: coco_pre_trained.th, vqa_fine_tuned.th, ...); its "
+                                "config is read off the tensors, --config a JSON object of Hugging Face VisualBertConfig "
+                                "settings that changes it; a fine-tuned file's task head, told by its name, is left out"),
     "hf-lxmert": (_hf_lxmert, "a Hugging Face save_pretrained directory (LxmertModel or LxmertForPreTraining)"),
     "lxmert": (_lxmert, "airsplay/lxmert weights (*_LXRT.pth, e.g. the released Epoch20_LXRT.pth); its config is read "
                         "off the tensors, --config a JSON object of Hugging Face LxmertConfig settings that changes it "
@@ -129,8 +138,8 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     if fmt.startswith("hf-") and not src.is_dir():
         raise VlbertsError(f"--format {fmt} reads a save_pretrained directory (config.json and the weights), not a "
                            f"file: give its folder, {src.parent}", path=src)
-    if config is not None and fmt not in ("lxmert", "vilbert", "vlbert"):
-        raise VlbertsError(f"--config is read for --format lxmert, vilbert and vlbert only (the {fmt} checkpoint "
+    if config is not None and fmt not in ("visualbert", "lxmert", "vilbert", "vlbert"):
+        raise VlbertsError(f"--config is read for --format visualbert, lxmert, vilbert and vlbert only (the {fmt} checkpoint "
                            "carries its config)")
     vocab_file = find_vocab(src, None if vocab is None else Path(vocab))
     tok = TextTokenizer.from_vocab(vocab_file, lowercase=_lowercase(src, vocab_file))
