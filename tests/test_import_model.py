@@ -4,6 +4,7 @@ on an imported Hugging Face VisualBERT; bad input is one line and exit code 2.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -216,6 +217,26 @@ def test_original_visualbert_imports_from_its_own_key_layout_with_the_same_outpu
     enc = {k: v for k, v in ours.state_dict().items() if k.startswith("bert.")}
     assert all(torch.equal(v, vcr.state_dict()["visual_bert." + k[len("bert."):]]) for k, v in enc.items()
                if "visual_bert." + k[len("bert."):] in vcr.state_dict())
+
+    # A Flickr30K model trained with add_spatial_features: its projection reads 16 feature values and the box's 6
+    # coordinates; with --config {"visual_spatial": "6d"} ours appends them itself, as the original loader did.
+    flickr = _randomised(transformers.VisualBertForPreTraining(
+        transformers.VisualBertConfig(**{**config.to_dict(), "visual_embedding_dim": 22})))
+    torch.save(_original_visualbert(flickr), tmp_path / "flickr_pre_trained.th")
+    (tmp_path / "6d.json").write_text(json.dumps({"visual_spatial": "6d"}))
+    code, _, err = run(str(tmp_path / "flickr_pre_trained.th"), "--format=visualbert", f"--vocab={vocab}",
+                       f"--out={tmp_path / 'flickr'}", f"--config={tmp_path / '6d.json'}")
+    assert code == 0, err
+    ours, cfg, _ = load_pretraining_model(tmp_path / "flickr")
+    assert (cfg.visual_dim, cfg.projection_in) == (16, 22)
+    flickr.save_pretrained(tmp_path / "hf-flickr")
+    ref = load_hf_visualbert(tmp_path / "hf-flickr")
+    b = x.region_boxes
+    spatial = torch.stack([b[..., 0], b[..., 1], b[..., 2], b[..., 3], b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]], -1)
+    with torch.no_grad():
+        a = ours.eval()(x)
+        r = ref.eval()(dataclasses.replace(x, region_feats=torch.cat([x.region_feats, spatial], -1)))
+    assert torch.allclose(a.mlm_logits, r.mlm_logits, atol=1e-5) and torch.allclose(a.match_logits, r.match_logits, atol=1e-5)
 
     torch.save({"something.weight": torch.zeros(2)}, tmp_path / "other.th")
     code, _, err = run(str(tmp_path / "other.th"), "--format=visualbert", f"--vocab={vocab}", f"--out={tmp_path / 'x'}")

@@ -52,7 +52,8 @@ applies to them, as `load_original_visualbert`:
 
 The file holds no config: widths, layers, vocabulary, positions, segment types and the visual feature width
 are read off the tensors, the attention heads are hidden_size / 64 (BERT's 12) unless `config` says
-otherwise, and the task head is told by the file's name, as Hugging Face's script tells it (`vqa` ->
+otherwise (`{"visual_spatial": "6d"}` there: a Flickr30K model trained with `add_spatial_features`, whose
+projection reads each 2048-d feature and its box's 6 coordinates, `VisualBertConfig.visual_spatial`), and the task head is told by the file's name, as Hugging Face's script tells it (`vqa` ->
 question answering, `nlvr` -> visual reasoning, `vcr` -> multiple choice; `pre` in the name: none).
 
 LXMERT's converter lives in `convert_hf_lxmert.py` (its rename table is longer); `load_hf_lxmert` is
@@ -67,6 +68,7 @@ from vlberts.errors import VlbertsError
 from vlberts.config import from_dict
 from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
+from vlberts.models.spatial import SPATIAL_DIMS
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining, VisualBertForVQA
 from vlberts.models.weights import load_into, read_state_dict, rename_key, rename_keys
 
@@ -121,6 +123,7 @@ def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> 
             initializer_range=hf.get("initializer_range", 0.02),
             visual_dim=hf["visual_embedding_dim"],
             special_visual_initialize=hf.get("special_visual_initialize", True),
+            visual_spatial=hf.get("visual_spatial", "none"),  # ours, not Hugging Face's (`load_original_visualbert`)
         )
     except KeyError as e:
         raise VlbertsError(f"{where} lacks {e.args[0]}") from None
@@ -217,8 +220,10 @@ def load_original_visualbert(path: str | Path, config: str | Path | None = None)
     detector = sum(1 for k in raw if k.startswith("detector."))
     sd_hf = {hf_names[k]: v for k, v in raw.items() if hf_names[k]}
     hf = original_visualbert_config(sd_hf, path)
-    if config is not None:
-        hf.update(read_json_object(config))
+    overrides = read_json_object(config) if config is not None else {}
+    hf.update(overrides)
+    if "visual_embedding_dim" not in overrides:  # the projection reads each feature and its box geometry
+        hf["visual_embedding_dim"] -= SPATIAL_DIMS.get(hf.get("visual_spatial", "none"), 0)
     cfg = visualbert_config_from_hf(hf, where=str(config or path))
     names = {ours: k for k, h in hf_names.items() if h and (ours := rename_key(h, HF_VISUALBERT_RULES))}
     stem = path.name.lower()
