@@ -124,6 +124,49 @@ def test_slot_models_read_the_mask_slot(tiny_world, pretrained, arch):
         assert not torch.allclose(logits, model(batch.inputs, batch.answer_pos - 1), atol=1e-4)
 
 
+def test_vlbert_answer_classifiers_of_the_release(tiny_world, pretrained, tmp_path):
+    """VL-BERT's three released answer classifiers (`CLASSIFIER_TYPE`): "mlm", the base VQA config's, starts
+    its transform from the pre-trained MLM head and its linear layer Xavier-uniform with a zero bias; the
+    fine-tuned directory records the type and reloads with it, predicting as the run did; --answer_classifier
+    is VL-BERT's only, checked before any data is read."""
+    from safetensors.torch import load_file as read
+
+    from vlberts.models.blocks import PredictionHeadTransform
+    from vlberts.recipes.finetune_qa import build_qa_model
+    from vlberts.errors import VlbertsError
+
+    tq, ta = tiny_world.vqa("train")
+    vocab = build_answer_vocab(read_vqa(tq, ta), 2)
+    sd = read(str(pretrained["vlbert"] / "model.safetensors"))
+    model, cfg, _ = build_qa_model(pretrained["vlbert"], vocab, answer_classifier="mlm")
+    transform, _, linear = model.classifier
+    assert isinstance(transform, PredictionHeadTransform) and cfg.answer_classifier == "mlm"
+    for name, value in transform.state_dict().items():
+        assert torch.equal(value, sd[f"cls.predictions.transform.{name}"]), name
+    assert linear.weight.shape == (len(vocab), cfg.hidden_size) and not linear.bias.any()
+    bound = (6 / sum(linear.weight.shape)) ** 0.5  # Xavier-uniform's
+    assert linear.weight.abs().max() <= bound and linear.weight.abs().max() > 0.5 * bound
+    assert len(build_qa_model(pretrained["vlbert"], vocab, answer_classifier="1fc")[0].classifier) == 2
+    assert len(build_qa_model(pretrained["vlbert"], vocab)[0].classifier) == 5  # 2fc, the default
+
+    out = tmp_path / "mlm"
+    finetune_vqa(FinetuneVQAConfig(**{**vars(short_cfg(tiny_world, pretrained["vlbert"], out)), "answer_classifier": "mlm"}))
+    assert json.loads((out / "model" / "config.json").read_text())["config"]["answer_classifier"] == "mlm"
+    model, vocab, tok = load_vqa_model(out / "model")
+    assert isinstance(model.classifier[0], PredictionHeadTransform)
+    eq, ea = tiny_world.vqa("test")
+    preds = json.loads((out / "predictions.json").read_text())
+    again = predict_vqa(model, vocab, tok, read_vqa(eq, ea), RegionStore(tiny_world.store), max_regions=MAX_REGIONS,
+                        device="cpu")
+    assert again == {p["question_id"]: p["answer"] for p in preds}
+    for arch, value, message in (("visualbert", "mlm", "picks VL-BERT's answer classifier; --init holds a visualbert"),
+                                 ("vlbert", "3fc", "must be one of 2fc, 1fc, mlm, got '3fc'")):
+        cfg = {**vars(short_cfg(tiny_world, pretrained[arch], tmp_path / "bad")), "answer_classifier": value,
+               "train_questions": str(tmp_path / "missing.json")}  # never read: the check comes first
+        with pytest.raises(VlbertsError, match=message):
+            finetune_vqa(FinetuneVQAConfig(**cfg))
+
+
 def test_vilbert_head_reads_the_product_of_h_img_and_h_cls(tiny_world, pretrained):
     model, tok, vocab = _reloaded(tiny_world, pretrained, "vilbert")
     batch = eval_batch(tiny_world, model, tok, vocab)

@@ -40,6 +40,7 @@ ResNet-101; here a small CNN, `VisualBackbone`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -53,6 +54,7 @@ from vlberts.models.blocks import (
     Encoder,
     MLMHead,
     Pooler,
+    PredictionHeadTransform,
     activation,
     first_row,
     init_bert_weights,
@@ -66,6 +68,9 @@ from vlberts.models.outputs import AttentionMaps, VLBertPretrainOutput, VLOutput
 # wavelengths 1000 ** (k / K), k = 0..K-1 (the Relation Networks recipe the paper cites).
 GEOMETRY_SCALE = 100.0
 GEOMETRY_WAVE = 1000.0
+
+
+ANSWER_CLASSIFIERS = ("2fc", "1fc", "mlm")  # `VLBertConfig.answer_classifier`, `VLBertForVQA`
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,14 @@ class VLBertConfig(BertTextConfig):
     end_to_end: bool = False  # CNN + RoIAlign inside the model, reading VLInputs.pixels
     cnn_channels: tuple[int, ...] = (32, 64)  # end-to-end only: conv widths; the first two convs have stride 2
     roi_size: int = 7  # end-to-end only: RoIAlign output grid
+    # The answer classifier of VQA / GQA fine-tuning on the [MASK] slot, the released module's CLASSIFIER_TYPE
+    # (`VLBertForVQA`): "2fc", "1fc" or "mlm" (the released base VQA config's).
+    answer_classifier: Literal["2fc", "1fc", "mlm"] = "2fc"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.answer_classifier not in ANSWER_CLASSIFIERS:
+            raise ValueError(f"answer_classifier must be one of {', '.join(ANSWER_CLASSIFIERS)}, got {self.answer_classifier!r}")
         if self.geometry_dim <= 0 or self.geometry_dim % 8:
             raise ValueError(f"geometry_dim must be a positive multiple of 8 (sin and cos of 4 numbers), got {self.geometry_dim}")
         if self.geometry_box not in ("cxcywh", "xyxy"):
@@ -391,7 +401,7 @@ def require_region_features(cfg: Any, task: str) -> None:
                            "image pixels, which this task does not load: use a model on precomputed region features")
 
 
-# Released VQA config (`CLASSIFIER_TYPE: 2fc`, `CLASSIFIER_HIDDEN_SIZE: 2048`): the answer MLP's width.
+# The released VQA module's `CLASSIFIER_HIDDEN_SIZE` default: the width of the "2fc" answer MLP.
 VQA_CLASSIFIER_HIDDEN = 2048
 
 
@@ -399,8 +409,17 @@ class VLBertForVQA(nn.Module):
     """VL-BERT fine-tuned on VQA (§4.2.2, Fig. 2b): the input is <Question, Answer, Image> with the answer
     section a single [MASK], `[CLS] question [SEP] [MASK] [SEP]` (the answer section is segment B, as the
     released `prepare_text_from_qa` lays it out), and "the answer prediction is made from a multi-class
-    classifier based upon the output feature of the [MASK] element": the released `2fc` classifier,
-    dropout, Linear(D, 2048), ReLU, dropout, Linear(2048, A). Class attributes: see `VisualBertForVQA`."""
+    classifier based upon the output feature of the [MASK] element". The released module
+    (`vqa/modules/resnet_vlbert_for_vqa.py`) has three, `cfg.answer_classifier`:
+
+      2fc  dropout, Linear(D, 2048), ReLU, dropout, Linear(2048, A) (BERT's initialisation here)
+      1fc  dropout, Linear(D, A)
+      mlm  BERT's MLM transform (dense, GeLU, LayerNorm), dropout, Linear(D, A): the released base VQA
+           config's (`cfgs/vqa/base_4x16G_fp32.yaml`), whose transform starts from the pre-trained MLM head's
+           (`init_answer_transform`)
+
+    and, as released, the 1fc and mlm linear layers start Xavier-uniform with zero biases. Class attributes:
+    see `VisualBertForVQA`."""
 
     text_format: ClassVar[str] = "answer_segment"  # [CLS] question [SEP] [MASK] [SEP]
     encoder_name: ClassVar[str] = "bert"
@@ -413,12 +432,28 @@ class VLBertForVQA(nn.Module):
         require_region_features(cfg, "VQA fine-tuning")
         self.cfg = cfg
         self.bert = VLBertModel(cfg)
-        H = VQA_CLASSIFIER_HIDDEN
-        self.classifier = nn.Sequential(
-            nn.Dropout(cfg.hidden_dropout), nn.Linear(cfg.hidden_size, H), nn.ReLU(),
-            nn.Dropout(cfg.hidden_dropout), nn.Linear(H, num_answers),
-        )
+        D, H, p = cfg.hidden_size, VQA_CLASSIFIER_HIDDEN, cfg.hidden_dropout
+        layers: dict[str, list[nn.Module]] = {
+            "2fc": [nn.Dropout(p), nn.Linear(D, H), nn.ReLU(), nn.Dropout(p), nn.Linear(H, num_answers)],
+            "1fc": [nn.Dropout(p), nn.Linear(D, num_answers)],
+            "mlm": [PredictionHeadTransform(D, cfg.hidden_act, cfg.layer_norm_eps), nn.Dropout(p), nn.Linear(D, num_answers)],
+        }
+        self.classifier = nn.Sequential(*layers[cfg.answer_classifier])
         init_bert_weights(self, cfg.initializer_range)
+        if cfg.answer_classifier != "2fc":  # the released `init_weight` of `final_mlp`
+            last = self.classifier[-1]
+            nn.init.xavier_uniform_(last.weight)
+            nn.init.zeros_(last.bias)
+
+    def init_answer_transform(self, sd: Mapping[str, Tensor]) -> bool:
+        """With the "mlm" classifier: its transform from a pre-training state dict's MLM head
+        (`cls.predictions.transform.*`, the released `PARTIAL_PRETRAIN_PREFIX_CHANGES`
+        `vlbert.mlm_head.predictions.transform->final_mlp.0`). Returns whether it was copied."""
+        prefix = "cls.predictions.transform."
+        if self.cfg.answer_classifier != "mlm" or not any(k.startswith(prefix) for k in sd):
+            return False
+        self.classifier[0].load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
+        return True
 
     def forward(self, x: VLInputs, answer_pos: Tensor) -> Tensor:
         """answer_pos (B,) index of the [MASK] answer slot in the text; returns answer logits (B, A). The

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from vlberts.models.builders import arch_of
 from vlberts.models.lxmert import LxmertForVQA
 from vlberts.models.vilbert import ViLBertForVQA
 from vlberts.models.visualbert import VisualBertForVQA
-from vlberts.models.vlbert import VLBertForVQA
+from vlberts.models.vlbert import ANSWER_CLASSIFIERS, VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
@@ -94,6 +94,10 @@ class FinetuneQAConfig(FinetuneConfig):
     max_text_len: int = opt(32, "question tokens incl. the layout's [CLS], [SEP] and [MASK] slot")
     max_regions: int = opt(36, "regions per image")
     eval_batch_size: int = opt(256, "examples per prediction batch")
+    answer_classifier: str = opt("", "VL-BERT: its answer classifier on the [MASK] slot (the released CLASSIFIER_TYPE): "
+                                     "2fc (two layers, the default), 1fc, or mlm (BERT's MLM transform started from "
+                                     "the pre-trained MLM head's, then a linear layer: the released base VQA config's); "
+                                     "empty: --init's")
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
     eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only (ViLBERT's "
@@ -161,13 +165,17 @@ def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:
     return VQA_MODELS[arch_of(model_cfg)](model_cfg, num_answers)
 
 
-def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = True) -> tuple[VQAModel, Any, int]:
+def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = True,
+                   answer_classifier: str = "") -> tuple[VQAModel, Any, int]:
     """An answer-classifier model whose encoder comes from a pre-trained model directory, and the number
     of answer classes whose classifier rows came from the checkpoint too (`copy_qa_head`; else 0: new).
+    `answer_classifier`: VL-BERT's classifier type (`VLBertForVQA`), "" for the checkpoint's; the "mlm" one
+    starts its transform from the checkpoint's MLM head.
 
     Every encoder weight must be in the checkpoint (and nothing else under the encoder's name); the
     other pre-training heads are left behind."""
     model_cfg, meta = read_model_config(init)
+    model_cfg = with_answer_classifier(model_cfg, answer_classifier, init)
     model = qa_model(model_cfg, len(vocab))
     weights = Path(init) / "model.safetensors"
     sd = read_safetensors(weights)
@@ -179,7 +187,23 @@ def build_qa_model(init: str | Path, vocab: AnswerVocab, qa_head_init: bool = Tr
     bad = first_nonfinite(sd)  # the pre-training heads too: `copy_qa_head` may start from them
     if bad is not None:
         raise VlbertsError(f"tensor {bad} holds NaN or inf", path=weights)
+    if getattr(model_cfg, "answer_classifier", "2fc") == "mlm" and not model.init_answer_transform(sd):
+        raise VlbertsError("--answer_classifier=mlm starts from the pre-trained MLM head's transform "
+                           "(cls.predictions.transform.*), which the checkpoint lacks", path=weights)
     return model, model_cfg, copy_qa_head(model, sd, meta.get("qa_answers", ()), vocab) if qa_head_init else 0
+
+
+def with_answer_classifier(model_cfg: Any, answer_classifier: str, init: str | Path) -> Any:
+    """The model config with VL-BERT's answer classifier set (`VLBertForVQA`); "" leaves it as --init's. Another
+    architecture or an unknown type is a one-line error."""
+    if not answer_classifier:
+        return model_cfg
+    if arch_of(model_cfg) != "vlbert":
+        raise VlbertsError(f"--answer_classifier picks VL-BERT's answer classifier; --init holds a {arch_of(model_cfg)} "
+                           "model, whose head its paper fixes", path=init)
+    if answer_classifier not in ANSWER_CLASSIFIERS:
+        raise VlbertsError(f"--answer_classifier must be one of {', '.join(ANSWER_CLASSIFIERS)}, got {answer_classifier!r}")
+    return replace(model_cfg, answer_classifier=answer_classifier)
 
 
 def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answers: Sequence[str],
@@ -289,6 +313,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     share the prediction of the evaluation set."""
     cfg, out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     check_loss(cfg.loss)
+    with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)  # before any data is read
     if cfg.eval_last < 0 or (cfg.eval_last and not cfg.eval_questions):
         raise VlbertsError(f"--eval_last=N keeps the last N of --eval_questions (N >= 0), got {cfg.eval_last}"
                            + ("" if cfg.eval_questions else " and no --eval_questions"))
@@ -309,7 +334,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     require_eval_examples(eval_examples, cfg.eval_questions)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
-    model, model_cfg, copied = build_qa_model(cfg.init, vocab, cfg.qa_head_init)
+    model, model_cfg, copied = build_qa_model(cfg.init, vocab, cfg.qa_head_init, cfg.answer_classifier)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
