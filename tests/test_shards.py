@@ -286,6 +286,24 @@ def test_command_line(tiny_world, tmp_path, capsys):
         assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {message}")
 
 
+def test_command_line_reads_a_tasks_texts_as_captions(tiny_world, tmp_path, capsys):
+    """--captions-format: a task's own texts (here VQA's questions, VisualBERT's task-specific pre-training) are
+    each image's captions, as `vlberts pretrain --captions_format` reads them; an unknown format is one line."""
+    from vlberts.data.vqa import read_vqa
+
+    questions = tiny_world.vqa("train")[0]
+    assert main(["--store", str(tiny_world.store), "--captions", str(questions), "--captions-format", "vqa",
+                 "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    written = Counter((s["image_id"], c) for s in ShardStream(shards_of_index(tmp_path / "q" / "shard-index.json"),
+                                                               shuffle=False, dist=DistInfo()) for c in s["captions"])
+    assert written == Counter((str(q.image_id), q.question) for q in read_vqa(questions))
+    assert main(["--store", str(tiny_world.store), "--captions", str(questions), "--captions-format", "vqq",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown captions format 'vqq'" in err
+
+
 def test_documents_keep_their_sentences(tiny_world, tmp_path, capsys):
     """A BERT-format corpus (`--documents`) becomes text-only samples, one per document, each with its
     sentences (next-sentence prediction needs them) and their joined text (what other readers read)."""
