@@ -512,6 +512,9 @@ def test_a_fine_tuned_model_is_analysed_through_its_encoder(tiny_world, tiny_pre
     encoder = {k: v for k, v in model.state_dict().items() if k.startswith("bert.")}
     assert encoder and all(torch.equal(v, tuned[k]) for k, v in encoder.items())
     assert any(not torch.equal(v, pretrained[k]) for k, v in encoder.items())  # fine-tuning moved the encoder
+    encoder_tensors = {id(p) for p in model.bert.parameters()}
+    heads = [p for p in model.parameters() if id(p) not in encoder_tensors]
+    assert heads and all(not p.any() for p in heads)  # built without random draws, left at zero: never read
 
     same = tmp_path / "same"
     save_model_dir(same, model, cfg)
