@@ -95,7 +95,7 @@ def test_predictions_record_every_setting(tiny_world, runs, tmp_path, capsys):
     assert code == 0, err
     assert recorded(tmp_path / "vqa") == {"predictions": str(tmp_path / "vqa" / "predictions.json"),
                                           "questions": str(questions), "annotations": str(annotations),
-                                          "out": str(tmp_path / "vqa")}
+                                          "answer_vocab": None, "eval_last": 0, "out": str(tmp_path / "vqa")}
 
     # ... but never over a training run's record, which a resumed run and `vlberts predict` read
     before = (runs["vqa"] / "run_config.json").read_text()
