@@ -53,8 +53,9 @@ applies to them, as `load_original_visualbert`:
 The file holds no config: widths, layers, vocabulary, positions, segment types and the visual feature width
 are read off the tensors, the attention heads are hidden_size / 64 (BERT's 12) unless `config` says
 otherwise (`{"visual_spatial": "6d"}` there: a Flickr30K model trained with `add_spatial_features`, whose
-projection reads each 2048-d feature and its box's 6 coordinates, `VisualBertConfig.visual_spatial`), and the task head is told by the file's name, as Hugging Face's script tells it (`vqa` ->
-question answering, `nlvr` -> visual reasoning, `vcr` -> multiple choice; `pre` in the name: none).
+projection reads each 2048-d feature and its box's 6 coordinates, `VisualBertConfig.visual_spatial`), and
+the task head is told by the file's name, as Hugging Face's script tells it (`vqa` -> question answering,
+`nlvr` -> visual reasoning, `vcr` -> multiple choice; `pre` in the name: none).
 
 LXMERT's converter lives in `convert_hf_lxmert.py` (its rename table is longer); `load_hf_lxmert` is
 re-exported here so that every Hugging Face loader is reachable from this module.
