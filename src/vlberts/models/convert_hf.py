@@ -71,7 +71,7 @@ from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
 from vlberts.models.spatial import SPATIAL_DIMS
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining, VisualBertForVQA
-from vlberts.models.weights import load_into, read_state_dict, rename_key, rename_keys
+from vlberts.models.weights import dim_of, layer_count, load_into, read_state_dict, rename_key, rename_keys
 
 HF_VISUALBERT_RULES = [
     (r"^visual_bert\.", "bert."),
@@ -246,19 +246,14 @@ def original_visualbert_config(sd: dict, path: str | Path) -> dict:
     if word is None:
         raise VlbertsError("not a VisualBERT checkpoint: no bert.bert.embeddings.word_embeddings.weight (uclanlp/"
                            "visualbert's .th state dict, e.g. coco_pre_trained.th)", path=path)
-    prefix = "visual_bert.encoder.layer."
-    ffn = sd.get(prefix + "0.intermediate.dense.weight")
-    projection = sd.get("visual_bert.embeddings.visual_projection.weight")
-    hidden = int(word.shape[1])
+    hidden, emb = int(word.shape[1]), "visual_bert.embeddings."
     return {
         "vocab_size": int(word.shape[0]), "hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
-        "num_hidden_layers": len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)}),
-        "intermediate_size": int(ffn.shape[0]) if ffn is not None else 4 * hidden,
-        "max_position_embeddings": int(sd["visual_bert.embeddings.position_embeddings.weight"].shape[0])
-        if "visual_bert.embeddings.position_embeddings.weight" in sd else 512,
-        "type_vocab_size": int(sd["visual_bert.embeddings.token_type_embeddings.weight"].shape[0])
-        if "visual_bert.embeddings.token_type_embeddings.weight" in sd else 2,
-        "visual_embedding_dim": int(projection.shape[1]) if projection is not None else 2048,
+        "num_hidden_layers": layer_count(sd, "visual_bert.encoder.layer."),
+        "intermediate_size": dim_of(sd, "visual_bert.encoder.layer.0.intermediate.dense.weight", 0, 4 * hidden),
+        "max_position_embeddings": dim_of(sd, emb + "position_embeddings.weight", 0, 512),
+        "type_vocab_size": dim_of(sd, emb + "token_type_embeddings.weight", 0, 2),
+        "visual_embedding_dim": dim_of(sd, emb + "visual_projection.weight", 1, 2048),
     }
 
 

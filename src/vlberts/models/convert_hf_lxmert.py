@@ -44,7 +44,7 @@ from vlberts.errors import VlbertsError
 from vlberts.config import from_dict
 from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
-from vlberts.models.weights import load_into, read_state_dict, rename_key
+from vlberts.models.weights import dim_of, layer_count, load_into, read_state_dict, rename_key
 
 HF_LXMERT_RULES = [
     (r"^(embeddings|encoder|pooler)\.", r"lxmert.\1."),  # 1
@@ -129,31 +129,23 @@ def original_lxmert_config(state: dict, path: str | Path) -> dict:
         raise VlbertsError("not an LXMERT checkpoint: no bert.embeddings.word_embeddings.weight (LXMERT's "
                            "LXRTPretraining state dict, e.g. Epoch20_LXRT.pth)", path=path)
 
-    def layers(prefix: str) -> int:
-        return len({k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)})
-
-    def rows(key: str) -> int:
-        return int(state[key].shape[0]) if key in state else 0
-
     hidden = int(word.shape[1])
     ffn = next((v for k, v in state.items() if k.endswith(("intermediate.dense.weight", "lang_inter.dense.weight"))), None)
     heads = "obj_predict_head.decoder_dict."
     return {
         "vocab_size": int(word.shape[0]), "hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
         "intermediate_size": int(ffn.shape[0]) if ffn is not None else 4 * hidden,
-        "l_layers": layers("lxmert.encoder.layer."), "r_layers": layers("lxmert.encoder.r_layers."),
-        "x_layers": layers("lxmert.encoder.x_layers."),
-        "max_position_embeddings": rows("lxmert.embeddings.position_embeddings.weight"),
-        "type_vocab_size": rows("lxmert.embeddings.token_type_embeddings.weight"),
-        "visual_feat_dim": int(state["lxmert.encoder.visn_fc.visn_fc.weight"].shape[1])
-        if "lxmert.encoder.visn_fc.visn_fc.weight" in state else 2048,
-        "visual_pos_dim": int(state["lxmert.encoder.visn_fc.box_fc.weight"].shape[1])
-        if "lxmert.encoder.visn_fc.box_fc.weight" in state else 4,
+        "l_layers": layer_count(state, "lxmert.encoder.layer."), "r_layers": layer_count(state, "lxmert.encoder.r_layers."),
+        "x_layers": layer_count(state, "lxmert.encoder.x_layers."),
+        "max_position_embeddings": dim_of(state, "lxmert.embeddings.position_embeddings.weight"),
+        "type_vocab_size": dim_of(state, "lxmert.embeddings.token_type_embeddings.weight"),
+        "visual_feat_dim": dim_of(state, "lxmert.encoder.visn_fc.visn_fc.weight", 1, 2048),
+        "visual_pos_dim": dim_of(state, "lxmert.encoder.visn_fc.box_fc.weight", 1, 4),
         "task_obj_predict": any(k.startswith(heads) for k in state),
-        "num_object_labels": rows(heads + "obj.weight"), "visual_obj_loss": heads + "obj.weight" in state,
-        "num_attr_labels": rows(heads + "attr.weight"), "visual_attr_loss": heads + "attr.weight" in state,
+        "num_object_labels": dim_of(state, heads + "obj.weight"), "visual_obj_loss": heads + "obj.weight" in state,
+        "num_attr_labels": dim_of(state, heads + "attr.weight"), "visual_attr_loss": heads + "attr.weight" in state,
         "visual_feat_loss": heads + "feat.weight" in state,
-        "num_qa_labels": rows("answer_head.logit_fc.3.weight"), "task_qa": "answer_head.logit_fc.3.weight" in state,
+        "num_qa_labels": dim_of(state, "answer_head.logit_fc.3.weight"), "task_qa": "answer_head.logit_fc.3.weight" in state,
     }
 
 

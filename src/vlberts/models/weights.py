@@ -100,6 +100,17 @@ def rename_key(key: str, rules: list[tuple[str, str]]) -> str:
     return key
 
 
+def layer_count(sd: Mapping[str, Tensor], prefix: str) -> int:
+    """How many numbered layers a state dict holds under `prefix` ("encoder.layer." -> 0, 1, ...): what a
+    released file without a config says of its depth."""
+    return len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
+
+
+def dim_of(sd: Mapping[str, Tensor], key: str, axis: int = 0, default: int = 0) -> int:
+    """`sd[key].shape[axis]`, or `default` when the file lacks the tensor (a config read off the weights)."""
+    return int(sd[key].shape[axis]) if key in sd else default
+
+
 def load_into(
     model: nn.Module,
     sd: dict[str, Tensor],
