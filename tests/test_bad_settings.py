@@ -52,7 +52,8 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     ("--lr=nan", "lr: must be a finite number, got nan"),
     ("--epochs=inf", "epochs: must be a finite number"),
     ("--epochs=0", "epochs: must be more than 0"),
-    ("--warmup=2", "warmup: must be at most 1, got 2"),
+    ("--warmup=-1", "warmup: must be at least 0, got -1"),
+    ("--flip_prob=2", "flip_prob: must be at most 1, got 2"),
     ("--max_text_len=1", "max_text_len: must be at least 8"),
     ("--num_workers=-1", "num_workers: must be at least 0"),
     ("--num_workers=1000", "num_workers: must be at most 128, got 1000"),
@@ -69,6 +70,7 @@ def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
     with pytest.raises(VlbertsError, match="max_regions: must be at least 1, got -1"):
         apply_overrides(PredictQAConfig(), ["--max_regions=-1"])
     assert apply_overrides(FinetuneVQAConfig(), ["--warmup=0", "--clip=0", "--lr=3e-5"]).lr == 3e-5
+    assert apply_overrides(FinetuneVQAConfig(), ["--warmup=500"]).warmup == 500  # VL-BERT's 500 updates
     assert apply_overrides(DemoConfig(), ["--length_group=0"]).length_group == 0  # 0: off, where 64 is the default
 
 

@@ -85,6 +85,38 @@ def test_warm_up_then_linear_decay_to_zero():
     assert [r[0] for r in head] == pytest.approx([1e-3 * f for f in expected])
 
 
+def test_warmup_is_a_fraction_or_a_number_of_updates():
+    from vlberts.errors import VlbertsError
+    from vlberts.training.optim import warmup_steps
+
+    assert warmup_steps(0.1, 1000) == 100 and warmup_steps(0.0, 1000) == 0 and warmup_steps(0.999, 10) == 9
+    assert warmup_steps(500, 25_000) == 500 and warmup_steps(1, 7) == 1  # VL-BERT's fixed 500 updates
+    assert warmup_steps(500, 200) == 200  # a run shorter than its warm-up peaks at its last update
+    for bad in (-0.1, 2.5):
+        with pytest.raises(VlbertsError, match="fraction of the updates .* or a whole number of updates"):
+            warmup_steps(bad, 100)
+
+
+def test_a_run_warms_up_for_a_number_of_updates(tiny_world, tiny_pretrained, tmp_path):
+    """`finetune --warmup=3`: the first three updates rise to the peak (1/3, 2/3, 1 of it), then it decays;
+    a bad value stops the run before any data is read."""
+    import json
+
+    from test_finetune_vqa import vqa_cfg
+
+    from vlberts.errors import VlbertsError
+    from vlberts.recipes.finetune_vqa import finetune_vqa
+
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "w", warmup=3.0, lr=3e-4, epochs=1.0))
+    log = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in log if "lr" in r]  # record k: the rate of update k + 1 (update 1 ran at 1/3)
+    assert lrs[:3] == pytest.approx([2e-4, 3e-4, 3e-4])  # update 3 reaches the peak, update 4 (0-based 3 = w) holds it
+    assert lrs[2] > lrs[3] > lrs[-1]
+    with pytest.raises(VlbertsError, match="got 1.5"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", warmup=1.5,
+                             train_questions=str(tmp_path / "missing.json")))
+
+
 def test_a_checkpoint_whose_optimizer_groups_differ_is_a_one_line_error(tmp_path):
     """A run checkpointed with other parameter groups (e.g. before `--head_lr_mult` kept the head's weight
     decay, one head group instead of two) cannot take its optimizer state: one error naming the checkpoint."""

@@ -52,9 +52,11 @@ class FetchedRecord:
 
 
 def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None,
-                 float16: bool = False) -> Regions:
+                 float16: bool = False, mirror: bool = False) -> Regions:
     """The first `max_regions` regions of an image (stores keep them in detector order); features as float32,
-    or, with `float16`, float16 features as they are stored (`RegionSetup.float16`)."""
+    or, with `float16`, float16 features as they are stored (`RegionSetup.float16`). With `mirror`, the boxes
+    of the image flipped left-right (x -> W - x; VL-BERT's training flip, whose precomputed features stay
+    as they are)."""
     rec = source.get(str(image_id))
     feats = rec.features[:max_regions]
     feats = feats if float16 and feats.dtype == np.float16 else as_float32(feats)
@@ -65,6 +67,8 @@ def load_regions(source: RegionSource, image_id: str | int, max_regions: int, fe
             record=f"image {image_id}",
         )
     pix = np.asarray(rec.boxes[:max_regions], dtype=np.float32)
+    if mirror:
+        pix = np.stack([rec.image_w - pix[:, 2], pix[:, 1], rec.image_w - pix[:, 0], pix[:, 3]], axis=1)
     scale = np.array([rec.image_w, rec.image_h, rec.image_w, rec.image_h], dtype=np.float32)
     conf = getattr(rec, "obj_conf", None)
     conf = None if conf is None else np.asarray(conf[:max_regions], dtype=np.float32)

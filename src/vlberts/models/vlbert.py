@@ -40,7 +40,7 @@ ResNet-101; here a small CNN, `VisualBackbone`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -401,7 +401,9 @@ def require_region_features(cfg: Any, task: str) -> None:
                            "image pixels, which this task does not load: use a model on precomputed region features")
 
 
-# The released VQA module's `CLASSIFIER_HIDDEN_SIZE` default: the width of the "2fc" answer MLP.
+# The width of the "2fc" answer MLP. Not the release's: its `CLASSIFIER_HIDDEN_SIZE` defaults to 1,024
+# (`vqa/function/config.py`), which no released config changes, and its base VQA config uses "mlm", which has
+# no hidden layer. Kept at 2,048 so that the VQA numbers recorded with it hold (docs/reproducing-vlbert.md).
 VQA_CLASSIFIER_HIDDEN = 2048
 
 
@@ -412,14 +414,16 @@ class VLBertForVQA(nn.Module):
     classifier based upon the output feature of the [MASK] element". The released module
     (`vqa/modules/resnet_vlbert_for_vqa.py`) has three, `cfg.answer_classifier`:
 
-      2fc  dropout, Linear(D, 2048), ReLU, dropout, Linear(2048, A) (BERT's initialisation here)
+      2fc  dropout, Linear(D, 2048), ReLU, dropout, Linear(2048, A) (BERT's initialisation here; the release:
+           1,024 wide, Xavier-uniform, `VQA_CLASSIFIER_HIDDEN`)
       1fc  dropout, Linear(D, A)
       mlm  BERT's MLM transform (dense, GeLU, LayerNorm), dropout, Linear(D, A): the released base VQA
            config's (`cfgs/vqa/base_4x16G_fp32.yaml`), whose transform starts from the pre-trained MLM head's
            (`init_answer_transform`)
 
-    and, as released, the 1fc and mlm linear layers start Xavier-uniform with zero biases. Class attributes:
-    see `VisualBertForVQA`."""
+    and, as released, the 1fc and mlm linear layers start Xavier-uniform with zero biases; with the released
+    `CLASSIFIER_PRETRAINED` their rows then start from the answers' word embeddings (`init_answer_rows`).
+    Class attributes: see `VisualBertForVQA`."""
 
     text_format: ClassVar[str] = "answer_segment"  # [CLS] question [SEP] [MASK] [SEP]
     encoder_name: ClassVar[str] = "bert"
@@ -454,6 +458,24 @@ class VLBertForVQA(nn.Module):
             return False
         self.classifier[0].load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
         return True
+
+    def init_answer_rows(self, answer_subwords: Sequence[Sequence[int]]) -> int:
+        """The released `CLASSIFIER_PRETRAINED` (`vqa/function/train.py`, on in the base VQA config): the output
+        row of answer a starts as the mean of the word embeddings of a's subwords (its bias stays 0), so the
+        classifier starts where the MLM decoder would score the answer's words. An answer with no subwords
+        ("" for answers that normalise to nothing) keeps its Xavier row. Needs a classifier whose output
+        layer reads D-wide states (1fc, mlm); returns the number of rows set."""
+        out = self.classifier[-1]
+        if out.in_features != self.cfg.hidden_size or len(answer_subwords) != out.out_features:
+            raise ValueError(f"answer rows from word embeddings need a {self.cfg.hidden_size}-wide output layer (1fc, mlm) "
+                             f"and one subword list per answer; this classifier is {self.cfg.answer_classifier} with "
+                             f"{out.out_features} answers, given {len(answer_subwords)}")
+        table = self.bert.embeddings.word_embeddings.weight  # (V, D)
+        rows = [(a, list(ids)) for a, ids in enumerate(answer_subwords) if len(ids)]
+        with torch.no_grad():
+            for a, ids in rows:
+                out.weight[a] = table[ids].mean(0)
+        return len(rows)
 
     def forward(self, x: VLInputs, answer_pos: Tensor) -> Tensor:
         """answer_pos (B,) index of the [MASK] answer slot in the text; returns answer logits (B, A). The

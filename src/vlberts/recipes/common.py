@@ -203,6 +203,8 @@ def opt(default: Any, help: str) -> Any:
 
 
 # Help texts of the options every training recipe (pre-training and each fine-tuning task) shares.
+WARMUP_HELP = ("learning-rate warm-up: a fraction of the updates (below 1), or a number of updates (1 or more: "
+               "VL-BERT's released configs warm up for 500)")
 FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
              "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
 PREFETCH_HELP = ("updates whose batches a thread draws ahead (and pins, on a GPU) while the device runs the current "

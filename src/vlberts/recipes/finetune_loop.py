@@ -43,7 +43,7 @@ from vlberts.errors import VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights
 from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
@@ -61,7 +61,7 @@ from vlberts.training.distributed import (
 from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
-from vlberts.training.optim import build_optimizer, linear_warmup_decay
+from vlberts.training.optim import build_optimizer, linear_warmup_decay, warmup_steps
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class FinetuneConfig:
     lr: float = opt(5e-5, "peak learning rate")
     head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised head (its weights decayed "
                               "as the body's, its biases and LayerNorms not)")
-    warmup: float = opt(0.1, "fraction of updates spent warming up")
+    warmup: float = opt(0.1, WARMUP_HELP)
     weight_decay: float = opt(0.01, "AdamW weight decay")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
     seed: int = opt(0, "seed of head initialisation and data order")
@@ -114,6 +114,7 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, P
         if not getattr(cfg, key):
             raise VlbertsError(f"finetune {task} needs --{key}")
     float16_batches(cfg.float16_batches, device)  # a bad setting stops the run before any data is read
+    warmup_steps(cfg.warmup, 1)  # so does a bad --warmup
     cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)
     return cfg, Path(cfg.out), device, dist
 
@@ -215,7 +216,7 @@ def finetune_loop(
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, head_prefixes=head_prefixes, head_lr_mult=cfg.head_lr_mult)
-    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * steps), steps)
+    scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, steps), steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
 

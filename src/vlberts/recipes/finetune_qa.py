@@ -36,7 +36,7 @@ import torch
 
 from vlberts.data.lxmert_corpus import convert_answer
 from vlberts.data.regions import RegionSource
-from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
+from vlberts.data.vqa_dataset import Target, VQAData, check_flip_prob, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import require_unique, write_json
@@ -98,6 +98,12 @@ class FinetuneQAConfig(FinetuneConfig):
                                      "2fc (two layers, the default), 1fc, or mlm (BERT's MLM transform started from "
                                      "the pre-trained MLM head's, then a linear layer: the released base VQA config's); "
                                      "empty: --init's")
+    answer_word_init: str = opt("auto", "VL-BERT: start the answer classifier's output rows from each answer's mean "
+                                        "subword embedding (the released CLASSIFIER_PRETRAINED): auto (with the mlm "
+                                        "classifier, as the released base VQA config), true (1fc or mlm), false")
+    flip_prob: float = opt(0.0, "show each training question mirrored with this probability: its boxes flipped "
+                                "left-right, 'left' and 'right' swapped in the question and its answers (VL-BERT's "
+                                "FLIP_PROB, 0.5 in its VQA configs; the region features stay as they are)")
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
     eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only (ViLBERT's "
@@ -206,6 +212,24 @@ def with_answer_classifier(model_cfg: Any, answer_classifier: str, init: str | P
     return replace(model_cfg, answer_classifier=answer_classifier)
 
 
+def uses_answer_word_init(setting: str, model_cfg: Any, init: str | Path) -> bool:
+    """`--answer_word_init` resolved for the model config (`VLBertForVQA.init_answer_rows`): auto is on for
+    VL-BERT's mlm classifier (the released base VQA config pairs it with CLASSIFIER_PRETRAINED); true on
+    another architecture or on 2fc (whose output layer reads 2,048-wide states), or a value other than
+    auto / true / false, is a one-line error."""
+    if setting not in ("auto", "true", "false"):
+        raise VlbertsError(f"--answer_word_init must be auto, true or false, got {setting!r}")
+    arch = arch_of(model_cfg)
+    if setting == "true" and arch != "vlbert":
+        raise VlbertsError(f"--answer_word_init=true starts VL-BERT's answer classifier from word embeddings; --init holds "
+                           f"a {arch} model", path=init)
+    kind = getattr(model_cfg, "answer_classifier", None)
+    if setting == "true" and kind == "2fc":
+        raise VlbertsError("--answer_word_init=true needs --answer_classifier=1fc or mlm (2fc's output layer reads "
+                           "2,048-wide states, not word embeddings)", path=init)
+    return arch == "vlbert" and (setting == "true" or (setting == "auto" and kind == "mlm"))
+
+
 def copy_qa_head(model: VQAModel, sd: Mapping[str, torch.Tensor], pretrain_answers: Sequence[str],
                  vocab: AnswerVocab) -> int:
     """LXMERT's `--loadLXMERTQA` (released `src/pretrain/qa_answer_table.py load_lxmert_qa`): a model whose
@@ -259,13 +283,15 @@ def model_answers(meta: Mapping[str, Any], path: Path) -> tuple[str, ...]:
 def qa_data(
     model: VQAModel, examples: list, regions: RegionSource, tok: TextTokenizer, vocab: AnswerVocab,
     *, max_text_len: int, max_regions: int, target: Target | None = None, float16: bool = False,
+    flip_prob: float = 0.0, seed: int = 0,
 ) -> VQAData:
     """The examples laid out for `model`'s head, with detector tags from the store if the model reads them;
-    targets by `target` (default: VQA soft scores); float16 features kept so with `float16` (`open_features`)."""
+    targets by `target` (default: VQA soft scores); float16 features kept so with `float16` (`open_features`);
+    training items mirrored with `flip_prob` (`VQAData`)."""
     tags = model_tag_subwords(model.reads_tags, regions, tok)
     return VQAData(examples, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
                    feature_dim=model.cfg.visual_dim, text_format=model.text_format, tag_subwords=tags, target=target,
-                   float16=float16)
+                   float16=float16, flip_prob=flip_prob, seed=seed)
 
 
 @torch.no_grad()
@@ -313,7 +339,9 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     share the prediction of the evaluation set."""
     cfg, out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     check_loss(cfg.loss)
-    with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)  # before any data is read
+    init_cfg = with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)  # before any data is read
+    word_init = uses_answer_word_init(cfg.answer_word_init, init_cfg, cfg.init)
+    check_flip_prob(cfg.flip_prob)
     if cfg.eval_last < 0 or (cfg.eval_last and not cfg.eval_questions):
         raise VlbertsError(f"--eval_last=N keeps the last N of --eval_questions (N >= 0), got {cfg.eval_last}"
                            + ("" if cfg.eval_questions else " and no --eval_questions"))
@@ -339,9 +367,11 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
+    # VL-BERT's CLASSIFIER_PRETRAINED: each answer's row from its subwords' embeddings (after the encoder is loaded)
+    word_rows = model.init_answer_rows([tok.encode(a) for a in vocab.answers]) if word_init else 0
     features, mismatch = check_features(store, cfg.init, dist)
     data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-                   target=task.target, float16=float16)
+                   target=task.target, float16=float16, flip_prob=cfg.flip_prob, seed=cfg.seed)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
     extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head, "features": features}
     final = finetune_loop(
@@ -356,7 +386,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     metrics = {"train_questions": len(train), "train_questions_in_eval_dropped": in_eval,
                "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
-               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, **mismatch}
+               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, "answer_rows_from_word_embeddings": word_rows, **mismatch}
     if cfg.eval_questions:
         preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
                            max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,

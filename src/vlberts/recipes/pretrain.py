@@ -81,7 +81,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import (
     IMAGE_SEED,
     TEXT_SEED,
@@ -122,7 +122,7 @@ from vlberts.training.distributed import (
 from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
-from vlberts.training.optim import build_optimizer, linear_warmup_decay
+from vlberts.training.optim import build_optimizer, linear_warmup_decay, warmup_steps
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class PretrainConfig:
     batch_size: int = opt(64, "examples per micro-batch")
     grad_accum: int = opt(1, "micro-batches per update")
     lr: float = opt(1e-4, "peak learning rate")
-    warmup: float = opt(0.1, "fraction of the updates spent warming up")
+    warmup: float = opt(0.1, WARMUP_HELP)
     weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and LayerNorm)")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
     max_text_len: int = opt(48, "tokens per example, [CLS]/[SEP] included")
@@ -566,6 +566,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     device = local_device(device, dist)
     streamed = bool(cfg.shards)
     float16 = float16_batches(cfg.float16_batches, device)
+    warmup_steps(cfg.warmup, cfg.steps)  # a bad --warmup stops the run before any data is read
     if streamed and (cfg.captions or cfg.features):
         raise VlbertsError("give either --shards or --captions and --features")
     if not streamed and (not cfg.captions or not cfg.features):
@@ -694,7 +695,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         region_setup=regions_setup, pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup * cfg.steps), cfg.steps)
+    scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, cfg.steps), cfg.steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
 

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from vlberts.errors import VlbertsError
+
 
 def build_optimizer(
     model: nn.Module,
@@ -44,6 +46,15 @@ def build_optimizer(
     fused = devices <= {"cuda"} or devices <= {"cpu"}  # one kind of device, both have the kernel
     fused = fused and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+def warmup_steps(warmup: float, total_steps: int) -> int:
+    """`--warmup` as updates: a fraction of the run's updates when below 1 (BERT's, LXMERT's and ViLBERT's
+    0.1), else a number of updates (VL-BERT's released configs warm up for 500, whatever the run's length).
+    Negative, or a count that is not whole, is a one-line error."""
+    if warmup < 0 or (warmup >= 1 and warmup != int(warmup)):
+        raise VlbertsError(f"--warmup is a fraction of the updates (< 1) or a whole number of updates, got {warmup}")
+    return int(warmup * total_steps) if warmup < 1 else min(int(warmup), total_steps)
 
 
 def linear_warmup_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LambdaLR:
