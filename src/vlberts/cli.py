@@ -874,15 +874,21 @@ def evaluate_vqa(
 def evaluate_gqa(
     ctx: typer.Context,
     predictions: Path = typer.Option(..., help="Official results file: a JSON list of {questionId, prediction}."),
-    questions: Path = typer.Option(..., help="GQA questions JSON with answers (<split>_balanced_questions.json)."),
+    questions: Path = typer.Option(..., help="GQA questions JSON with answers (<split>_balanced_questions.json), "
+                                             "LXMERT's list, or ViLBERT's cache/<split>_target.pkl."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
     train_questions: Optional[Path] = typer.Option(
         None, "--train_questions", "--train-questions", help="Training questions: adds the majority-answer baseline."),
+    answer_vocab: Optional[Path] = typer.Option(None, "--answer_vocab", "--answer-vocab", help="With a target.pkl: "
+                                                "the answer table its labels index (ViLBERT's cache/trainval_ans2label.pkl)."),
+    eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
+                                  "largest question ids, compared as numbers (ViLBERT's minval: the last 3,000 of "
+                                  "trainval); 0: all."),
 ) -> None:
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
     from vlberts.tasks.gqa import evaluate_predictions
 
-    metrics = evaluate_predictions(predictions, questions, train_questions)
+    metrics = evaluate_predictions(predictions, questions, train_questions, answer_vocab, eval_last)
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])

@@ -15,6 +15,13 @@ LXMERT's converted files (``data/gqa/{train,valid,testdev,submit}.json``, its
 ``process_raw_data_scripts/process_data.py``) are read too: a JSON list of ``{"question_id", "img_id",
 "sent", "label": {answer: 1.0}}`` (no label in ``submit``), the same questions without the other fields.
 
+ViLBERT's GQA files (vilbert-multi-task ``vilbert/datasets/gqa_dataset.py``) are read too:
+``gqa/cache/{train,val,trainval}_target.pkl``, a pickled list of ``{"question_id", "image_id", "question",
+"labels", "scores"}`` whose labels index the answer table ``cache/trainval_ans2label.pkl`` (read through the
+restricted unpickler, with that table; `read_gqa(answers=...)`). A question's answer is its label's; one
+whose answer is not in the table (no label) reads with the empty answer, which is no class: it trains
+toward none and scores 0, as there.
+
 Only ``imageId`` and ``question`` are required: the test and challenge files ship without answers
 (and without most other fields). Image ids are strings (Visual Genome ids for train/val, ``n...``
 ids of COCO test images for testdev), the key of region stores.
@@ -24,12 +31,13 @@ This module only reads and checks; accuracy and prediction files live in `vlbert
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
+from vlberts.data.vqa import is_target_pickle, target_label, target_records
 from vlberts.io import read_json, require_keys, require_text
 
 _REQUIRED = ("imageId", "question")
@@ -102,41 +110,74 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
     )
 
 
-def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
-    """LXMERT's records as (question id, the record in GQA's own form, its name): `sent` the question,
-    `img_id` the image, the one key of `label` the answer; the record is named by its place in the list."""
+def _list_items(records: list, path: Path, bad: BadRecords, *, keys: tuple[str, ...], image: str, question: str,
+                answer: Callable[[dict, str], str | None]) -> Iterator[tuple[str, dict, str]]:
+    """The records of a list of questions (LXMERT's, ViLBERT's) as (question id, the record in GQA's own form,
+    its name): `image` and `question` name the record's fields, `answer(record, name)` reads its answer (None:
+    none); a record is named by its place in the list and its question id. Every record must have `keys`
+    and a question id of its own."""
     seen: dict[str, int] = {}
-    for i, rec in enumerate(data):
+    for i, rec in enumerate(records):
         where = f"[{i}]"
         try:
-            require_keys(rec, ("question_id", "img_id", "sent"), path=path, record=where)
+            require_keys(rec, keys, path=path, record=where)
             qid = rec["question_id"]
             if isinstance(qid, bool) or not isinstance(qid, (str, int)):
                 raise VlbertsError(f"question_id must be a string, got {qid!r}", path=path, record=where)
             qid, where = str(qid), f"[{i}] (question {qid})"
             if qid in seen:
                 raise VlbertsError(f"duplicate question id {qid} (first at [{seen[qid]}])", path=path, record=where)
-            label = rec.get("label")
-            if label is not None and not (isinstance(label, dict) and len(label) == 1):
-                raise VlbertsError(f"label must hold one answer (GQA's), got {label!r}", path=path, record=where)
+            gold = answer(rec, where)
         except VlbertsError as err:
             bad.handle(err)
             continue
         seen[qid] = i
-        answer = {"answer": next(iter(label))} if label else {}
-        yield qid, {"imageId": rec["img_id"], "question": rec["sent"], **answer}, where
+        yield qid, {"imageId": rec[image], "question": rec[question], **({} if gold is None else {"answer": gold})}, where
 
 
-def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords | None = None) -> list[GQAExample]:
-    """Read a GQA ``*_questions.json`` file (or LXMERT's converted list of the same questions); examples in file
-    order.
+def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
+    """LXMERT's records: `sent` the question, `img_id` the image, the one key of `label` the answer."""
+    def answer(rec: dict, where: str) -> str | None:
+        label = rec.get("label")
+        if label is not None and not (isinstance(label, dict) and len(label) == 1):
+            raise VlbertsError(f"label must hold one answer (GQA's), got {label!r}", path=path, record=where)
+        return next(iter(label)) if label else None
+
+    return _list_items(data, path, bad, keys=("question_id", "img_id", "sent"), image="img_id", question="sent",
+                       answer=answer)
+
+
+_VILBERT_KEYS = ("question_id", "image_id", "question", "labels", "scores")  # ViLBERT's GQA target.pkl records
+
+
+def _vilbert_items(records: list, answers: Sequence[str], path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
+    """ViLBERT's target records: the answer is the best-scored label's (GQA's targets hold one, at 1.0), or ""
+    when the answer is not in the table."""
+    def answer(rec: dict, where: str) -> str:
+        label = target_label(rec, answers, path=path, record=where)
+        return max(label, key=label.__getitem__) if label else ""
+
+    return _list_items(records, path, bad, keys=_VILBERT_KEYS, image="image_id", question="question", answer=answer)
+
+
+def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords | None = None,
+             answers: Sequence[str] | None = None) -> list[GQAExample]:
+    """Read a GQA ``*_questions.json`` file (or LXMERT's converted list of the same questions, or ViLBERT's
+    target pickle with its answer table `answers`); examples in file order.
 
     With `require_answers`, a question without an answer is an error (use it for train/val/testdev,
-    whose answers a metric needs). Errors name the file and the question id as ``question <id>``; with
-    `bad` skipping, a bad question is dropped and counted instead.
+    whose answers a metric needs). Errors name the file and the question id as ``question <id>`` (a list's
+    or pickle's record as ``[i] (question <id>)``); with `bad` skipping, a bad question is dropped and
+    counted instead.
     """
     bad = bad if bad is not None else BadRecords()
     path = Path(path)
+    if is_target_pickle(path):
+        if answers is None:
+            raise VlbertsError("ViLBERT's GQA target pickle names answers by their index in the answer table it was "
+                               "made with: give that table (cache/trainval_ans2label.pkl) as --answer_vocab", path=path)
+        items = _vilbert_items(target_records(path, _VILBERT_KEYS), answers, path, bad)
+        return _parsed(items, path, require_answers, bad)
     data = read_json(path)
     if isinstance(data, list):
         items = _lxmert_items(data, path, bad)
@@ -145,6 +186,11 @@ def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords
     else:
         raise VlbertsError("expected a JSON object mapping question ids to question records (the GQA questions "
                            "format) or a list of LXMERT's question records", path=path)
+    return _parsed(items, path, require_answers, bad)
+
+
+def _parsed(items: Iterator[tuple[str, dict, str]], path: Path, require_answers: bool, bad: BadRecords) -> list[GQAExample]:
+    """The items' records as examples (`parse_gqa_record`), in order; bad ones raise or are counted by `bad`."""
     examples = []
     for qid, rec, where in items:
         try:

@@ -200,7 +200,7 @@ def read_vqa(
         if answers is None:
             raise VlbertsError("ViLBERT's target pickle names answers by their index in the answer table it was made "
                                "with: give that table (trainval_ans2label.pkl) as --answer_vocab", path=annotations_path)
-        records, keys, name = _target_records(annotations_path), _TARGET_KEYS, "[{}]"
+        records, keys, name = target_records(annotations_path), _TARGET_KEYS, "[{}]"
         build = partial(_target_example, answers=tuple(answers))
     else:
         records = _top_level_list(read_json(annotations_path), "annotations", path=annotations_path)
@@ -263,19 +263,20 @@ def is_target_pickle(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".pkl"
 
 
-def _target_records(path: Path) -> list:
+def target_records(path: Path, keys: Sequence[str] = _TARGET_KEYS) -> list:
+    """The records of a ViLBERT target pickle (VQA's, GQA's), through the restricted unpickler; anything but a
+    list is an error naming the file and the record keys expected."""
     records = safe_load(path)
     if not isinstance(records, list):
-        raise VlbertsError(f"expected a pickled list of {{{', '.join(_TARGET_KEYS)}}} records (ViLBERT's "
+        raise VlbertsError(f"expected a pickled list of {{{', '.join(keys)}}} records (ViLBERT's "
                            f"target.pkl), got a {type(records).__name__}", path=path)
     return records
 
 
-def _target_example(rec: dict, question: VQAExample, *, answers: tuple[str, ...], path: Path,
-                    record: str) -> VQAExample:
-    """A target record of `question` -> the example with its {answer: score} label (the answers named through
-    `answers`); the multiple-choice answer, which --min_answer_count counts, is the best-scored one (ties:
-    the first), as for LXMERT's lists; the optional question_type / answer_type are kept."""
+def target_label(rec: dict, answers: Sequence[str], *, path: Path, record: str) -> dict[str, float]:
+    """A ViLBERT target record's `labels` (indices into the answer table `answers`) and `scores` as an
+    {answer: score} label (LXMERT's form); VQA's and GQA's target pickles share it. Lists of different
+    lengths, an index outside the table, a label twice or a score outside [0, 1] name the record."""
     labels, scores = rec["labels"], rec["scores"]
     if not isinstance(labels, list) or not isinstance(scores, list) or len(labels) != len(scores):
         raise VlbertsError(f"labels and scores must be lists of one length, got {labels!r} and {scores!r}",
@@ -288,6 +289,15 @@ def _target_example(rec: dict, question: VQAExample, *, answers: tuple[str, ...]
         if answers[index] in label:
             raise VlbertsError(f"label {index} ({answers[index]!r}) is given twice", path=path, record=record)
         label[answers[index]] = label_scores({answers[index]: score}, path=path, record=record)[answers[index]]
+    return label
+
+
+def _target_example(rec: dict, question: VQAExample, *, answers: tuple[str, ...], path: Path,
+                    record: str) -> VQAExample:
+    """A target record of `question` -> the example with its {answer: score} label (the answers named through
+    `answers`); the multiple-choice answer, which --min_answer_count counts, is the best-scored one (ties:
+    the first), as for LXMERT's lists; the optional question_type / answer_type are kept."""
+    label = target_label(rec, answers, path=path, record=record)
     types = {k: _check_str(rec, k, path=path, record=record) if rec.get(k) is not None else None
              for k in ("answer_type", "question_type")}
     return VQAExample(question_id=question.question_id, image_id=question.image_id, question=question.question,

@@ -26,19 +26,21 @@ from pathlib import Path
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords
 from vlberts.data.gqa import GQAExample, read_gqa
+from vlberts.data.vqa import is_target_pickle
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (
     FinetuneQAConfig, QATask, VQAModel, file_list, finetune_qa, join_files, load_qa_model,
 )
 from vlberts.tasks.gqa import build_answer_vocab, gqa_metrics, gqa_target, write_predictions
-from vlberts.tasks.vqa import AnswerVocab
+from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab
 from vlberts.text.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
 class FinetuneGQAConfig(FinetuneQAConfig):
-    train_questions: str = opt("", "GQA balanced questions json of the training split (with answers); several: "
-                                   "comma-separated (LXMERT: train and val)")
+    train_questions: str = opt("", "GQA balanced questions json of the training split (with answers), LXMERT's list "
+                                   "or ViLBERT's cache/train_target.pkl (with --answer_vocab=trainval_ans2label.pkl); "
+                                   "several: comma-separated (LXMERT: train and val)")
     eval_questions: str = opt("", "GQA questions json to predict (and score, when it has answers) after training")
     out: str = opt("runs/gqa", "run directory")
     min_answer_count: int = opt(1, "answers given by fewer training questions are not classes (1: all, as LXMERT)")
@@ -48,8 +50,11 @@ CONFIG_CLASS = FinetuneGQAConfig
 
 
 def _read(cfg: FinetuneGQAConfig, bad: BadRecords) -> tuple[list[GQAExample], list[GQAExample]]:
-    train = join_files((q, read_gqa(q, require_answers=True, bad=bad)) for q in file_list(cfg.train_questions))
-    return train, read_gqa(cfg.eval_questions, bad=bad) if cfg.eval_questions else []
+    # ViLBERT's target pickles name their answers through --answer_vocab (its cache/trainval_ans2label.pkl)
+    files = file_list(cfg.train_questions) + file_list(cfg.eval_questions)
+    table = read_answer_vocab(cfg.answer_vocab).answers if cfg.answer_vocab and any(map(is_target_pickle, files)) else None
+    train = join_files((q, read_gqa(q, require_answers=True, bad=bad, answers=table)) for q in file_list(cfg.train_questions))
+    return train, read_gqa(cfg.eval_questions, bad=bad, answers=table) if cfg.eval_questions else []
 
 
 GQA = QATask(

@@ -29,8 +29,8 @@ from pathlib import Path
 from vlberts.data.gqa import GQAExample, read_gqa
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys
-from vlberts.tasks.vqa import AnswerVocab, SoftTarget
-from vlberts.tasks.predictions import require_complete, write_json_predictions
+from vlberts.tasks.vqa import AnswerVocab, SoftTarget, read_answer_vocab, write_target_pickle
+from vlberts.tasks.predictions import last_questions, require_complete, write_json_predictions
 
 
 def normalize_gqa_answer(answer: str) -> str:
@@ -173,15 +173,20 @@ def gqa_metrics(
 
 
 def evaluate_predictions(
-    predictions_path: str | Path, questions_path: str | Path, train_questions_path: str | Path | None = None
+    predictions_path: str | Path, questions_path: str | Path, train_questions_path: str | Path | None = None,
+    answer_vocab: str | Path | None = None, last: int = 0,
 ) -> dict:
     """Score an official results file against a balanced questions file (`gqa_metrics`), with the
-    majority baseline of `train_questions_path` if given. Bad files are one-line `VlbertsError`s."""
-    examples = read_gqa(questions_path, require_answers=True)
+    majority baseline of `train_questions_path` if given. Either file may be ViLBERT's target pickle, whose
+    answers `answer_vocab` names (its cache/trainval_ans2label.pkl); `last`: score only the questions with the
+    `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`). Bad files are one-line
+    `VlbertsError`s."""
+    table = read_answer_vocab(answer_vocab).answers if answer_vocab else None
+    examples = last_questions(read_gqa(questions_path, require_answers=True, answers=table), last)
     if not examples:
         raise VlbertsError("no questions to score", path=questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
-    train = read_gqa(train_questions_path, require_answers=True) if train_questions_path else None
+    train = read_gqa(train_questions_path, require_answers=True, answers=table) if train_questions_path else None
     return gqa_metrics(preds, examples, train)
 
 
@@ -193,6 +198,15 @@ def build_answer_vocab(train_examples: Iterable[GQAExample], min_count: int = 1)
     first, ties alphabetical (index 0 is the majority answer). LXMERT keeps every trainval answer (1)."""
     counts = _answer_counts(train_examples)
     return AnswerVocab.from_counts(counts, min_count)
+
+
+def write_gqa_targets(path: str | Path, examples: Iterable[GQAExample], vocab: AnswerVocab) -> int:
+    """Write answered questions as ViLBERT's GQA target pickle (`data.gqa` docstring), atomically: each record's
+    question, image and its answer's class (`gqa_target`: none when the answer is not one); returns the number
+    of records."""
+    rows = (({"question_id": ex.question_id, "image_id": ex.image_id, "question": ex.question}, gqa_target(ex, vocab))
+            for ex in examples)
+    return write_target_pickle(path, rows)
 
 
 def gqa_target(example: GQAExample, vocab: AnswerVocab) -> SoftTarget:

@@ -16,6 +16,7 @@ Reported numbers (vqaEval.setAccuracy) are 100 * mean, rounded to 2 decimals wit
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from collections import Counter
@@ -507,14 +508,20 @@ def write_vqa_targets(path: str | Path, examples: Iterable[VQAExample], vocab: A
     """Write annotated examples as ViLBERT's target pickle (`data.vqa` docstring: hengyuan-hu's
     `compute_target`), atomically: each question's soft scores over `vocab` (`example_target`, the scores
     training uses), its classes as indices; returns the number of records."""
-    rows = []
-    for ex in examples:
-        target = example_target(ex, vocab)
-        rows.append({"question_id": ex.question_id, "image_id": ex.image_id,
-                     "labels": list(target.labels), "scores": list(target.scores)})
+    rows = (({"question_id": ex.question_id, "image_id": ex.image_id}, example_target(ex, vocab)) for ex in examples)
+    return write_target_pickle(path, rows)
+
+
+def write_target_pickle(path: str | Path, rows: Iterable[tuple[dict, SoftTarget]]) -> int:
+    """ViLBERT's target pickle (VQA's, GQA's), atomically: each (record fields, target) as the record with the
+    target's `labels` (class indices) and `scores`, a protocol-2 list; returns the number of records."""
+    records = [{**fields, "labels": list(t.labels), "scores": list(t.scores)} for fields, t in rows]
+    # Through JSON text, as `data.vqa.write_vqa_imdb`: which equal strings are one object (pickled once, then
+    # referred back to) then depends on the content alone, not on the process the examples came from.
+    records = json.loads(json.dumps(records))
     with atomic_open(path, "wb", encoding=None) as f:
-        pickle.dump(rows, f, protocol=2)
-    return len(rows)
+        pickle.dump(records, f, protocol=2)
+    return len(records)
 
 
 def write_answer_table(path: str | Path, vocab: AnswerVocab) -> None:

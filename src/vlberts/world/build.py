@@ -9,6 +9,7 @@
     OUT/vqa/imdb/imdb_{split}.npy, vqa/answers_vqa.txt  the same questions as Pythia's imdb files + answer table
     OUT/vqa/cache/{split}_target.pkl, trainval_ans2label.pkl  the same answers as ViLBERT's targets + answer table
     OUT/gqa/{train,val,testdev}_balanced_questions.json GQA balanced questions (world splits train/val/test)
+    OUT/gqa/cache/{train,val,trainval}_target.pkl, trainval_ans2label.pkl  the same as ViLBERT's GQA files
     OUT/refcoco+/refs(unc).p, refs.json, instances.json  RefCOCO+ refs (pickle and JSON) + COCO instances
     OUT/nlvr2/{train,dev,test1}.json                   NLVR2 statements about image pairs (world splits train/val/test)
     OUT/nlvr2/images.json                              NLVR2 image name -> world image id
@@ -376,6 +377,7 @@ def _write_collections(root: Path, results: list[_ImageOut], seed: int, n_images
             f.writelines(r.conllu for r in part)
     _write_vqa_imdb(root / "vqa", results)
     _write_vqa_targets(root / "vqa" / "cache", results)
+    _write_gqa_targets(root / "gqa" / "cache", results)
     _write_refcoco(root / "refcoco+", results)
     # The image-only set (`world.documents`; the text documents are one of the pool's exports).
     world_documents.write_unpaired_images(root / "unpaired_images.txt", world_documents.unpaired_images(
@@ -420,6 +422,23 @@ def _write_vqa_targets(folder: Path, results: list[_ImageOut]) -> None:
     write_answer_table(folder / "trainval_ans2label.pkl", vocab)
     for split in SPLITS:
         write_vqa_targets(folder / f"{split}_target.pkl", examples[split], vocab)
+
+
+def _write_gqa_targets(folder: Path, results: list[_ImageOut]) -> None:
+    """The GQA questions of train and val once more in ViLBERT's form (`data.gqa`, vilbert-multi-task's `cache/`):
+    the answer table `trainval_ans2label.pkl` (every train + val answer) and `{train,val,trainval}_target.pkl`,
+    each record its question with its answer's class. (ViLBERT reads testdev as GQA's JSON, written above.)"""
+    from vlberts.data.gqa import parse_gqa_record
+    from vlberts.tasks.gqa import build_answer_vocab, write_gqa_targets
+    from vlberts.tasks.vqa import write_answer_table
+
+    examples = {split: [parse_gqa_record(qid, rec, path=folder, record=qid) for r in results if r.split == split
+                        for qid, rec in r.gqa_questions] for split in ("train", "val")}
+    examples["trainval"] = examples["train"] + examples["val"]
+    vocab = build_answer_vocab(examples["trainval"])
+    write_answer_table(folder / "trainval_ans2label.pkl", vocab)
+    for name, part in examples.items():
+        write_gqa_targets(folder / f"{name}_target.pkl", part, vocab)
 
 
 def _write_refcoco(folder: Path, results: list[_ImageOut]) -> None:
@@ -474,6 +493,8 @@ def _world_json(info: WorldInfo, cfg: WorldConfig) -> dict:
             "vqa_targets": "vqa/cache/{split}_target.pkl (ViLBERT's soft-score targets of the same questions), "
                            "vqa/cache/trainval_ans2label.pkl (their answer table)",
             "gqa_questions": "gqa/{train,val,testdev}_balanced_questions.json (world splits train, val, test)",
+            "gqa_targets": "gqa/cache/{train,val,trainval}_target.pkl (ViLBERT's GQA files: the train and val "
+                           "questions with their answers' classes), gqa/cache/trainval_ans2label.pkl (their answer table)",
             "refcoco": "refcoco+/refs(unc).p (pickle, protocol 2), refcoco+/refs.json (the same refs), "
                        "refcoco+/instances.json (COCO instances of the images with refs); splits train, val, "
                        "testA (test refs to circles, squares, triangles), testB (the other shapes)",
