@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from test_vqa_archs import pretrained, short_cfg  # noqa: F401 -- the module's pre-trained tiny models
 
 from vlberts.data.gqa import GQAExample
-from vlberts.data.regions import load_regions
+from vlberts.data.regions import load_regions, mirrored
 from vlberts.data.vqa import VQAExample
-from vlberts.data.vqa_dataset import VQAData, mirrored_answers, mirrored_subwords
+from vlberts.data.mirror import mirrored_subwords
+from vlberts.data.vqa_dataset import VQAData, mirrored_answers
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.recipes.finetune_qa import build_qa_model, uses_answer_word_init
@@ -149,8 +150,55 @@ def test_finetuning_with_mirrored_questions(tiny_world, pretrained, tmp_path):  
         finetune_vqa(FinetuneVQAConfig(**cfg))
 
 
-def test_mirroring_keeps_an_empty_image(tmp_path):
+def test_mirroring_keeps_an_empty_image_and_needs_the_width(tmp_path):
     rec = SimpleNamespace(features=np.zeros((0, 4), np.float32), boxes=np.zeros((0, 4), np.float32), image_w=10,
                           image_h=8)
     source = SimpleNamespace(get=lambda image_id: rec)
-    assert load_regions(source, "1", 36, mirror=True).boxes.shape == (0, 4)
+    assert mirrored(load_regions(source, "1", 36)).boxes.shape == (0, 4)
+    rec.image_w = 0
+    with pytest.raises(ValueError, match="needs the image's width"):
+        mirrored(load_regions(source, "1", 36))
+
+
+# ----------------------------------------------------------------------------------------- RefCOCO+ mirrored
+
+
+def test_a_mirrored_referring_expression_keeps_its_targets(tiny_world, pretrained):  # noqa: F811
+    """VL-BERT's RefCOCO+ config flips too: the boxes mirrored, "left"/"right" swapped in the expression, the
+    per-region targets unchanged (the gold box flips with the regions, and IoU does not change)."""
+    from vlberts.data.refcoco import RefExpression
+    from vlberts.data.refcoco_dataset import RefData
+
+    tok = TextTokenizer.load(pretrained["vlbert"])
+    store = RegionStore(tiny_world.store)
+    image = store.ids()[0]
+    x1, y1, x2, y2 = store.get(image).boxes[0].tolist()
+    ex = RefExpression(ref_id=1, sent_id=1, image_id=int(image), ann_id=1, category_id=1, split="train",
+                       sent="the shape on the left", tokens=(), gold_bbox=(x1, y1, x2 - x1, y2 - y1))
+    data = RefData([ex], store, tok, max_regions=12, flip_prob=1.0, seed=0)
+    plain, flipped = data[0], data[(0, 0)]
+    left, right = tok.tok.token_to_id("left"), tok.tok.token_to_id("right")
+    assert left in plain["ids"] and flipped["ids"] == [right if i == left else i for i in plain["ids"]]
+    b, f = plain["regions"].boxes, flipped["regions"].boxes
+    assert np.allclose(f[:, [0, 2]], 1 - b[:, [2, 0]], atol=1e-6)
+    assert flipped["targets"] == plain["targets"] and plain["targets"][0] == 1.0
+
+
+def test_finetuning_refcoco_with_mirrored_expressions(tiny_world, pretrained, tmp_path):  # noqa: F811
+    """`finetune refcoco --flip_prob` reaches the training items: all mirrored trains on other inputs than none
+    (VL-BERT reads the boxes through its geometry embedding; VisualBERT, without spatial features, would not
+    see the flip)."""
+    import json as _json
+
+    from test_refcoco_task import ref_cfg
+
+    from vlberts.recipes.finetune_refcoco import FinetuneRefCocoConfig, finetune_refcoco
+
+    first = {}
+    for p in (0.0, 1.0):
+        cfg = ref_cfg(tiny_world, pretrained["vlbert"], tmp_path / f"flip{p}", epochs=0.2, eval_splits="val",
+                      max_regions=12)
+        finetune_refcoco(FinetuneRefCocoConfig(**{**vars(cfg), "flip_prob": p, "log_every": 1}))
+        log = [_json.loads(line) for line in (tmp_path / f"flip{p}" / "metrics.jsonl").read_text().splitlines()]
+        first[p] = next(r["loss"] for r in log if "loss" in r)
+    assert first[0.0] != first[1.0]

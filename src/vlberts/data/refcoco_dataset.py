@@ -8,6 +8,8 @@ instance boxes for the ground-truth-region track (a store written by ``vlberts e
 Targets (`tasks.refcoco.region_targets`, ViLBERT §4 / VL-BERT §4.2.3): per region, 1 if its IoU with the
 gold box is >= 0.5 else 0, or with `soft` the IoU itself above the threshold (ViLBERT's code). W-VisualBERT's
 detector tags (§3.2) come along when `tag_subwords` is given (`data.vqa_dataset.detector_tag_subwords`).
+With `flip_prob` a training item may be mirrored (VL-BERT's RefCOCO+ config, `data.mirror`): its boxes flipped
+and "left" / "right" swapped in the expression; its targets stay (IoU does not change under the flip).
 
 Letters: B batch, T text length, R regions.
 """
@@ -23,7 +25,8 @@ from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.refcoco import RefExpression
-from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, pad_regions, pad_sequences, region_counts
+from vlberts.data.mirror import Flip
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.refcoco import region_targets
 from vlberts.text.tokenizer import TextTokenizer
@@ -54,6 +57,8 @@ class RefData:
         soft: bool = False,
         tag_subwords: Sequence[Sequence[int]] | None = None,
         float16: bool = False,
+        flip_prob: float = 0.0,
+        seed: int = 0,
     ):
         self.expressions = expressions
         self.regions = regions
@@ -66,6 +71,7 @@ class RefData:
         budget = max_text_len - 2  # [CLS] ... [SEP]
         encs = tokenizer.tok.encode_batch([e.sent for e in expressions], add_special_tokens=False)
         self.ids = [[tokenizer.cls_id, *e.ids[:budget], tokenizer.sep_id] for e in encs]
+        self.flip = Flip(flip_prob, seed, tokenizer)
 
     def __len__(self) -> int:
         return len(self.expressions)
@@ -80,12 +86,10 @@ class RefData:
         ex = self.expressions[index]
         regions = load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim, self.float16)
         boxes = [tuple(b) for b in regions.pixel_boxes.tolist()]
-        item = {
-            "ids": self.ids[index],
-            "regions": regions,
-            "targets": region_targets(boxes, ex.gold_box_xyxy, soft=self.soft),
-            "index": index,
-        }
+        targets, ids = region_targets(boxes, ex.gold_box_xyxy, soft=self.soft), self.ids[index]
+        if self.flip.drawn(key):  # the same targets: the gold box flips with the regions
+            ids, regions = self.flip.swap(ids), mirrored(regions)
+        item = {"ids": ids, "regions": regions, "targets": targets, "index": index}
         if self.tag_subwords is not None:
             obj_id = detected_classes(self.regions, ex.image_id)
             item["tags"] = tag_tokens(obj_id[: len(regions.feats)], self.tag_subwords)

@@ -7,7 +7,7 @@ the model from these (SPEC §2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,6 +38,7 @@ class Regions:
     boxes: np.ndarray  # (R, 4) float32 normalised xyxy
     pixel_boxes: np.ndarray  # (R, 4) float32 xyxy pixels
     conf: np.ndarray | None  # (R,) detector confidence, when the store has it
+    image_w: float = 0.0  # the image's width in pixels (0: not known; `mirrored` needs it)
 
 
 class FetchedRecord:
@@ -52,11 +53,9 @@ class FetchedRecord:
 
 
 def load_regions(source: RegionSource, image_id: str | int, max_regions: int, feature_dim: int | None = None,
-                 float16: bool = False, mirror: bool = False) -> Regions:
+                 float16: bool = False) -> Regions:
     """The first `max_regions` regions of an image (stores keep them in detector order); features as float32,
-    or, with `float16`, float16 features as they are stored (`RegionSetup.float16`). With `mirror`, the boxes
-    of the image flipped left-right (x -> W - x; VL-BERT's training flip, whose precomputed features stay
-    as they are)."""
+    or, with `float16`, float16 features as they are stored (`RegionSetup.float16`)."""
     rec = source.get(str(image_id))
     feats = rec.features[:max_regions]
     feats = feats if float16 and feats.dtype == np.float16 else as_float32(feats)
@@ -67,12 +66,22 @@ def load_regions(source: RegionSource, image_id: str | int, max_regions: int, fe
             record=f"image {image_id}",
         )
     pix = np.asarray(rec.boxes[:max_regions], dtype=np.float32)
-    if mirror:
-        pix = np.stack([rec.image_w - pix[:, 2], pix[:, 1], rec.image_w - pix[:, 0], pix[:, 3]], axis=1)
     scale = np.array([rec.image_w, rec.image_h, rec.image_w, rec.image_h], dtype=np.float32)
     conf = getattr(rec, "obj_conf", None)
     conf = None if conf is None else np.asarray(conf[:max_regions], dtype=np.float32)
-    return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=conf)
+    return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=conf, image_w=rec.image_w)
+
+
+def mirrored(r: Regions) -> Regions:
+    """The regions of the image flipped left-right (`data.mirror`): x -> W - x in pixels, x -> 1 - x
+    normalised, left and right edges exchanged; features as they are."""
+    if not r.image_w > 0:
+        raise ValueError("mirroring regions needs the image's width (Regions.image_w, set by load_regions)")
+
+    def flip(b: np.ndarray, width: float) -> np.ndarray:  # (R, 4) xyxy -> (R, 4) xyxy
+        return np.stack([width - b[:, 2], b[:, 1], width - b[:, 0], b[:, 3]], axis=1).astype(b.dtype, copy=False)
+
+    return replace(r, boxes=flip(r.boxes, 1.0), pixel_boxes=flip(r.pixel_boxes, float(r.image_w)))
 
 
 def detected_classes(source: RegionSource, image_id: str | int, record: str | None = None) -> np.ndarray:

@@ -14,11 +14,9 @@ Examples are any task reader's type with `question_id`, `image_id`, `question` a
 (`data.vqa.VQAExample`, `data.gqa.GQAExample`); a `Target` function turns an annotated one into
 scores over the classes (default: VQA soft scores).
 
-Mirrored training questions (`flip_prob`; VL-BERT's `FLIP_PROB`, released `vqa/data/datasets/vqa.py`): with
-that probability, decided per (epoch, example), a training item shows its image flipped left-right -- the
-boxes mirrored (`load_regions(mirror=True)`; the features stay as they are, as VL-BERT's precomputed
-ones do) -- with "left" and "right" swapped in the question's subwords and in every answer's words, and
-the target taken from the swapped answers.
+Mirrored training questions (`flip_prob`; VL-BERT's `FLIP_PROB`, `data.mirror`): a mirrored item's boxes are
+flipped left-right and "left" / "right" swapped in the question's subwords and in every answer's words, its
+target taken from the swapped answers.
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ import numpy as np
 import torch
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, pad_regions, pad_sequences, region_counts
-from vlberts.data.sampling import example_rng
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
+from vlberts.data.mirror import Flip, mirror_words
 from vlberts.data.vqa import VQAExample
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
@@ -73,15 +71,6 @@ TEXT_FORMATS: dict[str, tuple[int, Layout]] = {
 }
 
 
-MIRRORED_WORDS = {"left": "right", "right": "left"}  # what a left-right flip changes in a text
-
-
-def mirror_words(text: str) -> str:
-    """`text` as it reads of the mirrored image: each space-separated "left" / "right" swapped (VL-BERT's
-    `flip_tokens` over an answer's words)."""
-    return " ".join(MIRRORED_WORDS.get(w, w) for w in text.split(" "))
-
-
 def mirrored_answers(example: Any) -> Any:
     """The example with its answers as they read of the mirrored image (`mirror_words`): the fields the
     readers keep answers in -- VQA's ten `answers` and `multiple_choice_answer`, LXMERT's `label` keys,
@@ -96,24 +85,6 @@ def mirrored_answers(example: Any) -> Any:
         elif isinstance(value, dict):
             changes[name] = {mirror_words(a): score for a, score in value.items()}
     return replace(example, **changes)
-
-
-def check_flip_prob(flip_prob: float) -> None:
-    """`--flip_prob` is a probability; anything else is a one-line error."""
-    if not 0.0 <= flip_prob <= 1.0:
-        raise VlbertsError(f"--flip_prob must be a probability in [0, 1], got {flip_prob}")
-
-
-def mirrored_subwords(tok: TextTokenizer) -> dict[int, int]:
-    """{id of "left": id of "right", and back}: the question's subwords a flip swaps (VL-BERT swaps the
-    wordpieces `left` / `right`). A vocabulary without both as single tokens is an error: the flipped
-    boxes would then disagree with the question."""
-    ids = {w: tok.tok.token_to_id(w) for w in MIRRORED_WORDS}
-    missing = [w for w, i in ids.items() if i is None]
-    if missing:
-        raise VlbertsError(f"--flip_prob swaps 'left' and 'right' in the questions, but {' and '.join(map(repr, missing))} "
-                           "is not a token of the model's vocabulary")
-    return {ids[w]: ids[m] for w, m in MIRRORED_WORDS.items()}
 
 
 def detector_tag_subwords(classes: Sequence[str], tok: TextTokenizer) -> tuple[tuple[int, ...], ...]:
@@ -141,8 +112,8 @@ class VQAData:
     detector tags (`detector_tag_subwords`), read from the source's `obj_id`. An item's `question_id` is
     the example's id when it is an int (VQA) and its position otherwise (GQA's string ids), so that
     batches hold it as a tensor; `predict_qa` maps predictions back by position. flip_prob: a training
-    item (keyed (epoch, index), as the samplers give them) is mirrored with this probability, drawn from
-    `example_rng(seed, epoch, index)` (module docstring); an item asked for by index alone never is."""
+    item (keyed (epoch, index), as the samplers give them) is mirrored with this probability (`data.mirror.Flip`,
+    seeded by `seed`); an item asked for by index alone never is."""
 
     def __init__(
         self,
@@ -182,9 +153,7 @@ class VQAData:
             self.answer_pos.append(pos)
         target = target or vqa_soft_target
         self.targets: list[SoftTarget | None] = [target(e, vocab) if e.annotated else None for e in examples]
-        check_flip_prob(flip_prob)
-        self.flip_prob, self.seed = flip_prob, seed
-        self.mirror_ids: dict[int, int] = mirrored_subwords(tokenizer) if flip_prob else {}
+        self.flip = Flip(flip_prob, seed, tokenizer)
         # index -> the target of the mirrored answers, where mirroring changes an answer
         self.mirrored_targets: dict[int, SoftTarget] = {}
         for i, e in enumerate(examples if flip_prob else ()):
@@ -203,19 +172,17 @@ class VQAData:
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key
         ex = self.examples[index]
-        mirror = self.flip_prob > 0 and isinstance(key, tuple) and example_rng(self.seed, *key).random() < self.flip_prob
         ids, target = self.ids[index], self.targets[index]
-        if mirror:
-            ids = [self.mirror_ids.get(i, i) for i in ids]
-            target = self.mirrored_targets.get(index, target)
+        regions = load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim, self.float16)
+        if self.flip.drawn(key):
+            ids, target, regions = self.flip.swap(ids), self.mirrored_targets.get(index, target), mirrored(regions)
         item = {
             "ids": ids,
             "segments": self.segments[index],
             "answer_pos": self.answer_pos[index],
             "target": target,
             "question_id": ex.question_id if isinstance(ex.question_id, int) else index,
-            "regions": load_regions(self.regions, ex.image_id, self.max_regions, self.feature_dim, self.float16,
-                                    mirror=mirror),
+            "regions": regions,
         }
         if self.tag_subwords is not None:
             item["tags"] = self._tags(ex.image_id, len(item["regions"].feats))

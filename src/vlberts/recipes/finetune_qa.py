@@ -36,7 +36,8 @@ import torch
 
 from vlberts.data.lxmert_corpus import convert_answer
 from vlberts.data.regions import RegionSource
-from vlberts.data.vqa_dataset import Target, VQAData, check_flip_prob, collate_vqa, model_tag_subwords
+from vlberts.data.mirror import check_flip_prob
+from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import require_unique, write_json
@@ -47,7 +48,7 @@ from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import ANSWER_CLASSIFIERS, VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
-from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
+from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import last_questions
@@ -101,9 +102,7 @@ class FinetuneQAConfig(FinetuneConfig):
     answer_word_init: str = opt("auto", "VL-BERT: start the answer classifier's output rows from each answer's mean "
                                         "subword embedding (the released CLASSIFIER_PRETRAINED): auto (with the mlm "
                                         "classifier, as the released base VQA config), true (1fc or mlm), false")
-    flip_prob: float = opt(0.0, "show each training question mirrored with this probability: its boxes flipped "
-                                "left-right, 'left' and 'right' swapped in the question and its answers (VL-BERT's "
-                                "FLIP_PROB, 0.5 in its VQA configs; the region features stay as they are)")
+    flip_prob: float = opt(0.0, FLIP_PROB_HELP)
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
     eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only (ViLBERT's "

@@ -44,7 +44,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
-from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
+from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -66,6 +66,7 @@ class FinetuneRefCocoConfig(FinetuneConfig):
                                  "images' instance boxes (a store from `vlberts extract --boxes gold`)")
     soft_iou: bool = opt(False, "soft targets: a region's IoU with the gold box when >= 0.5 (ViLBERT's code), "
                                 "instead of 1")
+    flip_prob: float = opt(0.0, FLIP_PROB_HELP)
     max_text_len: int = opt(24, "expression tokens incl. [CLS] and [SEP]")
     max_regions: int = opt(36, "candidate regions per image (the store's first ones)")
     eval_batch_size: int = opt(256, "expressions per prediction batch")
@@ -88,12 +89,14 @@ def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokeniz
 
 
 def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,
-             *, max_text_len: int, max_regions: int, soft: bool = False, float16: bool = False) -> RefData:
+             *, max_text_len: int, max_regions: int, soft: bool = False, float16: bool = False,
+             flip_prob: float = 0.0, seed: int = 0) -> RefData:
     """The expressions laid out for `model`, with detector tags from the store if it reads them; float16
-    features kept so with `float16` (`open_features`)."""
+    features kept so with `float16` (`open_features`); training items mirrored with `flip_prob` (`data.mirror`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
     return RefData(expressions, store, tok, max_text_len=max_text_len, max_regions=max_regions,
-                   feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags, float16=float16)
+                   feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags, float16=float16,
+                   flip_prob=flip_prob, seed=seed)
 
 
 @torch.no_grad()
@@ -215,7 +218,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     # The gt track's store holds the gold boxes on purpose: only a difference in the features of a box warns.
     features, mismatch = check_features(store, cfg.init, dist, ignore=BOX_SELECTION if cfg.track == "gt" else ())
     train_data = ref_data(model, train, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-                          soft=cfg.soft_iou, float16=float16)
+                          soft=cfg.soft_iou, float16=float16, flip_prob=cfg.flip_prob, seed=cfg.seed)
     extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist, extra=extra,
