@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
-from vlberts.data.refcoco import RefExpression
 from vlberts.data.mirror import Flip
+from vlberts.data.refcoco import RefExpression
 from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.refcoco import region_targets

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from vlberts.data.batch import VLInputs, VQABatch
-from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
 from vlberts.data.mirror import Flip, mirror_words
+from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
 from vlberts.data.vqa import VQAExample
 from vlberts.errors import VlbertsError
 from vlberts.models.wvisualbert import collate_tags, tag_tokens

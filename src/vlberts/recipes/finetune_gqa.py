@@ -32,7 +32,7 @@ from vlberts.recipes.finetune_qa import (
     FinetuneQAConfig, QATask, VQAModel, file_list, finetune_qa, join_files, load_qa_model,
 )
 from vlberts.tasks.gqa import build_answer_vocab, gqa_metrics, gqa_target, write_predictions
-from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab
+from vlberts.tasks.vqa import AnswerVocab
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -49,10 +49,10 @@ class FinetuneGQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneGQAConfig
 
 
-def _read(cfg: FinetuneGQAConfig, bad: BadRecords) -> tuple[list[GQAExample], list[GQAExample]]:
+def _read(cfg: FinetuneGQAConfig, bad: BadRecords, answers: tuple[str, ...] | None) -> tuple[list[GQAExample], list[GQAExample]]:
     # ViLBERT's target pickles name their answers through --answer_vocab (its cache/trainval_ans2label.pkl)
     files = file_list(cfg.train_questions) + file_list(cfg.eval_questions)
-    table = read_answer_vocab(cfg.answer_vocab).answers if cfg.answer_vocab and any(map(is_target_pickle, files)) else None
+    table = answers if any(map(is_target_pickle, files)) else None
     train = join_files((q, read_gqa(q, require_answers=True, bad=bad, answers=table)) for q in file_list(cfg.train_questions))
     return train, read_gqa(cfg.eval_questions, bad=bad, answers=table) if cfg.eval_questions else []
 

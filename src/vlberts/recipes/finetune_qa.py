@@ -125,7 +125,8 @@ class QATask:
     name: str  # "vqa" | "gqa": the model directory's task, the progress label
     required: tuple[str, ...]  # run-config fields that must be set
     answers_field: str  # the run-config field naming the file with the training answers (for errors)
-    read: Callable[[Any, BadRecords], tuple[list, list]]  # run config, bad-record policy -> (train, eval examples)
+    # run config, bad-record policy, --answer_vocab's answers (None: not given) -> (train, eval examples)
+    read: Callable[[Any, BadRecords, tuple[str, ...] | None], tuple[list, list]]
     read_questions: Callable[[str, BadRecords], list]  # a questions file, answers optional -> examples (to predict)
     answer_vocab: Callable[[Sequence, int], AnswerVocab]  # training examples, min_answer_count -> classes
     target: Target  # an annotated example, the classes -> its target scores
@@ -346,10 +347,11 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                            + ("" if cfg.eval_questions else " and no --eval_questions"))
 
     bad = BadRecords(skip=cfg.skip_bad)
-    train, eval_examples = task.read(cfg, bad)
+    table = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else None  # read once: classes, target pickles
+    train, eval_examples = task.read(cfg, bad, table.answers if table is not None else None)
     eval_examples = last_questions(eval_examples, cfg.eval_last)  # (ViLBERT's minval)
     train, in_eval = without_eval_questions(train, eval_examples, cfg.exclude_eval_questions, cfg.eval_questions)
-    vocab = read_answer_vocab(cfg.answer_vocab) if cfg.answer_vocab else task.answer_vocab(train, cfg.min_answer_count)
+    vocab = table if table is not None else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
                            path=getattr(cfg, task.answers_field) or cfg.train_questions)

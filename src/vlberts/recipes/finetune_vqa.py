@@ -44,7 +44,6 @@ from vlberts.tasks.vqa import (
     AnswerVocab,
     build_answer_vocab,
     majority_baseline,
-    read_answer_vocab,
     score_predictions,
     write_predictions,
 )
@@ -70,7 +69,7 @@ class FinetuneVQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneVQAConfig
 
 
-def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], list[VQAExample]]:
+def _read(cfg: FinetuneVQAConfig, bad: BadRecords, answers: tuple[str, ...] | None) -> tuple[list[VQAExample], list[VQAExample]]:
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
     questions, annotations = file_list(cfg.train_questions), iter(file_list(cfg.train_annotations))
@@ -82,7 +81,7 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], li
         raise VlbertsError(f"--train_annotations names {len(file_list(cfg.train_annotations))} file(s) for "
                            f"{len(json_files)} VQA v2 questions JSON file(s): one each, in the same order (an imdb "
                            f".npy or LXMERT's list holds its answers and takes none)", path=cfg.train_annotations)
-    table = _target_table(cfg)
+    table = _target_table(cfg, answers)
     parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad, table)) for q in questions]
     for path, examples in parts:
         if examples and not examples[0].annotated:
@@ -91,16 +90,16 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords) -> tuple[list[VQAExample], li
     return train, read_vqa(cfg.eval_questions, cfg.eval_annotations or None, bad, table) if cfg.eval_questions else []
 
 
-def _target_table(cfg: FinetuneVQAConfig) -> tuple[str, ...] | None:
-    """The answers of --answer_vocab when an annotations file is ViLBERT's target pickle (its labels are indices
-    into that table, trainval_ans2label.pkl), else None."""
+def _target_table(cfg: FinetuneVQAConfig, answers: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The answers of --answer_vocab (`answers`) when an annotations file is ViLBERT's target pickle (its labels
+    are indices into that table, trainval_ans2label.pkl), else None."""
     pickles = [a for a in file_list(cfg.train_annotations) + file_list(cfg.eval_annotations) if is_target_pickle(a)]
     if not pickles:
         return None
-    if not cfg.answer_vocab:
+    if answers is None:
         raise VlbertsError("ViLBERT's target pickle names answers by their index in the answer table it was made "
                            "with: give that table (trainval_ans2label.pkl) as --answer_vocab", path=pickles[0])
-    return read_answer_vocab(cfg.answer_vocab).answers
+    return answers
 
 
 def _metrics(preds: dict[int, str], eval_examples: list[VQAExample], train: list[VQAExample]) -> dict:
