@@ -162,3 +162,56 @@ def test_finetune_and_evaluate_from_vilberts_files_equal_the_json_run(tiny_world
     proc = subprocess.run([*evaluate, "--eval_last", "20"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["accuracy"] == m_json["accuracy"]
+
+
+def test_image_id_lists_as_vilbert_writes_them(tmp_path):
+    """ViLBERT's `cache/coco_test_ids.npy` (numbers), as text too; a pickled object array or a 2-d one is refused."""
+    import numpy as np
+
+    from vlberts.data.text_corpus import read_image_ids
+
+    np.save(tmp_path / "coco_test_ids.npy", np.array([42, 7, 42], dtype=np.int64))
+    assert read_image_ids(tmp_path / "coco_test_ids.npy") == ["42", "7"]
+    (tmp_path / "ids.txt").write_text("42\n\n7\n")
+    assert read_image_ids(tmp_path / "ids.txt") == ["42", "7"]
+    np.save(tmp_path / "obj.npy", np.array([42, "x"], dtype=object), allow_pickle=True)
+    with pytest.raises(VlbertsError, match=r"obj\.npy: not a \.npy array of image ids"):
+        read_image_ids(tmp_path / "obj.npy")
+    np.save(tmp_path / "flat.npy", np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(VlbertsError, match=r"flat\.npy: expected a non-empty 1-d array of image ids"):
+        read_image_ids(tmp_path / "flat.npy")
+
+
+def test_excluded_images_leave_training_as_vilberts_clean_train_sets(tiny_world, tiny_pretrained, tmp_path):
+    """--exclude_images drops the training and evaluation questions on the listed images (a COCO file stem
+    counts as its number), counted in metrics.json; a missing list stops the run before any data is read."""
+    import numpy as np
+
+    from vlberts.data.vqa import VQAExample
+    from vlberts.recipes.finetune_qa import excluded_images, without_images
+    from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
+
+    examples = [VQAExample(question_id=i, image_id=image, question="q")
+                for i, image in enumerate([42, "COCO_val2014_000000000042", 7, "n42"])]
+    np.save(tmp_path / "test_ids.npy", np.array([42], dtype=np.int64))
+    kept, dropped = without_images(examples, excluded_images(str(tmp_path / "test_ids.npy")))
+    assert [ex.image_id for ex in kept] == [7, "n42"] and dropped == 2
+
+    (tq, ta), (eq, ea) = tiny_world.vqa("train"), tiny_world.vqa("test")
+    train, test = read_vqa(tq, ta), read_vqa(eq, ea)
+    banned = sorted({ex.image_id for ex in train})[:3] + sorted({ex.image_id for ex in test})[:1]
+    np.save(tmp_path / "banned.npy", np.array(banned, dtype=np.int64))
+    common = dict(init=str(tiny_pretrained), features=str(tiny_world.store), epochs=0.2, batch_size=16,
+                  ckpt_every=100, min_answer_count=2, train_questions=str(tq), train_annotations=str(ta),
+                  eval_questions=str(eq), eval_annotations=str(ea))
+    finetune_vqa(FinetuneVQAConfig(**common, out=str(tmp_path / "run"), exclude_images=str(tmp_path / "banned.npy")))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    on_banned = sum(ex.image_id in banned for ex in train)
+    assert on_banned > 0 and metrics["train_questions_on_excluded_images"] == on_banned
+    assert metrics["train_questions"] == len(train) - on_banned
+    on_banned_test = sum(ex.image_id in banned for ex in test)
+    assert metrics["eval_questions_on_excluded_images"] == on_banned_test > 0
+    assert metrics["num_questions"] == len(test) - on_banned_test
+    with pytest.raises(VlbertsError, match="missing.npy: image list not found"):
+        finetune_vqa(FinetuneVQAConfig(**{**common, "train_questions": str(tmp_path / "nowhere.json")},
+                                       out=str(tmp_path / "bad"), exclude_images=str(tmp_path / "missing.npy")))

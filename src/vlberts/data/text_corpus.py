@@ -68,8 +68,25 @@ def read_documents(path: str | Path) -> list[list[str]]:
 
 def read_image_ids(path: str | Path) -> list[str]:
     """Image ids, one per line (blank lines skipped), as the region store keys them: H-VisualBERT's
-    image-only set (`WORLD/unpaired_images.txt`). Empty, or not text: a one-line error."""
+    image-only set (`WORLD/unpaired_images.txt`); or a `.npy` array of them (ViLBERT's `cache/coco_test_ids.npy`,
+    numbers; read without pickles). Empty, or not text (not a 1-d array of numbers or strings): a one-line
+    error."""
+    if Path(path).suffix.lower() == ".npy":
+        return _npy_ids(Path(path))
     return list(image_id_lines(path))
+
+
+def _npy_ids(path: Path) -> list[str]:
+    if not path.is_file():
+        raise VlbertsError("image list not found", path=path)
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except ValueError as e:  # an object array (it would need pickles), or not a .npy file
+        raise VlbertsError(f"not a .npy array of image ids ({e})", path=path) from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iuU" or not len(ids):
+        raise VlbertsError(f"expected a non-empty 1-d array of image ids (numbers or strings), got shape {ids.shape} "
+                           f"of {ids.dtype}", path=path)
+    return list(dict.fromkeys(str(i) for i in ids.tolist()))
 
 
 def image_id_lines(path: str | Path) -> dict[str, int]:

@@ -37,8 +37,10 @@ import torch
 from vlberts.data.lxmert_corpus import convert_answer
 from vlberts.data.regions import RegionSource
 from vlberts.data.mirror import check_flip_prob
+from vlberts.data.text_corpus import read_image_ids
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
+from vlberts.features.record import coco_number
 from vlberts.features.store import RegionStore
 from vlberts.io import require_unique, write_json
 from vlberts.models.builders import arch_of
@@ -110,6 +112,10 @@ class FinetuneQAConfig(FinetuneConfig):
     exclude_eval_questions: bool = opt(False, "drop the training questions that are also evaluation questions (VisualBERT's "
                                               "exclude_minival, ViLBERT's trainval minus minval); without it such an "
                                               "overlap is an error")
+    exclude_images: str = opt("", "a list of image ids whose questions are left out of training and evaluation "
+                                  "(ViLBERT's --clean_train_sets: cache/coco_test_ids.npy for VQA, genome_test_ids.npy "
+                                  "for GQA; after --eval_last, as its minval): a .npy array or one id a line; a COCO "
+                                  "file stem counts as its number")
     skip_bad: bool = opt(False, "drop malformed question/annotation records and questions whose image is not in "
                                 "the store, counting them (a warning and metrics.json's skipped_records), "
                                 "instead of stopping at the first")
@@ -164,6 +170,25 @@ def without_eval_questions(train: list, eval_examples: Sequence, exclude: bool, 
         raise VlbertsError(f"{len(overlap)} of these evaluation questions are training questions too (the first: question "
                            f"id {overlap[0]!r}); --exclude_eval_questions drops them from training", path=path)
     return ([ex for ex in train if ex.question_id not in held_out] if overlap else train), len(overlap)
+
+
+def _image_key(image_id: Any) -> str:
+    """An image id as `--exclude_images` compares it: a string, a COCO file stem as its number
+    ("COCO_val2014_000000000042" is 42)."""
+    return coco_number(str(image_id)) or str(image_id)
+
+
+def excluded_images(path: str) -> set[str]:
+    """The image ids listed in `path` (`data.text_corpus.read_image_ids`: a .npy array or one id a line), as
+    `_image_key`s; an empty setting lists none."""
+    return {_image_key(i) for i in read_image_ids(path)} if path else set()
+
+
+def without_images(examples: list, excluded: set[str]) -> tuple[list, int]:
+    """The examples whose image is not `excluded`, and how many were dropped: ViLBERT's `clean_datasets`, which
+    keeps the test images of its other tasks out of its training and evaluation splits."""
+    kept = [ex for ex in examples if _image_key(ex.image_id) not in excluded] if excluded else examples
+    return kept, len(examples) - len(kept)
 
 
 def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:
@@ -342,6 +367,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     init_cfg = with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)  # before any data is read
     word_init = uses_answer_word_init(cfg.answer_word_init, init_cfg, cfg.init)
     check_flip_prob(cfg.flip_prob)
+    excluded = excluded_images(cfg.exclude_images)
     if cfg.eval_last < 0 or (cfg.eval_last and not cfg.eval_questions):
         raise VlbertsError(f"--eval_last=N keeps the last N of --eval_questions (N >= 0), got {cfg.eval_last}"
                            + ("" if cfg.eval_questions else " and no --eval_questions"))
@@ -351,6 +377,11 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     train, eval_examples = task.read(cfg, bad, table.answers if table is not None else None)
     eval_examples = last_questions(eval_examples, cfg.eval_last)  # (ViLBERT's minval)
     train, in_eval = without_eval_questions(train, eval_examples, cfg.exclude_eval_questions, cfg.eval_questions)
+    train, on_excluded = without_images(train, excluded)
+    eval_examples, eval_on_excluded = without_images(eval_examples, excluded)  # (after --eval_last, as ViLBERT's minval)
+    if not train:
+        raise VlbertsError("no training question is left once the images of --exclude_images are left out",
+                           path=cfg.exclude_images)
     vocab = table if table is not None else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
@@ -385,6 +416,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
         return None
 
     metrics = {"train_questions": len(train), "train_questions_in_eval_dropped": in_eval,
+               "train_questions_on_excluded_images": on_excluded, "eval_questions_on_excluded_images": eval_on_excluded,
                "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
                "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, "answer_rows_from_word_embeddings": word_rows, **mismatch}
