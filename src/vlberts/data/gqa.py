@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlberts.errors import BadRecords, VlbertsError
 from vlberts.data.vqa import is_target_pickle, target_label, target_records
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import read_json, require_keys, require_text
 
 _REQUIRED = ("imageId", "question")

@@ -49,11 +49,13 @@ class FinetuneGQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneGQAConfig
 
 
-def _read(cfg: FinetuneGQAConfig, bad: BadRecords, answers: tuple[str, ...] | None) -> tuple[list[GQAExample], list[GQAExample]]:
+def _read(cfg: FinetuneGQAConfig, bad: BadRecords,
+          answers: tuple[str, ...] | None) -> tuple[list[GQAExample], list[GQAExample]]:
     # ViLBERT's target pickles name their answers through --answer_vocab (its cache/trainval_ans2label.pkl)
     files = file_list(cfg.train_questions) + file_list(cfg.eval_questions)
     table = answers if any(map(is_target_pickle, files)) else None
-    train = join_files((q, read_gqa(q, require_answers=True, bad=bad, answers=table)) for q in file_list(cfg.train_questions))
+    train = join_files((q, read_gqa(q, require_answers=True, bad=bad, answers=table))
+                       for q in file_list(cfg.train_questions))
     return train, read_gqa(cfg.eval_questions, bad=bad, answers=table) if cfg.eval_questions else []
 
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from vlberts.data.lxmert_corpus import convert_answer
-from vlberts.data.regions import RegionSource
 from vlberts.data.mirror import check_flip_prob
+from vlberts.data.regions import RegionSource
 from vlberts.data.text_corpus import read_image_ids
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
@@ -364,7 +364,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     share the prediction of the evaluation set."""
     cfg, out, device, dist = start_finetune(cfg, task.name, ("init", *task.required, "features"))
     check_loss(cfg.loss)
-    init_cfg = with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)  # before any data is read
+    # Settings checked before any data is read:
+    init_cfg = with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)
     word_init = uses_answer_word_init(cfg.answer_word_init, init_cfg, cfg.init)
     check_flip_prob(cfg.flip_prob)
     excluded = excluded_images(cfg.exclude_images)
@@ -419,7 +420,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                "train_questions_on_excluded_images": on_excluded, "eval_questions_on_excluded_images": eval_on_excluded,
                "num_answers": len(vocab), "skipped_records": bad.to_dict(),
                "train_questions_without_target": sum(1 for t in data.targets if t is not None and not t.labels),
-               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied, "answer_rows_from_word_embeddings": word_rows, **mismatch}
+               "steps": num_updates(cfg, len(data)), "answer_rows_from_pretraining": copied,
+               "answer_rows_from_word_embeddings": word_rows, **mismatch}
     if cfg.eval_questions:
         preds = predict_qa(model, vocab, tok, eval_examples, store, max_regions=cfg.max_regions,
                            max_text_len=cfg.max_text_len, batch_size=cfg.eval_batch_size, device=device,

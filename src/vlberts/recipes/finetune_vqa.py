@@ -69,7 +69,8 @@ class FinetuneVQAConfig(FinetuneQAConfig):
 CONFIG_CLASS = FinetuneVQAConfig
 
 
-def _read(cfg: FinetuneVQAConfig, bad: BadRecords, answers: tuple[str, ...] | None) -> tuple[list[VQAExample], list[VQAExample]]:
+def _read(cfg: FinetuneVQAConfig, bad: BadRecords,
+          answers: tuple[str, ...] | None) -> tuple[list[VQAExample], list[VQAExample]]:
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
     questions, annotations = file_list(cfg.train_questions), iter(file_list(cfg.train_annotations))
