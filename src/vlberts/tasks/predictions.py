@@ -56,7 +56,8 @@ def choose(scores: Sequence[float]) -> int:
 def last_questions(examples: list, n: int) -> list:
     """The `n` examples with the largest question ids, in their own order (all of them for n = 0): ViLBERT's
     VQA minval is the last 3,000 of val2014's questions sorted by id (vilbert-multi-task `vqa_dataset.py`), its
-    GQA minval the last 3,000 of trainval's (`gqa_dataset.py`), whose string ids it sorts as numbers, as here."""
+    GQA minval the last 3,000 of trainval's (`gqa_dataset.py`). GQA's ids are strings of digits, compared here as
+    numbers (as text, "9" would come after "100")."""
     if not n or n >= len(examples):
         return examples
     number = lambda q: int(q) if isinstance(q, str) and q.isdigit() else q  # noqa: E731 -- GQA's "02930152"
