@@ -250,5 +250,6 @@ def test_several_training_files_and_questions_also_evaluated(tiny_world, tiny_pr
                              train_annotations=""))
     gqa = tiny_world.root / "gqa"
     train, _ = finetune_gqa._read(finetune_gqa.FinetuneGQAConfig(
-        train_questions=f"{gqa / 'train_balanced_questions.json'},{gqa / 'val_balanced_questions.json'}"), BadRecords())
+        train_questions=f"{gqa / 'train_balanced_questions.json'},{gqa / 'val_balanced_questions.json'}"), BadRecords(),
+        None)  # no --answer_vocab
     assert len(train) == sum(len(json.loads((gqa / f"{s}_balanced_questions.json").read_text())) for s in ("train", "val"))
