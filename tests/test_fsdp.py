@@ -145,6 +145,11 @@ def _fsdp_work(rank: int, tmp: str) -> None:
     with torch.no_grad():
         logits = [model(inputs).mlm_logits for _ in range(rank + 1)]
     found["eval"] = logits[-1]
+
+    # BertAdam with per-tensor clipping, sharded: each rank sums its shards' squares, one all-reduce gives
+    # every tensor's whole norm.
+    bert = _model() if info.main else build_pretraining_model(CFG)
+    found["bertadam"] = _bertadam_updates(shard_model(bert, info), lambda m: _step(m, None, None, info))
     if info.main:
         torch.save(found, f"{tmp}/found.pt")
 
@@ -170,6 +175,8 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     with torch.no_grad():
         one["eval"] = model(_global_batch()[0]).mlm_logits
 
+    bertadam = _bertadam_updates(_model(), lambda m: _loss(m, *_global_batch()).backward())
+
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     found = torch.load(tmp_path / "found.pt", weights_only=True)
 
@@ -190,6 +197,11 @@ def test_sharded_updates_equal_the_single_process_ones_and_checkpoints_cross_ove
     # A sharded run resumed from its own checkpoint repeats its update bit for bit.
     assert all(torch.equal(found["w3_from_fsdp"][n], found["w3"][n]) for n in found["w3"])
     torch.testing.assert_close(found["eval"], one["eval"], rtol=0, atol=1e-4)
+    # `--bias_correction=false --decay_all=true --clip_per_tensor=true` sharded: the single process's updates.
+    assert found["bertadam"]["clipped"] == bertadam["clipped"] and 20 <= bertadam["clipped"] <= 70  # of 92
+    assert found["bertadam"]["norms"] == pytest.approx(bertadam["norms"], rel=1e-5)
+    for n, w in bertadam["w"].items():
+        torch.testing.assert_close(found["bertadam"]["w"][n], w, rtol=0, atol=1e-5, msg=f"bertadam {n}")
 
     # The gathered checkpoint is an unsharded one: the same files, tensor names and shapes ...
     fsdp_ckpt, single_ckpt = tmp_path / "fsdp/checkpoints/step_00000002", tmp_path / "single/checkpoints/step_00000002"
@@ -359,3 +371,22 @@ def test_a_checkpoint_removes_the_half_written_leftovers_of_a_killed_writer(tmp_
     save_checkpoint(tmp_path, model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=4, data={}, extra={}))
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000004"]
+
+
+
+def _bertadam(model):
+    optimizer = build_optimizer(model, 1e-3, bias_correction=False, decay_all=True)
+    return optimizer, linear_warmup_decay(optimizer, 1, 10)
+
+
+def _bertadam_updates(model, step) -> dict:
+    """Two updates with LXMERT's / VisualBERT's optimizer settings (`--bias_correction=false --decay_all=true
+    --clip_per_tensor=true`; clip 0.03: some tensors' gradients are clipped, others not)."""
+    optimizer, scheduler = _bertadam(model)
+    found = {"norms": [], "clipped": 0}
+    for _ in range(2):
+        step(model)
+        found["clipped"] += sum(int(full_tensor(p.grad).norm() > 0.03) for p in model.parameters() if p.grad is not None)
+        found["norms"].append(float(update(model, optimizer, scheduler, clip=0.03, clip_per_tensor=True)))
+    found["w"] = _full(model)
+    return found

@@ -135,3 +135,126 @@ def test_a_checkpoint_whose_optimizer_groups_differ_is_a_one_line_error(tmp_path
     assert len(other.param_groups) == 4
     with pytest.raises(VlbertsError, match=r"state\.json: the optimizer state does not fit this run's parameter groups"):
         restore_checkpoint(ckpt, model=model, optimizer=other, scheduler=linear_warmup_decay(other, 1, 10))
+
+
+# --------------------------------------------------------------------------- the code bases' own optimizers
+
+
+def test_bertadam_update_written_out_by_hand():
+    """`BertAdamW` (`--bias_correction=false`): m / (sqrt(v) + eps) + wd p, no bias correction. p = 1, lr 0.1,
+    wd 0.01, gradients 0.5 then -0.2:
+    update 1: m = 0.05, v = 0.00025, 0.05 / (0.0158114 + 1e-6) = 3.162078; p = 1 - 0.1 (3.162078 + 0.01) = 0.682792
+    update 2: m = 0.025, v = 0.00028975, 0.025 / (0.0170220 + 1e-6) = 1.468597; p = 0.682792 - 0.1 (1.468597
+    + 0.0068279) = 0.535250. Bias-corrected AdamW's first update would be 1 - 0.1 (1 + 0.01) = 0.899."""
+    from vlberts.training.optim import BertAdamW
+
+    p = nn.Parameter(torch.tensor([1.0]))
+    opt = BertAdamW([{"params": [p], "weight_decay": 0.01}], lr=0.1)
+    p.grad = torch.tensor([0.5])
+    opt.step()
+    assert p.item() == pytest.approx(0.682792, abs=2e-6)
+    p.grad = torch.tensor([-0.2])
+    opt.step()
+    assert p.item() == pytest.approx(0.535250, abs=2e-6)
+
+
+def bertadam_reference(params, grads_per_step, lr, wd, eps=1e-6, b1=0.9, b2=0.999):
+    """BertAdam's loop as pytorch-pretrained-bert writes it, one parameter at a time (clipping and schedule left
+    out): next_m, next_v; update = next_m / (sqrt(next_v) + e); update += wd * p; p -= lr * update."""
+    ps = [p.detach().clone() for p in params]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(ps, grads)):
+            ms[i] = b1 * ms[i] + (1 - b1) * g
+            vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            update = ms[i] / (vs[i].sqrt() + eps) + wd[i] * p
+            ps[i] = p - lr * update
+    return ps
+
+
+@pytest.mark.parametrize("decay_all", [False, True])
+def test_no_bias_correction_is_bertadam_on_every_parameter_group(decay_all):
+    """`build_optimizer(bias_correction=False)` steps every parameter as BertAdam's own loop does, with BERT's
+    exclusions (VisualBERT's grouping) or decay on every tensor (`decay_all`: LXMERT's BertAdam over
+    `model.parameters()`), the head's groups included."""
+    from vlberts.training.optim import BertAdamW
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, head_prefixes=("classifier",), head_lr_mult=1.0,
+                          bias_correction=False, decay_all=decay_all)
+    assert isinstance(opt, BertAdamW)
+    params = list(model.parameters())
+    decayed = {n: wd for n, (_, wd) in groups_by_name(model, opt).items()}
+    wd = [decayed[n] for n, _ in model.named_parameters()]
+    if decay_all:
+        assert set(wd) == {0.1}
+    else:
+        assert decayed["dense.bias"] == decayed["LayerNorm.weight"] == 0.0 and decayed["dense.weight"] == 0.1
+    steps = [[torch.randn_like(p) for p in params] for _ in range(3)]
+    expected = bertadam_reference(params, steps, lr=1e-2, wd=wd)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for (name, p), want in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_decay_all_puts_biases_and_layer_norms_under_weight_decay_with_torch_adamw():
+    """VL-BERT's AdamW: bias-corrected, decay on every parameter."""
+    model = Tiny()
+    opt = build_optimizer(model, lr=1e-3, weight_decay=1e-4, decay_all=True)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert set(groups_by_name(model, opt).values()) == {(1e-3, 1e-4)}
+
+
+def test_per_tensor_clipping_clips_each_gradient_to_the_norm_on_its_own():
+    """`update(..., clip_per_tensor=True)` (VisualBERT's BertAdam): a gradient of norm 5 (3, 4) becomes norm 1
+    (0.6, 0.8); one of norm 0.5 stays; the returned norm is the global one before clipping, sqrt(25 + 0.25)."""
+    from vlberts.training.loop import update
+
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    model = nn.ParameterList([a, b])
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.5])
+    seen = {}
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.update(a=a.grad.clone(), b=b.grad.clone())
+
+    opt = Capture(model.parameters(), lr=0.0)
+    norm = update(model, opt, linear_warmup_decay(opt, 0, 10), clip=1.0, clip_per_tensor=True)
+    assert float(norm) == pytest.approx(25.25 ** 0.5)
+    torch.testing.assert_close(seen["a"], torch.tensor([0.6, 0.8]), rtol=1e-5, atol=1e-6)
+    assert seen["b"].tolist() == [0.5]
+    # The global rule on the same gradients scales both by 1 / 5.025.
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.5])
+    update(model, opt, linear_warmup_decay(opt, 0, 10), clip=1.0)
+    assert seen["b"].item() == pytest.approx(0.5 / 25.25 ** 0.5, rel=1e-5)
+
+
+def test_a_fine_tuning_run_with_lxmerts_optimizer_resumes_exactly(tiny_world, tiny_pretrained, tmp_path):
+    """`--bias_correction=false --decay_all=true --clip_per_tensor=true` reach the loop (other losses than the
+    default optimizer's from the second update on), the checkpoint keeps BertAdam's state (no fused AdamW
+    settings, weight decay on every group), and an interrupted run resumes to the same losses."""
+    import json
+
+    from test_finetune_vqa import vqa_cfg
+
+    from vlberts.recipes.finetune_vqa import finetune_vqa
+    from vlberts.training.metrics import MetricsLog
+
+    bert = dict(bias_correction=False, decay_all=True, clip_per_tensor=True, clip=0.5)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref", **bert))
+    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", stop_after=3, **bert)) is None
+    groups = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "state.json").read_text())
+    groups = groups["optimizer"]["param_groups"]
+    assert {g["weight_decay"] for g in groups if g["params"]} == {0.01} and not any("fused" in g for g in groups)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", **bert))
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "adamw", clip=0.5))
+    ref, run, adamw = (MetricsLog.read(tmp_path / name / "metrics.jsonl") for name in ("ref", "run", "adamw"))
+    losses = [[r["loss"] for r in log if "loss" in r] for log in (ref, run, adamw)]
+    assert losses[0] == losses[1]
+    assert losses[0][0] == losses[2][0] and losses[0][1:] != losses[2][1:]

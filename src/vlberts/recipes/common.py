@@ -208,6 +208,12 @@ FLIP_PROB_HELP = ("show each training example mirrored with this probability: it
                   "FLIP_PROB, 0.5 in its VQA and RefCOCO+ configs; the region features stay as they are)")
 WARMUP_HELP = ("learning-rate warm-up: a fraction of the updates (below 1), or a number of updates (1 or more: "
                "VL-BERT's released configs warm up for 500)")
+BIAS_CORRECTION_HELP = ("Adam's bias correction of its moment estimates; false: BertAdam's update without it "
+                        "(VisualBERT's, LXMERT's and W-VisualBERT's BertAdam, ViLBERT's AdamW(correct_bias=False))")
+DECAY_ALL_HELP = ("weight decay on every parameter, biases and LayerNorm weights too (LXMERT's BertAdam, VL-BERT's "
+                  "AdamW); false: BERT's exclusions")
+CLIP_PER_TENSOR_HELP = ("clip each parameter's gradient to norm --clip on its own (VisualBERT's BertAdam) instead of "
+                        "all of them by their global norm")
 FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "
              "instead of replicating them; checkpoints stay whole. One process: a warning, no sharding")
 PREFETCH_HELP = ("updates whose batches a thread draws ahead (and pins, on a GPU) while the device runs the current "

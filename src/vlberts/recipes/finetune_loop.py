@@ -8,7 +8,8 @@ and says how a batch is scored; `finetune_loop` does the rest the same way for e
   so the update is the same however the batch is split over ranks and micro-batches; with `--fsdp=true` the
   model is sharded over the ranks (FSDP, `training.distributed.shard_model`) and gathered whole for
   checkpoints and, after training, for evaluation;
-* AdamW with linear warm-up and decay (an optional separate learning rate for the new head), clipping;
+* AdamW with linear warm-up and decay (an optional separate learning rate for the new head), clipping
+  (or each code base's own: BertAdam without bias correction, decay on every tensor, per-tensor clipping);
 * checkpoints every `ckpt_every` updates (rank 0, atomic), resumed exactly: data position, optimizer,
   schedule and dropout seeds (`start_or_resume`);
 * a progress bar and OUT/metrics.jsonl records of the loss, learning rate and gradient norm.
@@ -43,7 +44,7 @@ from vlberts.errors import VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights
 from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
@@ -78,8 +79,11 @@ class FinetuneConfig:
     head_lr_mult: float = opt(1.0, "learning-rate multiplier of the freshly initialised head (its weights decayed "
                               "as the body's, its biases and LayerNorms not)")
     warmup: float = opt(0.1, WARMUP_HELP)
-    weight_decay: float = opt(0.01, "AdamW weight decay")
+    weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and LayerNorm unless --decay_all)")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
+    clip_per_tensor: bool = opt(False, CLIP_PER_TENSOR_HELP)
+    bias_correction: bool = opt(True, BIAS_CORRECTION_HELP)
+    decay_all: bool = opt(False, DECAY_ALL_HELP)
     seed: int = opt(0, "seed of head initialisation and data order")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(500, "updates between checkpoints")
@@ -215,7 +219,8 @@ def finetune_loop(
         compile_model(model, cfg.compile_mode)
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     steps = num_updates(cfg, len(data))
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, head_prefixes=head_prefixes, head_lr_mult=cfg.head_lr_mult)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, head_prefixes=head_prefixes, head_lr_mult=cfg.head_lr_mult,
+                                bias_correction=cfg.bias_correction, decay_all=cfg.decay_all)
     scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, steps), steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
@@ -261,7 +266,7 @@ def finetune_loop(
                     own_gradients(model)
                 total = total + value.detach()
             grads.finish()
-            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler, cfg.clip_per_tensor)
             step += 1
             done_here += 1
             bar.update(bar_task, completed=step)

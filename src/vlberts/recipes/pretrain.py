@@ -81,7 +81,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, COMPILE_HELP, COMPILE_MODE_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import (
     IMAGE_SEED,
     TEXT_SEED,
@@ -167,8 +167,11 @@ class PretrainConfig:
     grad_accum: int = opt(1, "micro-batches per update")
     lr: float = opt(1e-4, "peak learning rate")
     warmup: float = opt(0.1, WARMUP_HELP)
-    weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and LayerNorm)")
+    weight_decay: float = opt(0.01, "AdamW weight decay (not on biases and LayerNorm unless --decay_all)")
     clip: float = opt(1.0, "gradient-norm clipping; 0 disables")
+    clip_per_tensor: bool = opt(False, CLIP_PER_TENSOR_HELP)
+    bias_correction: bool = opt(True, BIAS_CORRECTION_HELP)
+    decay_all: bool = opt(False, DECAY_ALL_HELP)
     max_text_len: int = opt(48, "tokens per example, [CLS]/[SEP] included")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     mlm_prob: float = opt(0.15, "MLM selection probability")
@@ -694,7 +697,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         mismatch_replace=cfg.mismatch_replace if "match" in weights and not pairs else "caption",
         region_setup=regions_setup, pixels=pixels,
     )
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, bias_correction=cfg.bias_correction, decay_all=cfg.decay_all)
     scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, cfg.steps), cfg.steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
@@ -819,7 +822,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 for k, v in losses.items():
                     totals[k] = totals[k] + v.detach()
             grads.finish()
-            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler)
+            grad_norm = update(model, optimizer, scheduler, cfg.clip, scaler, cfg.clip_per_tensor)
             step += 1
             done_here += 1
             bar.update(task, completed=step)

@@ -233,9 +233,12 @@ def scaler_state(scaler: torch.amp.GradScaler) -> dict[str, Any]:
 
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, clip: float,
-           scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+           scaler: torch.amp.GradScaler | None = None, clip_per_tensor: bool = False) -> torch.Tensor:
     """Clip, step the optimizer and the schedule, clear gradients; returns the pre-clip gradient norm, a
     0-d tensor on the parameters' device (`float()` it where it is logged, not every update).
+
+    `clip_per_tensor`: each parameter's gradient is clipped to norm `clip` on its own (`clip_each_`), as
+    VisualBERT's BertAdam does inside its step, instead of all of them together by their global norm.
 
     With an enabled `scaler` (fp16) the gradients are unscaled first, and an update with an inf or NaN
     among them leaves the weights as they were (the fused AdamW reads the overflow flag on the device, so
@@ -247,7 +250,10 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     sums them: equal to float rounding, ~1e-7 relative)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
+    if clip_per_tensor:
+        norm = clip_each_([p.grad for p in model.parameters() if p.grad is not None], clip)
+    else:
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")))
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -256,6 +262,28 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, c
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.detach()
+
+
+def clip_each_(grads: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """Scale each gradient whose norm exceeds `clip` down to `clip` (coefficient clip / (norm + 1e-6), as
+    `clip_grad_norm_` computes it; `clip` 0: none), in place; returns the global norm before clipping.
+
+    Under FSDP a gradient is a shard (DTensor): each rank sums its shards' squares and one all-reduce gives
+    every tensor's whole norm, so every rank scales its shard by the same coefficient."""
+    if not grads:
+        return torch.zeros(())
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(g, DTensor) for g in grads)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) ** 2 for t in local])  # (tensors,)
+    if sharded:
+        torch.distributed.all_reduce(squares)
+    norms = squares.sqrt()
+    if clip > 0:
+        coefs = (clip / (norms + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, [c.to(t.dtype) for c, t in zip(coefs.unbind(), local)])
+    return squares.sum().sqrt()
 
 
 def require_finite(losses: dict[str, float], step: int, scaler: torch.amp.GradScaler) -> None:

@@ -1,8 +1,19 @@
-"""AdamW with BERT's weight-decay exclusions and a linear warm-up / linear decay schedule (SPEC §6)."""
+"""AdamW with BERT's weight-decay exclusions and a linear warm-up / linear decay schedule (SPEC §6), and the
+variants the five code bases train with (`build_optimizer`'s `bias_correction` and `decay_all`):
+
+| code base                  | optimizer                          | bias correction | decay on biases / LayerNorm |
+|----------------------------|------------------------------------|-----------------|-----------------------------|
+| VisualBERT                 | BertAdam, wd 0.01 (grouped)        | no              | no                          |
+| LXMERT, W-VisualBERT       | BertAdam over `model.parameters()` | no              | yes (0.01 on every tensor)  |
+| ViLBERT (vilbert-multi-task) | AdamW(correct_bias=False), wd 0  | no              | (no decay at all)           |
+| VL-BERT                    | AdamW(correct_bias=True), wd 1e-4  | yes             | yes                         |
+| Hugging Face Trainer, ours | AdamW                              | yes             | no                          |
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,8 +30,12 @@ def build_optimizer(
     eps: float = 1e-6,
     head_prefixes: Sequence[str] = (),
     head_lr_mult: float = 1.0,
-) -> torch.optim.AdamW:
-    """AdamW; biases and LayerNorm weights get no weight decay (as in BERT's optimizer).
+    bias_correction: bool = True,
+    decay_all: bool = False,
+) -> torch.optim.Optimizer:
+    """AdamW; biases and LayerNorm weights get no weight decay (as in BERT's optimizer), unless `decay_all`
+    (LXMERT's BertAdam and VL-BERT's AdamW decay every tensor). Without `bias_correction`: `BertAdamW`, the
+    update of BertAdam and of AdamW(correct_bias=False) (module docstring).
 
     With `head_lr_mult` != 1, the parameters whose names start with one of `head_prefixes` (a fine-tuning
     task's freshly initialised head) learn at `lr * head_lr_mult` in groups of their own, with the same
@@ -38,14 +53,61 @@ def build_optimizer(
             continue
         seen.add(id(p))
         head = split_head and name.startswith(tuple(head_prefixes))
-        kinds[(head, not (p.ndim < 2 or "LayerNorm" in name))].append(p)
+        kinds[(head, decay_all or not (p.ndim < 2 or "LayerNorm" in name))].append(p)
     groups = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "lr": lr * (head_lr_mult if head else 1.0)}
               for (head, decays), ps in kinds.items() if ps or not head]  # the body's two groups always
+    if not bias_correction:
+        return BertAdamW(groups, lr=lr, betas=betas, eps=eps)
     params = [p for ps in kinds.values() for p in ps]
     devices = {p.device.type for p in params}
     fused = devices <= {"cuda"} or devices <= {"cpu"}  # one kind of device, both have the kernel
     fused = fused and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+class BertAdamW(torch.optim.Optimizer):
+    """Adam with decoupled weight decay and no bias correction: BertAdam's update (pytorch-pretrained-bert's,
+    which VisualBERT, LXMERT and W-VisualBERT train with) and that of ViLBERT's AdamW(correct_bias=False):
+
+        m <- b1 m + (1 - b1) g          v <- b2 v + (1 - b2) g^2
+        p <- p - lr (m / (sqrt(v) + eps) + wd p)
+
+    So the first updates are smaller than bias-corrected Adam's (m starts at (1 - b1) g, not g). Decay and
+    step use the scheduled `lr` of the group, as BertAdam's `lr_scheduled * update`. Gradient clipping is
+    not part of it (`training.loop.update` clips, globally or per tensor). The state per parameter is
+    `exp_avg` and `exp_avg_sq`, as torch's AdamW names them; one multi-tensor (foreach) pass per group."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if not self.state[p]:
+                    self.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            grads = [p.grad for p in params]
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
+            (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            torch._foreach_mul_(m, b1)
+            torch._foreach_add_(m, grads, alpha=1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, group["eps"])
+            if wd:
+                torch._foreach_mul_(params, 1 - lr * wd)  # p - lr wd p, with p before this update
+            torch._foreach_addcdiv_(params, m, denom, value=-lr)
+        return loss
 
 
 def warmup_steps(warmup: float, total_steps: int) -> int:
