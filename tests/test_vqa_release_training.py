@@ -148,6 +148,9 @@ def test_finetuning_with_mirrored_questions(tiny_world, pretrained, tmp_path):  
            "train_questions": str(tmp_path / "missing.json")}
     with pytest.raises(VlbertsError, match="--flip_prob must be a probability"):
         finetune_vqa(FinetuneVQAConfig(**cfg))
+    cfg = {**cfg, "flip_prob": 1.0, "init": str(_without_left(pretrained["lxmert"], tmp_path / "no_left"))}
+    with pytest.raises(VlbertsError, match="'left' is not a token of the model's vocabulary"):
+        finetune_vqa(FinetuneVQAConfig(**cfg))
 
 
 def test_mirroring_keeps_an_empty_image_and_needs_the_width(tmp_path):
@@ -202,3 +205,21 @@ def test_finetuning_refcoco_with_mirrored_expressions(tiny_world, pretrained, tm
         log = [_json.loads(line) for line in (tmp_path / f"flip{p}" / "metrics.jsonl").read_text().splitlines()]
         first[p] = next(r["loss"] for r in log if "loss" in r)
     assert first[0.0] != first[1.0]
+    # Bad settings stop the run before the refs are read: a value that is no probability, and a model whose
+    # vocabulary cannot swap the words.
+    missing = {**vars(cfg), "refs": str(tmp_path / "missing.p")}
+    with pytest.raises(VlbertsError, match=r"--flip_prob must be a probability in \[0, 1\], got 1.5"):
+        finetune_refcoco(FinetuneRefCocoConfig(**{**missing, "flip_prob": 1.5}))
+    no_left = _without_left(pretrained["vlbert"], tmp_path / "no_left")
+    with pytest.raises(VlbertsError, match="'left' is not a token of the model's vocabulary"):
+        finetune_refcoco(FinetuneRefCocoConfig(**{**missing, "init": str(no_left), "flip_prob": 0.5}))
+
+
+def _without_left(model_dir: Path, out: Path) -> Path:
+    """A copy of a model directory whose vocabulary spells "left" otherwise (same size, so the model loads)."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    vocab = out / "vocab.txt"
+    vocab.write_text("".join("lef-t\n" if line == "left\n" else line for line in vocab.open()))
+    return out

@@ -30,6 +30,14 @@ def check_flip_prob(flip_prob: float) -> None:
         raise VlbertsError(f"--flip_prob must be a probability in [0, 1], got {flip_prob}")
 
 
+def check_flip(flip_prob: float, model_dir: str) -> None:
+    """`--flip_prob` checked before any data is read: a probability, and above 0 a model whose vocabulary
+    holds "left" and "right" as tokens (`mirrored_subwords`)."""
+    check_flip_prob(flip_prob)
+    if flip_prob:
+        mirrored_subwords(TextTokenizer.load(model_dir))
+
+
 def mirrored_subwords(tok: TextTokenizer) -> dict[int, int]:
     """{id of "left": id of "right", and back}: the subwords a flip swaps (VL-BERT swaps the wordpieces `left`
     and `right`). A vocabulary without both as single tokens is an error: the flipped boxes would then

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from vlberts.data.lxmert_corpus import convert_answer
-from vlberts.data.mirror import check_flip_prob
+from vlberts.data.mirror import check_flip
 from vlberts.data.regions import RegionSource
 from vlberts.data.text_corpus import read_image_ids
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
@@ -367,7 +367,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     # Settings checked before any data is read:
     init_cfg = with_answer_classifier(read_model_config(cfg.init)[0], cfg.answer_classifier, cfg.init)
     word_init = uses_answer_word_init(cfg.answer_word_init, init_cfg, cfg.init)
-    check_flip_prob(cfg.flip_prob)
+    check_flip(cfg.flip_prob, cfg.init)
     excluded = excluded_images(cfg.exclude_images)
     if cfg.eval_last < 0 or (cfg.eval_last and not cfg.eval_questions):
         raise VlbertsError(f"--eval_last=N keeps the last N of --eval_questions (N >= 0), got {cfg.eval_last}"

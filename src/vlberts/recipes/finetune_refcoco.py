@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from vlberts.config import apply_overrides, from_dict
+from vlberts.data.mirror import check_flip
 from vlberts.data.refcoco import RefCocoData, RefExpression, read_refcoco, xywh_to_xyxy
 from vlberts.data.refcoco_dataset import RefData, collate_refcoco
 from vlberts.data.vqa_dataset import model_tag_subwords
@@ -189,6 +190,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     cfg, out, device, dist = start_finetune(cfg, "refcoco", ("init", "refs", "instances", "features"))
     if cfg.track not in TRACKS:
         raise VlbertsError(f"unknown track {cfg.track!r}; valid: {', '.join(TRACKS)}")
+    check_flip(cfg.flip_prob, cfg.init)
     eval_splits = [s for s in cfg.eval_splits.split(",") if s]
 
     bad = BadRecords(skip=cfg.skip_bad)
