@@ -6,6 +6,7 @@ in the answers the target is computed from."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
