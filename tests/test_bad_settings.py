@@ -58,6 +58,10 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     ("--num_workers=-1", "num_workers: must be at least 0"),
     ("--num_workers=1000", "num_workers: must be at most 128, got 1000"),
     ("--clip=-1", "clip: must be at least 0"),
+    ("--momentum=1.5", "momentum: must be at most 1, got 1.5"),
+    ("--lr_factor=0", "lr_factor: must be more than 0, got 0"),
+    ("--optimizer=adam", "optimizer: 'adam' is not one of 'adamw', 'sgd'"),
+    ("--lr_schedule=cosine", "lr_schedule: 'cosine' is not one of 'linear', 'step'"),
 ])
 def test_settings_outside_their_range_are_one_line_errors(override, message):
     with pytest.raises(VlbertsError, match=message.replace("(", r"\(")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from vlberts.training.optim import build_optimizer, linear_warmup_decay
@@ -258,3 +259,85 @@ def test_a_fine_tuning_run_with_lxmerts_optimizer_resumes_exactly(tiny_world, ti
     losses = [[r["loss"] for r in log if "loss" in r] for log in (ref, run, adamw)]
     assert losses[0] == losses[1]
     assert losses[0][0] == losses[2][0] and losses[0][1:] != losses[2][1:]
+
+
+def test_sgd_with_momentum_and_l2_decay_written_out_by_hand():
+    """`--optimizer=sgd` (VL-BERT's VCR configs): the decay is added to the gradient (L2), momentum 0.9.
+    p = 1, lr 0.1, wd 0.01, gradients 0.5 then -0.2:
+    update 1: d = 0.5 + 0.01 = 0.51, buffer 0.51, p = 1 - 0.051 = 0.949
+    update 2: d = -0.2 + 0.00949 = -0.19051, buffer 0.9 x 0.51 - 0.19051 = 0.26849, p = 0.949 - 0.026849 = 0.922151.
+    A bias is not decayed (BERT's exclusions), unless `decay_all` (VL-BERT's groups decay every tensor)."""
+    lin = nn.Linear(1, 1)
+    opt = build_optimizer(lin, lr=0.1, weight_decay=0.01, kind="sgd")
+    assert isinstance(opt, torch.optim.SGD) and {g["momentum"] for g in opt.param_groups} == {0.9}
+    assert groups_by_name(lin, opt) == {"weight": (0.1, 0.01), "bias": (0.1, 0.0)}
+    assert set(groups_by_name(lin, build_optimizer(lin, 0.1, 0.01, kind="sgd", decay_all=True)).values()) == {(0.1, 0.01)}
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    for g in (0.5, -0.2):
+        lin.weight.grad, lin.bias.grad = torch.full((1, 1), g), torch.zeros(1)
+        opt.step()
+    assert lin.weight.item() == pytest.approx(0.922151, abs=1e-6)
+
+
+def test_optimizer_and_schedule_settings_that_contradict_are_one_line_errors():
+    from vlberts.errors import VlbertsError
+    from vlberts.training.optim import check_lr_schedule, check_optimizer
+
+    with pytest.raises(VlbertsError, match="--bias_correction=false is a setting of Adam"):
+        check_optimizer("sgd", bias_correction=False)
+    with pytest.raises(VlbertsError, match="unknown --optimizer='lamb'; valid: adamw, sgd"):
+        check_optimizer("lamb")
+    with pytest.raises(VlbertsError, match="--momentum must be in"):
+        check_optimizer("sgd", momentum=1.0)
+    with pytest.raises(VlbertsError, match="--lr_schedule=step needs --lr_steps"):
+        check_lr_schedule("step", (), 0.1)
+    with pytest.raises(VlbertsError, match="--lr_steps=14.0 needs --lr_schedule=step"):
+        check_lr_schedule("linear", (14.0,), 0.1)
+    for bad in ((18.0, 14.0), (0.0, 2.0), (2.0, 2.0)):
+        with pytest.raises(VlbertsError, match="--lr_steps must rise from above 0"):
+            check_lr_schedule("step", bad, 0.1)
+    check_lr_schedule("step", (14.0, 18.0), 0.1)
+
+
+def test_warm_up_then_steps_down_at_each_milestone():
+    """VL-BERT's WarmupMultiStepLR: 2 warm-up updates, x0.1 from update 4 and again from update 6."""
+    from vlberts.training.optim import warmup_step_decay
+
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = warmup_step_decay(opt, 2, [4, 6], 0.1)
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
+
+
+def test_a_fine_tuning_run_with_sgd_and_a_step_schedule_resumes_exactly(tiny_world, tiny_pretrained, tmp_path):
+    """VL-BERT's VCR settings on a VQA run: the logged rate steps down after half the epoch (`--lr_steps=0.5`),
+    the checkpoint holds SGD's momentum buffers, and an interrupted run resumes to the same losses; a step
+    schedule without steps stops the run before any data is read."""
+    from test_finetune_vqa import vqa_cfg
+
+    from vlberts.errors import VlbertsError
+    from vlberts.recipes.finetune_vqa import finetune_vqa
+    from vlberts.training.metrics import MetricsLog
+
+    sgd = dict(optimizer="sgd", lr=0.05, weight_decay=1e-4, decay_all=True, lr_schedule="step", lr_steps=(0.5,),
+               warmup=0.0, clip=10.0)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "ref", **sgd))
+    assert finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", stop_after=3, **sgd)) is None
+    state = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "optimizer.safetensors")
+    assert any(k.endswith(".momentum_buffer") for k in state)
+    finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "run", **sgd))
+    ref, run = (MetricsLog.read(tmp_path / name / "metrics.jsonl") for name in ("ref", "run"))
+    assert [r["loss"] for r in ref if "loss" in r] == [r["loss"] for r in run if "loss" in r]
+    lrs = [r["lr"] for r in ref if "lr" in r]  # record k: the rate of update k + 1
+    n = len(lrs)
+    assert n >= 6 and lrs[: n // 2 - 1] == [0.05] * (n // 2 - 1)
+    assert lrs[n // 2 + 1:] == pytest.approx([0.005] * (n - n // 2 - 1))
+    with pytest.raises(VlbertsError, match="--lr_schedule=step needs --lr_steps"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", lr_schedule="step",
+                             train_questions=str(tmp_path / "missing.json")))

@@ -120,7 +120,8 @@ _COUNTS = ("batch_size", "eval_batch_size", "batch_images", "chunk_images", "ckp
            "detector_epochs", "detector_steps", "shuffle_buffer", "vocab_size", "max_regions", "eval_images",
            "max_images", "stop_after", "feature_dim")
 _FRACTIONS = ("mlm_prob", "colour_mask_prob", "shape_mask_prob", "mismatch_prob", "text_ratio", "flip_prob",
-              "corpus_share", "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms")
+              "corpus_share", "unpaired_ratio", "qa_last_fraction", "active_threshold", "iou_threshold", "conf_thresh", "nms",
+              "momentum")
 # The model configurations (models/*.py) are read through `from_dict` too: from a model directory's
 # config.json and from the converters of released configs. Their sizes are counts, their dropouts fractions.
 _MODEL_COUNTS = ("hidden_size", "num_heads", "intermediate_size", "num_layers", "max_position_embeddings",
@@ -145,6 +146,7 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
                                            "figures", "qualitative", "explorer_examples", "hard_negatives",
                                            "length_group")},  # 0: none / off
     "epochs": (0, None, True),
+    "lr_factor": (0, None, True),
     "warmup": (0, None, False),  # a fraction of the updates below 1, a number of them from 1 (`training.optim.warmup_steps`)
     "max_text_len": (8, None, False),  # [CLS], a few subwords, [SEP] (and an answer slot)
     "pixel_size": (16, None, False),

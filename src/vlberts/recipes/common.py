@@ -212,6 +212,8 @@ BIAS_CORRECTION_HELP = ("Adam's bias correction of its moment estimates; false: 
                         "(VisualBERT's, LXMERT's and W-VisualBERT's BertAdam, ViLBERT's AdamW(correct_bias=False))")
 DECAY_ALL_HELP = ("weight decay on every parameter, biases and LayerNorm weights too (LXMERT's BertAdam, VL-BERT's "
                   "AdamW); false: BERT's exclusions")
+OPTIMIZER_HELP = ("adamw (Adam with decoupled weight decay; the papers' optimizer) or sgd (with --momentum and L2 "
+                  "weight decay: VL-BERT's VCR configs)")
 CLIP_PER_TENSOR_HELP = ("clip each parameter's gradient to norm --clip on its own (VisualBERT's BertAdam) instead of "
                         "all of them by their global norm")
 FSDP_HELP = ("under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP) "

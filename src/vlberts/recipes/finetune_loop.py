@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +44,7 @@ from vlberts.errors import VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, OPTIMIZER_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights
 from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
@@ -62,7 +62,8 @@ from vlberts.training.distributed import (
 from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
-from vlberts.training.optim import build_optimizer, linear_warmup_decay, warmup_steps
+from vlberts.training.optim import (build_optimizer, check_lr_schedule, check_optimizer, linear_warmup_decay,
+                                   warmup_step_decay, warmup_steps)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,14 @@ class FinetuneConfig:
     clip_per_tensor: bool = opt(False, CLIP_PER_TENSOR_HELP)
     bias_correction: bool = opt(True, BIAS_CORRECTION_HELP)
     decay_all: bool = opt(False, DECAY_ALL_HELP)
+    optimizer: Literal["adamw", "sgd"] = opt("adamw", OPTIMIZER_HELP)
+    momentum: float = opt(0.9, "SGD momentum (--optimizer=sgd)")
+    lr_schedule: Literal["linear", "step"] = opt("linear", "after the warm-up: linear (decay to 0 at the last update) "
+                                                   "or step (x --lr_factor after each of --lr_steps epochs: "
+                                                   "VL-BERT's VCR configs)")
+    lr_steps: tuple[float, ...] = opt((), "epochs after which --lr_schedule=step multiplies the rate by --lr_factor "
+                                      "(comma list, e.g. 14,18)")
+    lr_factor: float = opt(0.1, "the step schedule's factor")
     seed: int = opt(0, "seed of head initialisation and data order")
     log_every: int = opt(10, "updates between metrics records")
     ckpt_every: int = opt(500, "updates between checkpoints")
@@ -119,6 +128,8 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, P
             raise VlbertsError(f"finetune {task} needs --{key}")
     float16_batches(cfg.float16_batches, device)  # a bad setting stops the run before any data is read
     warmup_steps(cfg.warmup, 1)  # so does a bad --warmup
+    check_optimizer(cfg.optimizer, cfg.bias_correction, cfg.momentum)  # and contradictory optimizer settings
+    check_lr_schedule(cfg.lr_schedule, cfg.lr_steps, cfg.lr_factor)
     cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)
     return cfg, Path(cfg.out), device, dist
 
@@ -220,8 +231,13 @@ def finetune_loop(
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     steps = num_updates(cfg, len(data))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, head_prefixes=head_prefixes, head_lr_mult=cfg.head_lr_mult,
-                                bias_correction=cfg.bias_correction, decay_all=cfg.decay_all)
-    scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, steps), steps)
+                                bias_correction=cfg.bias_correction, decay_all=cfg.decay_all, kind=cfg.optimizer,
+                                momentum=cfg.momentum)
+    if cfg.lr_schedule == "step":  # milestones in updates: an epoch is steps / epochs of them
+        milestones = [int(e * steps / cfg.epochs) for e in cfg.lr_steps]
+        scheduler = warmup_step_decay(optimizer, warmup_steps(cfg.warmup, steps), milestones, cfg.lr_factor)
+    else:
+        scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, steps), steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -81,7 +81,7 @@ from vlberts.objectives.recipe import (
 )
 from vlberts.objectives.matching import qa_active, qa_from_step
 from vlberts.objectives.text import unpaired_schedule
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, OPTIMIZER_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, seed_everything, set_threads
 from vlberts.recipes.pretrain_mix import (
     IMAGE_SEED,
     TEXT_SEED,
@@ -122,7 +122,7 @@ from vlberts.training.distributed import (
 from vlberts.training.loop import (batches, feed, loss_scaler, loss_shares, require_finite, scaler_state, to_device,
                                    start_or_resume, update)
 from vlberts.training.metrics import MetricsLog
-from vlberts.training.optim import build_optimizer, linear_warmup_decay, warmup_steps
+from vlberts.training.optim import build_optimizer, check_optimizer, linear_warmup_decay, warmup_steps
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ class PretrainConfig:
     clip_per_tensor: bool = opt(False, CLIP_PER_TENSOR_HELP)
     bias_correction: bool = opt(True, BIAS_CORRECTION_HELP)
     decay_all: bool = opt(False, DECAY_ALL_HELP)
+    optimizer: Literal["adamw", "sgd"] = opt("adamw", OPTIMIZER_HELP)
+    momentum: float = opt(0.9, "SGD momentum (--optimizer=sgd)")
     max_text_len: int = opt(48, "tokens per example, [CLS]/[SEP] included")
     max_regions: int = opt(36, "regions per image (the store's first ones)")
     mlm_prob: float = opt(0.15, "MLM selection probability")
@@ -570,6 +572,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     streamed = bool(cfg.shards)
     float16 = float16_batches(cfg.float16_batches, device)
     warmup_steps(cfg.warmup, cfg.steps)  # a bad --warmup stops the run before any data is read
+    check_optimizer(cfg.optimizer, cfg.bias_correction, cfg.momentum)  # so does a contradictory optimizer setting
     if streamed and (cfg.captions or cfg.features):
         raise VlbertsError("give either --shards or --captions and --features")
     if not streamed and (not cfg.captions or not cfg.features):
@@ -697,7 +700,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         mismatch_replace=cfg.mismatch_replace if "match" in weights and not pairs else "caption",
         region_setup=regions_setup, pixels=pixels,
     )
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, bias_correction=cfg.bias_correction, decay_all=cfg.decay_all)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, bias_correction=cfg.bias_correction,
+                                decay_all=cfg.decay_all, kind=cfg.optimizer, momentum=cfg.momentum)
     scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, cfg.steps), cfg.steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise

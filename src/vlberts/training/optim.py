@@ -8,6 +8,9 @@ variants the five code bases train with (`build_optimizer`'s `bias_correction` a
 | ViLBERT (vilbert-multi-task) | AdamW(correct_bias=False), wd 0  | no              | (no decay at all)           |
 | VL-BERT                    | AdamW(correct_bias=True), wd 1e-4  | yes             | yes                         |
 | Hugging Face Trainer, ours | AdamW                              | yes             | no                          |
+
+VL-BERT's VCR configs train with SGD (momentum 0.9, L2 weight decay on every tensor) under a step schedule
+(`OPTIMIZER: 'SGD'`, `WarmupMultiStepLR`): `build_optimizer(kind="sgd")` and `warmup_step_decay`.
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ def build_optimizer(
     head_lr_mult: float = 1.0,
     bias_correction: bool = True,
     decay_all: bool = False,
+    kind: str = "adamw",
+    momentum: float = 0.9,
 ) -> torch.optim.Optimizer:
     """AdamW; biases and LayerNorm weights get no weight decay (as in BERT's optimizer), unless `decay_all`
     (LXMERT's BertAdam and VL-BERT's AdamW decay every tensor). Without `bias_correction`: `BertAdamW`, the
-    update of BertAdam and of AdamW(correct_bias=False) (module docstring).
+    update of BertAdam and of AdamW(correct_bias=False) (module docstring). `kind="sgd"`: SGD with `momentum`
+    and its L2 weight decay (added to the gradient, as torch's SGD and VL-BERT's VCR configs do), the same
+    groups.
 
     With `head_lr_mult` != 1, the parameters whose names start with one of `head_prefixes` (a fine-tuning
     task's freshly initialised head) learn at `lr * head_lr_mult` in groups of their own, with the same
@@ -56,6 +63,9 @@ def build_optimizer(
         kinds[(head, decay_all or not (p.ndim < 2 or "LayerNorm" in name))].append(p)
     groups = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "lr": lr * (head_lr_mult if head else 1.0)}
               for (head, decays), ps in kinds.items() if ps or not head]  # the body's two groups always
+    check_optimizer(kind, bias_correction, momentum)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
     if not bias_correction:
         return BertAdamW(groups, lr=lr, betas=betas, eps=eps)
     params = [p for ps in kinds.values() for p in ps]
@@ -63,6 +73,37 @@ def build_optimizer(
     fused = devices <= {"cuda"} or devices <= {"cpu"}  # one kind of device, both have the kernel
     fused = fused and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("linear", "step")
+
+
+def check_optimizer(kind: str, bias_correction: bool = True, momentum: float = 0.9) -> None:
+    """The optimizer settings, checked before a run reads any data: a known kind, and no setting that the
+    kind would ignore (`--bias_correction=false` belongs to Adam)."""
+    if kind not in OPTIMIZERS:
+        raise VlbertsError(f"unknown --optimizer={kind!r}; valid: {', '.join(OPTIMIZERS)}")
+    if kind == "sgd" and not bias_correction:
+        raise VlbertsError("--bias_correction=false is a setting of Adam; --optimizer=sgd has no bias correction")
+    if not 0.0 <= momentum < 1.0:
+        raise VlbertsError(f"--momentum must be in [0, 1), got {momentum}")
+
+
+def check_lr_schedule(schedule: str, lr_steps: Sequence[float], lr_factor: float) -> None:
+    """`--lr_schedule`, `--lr_steps` and `--lr_factor` checked before a run reads any data: steps only with
+    the step schedule, each after the start and after the one before."""
+    if schedule not in LR_SCHEDULES:
+        raise VlbertsError(f"unknown --lr_schedule={schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+    if schedule == "step" and not lr_steps:
+        raise VlbertsError("--lr_schedule=step needs --lr_steps (the epochs after which the rate is multiplied by "
+                           "--lr_factor, e.g. 14,18)")
+    if schedule != "step" and lr_steps:
+        raise VlbertsError(f"--lr_steps={','.join(map(str, lr_steps))} needs --lr_schedule=step")
+    if any(b <= a for a, b in zip((0.0, *lr_steps), lr_steps)):
+        raise VlbertsError(f"--lr_steps must rise from above 0, got {','.join(map(str, lr_steps))}")
+    if not lr_factor > 0:
+        raise VlbertsError(f"--lr_factor must be above 0, got {lr_factor}")
 
 
 class BertAdamW(torch.optim.Optimizer):
@@ -129,3 +170,16 @@ def linear_warmup_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, tot
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
     return LambdaLR(optimizer, factor)
+
+
+def warmup_step_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, milestones: Sequence[int],
+                      factor: float) -> LambdaLR:
+    """VL-BERT's `WarmupMultiStepLR` (its VCR configs: `LR_STEP: "14,18"`, `LR_FACTOR: 0.1`): the rate rises
+    linearly over `warmup_steps` as in `linear_warmup_decay`, then update k runs at lr x factor^(the number
+    of `milestones`, in updates, at or below k)."""
+
+    def rate(step: int) -> float:
+        rise = (step + 1) / warmup_steps if step < warmup_steps else 1.0
+        return rise * factor ** sum(step >= m for m in milestones)
+
+    return LambdaLR(optimizer, rate)
