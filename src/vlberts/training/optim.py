@@ -113,7 +113,8 @@ class BertAdamW(torch.optim.Optimizer):
         m <- b1 m + (1 - b1) g          v <- b2 v + (1 - b2) g^2
         p <- p - lr (m / (sqrt(v) + eps) + wd p)
 
-    So the first updates are smaller than bias-corrected Adam's (m starts at (1 - b1) g, not g). Decay and
+    An update is (1 - b1^t) / sqrt(1 - b2^t) times bias-corrected Adam's at update t (eps aside): larger early
+    on (3.2x at t = 1, 6.5x at 10, 3.2x at 100, 1.3x at 1,000 with BERT's betas). Decay and
     step use the scheduled `lr` of the group, as BertAdam's `lr_scheduled * update`. Gradient clipping is
     not part of it (`training.loop.update` clips, globally or per tensor). The state per parameter is
     `exp_avg` and `exp_avg_sq`, as torch's AdamW names them; one multi-tensor (foreach) pass per group."""
