@@ -5,6 +5,7 @@ QA->R fine-tuning (metrics, predictions, exact resume, bad input), and `evaluate
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -223,21 +224,38 @@ def test_finetune_vcr_writes_metrics_predictions_and_reloads(tiny_world, tiny_pr
     assert code == 0 and scores["q2a"] == pytest.approx(m["q2a"]) and scores["qa2r"] == pytest.approx(mr["qa2r"])
 
 
-def test_vcr_fits_a_handful_of_questions(tiny_world, tiny_pretrained, tmp_path):
+def test_sigmoid_choice_loss_by_hand():
+    """`--choice_loss=sigmoid` (VL-BERT's CLASSIFIER_SIGMOID): logits [0, ln 3, 0, 0], right choice 1: the
+    binary targets [0, 1, 0, 0] give -(3 ln(1/2) + ln(3/4)) / 4 = (3 ln 2 + ln 4 - ln 3) / 4 = 0.59775."""
+    import math
+
+    logits, labels = torch.tensor([[0.0, math.log(3.0), 0.0, 0.0]]), torch.tensor([1])
+    assert vcr_loss(logits, labels, "sigmoid").item() == pytest.approx((3 * math.log(2) + math.log(4) - math.log(3)) / 4)
+    assert vcr_loss(logits, labels).item() == pytest.approx(-math.log(3 / 6))  # softmax: 3 / (1 + 3 + 1 + 1)
+
+
+@pytest.mark.parametrize("choice_loss", ["softmax", "sigmoid"])
+def test_vcr_fits_a_handful_of_questions(choice_loss, tiny_world, tiny_pretrained, tmp_path):
     """Through the whole recipe (loop, collate, alignment, scorer), VisualBERT fits 8 training questions: the
-    loss falls and it picks their right answers. (Generalising needs grounding colour words in regions,
-    which the tiny 4-update checkpoint cannot do cheaply; see README for the cmp5 numbers.)"""
+    loss falls and it picks their right answers, with either choice loss. (Generalising needs grounding colour
+    words in regions, which the tiny 4-update checkpoint cannot do cheaply; see README for the cmp5 numbers.)"""
     few = tmp_path / "vcr" / "train.jsonl"
     few.parent.mkdir()
     few.write_text("".join((tiny_world.root / "vcr" / "train.jsonl").read_text().splitlines(True)[:8]))
     (tmp_path / "vcr" / "metadata").symlink_to(tiny_world.root / "vcr" / "metadata")
     out = tmp_path / "fit"
     finetune_vcr(vcr_cfg(tiny_world, tiny_pretrained, out, train_file=str(few), eval_file=str(few), epochs=40,
-                         lr=3e-3, head_lr_mult=10, batch_size=8, warmup=0.0, log_every=1))
+                         lr=3e-3, head_lr_mult=10, batch_size=8, warmup=0.0, log_every=1, choice_loss=choice_loss))
     m = json.loads((out / "metrics.json").read_text())
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(losses[-5:]) < 0.5 * losses[0], losses
-    assert m["q2a"] >= 75.0, m
+    # Sigmoid's loss stops near the prior's (binary entropy of 1/4: 0.56) once the right choice scores highest.
+    assert max(losses[-5:]) < (0.5 if choice_loss == "softmax" else 0.9) * losses[0], losses
+    assert m["q2a"] >= 75.0 and m["choice_loss"] == choice_loss, m
+    # At the start every score is near 0: softmax's loss is ~ln 4, sigmoid's ~ln 2.
+    assert losses[0] == pytest.approx(math.log(4) if choice_loss == "softmax" else math.log(2), rel=0.3)
+    if choice_loss == "sigmoid":
+        with pytest.raises(VlbertsError, match="unknown --choice_loss 'hinge'; valid: softmax, sigmoid"):
+            finetune_vcr(vcr_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", choice_loss="hinge"))
 
 
 def test_finetune_vcr_resume_equals_uninterrupted_wvisualbert_tags(tiny_world, tiny_pretrained, tmp_path):

@@ -64,7 +64,15 @@ class VCRModel(nn.Module):
         return self.scorer(self.dropout(pooled)).view(-1, NUM_CHOICES)  # (B, 4)
 
 
-def vcr_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Softmax cross-entropy over each question's 4 choice scores (VisualBERT §4.2, VL-BERT §4.2.1,
-    ViLBERT §4). logits (B, 4), labels (B,) -> mean over B."""
+CHOICE_LOSSES = ("softmax", "sigmoid")
+
+
+def vcr_loss(logits: Tensor, labels: Tensor, kind: str = "softmax") -> Tensor:
+    """softmax: cross-entropy over each question's 4 choice scores (VisualBERT §4.2, VL-BERT §4.2.1, ViLBERT
+    §4), mean over B. sigmoid: each choice's score a binary logit, 1 for the right choice and 0 for the three
+    others, mean over the B x 4 (VL-BERT's released VCR configs, `CLASSIFIER_SIGMOID: true` with its positive
+    weight 1). logits (B, 4), labels (B,) -> a scalar; the prediction is the top score either way."""
+    if kind == "sigmoid":
+        target = F.one_hot(labels, logits.shape[-1]).float()  # (B, 4)
+        return F.binary_cross_entropy_with_logits(logits.float(), target)
     return F.cross_entropy(logits.float(), labels)

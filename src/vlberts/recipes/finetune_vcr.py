@@ -38,7 +38,7 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
 from vlberts.models.encoders import load_encoder_weights
-from vlberts.models.vcr import VCRModel, vcr_loss
+from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, vcr_loss
 from vlberts.recipes.common import autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
@@ -61,6 +61,8 @@ class FinetuneVCRConfig(FinetuneConfig):
                                      "store holds exactly the objects' boxes, in order")
     alignment: bool = opt(True, "VisualBERT: each object's region takes the position of the words naming it (§4.2, "
                                 "App. A); false: names only, as the other architectures (an ablation)")
+    choice_loss: str = opt("softmax", "softmax: cross-entropy over the 4 choices (the papers); sigmoid: a binary "
+                                      "cross-entropy per choice (VL-BERT's released VCR configs, CLASSIFIER_SIGMOID)")
     out: str = opt("runs/vcr", "run directory")
     epochs: float = opt(4.0, "passes over the training questions")
     batch_size: int = opt(16, "questions per micro-batch (x4 sequences)")
@@ -209,6 +211,8 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     cfg, out, device, dist = start_finetune(cfg, "vcr", ("init", "train_file", "features"))
     if cfg.mode not in MODES:
         raise VlbertsError(f"unknown --mode {cfg.mode!r}; valid: qa (Q->A), qar (QA->R)")
+    if cfg.choice_loss not in CHOICE_LOSSES:
+        raise VlbertsError(f"unknown --choice_loss {cfg.choice_loss!r}; valid: {', '.join(CHOICE_LOSSES)}")
     if cfg.object_regions not in OBJECT_REGIONS:
         raise VlbertsError(f"unknown --object_regions {cfg.object_regions!r}; valid: {', '.join(OBJECT_REGIONS)}")
     metadata_dir = Path(cfg.metadata_dir) if cfg.metadata_dir else Path(cfg.train_file).parent / "metadata"
@@ -240,19 +244,19 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     model.uses_alignment = model.uses_alignment and cfg.alignment
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
     data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16)
-    extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "join": model.join,
+    extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "choice_loss": cfg.choice_loss, "join": model.join,
              "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_vcr(items, tok.pad_id, model.uses_alignment),
-        loss=lambda b: vcr_loss(model(b), b.labels),  # softmax CE over each question's 4 scores
+        loss=lambda b: vcr_loss(model(b), b.labels, cfg.choice_loss),  # over each question's 4 scores
         count=lambda b: len(b.labels), label=f"fine-tune VCR {cfg.mode}", head_prefixes=model.head_prefixes,
         lengths=data.lengths() if cfg.length_group > 1 else None,
     )
     if final is None:
         return None
     metric = METRIC[cfg.mode]
-    metrics: dict = {"mode": cfg.mode, "arch": model.arch, "object_regions": cfg.object_regions,
+    metrics: dict = {"mode": cfg.mode, "arch": model.arch, "object_regions": cfg.object_regions, "choice_loss": cfg.choice_loss,
                      "alignment": model.uses_alignment,
                      "train_questions": len(train), "steps": num_updates(cfg, len(data)),
                      "skipped_records": bad.to_dict(), **mismatch}
