@@ -23,7 +23,8 @@ from vlberts.features.store import RegionStore
 from vlberts.models.builders import model_config
 from vlberts.models.vcr import VCRModel, vcr_loss
 from vlberts.recipes.finetune_vcr import (
-    FinetuneVCRConfig, evaluate_vcr, finetune_vcr, load_vcr_model, usable_examples,
+    FinetuneVCRConfig, evaluate_vcr, finetune_vcr, load_vcr_model, predict_vcr, pretrained_vcr_model,
+    start_object_head, usable_examples, vcr_data,
 )
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.world.relations import scene_geometry
@@ -181,6 +182,13 @@ def test_vcr_model_shapes_and_loss(name):
     # only VisualBERT reads the word-region alignment (§4.2); the others ignore it
     other = model(_batch(cfg.visual_dim, with_align=False))
     assert torch.allclose(other, logits) != (name == "visualbert-tiny")
+    # With an object head, the whole encoder runs: the same choice scores, and 5 class logits per region
+    # of every choice's sequence.
+    torch.manual_seed(0)
+    with_head = VCRModel(cfg, object_classes=5).eval()
+    scores, objects = with_head.with_objects(batch)
+    assert torch.allclose(scores, with_head(batch), atol=1e-5)
+    assert objects.shape == (8, batch.inputs.region_feats.shape[1], 5)
 
 
 # --------------------------------------------------------------------------- fine-tuning
@@ -232,6 +240,20 @@ def test_sigmoid_choice_loss_by_hand():
     logits, labels = torch.tensor([[0.0, math.log(3.0), 0.0, 0.0]]), torch.tensor([1])
     assert vcr_loss(logits, labels, "sigmoid").item() == pytest.approx((3 * math.log(2) + math.log(4) - math.log(3)) / 4)
     assert vcr_loss(logits, labels).item() == pytest.approx(-math.log(3 / 6))  # softmax: 3 / (1 + 3 + 1 + 1)
+
+
+def test_object_loss_by_hand():
+    """VL-BERT §4.2.1's object classification: each region's class cross-entropy over the 4 choices'
+    sequences, averaged within a question, then over questions. Question 0: two objects of classes 0 and 2,
+    uniform logits over 3 classes except choice 0's first region ([ln 2, 0, 0]: -ln(2/4)); question 1: one
+    object. So question 0 averages 7 x ln 3 and 1 x ln 2 over 8; question 1 is ln 3."""
+    from vlberts.models.vcr import vcr_object_loss
+
+    logits = torch.zeros(8, 2, 3)  # (B*4, R, C)
+    logits[0, 0, 0] = math.log(2.0)
+    labels = torch.tensor([[0, 2], [1, -100]])  # (B, R)
+    q0 = (7 * math.log(3) + math.log(2)) / 8
+    assert vcr_object_loss(logits, labels).item() == pytest.approx((q0 + math.log(3)) / 2)
 
 
 @pytest.mark.parametrize("choice_loss", ["softmax", "sigmoid"])
@@ -390,3 +412,38 @@ def test_evaluate_vcr_hand_made_fixture(tmp_path, capsys):
     code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'nan.json'}",
                             f"--qar={tmp_path / 'qar.json'}"], capsys)
     assert code == 2 and "expected 4 finite numbers" in err and "val-2" in err
+
+
+def test_object_classification_loss_trains_reloads_and_starts_from_vlberts_roi_head(tiny_world, tiny_pretrained,
+                                                                                    tmp_path):
+    """`--object_loss=1` (VL-BERT §4.2.1): the classes are the training objects' names; the head's dense
+    layer starts from a VL-BERT pre-training model's RoI-classification transform; the first logged loss is
+    the choices' ~ln 4 plus the objects' ~ln C; the model directory reloads with its head and predicts as the
+    run did. From VisualBERT's pre-training (no RoI head) the head starts fresh."""
+    from vlberts.models.weights import read_state_dict
+
+    init = random_init_dir("vlbert-tiny", tiny_pretrained, tmp_path / "init")
+    out = tmp_path / "obj"
+    finetune_vcr(vcr_cfg(tiny_world, init, out, epochs=0.3, object_loss=1.0, log_every=1, warmup=0.0))
+    m = json.loads((out / "metrics.json").read_text())
+    names = sorted({name for ex in read_vcr(tiny_world.root / "vcr" / "train.jsonl") for name in ex.objects})
+    assert m["object_classes"] == len(names) >= 3 and m["object_head_from_pretraining"] is True
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert first == pytest.approx(math.log(4) + math.log(len(names)), rel=0.25)
+    model, meta, tok = load_vcr_model(out / "model")
+    assert meta["object_classes"] == names and model.object_head is not None
+    trained = load_file(str(out / "model" / "model.safetensors"))
+    start = read_state_dict(init / "model.safetensors")["region_head.dense.weight"]
+    assert trained["object_head.decoder.weight"].shape[0] == len(names)
+    assert not torch.equal(trained["object_head.dense.weight"], start)  # trained from there
+    store = RegionStore(tiny_world.store)
+    val = read_vcr(tiny_world.root / "vcr" / "val.jsonl")
+    data = vcr_data(model, val, "qa", store, tok, max_text_len=80, object_regions="iou",
+                    metadata_dir=tiny_world.root / "vcr" / "metadata")
+    preds = predict_vcr(model, data)
+    saved = json.loads((out / "predictions.json").read_text())
+    assert all(np.allclose(preds[k], saved[k], atol=1e-5) for k in saved)
+    # At the start (no update), the dense layer is the RoI head's, exactly; VisualBERT's has none to give.
+    model0, _ = pretrained_vcr_model(init, len(names))
+    assert start_object_head(model0, init) and torch.equal(model0.object_head.dense.weight, start)
+    assert not start_object_head(pretrained_vcr_model(tiny_pretrained, len(names))[0], tiny_pretrained)

@@ -144,7 +144,7 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
                                            "vqa_epochs")},
     **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "min_boxes",
                                            "figures", "qualitative", "explorer_examples", "hard_negatives",
-                                           "length_group")},  # 0: none / off
+                                           "length_group", "object_loss")},  # 0: none / off
     "epochs": (0, None, True),
     "lr_factor": (0, None, True),
     "warmup": (0, None, False),  # a fraction of the updates below 1, a number of them from 1 (`training.optim.warmup_steps`)

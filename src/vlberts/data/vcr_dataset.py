@@ -32,7 +32,7 @@ word, so the referenced object's is not used -- names only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.text.tokenizer import TextTokenizer
 
 MODES = ("qa", "qar")  # Q->A, QA->R
+IGNORE = -100  # an object label no loss reads (cross_entropy's ignore_index)
 OBJECT_REGIONS = ("iou", "gold")
 # architecture -> how a multi-object reference is rendered (module docstring)
 JOIN = {"visualbert": "separate", "vlbert": "and", "vilbert": "and", "lxmert": "and", "wvisualbert": "and"}
@@ -101,6 +102,7 @@ class VCRBatch(Batch):
     labels: Tensor  # (B,) long, the right choice, -1 when unknown (test)
     index: Tensor  # (B,) long, the examples' positions in the dataset
     tags: TagInputs | None = None  # W-VisualBERT's detector tags, (B*4, L)
+    object_labels: Tensor | None = None  # (B, R) long: each region's object class, -100 for padding or unknown
 
 
 class VCRData:
@@ -113,6 +115,7 @@ class VCRData:
         join: str = "separate", max_text_len: int = 80, feature_dim: int | None = None,
         object_regions: str = "iou", metadata_dir: str | Path | None = None,
         tag_subwords: Sequence[Sequence[int]] | None = None, float16: bool = False,
+        object_classes: Mapping[str, int] | None = None,
     ):
         if mode not in MODES:
             raise VlbertsError(f"unknown VCR mode {mode!r}; valid: {', '.join(MODES)}")
@@ -122,7 +125,7 @@ class VCRData:
             raise VlbertsError("object_regions=iou needs the metadata directory (the objects' boxes)")
         self.examples, self.mode, self.regions, self.tok = examples, mode, regions, tokenizer
         self.feature_dim, self.object_regions, self.tag_subwords = feature_dim, object_regions, tag_subwords
-        self.float16 = float16
+        self.float16, self.object_classes = float16, object_classes
         self.metadata_dir = Path(metadata_dir) if metadata_dir is not None else None
         self.choices = []  # per example: 4 x (ids, segments, alignment)
         for ex in examples:
@@ -175,6 +178,8 @@ class VCRData:
         if self.tag_subwords is not None:
             obj_id = detected_classes(self.regions, ex.img_id, record=ex.annot_id)
             item["tags"] = tag_tokens(obj_id[rows], self.tag_subwords)
+        if self.object_classes is not None:  # region k's class is object k's (VL-BERT §4.2.1's second loss)
+            item["object_labels"] = [self.object_classes.get(name, IGNORE) for name in ex.objects]
         return item
 
 
@@ -194,6 +199,11 @@ def collate_vcr(items: list[dict], pad_id: int = 0, alignment: bool = True) -> V
     tags = None
     if "tags" in items[0]:
         tags = collate_tags([it["tags"] for it in items for _ in range(NUM_CHOICES)], pad_id)
+    object_labels = None
+    if "object_labels" in items[0]:
+        object_labels = torch.full((len(items), feats.shape[1]), IGNORE, dtype=torch.long)  # (B, R)
+        for b, it in enumerate(items):
+            object_labels[b, : len(it["object_labels"])] = torch.tensor(it["object_labels"], dtype=torch.long)
     return VCRBatch(
         inputs=VLInputs(
             input_ids=pad_sequences([ids for ids, _, _ in seqs], pad_id),  # (B*4, T)
@@ -203,5 +213,5 @@ def collate_vcr(items: list[dict], pad_id: int = 0, alignment: bool = True) -> V
         ),
         labels=torch.tensor([it["label"] for it in items], dtype=torch.long),
         index=torch.tensor([it["index"] for it in items], dtype=torch.long),
-        tags=tags,
+        tags=tags, object_labels=object_labels,
     )

@@ -18,6 +18,13 @@ cross-entropy (`vcr_loss`). Q->A and QA->R are separate models, trained and run 
                tags of the object regions in the input (§3.2).
 
 The encoder is `VLEncoder` (checkpoint keys ``encoder.model.*``), the scorer ``scorer.*`` (new, BERT init).
+
+Object classification (VL-BERT §4.2.1: "During fine-tuning, we adopt two losses, the classification over the
+correctness of the answers and the RoI classification with linguistic clues"): with `object_classes` > 0 an
+``object_head`` (dense, activation, dropout, linear over the classes: the released `cnn_loss_reg`) reads each
+region's final state and is trained to name its object's class (`vcr_object_loss`); its dense layer starts
+from a VL-BERT pre-training model's RoI-classification transform (``region_head.dense``) when the initial
+weights hold one, as the release copies `mvrc_head.transform` into it. It never changes a prediction.
 """
 
 from __future__ import annotations
@@ -28,18 +35,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.vcr import NUM_CHOICES
-from vlberts.data.vcr_dataset import JOIN, VCRBatch
-from vlberts.models.blocks import init_bert_weights
+from vlberts.data.vcr_dataset import IGNORE, JOIN, VCRBatch
+from vlberts.models.blocks import activation, init_bert_weights
 from vlberts.models.encoders import VLEncoder
 from vlberts.models.vlbert import require_region_features
 
 
+class ObjectClassHead(nn.Module):
+    """Region state -> object class logits: dense, activation, dropout, linear (VL-BERT's `cnn_loss_reg`)."""
+
+    def __init__(self, width: int, num_classes: int, act: str, dropout: float, initializer_range: float):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.act = activation(act)
+        self.dropout = nn.Dropout(dropout)
+        self.decoder = nn.Linear(width, num_classes)
+        init_bert_weights(self, initializer_range)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.dropout(self.act(self.dense(x))))
+
+
 class VCRModel(nn.Module):
-    """`VLEncoder` + a linear scorer on its pooled output; `forward(batch)` gives (B, 4) choice logits."""
+    """`VLEncoder` + a linear scorer on its pooled output; `forward(batch)` gives (B, 4) choice logits;
+    `with_objects(batch)` also the object-class logits of every region (module docstring)."""
 
-    head_prefixes = ("scorer.",)
+    head_prefixes = ("scorer.", "object_head.")
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, object_classes: int = 0):
         super().__init__()
         require_region_features(cfg, "VCR fine-tuning")
         self.cfg = cfg
@@ -51,6 +74,10 @@ class VCRModel(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.scorer = nn.Linear(width, 1)
         init_bert_weights(self.scorer, cfg.initializer_range)
+        self.object_head = None
+        if object_classes:
+            self.object_head = ObjectClassHead(self.encoder.vision_size, object_classes, cfg.hidden_act,
+                                               cfg.hidden_dropout, cfg.initializer_range)
 
     @property
     def reads_tags(self) -> bool:
@@ -63,8 +90,32 @@ class VCRModel(nn.Module):
         pooled = self.encoder.pooled(x, tags=batch.tags)  # (B*4, D)
         return self.scorer(self.dropout(pooled)).view(-1, NUM_CHOICES)  # (B, 4)
 
+    def with_objects(self, batch: VCRBatch) -> tuple[Tensor, Tensor]:
+        """(B, 4) choice logits and (B*4, R, C) object-class logits of every region of every choice's
+        sequence (the whole encoder runs: `forward`'s pooled-only shortcut skips the regions' last states)."""
+        if self.object_head is None:
+            raise ValueError("this VCR model has no object head (built with object_classes=0)")
+        x = batch.inputs
+        if not self.uses_alignment and x.image_text_alignment is not None:
+            x = type(x)(**{**x.__dict__, "image_text_alignment": None})
+        out = self.encoder(x, tags=batch.tags)
+        logits = self.scorer(self.dropout(out.pooled)).view(-1, NUM_CHOICES)  # (B, 4)
+        return logits, self.object_head(out.vision)  # (B*4, R, C)
+
 
 CHOICE_LOSSES = ("softmax", "sigmoid")
+
+
+def vcr_object_loss(object_logits: Tensor, object_labels: Tensor) -> Tensor:
+    """Cross-entropy of each region's object class (VL-BERT §4.2.1), over every choice's sequence as the
+    release computes it, averaged within each question and then over the questions (so that a batch split
+    into micro-batches or ranks, weighted by questions, gives the same loss; the release averages over the
+    batch's regions). object_logits (B*4, R, C), object_labels (B, R) with -100 for none -> a scalar."""
+    labels = object_labels.repeat_interleave(NUM_CHOICES, dim=0)  # (B*4, R), question-major as the logits
+    ce = F.cross_entropy(object_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                         reduction="none").view(-1, NUM_CHOICES * labels.shape[1])  # (B, 4R)
+    valid = (labels != IGNORE).view(-1, NUM_CHOICES * labels.shape[1]).float()  # (B, 4R)
+    return ((ce * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
 
 
 def vcr_loss(logits: Tensor, labels: Tensor, kind: str = "softmax") -> Tensor:

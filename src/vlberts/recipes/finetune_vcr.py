@@ -32,13 +32,14 @@ import torch
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.vcr import VCRExample, parse_vcr_record, read_vcr, read_vcr_metadata
-from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRData, collate_vcr
+from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRBatch, VCRData, collate_vcr
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
 from vlberts.models.encoders import load_encoder_weights
-from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, vcr_loss
+from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, vcr_loss, vcr_object_loss
+from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
@@ -61,6 +62,8 @@ class FinetuneVCRConfig(FinetuneConfig):
                                      "store holds exactly the objects' boxes, in order")
     alignment: bool = opt(True, "VisualBERT: each object's region takes the position of the words naming it (§4.2, "
                                 "App. A); false: names only, as the other architectures (an ablation)")
+    object_loss: float = opt(0.0, "weight of the object-classification loss: each region's final state names its "
+                                   "object's class (VL-BERT §4.2.1's second fine-tuning loss, weight 1 there); 0: off")
     choice_loss: str = opt("softmax", "softmax: cross-entropy over the 4 choices (the papers); sigmoid: a binary "
                                       "cross-entropy per choice (VL-BERT's released VCR configs, CLASSIFIER_SIGMOID)")
     out: str = opt("runs/vcr", "run directory")
@@ -157,31 +160,55 @@ def usable_examples(examples: list[VCRExample], path: str, store: RegionStore, f
 # --------------------------------------------------------------------------- model
 
 
-def pretrained_vcr_model(init: str | Path) -> tuple[VCRModel, object]:
-    """A VCR model whose encoder comes from a pre-training (or other fine-tuned) model directory; new scorer."""
+def pretrained_vcr_model(init: str | Path, object_classes: int = 0) -> tuple[VCRModel, object]:
+    """A VCR model whose encoder comes from a pre-training (or other fine-tuned) model directory; new scorer
+    (and object head, with `object_classes`)."""
     model_cfg, _ = read_model_config(init)
-    model = VCRModel(model_cfg)
+    model = VCRModel(model_cfg, object_classes)
     load_encoder_weights(model.encoder, init)
     return model, model_cfg
+
+
+def object_class_table(examples: list[VCRExample]) -> list[str]:
+    """The object classes the object head names: every class name the training questions' objects carry,
+    sorted (VCR's are COCO's 80 categories; the release's head has those and background, 81)."""
+    return sorted({name for ex in examples for name in ex.objects})
+
+
+def start_object_head(model: VCRModel, init: str | Path) -> bool:
+    """Start the object head's dense layer from the initial weights' RoI-classification transform
+    (``region_head.dense``: a VL-BERT pre-training model's), as the release starts `cnn_loss_reg.0` from
+    `mvrc_head.transform`; whether it did (another model, or another width, has none to give)."""
+    sd = read_state_dict(find_weights(init))
+    head = model.object_head
+    w, b = sd.get("region_head.dense.weight"), sd.get("region_head.dense.bias")
+    if head is None or w is None or b is None or w.shape != head.dense.weight.shape:
+        return False
+    with torch.no_grad():
+        head.dense.weight.copy_(w)
+        head.dense.bias.copy_(b)
+    return True
 
 
 def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer]:
     """A model directory written by `finetune_vcr`: (model, its config.json (mode, object_regions, alignment,
     ...), tokenizer)."""
     model_cfg, meta = read_task_model(directory, "vcr", "VCR")
-    model = load_task_weights(lambda: VCRModel(model_cfg), directory)
+    model = load_task_weights(lambda: VCRModel(model_cfg, len(meta.get("object_classes", []))), directory)
     model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
     return model, meta, TextTokenizer.load(directory)
 
 
 def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer, *,
-             max_text_len: int, object_regions: str, metadata_dir: Path, float16: bool = False) -> VCRData:
+             max_text_len: int, object_regions: str, metadata_dir: Path, float16: bool = False,
+             object_classes: list[str] | None = None) -> VCRData:
     """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags); float16
-    features kept so with `float16` (`open_features`)."""
+    features kept so with `float16` (`open_features`); each region's object class with `object_classes`."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
+    table = {name: i for i, name in enumerate(object_classes)} if object_classes else None
     return VCRData(examples, mode, store, tok, join=model.join, max_text_len=max_text_len,
                    feature_dim=model.cfg.visual_dim, object_regions=object_regions, metadata_dir=metadata_dir,
-                   tag_subwords=tags, float16=float16)
+                   tag_subwords=tags, float16=float16, object_classes=table)
 
 
 @torch.no_grad()
@@ -203,6 +230,15 @@ def predict_vcr(model: VCRModel, data: VCRData, *, batch_size: int = 64, device:
 
 
 # --------------------------------------------------------------------------- the recipe
+
+
+def vcr_losses(model: VCRModel, batch: VCRBatch, choice_loss: str, object_loss: float) -> torch.Tensor:
+    """The choice loss over each question's 4 scores, plus `object_loss` x the object-classification loss
+    (VL-BERT §4.2.1) when the model has an object head; both are means over the batch's questions."""
+    if model.object_head is None:
+        return vcr_loss(model(batch), batch.labels, choice_loss)
+    logits, objects = model.with_objects(batch)
+    return vcr_loss(logits, batch.labels, choice_loss) + object_loss * vcr_object_loss(objects, batch.object_labels)
 
 
 def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
@@ -235,7 +271,9 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
 
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
-    model, model_cfg = pretrained_vcr_model(cfg.init)
+    classes = object_class_table(train) if cfg.object_loss > 0 else []
+    model, model_cfg = pretrained_vcr_model(cfg.init, len(classes))
+    head_from_pretraining = start_object_head(model, cfg.init) if classes else False
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
@@ -243,13 +281,14 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     features, mismatch = check_features(store, cfg.init, dist)
     model.uses_alignment = model.uses_alignment and cfg.alignment
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
-    data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16)
+    data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16, object_classes=classes)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "choice_loss": cfg.choice_loss, "join": model.join,
-             "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features}
+             "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features,
+             **({"object_classes": classes} if classes else {})}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_vcr(items, tok.pad_id, model.uses_alignment),
-        loss=lambda b: vcr_loss(model(b), b.labels, cfg.choice_loss),  # over each question's 4 scores
+        loss=lambda b: vcr_losses(model, b, cfg.choice_loss, cfg.object_loss),
         count=lambda b: len(b.labels), label=f"fine-tune VCR {cfg.mode}", head_prefixes=model.head_prefixes,
         lengths=data.lengths() if cfg.length_group > 1 else None,
     )
@@ -259,6 +298,8 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     metrics: dict = {"mode": cfg.mode, "arch": model.arch, "object_regions": cfg.object_regions, "choice_loss": cfg.choice_loss,
                      "alignment": model.uses_alignment,
                      "train_questions": len(train), "steps": num_updates(cfg, len(data)),
+                     **({"object_loss": cfg.object_loss, "object_classes": len(classes),
+                         "object_head_from_pretraining": head_from_pretraining} if classes else {}),
                      "skipped_records": bad.to_dict(), **mismatch}
     if cfg.eval_file:
         preds = predict_vcr(model, vcr_data(model, evaluation, cfg.mode, store, tok, **layout),
