@@ -424,14 +424,16 @@ def test_object_classification_loss_trains_reloads_and_starts_from_vlberts_roi_h
 
     init = random_init_dir("vlbert-tiny", tiny_pretrained, tmp_path / "init")
     out = tmp_path / "obj"
-    finetune_vcr(vcr_cfg(tiny_world, init, out, epochs=0.3, object_loss=1.0, log_every=1, warmup=0.0))
+    finetune_vcr(vcr_cfg(tiny_world, init, out, epochs=0.3, object_loss=1.0, log_every=1, warmup=0.0,
+                         alignment="true"))  # and the words naming objects take their regions' visual features
     m = json.loads((out / "metrics.json").read_text())
+    assert m["alignment"] is True
     names = sorted({name for ex in read_vcr(tiny_world.root / "vcr" / "train.jsonl") for name in ex.objects})
     assert m["object_classes"] == len(names) >= 3 and m["object_head_from_pretraining"] is True
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first == pytest.approx(math.log(4) + math.log(len(names)), rel=0.25)
     model, meta, tok = load_vcr_model(out / "model")
-    assert meta["object_classes"] == names and model.object_head is not None
+    assert meta["object_classes"] == names and model.object_head is not None and model.uses_alignment
     trained = load_file(str(out / "model" / "model.safetensors"))
     start = read_state_dict(init / "model.safetensors")["region_head.dense.weight"]
     assert trained["object_head.decoder.weight"].shape[0] == len(names)
@@ -447,3 +449,32 @@ def test_object_classification_loss_trains_reloads_and_starts_from_vlberts_roi_h
     model0, _ = pretrained_vcr_model(init, len(names))
     assert start_object_head(model0, init) and torch.equal(model0.object_head.dense.weight, start)
     assert not start_object_head(pretrained_vcr_model(tiny_pretrained, len(names))[0], tiny_pretrained)
+
+
+def test_vlbert_words_naming_an_object_take_its_regions_visual_feature():
+    """`--alignment=true` for VL-BERT (its released VCR code): the word positions aligned to region k read
+    visual element k + 1 (0 is the whole image); the other words keep the whole image's, so only the aligned
+    rows of the embeddings change. auto: on for VisualBERT, off for VL-BERT; true for LXMERT is an error."""
+    from vlberts.models.vcr import uses_alignment
+    from vlberts.models.vlbert import VLBertModel, text_visual_index
+
+    align = torch.tensor([[[1, 3], [-1, -1]], [[-1, -1], [2, -1]]])  # (B=2, R=2, K=2)
+    assert text_visual_index(align, 5).tolist() == [[0, 1, 0, 1, 0], [0, 0, 2, 0, 0]]
+    torch.manual_seed(0)
+    cfg = model_config("vlbert-tiny", vocab_size=60, hidden_dropout=0.0)
+    enc = VLBertModel(cfg).eval()
+    x = _batch(cfg.visual_dim, with_align=True).inputs
+    plain = type(x)(**{**x.__dict__, "image_text_alignment": None})
+    with torch.no_grad():
+        a = enc.embeddings(x, x.region_feats, torch.zeros(x.region_mask.shape, dtype=torch.bool))[0]
+        b = enc.embeddings(plain, x.region_feats, torch.zeros(x.region_mask.shape, dtype=torch.bool))[0]
+    T = x.input_ids.shape[1]
+    aligned = text_visual_index(x.image_text_alignment, T) > 0  # (B*4, T)
+    assert aligned.any() and (~aligned).any()
+    diff = (a[:, :T] - b[:, :T]).abs().amax(-1)  # (B*4, T)
+    assert (diff[aligned] > 1e-4).all() and (diff[~aligned] == 0).all()
+    assert torch.equal(a[:, T:], b[:, T:])  # the visual elements and [END] as before
+    assert uses_alignment("auto", "visualbert") and not uses_alignment("auto", "vlbert")
+    assert uses_alignment("true", "vlbert") and not uses_alignment("false", "visualbert")
+    with pytest.raises(VlbertsError, match="lxmert reads no word-region alignment"):
+        uses_alignment("true", "lxmert")

@@ -24,10 +24,9 @@ VisualBERT/r2c also add the whole image as a box; we do not (VL-BERT's encoder a
 element).
 
 Word-region alignment (VisualBERT §3.2/App. A: `VLInputs.image_text_alignment`): for region k, the
-sequence positions of the subwords of every word that refers to object k, padded with -1. Only
-VisualBERT reads it; the others get names only (VL-BERT's released code also adds the referenced
-object's visual feature to those words' embeddings; our VL-BERT encoder adds the whole image's to every
-word, so the referenced object's is not used -- names only).
+sequence positions of the subwords of every word that refers to object k, padded with -1. VisualBERT reads
+it (on by default); VL-BERT with `--alignment=true` gives those words region k's visual feature embedding,
+as its released VCR code does (`models.vcr.ALIGNING`); the others get names only.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ cross-entropy (`vcr_loss`). Q->A and QA->R are separate models, trained and run 
                score; object-reference words are aligned to their regions, which take the average
                position embedding of those words (`VLInputs.image_text_alignment`, App. A).
   vlbert       VL-BERT §4.2.1: the same scorer on the pooled [CLS]; object references are their class
-               names. (The released code also adds the referenced region's visual feature to those words;
-               our encoder adds the whole image's to every word, so names only here.)
+               names, and every word's visual feature embedding is the whole image's (§3.2). With the
+               alignment (`--alignment=true`, `ALIGNING`), a word naming object k takes region k's instead,
+               as the released VCR code does (`models.vlbert.text_visual_index`).
   vilbert      ViLBERT §4 (VCR): a linear layer on h_IMG * h_CLS (the encoder's pooled product, §2.2),
                dropout on the product as in its pre-training alignment head.
   lxmert       LXMERT reports no VCR: our choice, the same linear scorer on its pooled cross-modality
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.vcr import NUM_CHOICES
+from vlberts.errors import VlbertsError
 from vlberts.data.vcr_dataset import IGNORE, JOIN, VCRBatch
 from vlberts.models.blocks import activation, init_bert_weights
 from vlberts.models.encoders import VLEncoder
@@ -104,6 +106,21 @@ class VCRModel(nn.Module):
 
 
 CHOICE_LOSSES = ("softmax", "sigmoid")
+# The architectures that read the word-region alignment, and what they do with it: VisualBERT (§4.2, App. A,
+# on by default) gives a region the position of the words naming it; VL-BERT (its released VCR code, off by
+# default: §3.2 gives every word the whole image's) gives those words the region's visual feature embedding.
+ALIGNING = {"visualbert": True, "vlbert": False}
+
+
+def uses_alignment(setting: str | bool, arch: str) -> bool:
+    """`--alignment` resolved for `arch`: auto -> `ALIGNING`'s default; true for an architecture that reads
+    no alignment is an error (it would be ignored)."""
+    value = str(setting).lower()
+    if value not in ("auto", "true", "false"):
+        raise VlbertsError(f"--alignment is auto, true or false, got {setting!r}")
+    if value == "true" and arch not in ALIGNING:
+        raise VlbertsError(f"--alignment=true: {arch} reads no word-region alignment (VisualBERT and VL-BERT do)")
+    return ALIGNING.get(arch, False) if value == "auto" else value == "true"
 
 
 def vcr_object_loss(object_logits: Tensor, object_labels: Tensor) -> Tensor:

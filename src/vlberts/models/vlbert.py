@@ -195,6 +195,18 @@ class VisualBackbone(nn.Module):
         return F.relu(self.fc(pooled.flatten(1))).view(B, K, -1)  # (B, K, visual_dim)
 
 
+def text_visual_index(alignment: Tensor, T: int) -> Tensor:
+    """alignment (B, R, K) word positions naming region k, -1 padding -> (B, T) long: the visual element each
+    word's visual feature embedding comes from, 0 the whole image and k + 1 region k. VL-BERT's released VCR
+    code does this (`text_tags` into `_collect_obj_reps`, the whole image being its box 0); §3.2 gives every
+    word the whole image's."""
+    B = alignment.shape[0]
+    index = torch.zeros(B, T, dtype=torch.long, device=alignment.device)
+    b, k, j = (alignment >= 0).nonzero(as_tuple=True)
+    index[b, alignment[b, k, j]] = k + 1
+    return index
+
+
 class VLBertEmbeddings(nn.Module):
     """Token + visual feature + segment + position embeddings of `[CLS] text [SEP] [IMG]_whole regions [END]`."""
 
@@ -243,9 +255,15 @@ class VLBertEmbeddings(nn.Module):
         boxes = torch.cat([whole, x.region_boxes], dim=1)  # (B, 1 + R, 4)
         vis = self.visual_feature(appearance, boxes)  # (B, 1 + R, D)
 
-        # Text elements: the whole image's visual feature, or the learned one for text-only samples.
-        text_vis = torch.where(has_image[:, None], vis[:, 0], self.text_only_visual_embedding.weight)  # (B, D)
-        text = self.word_embeddings(x.input_ids) + self.visual_ln_text(text_vis)[:, None]  # (B, T, D)
+        # Text elements: the whole image's visual feature, or the learned one for text-only samples; with
+        # `x.image_text_alignment` (VCR), a word naming region k takes region k's (`text_visual_index`).
+        if x.image_text_alignment is None:
+            text_vis = vis[:, :1]  # (B, 1, D), every word alike
+        else:
+            index = text_visual_index(x.image_text_alignment, T)  # (B, T): 0 the whole image, k + 1 region k
+            text_vis = vis.gather(1, index[..., None].expand(-1, -1, vis.shape[-1]))  # (B, T, D)
+        text_vis = torch.where(has_image[:, None, None], text_vis, self.text_only_visual_embedding.weight)
+        text = self.word_embeddings(x.input_ids) + self.visual_ln_text(text_vis)  # (B, T, D)
 
         img_tok = self.img_embedding.weight.expand(B, 1 + R, -1)  # (B, 1 + R, D)
         masked_tok = torch.cat([roi_masked.new_zeros(B, 1), roi_masked], dim=1)[..., None]  # whole image never masked

@@ -37,8 +37,9 @@ from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
+from vlberts.models.builders import arch_of
 from vlberts.models.encoders import load_encoder_weights
-from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, vcr_loss, vcr_object_loss
+from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
 from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
@@ -60,8 +61,10 @@ class FinetuneVCRConfig(FinetuneConfig):
     metadata_dir: str = opt("", "folder of the records' metadata_fn files (default: metadata/ next to train_file)")
     object_regions: str = opt("iou", "iou: each object's box -> the store region overlapping it most; gold: the "
                                      "store holds exactly the objects' boxes, in order")
-    alignment: bool = opt(True, "VisualBERT: each object's region takes the position of the words naming it (§4.2, "
-                                "App. A); false: names only, as the other architectures (an ablation)")
+    alignment: str = opt("auto", "tie each object's region to the words naming it: VisualBERT gives the region their "
+                                 "position (§4.2, App. A); VL-BERT gives those words the region's visual feature "
+                                 "instead of the whole image's (its released VCR code). auto: on for VisualBERT, off "
+                                 "for VL-BERT (§3.2); false: names only, as the other architectures")
     object_loss: float = opt(0.0, "weight of the object-classification loss: each region's final state names its "
                                    "object's class (VL-BERT §4.2.1's second fine-tuning loss, weight 1 there); 0: off")
     choice_loss: str = opt("softmax", "softmax: cross-entropy over the 4 choices (the papers); sigmoid: a binary "
@@ -195,7 +198,7 @@ def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer
     ...), tokenizer)."""
     model_cfg, meta = read_task_model(directory, "vcr", "VCR")
     model = load_task_weights(lambda: VCRModel(model_cfg, len(meta.get("object_classes", []))), directory)
-    model.uses_alignment = model.uses_alignment and meta.get("alignment", True)
+    model.uses_alignment = bool(meta.get("alignment", model.uses_alignment))  # as trained
     return model, meta, TextTokenizer.load(directory)
 
 
@@ -247,6 +250,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     cfg, out, device, dist = start_finetune(cfg, "vcr", ("init", "train_file", "features"))
     if cfg.mode not in MODES:
         raise VlbertsError(f"unknown --mode {cfg.mode!r}; valid: qa (Q->A), qar (QA->R)")
+    uses_alignment(cfg.alignment, arch_of(read_model_config(cfg.init)[0]))  # a bad --alignment: before any data
     if cfg.choice_loss not in CHOICE_LOSSES:
         raise VlbertsError(f"unknown --choice_loss {cfg.choice_loss!r}; valid: {', '.join(CHOICE_LOSSES)}")
     if cfg.object_regions not in OBJECT_REGIONS:
@@ -279,7 +283,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     features, mismatch = check_features(store, cfg.init, dist)
-    model.uses_alignment = model.uses_alignment and cfg.alignment
+    model.uses_alignment = uses_alignment(cfg.alignment, model.arch)
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
     data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16, object_classes=classes)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "choice_loss": cfg.choice_loss, "join": model.join,
