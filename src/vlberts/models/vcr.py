@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.vcr import NUM_CHOICES
-from vlberts.errors import VlbertsError
 from vlberts.data.vcr_dataset import IGNORE, JOIN, VCRBatch
+from vlberts.errors import VlbertsError
 from vlberts.models.blocks import activation, init_bert_weights
 from vlberts.models.encoders import VLEncoder
 from vlberts.models.vlbert import require_region_features
@@ -85,11 +85,15 @@ class VCRModel(nn.Module):
     def reads_tags(self) -> bool:
         return self.encoder.reads_tags
 
-    def forward(self, batch: VCRBatch) -> Tensor:
+    def inputs(self, batch: VCRBatch) -> Any:
+        """The batch's `VLInputs`, without the word-region alignment unless this model reads it."""
         x = batch.inputs
         if not self.uses_alignment and x.image_text_alignment is not None:
             x = type(x)(**{**x.__dict__, "image_text_alignment": None})
-        pooled = self.encoder.pooled(x, tags=batch.tags)  # (B*4, D)
+        return x
+
+    def forward(self, batch: VCRBatch) -> Tensor:
+        pooled = self.encoder.pooled(self.inputs(batch), tags=batch.tags)  # (B*4, D)
         return self.scorer(self.dropout(pooled)).view(-1, NUM_CHOICES)  # (B, 4)
 
     def with_objects(self, batch: VCRBatch) -> tuple[Tensor, Tensor]:
@@ -97,10 +101,7 @@ class VCRModel(nn.Module):
         sequence (the whole encoder runs: `forward`'s pooled-only shortcut skips the regions' last states)."""
         if self.object_head is None:
             raise ValueError("this VCR model has no object head (built with object_classes=0)")
-        x = batch.inputs
-        if not self.uses_alignment and x.image_text_alignment is not None:
-            x = type(x)(**{**x.__dict__, "image_text_alignment": None})
-        out = self.encoder(x, tags=batch.tags)
+        out = self.encoder(self.inputs(batch), tags=batch.tags)
         logits = self.scorer(self.dropout(out.pooled)).view(-1, NUM_CHOICES)  # (B, 4)
         return logits, self.object_head(out.vision)  # (B*4, R, C)
 
