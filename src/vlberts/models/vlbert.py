@@ -199,12 +199,15 @@ def text_visual_index(alignment: Tensor, T: int) -> Tensor:
     """alignment (B, R, K) word positions naming region k, -1 padding -> (B, T) long: the visual element each
     word's visual feature embedding comes from, 0 the whole image and k + 1 region k. VL-BERT's released VCR
     code does this (`text_tags` into `_collect_obj_reps`, the whole image being its box 0); §3.2 gives every
-    word the whole image's."""
-    B = alignment.shape[0]
-    index = torch.zeros(B, T, dtype=torch.long, device=alignment.device)
-    b, k, j = (alignment >= 0).nonzero(as_tuple=True)
-    index[b, alignment[b, k, j]] = k + 1
-    return index
+    word the whole image's. No value is read back from the device: padding entries scatter into a spare
+    column T, dropped after; a word named by two regions takes the later one."""
+    B, R, K = alignment.shape
+    valid = alignment >= 0  # (B, R, K)
+    positions = torch.where(valid, alignment, T).view(B, R * K)  # (B, RK), padding -> column T
+    element = torch.arange(1, R + 1, device=alignment.device).repeat_interleave(K).expand(B, -1)  # (B, RK)
+    index = torch.zeros(B, T + 1, dtype=torch.long, device=alignment.device)
+    index.scatter_reduce_(1, positions, element * valid.view(B, R * K), reduce="amax")
+    return index[:, :T]
 
 
 class VLBertEmbeddings(nn.Module):
