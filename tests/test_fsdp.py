@@ -1,8 +1,9 @@
 """FSDP (`--fsdp=true`, training/distributed.py `shard_model`) with 2 CPU processes (gloo): the sharded update
 is the single-process update, checkpoints are gathered whole (the same files as an unsharded run's) and
 resume with or without FSDP, and a sharded run resumes exactly; evaluation after sharded training
-predicts each rank's slice with any number of batches. Also: one process with --fsdp=true warns and
-trains unsharded, and torchrun's in-place `--max-restarts` restart after a killed rank resumes exactly."""
+predicts each rank's slice with any number of batches, and BertAdam with per-tensor clipping updates as one
+process does. Also: one process with --fsdp=true warns and trains unsharded, and torchrun's in-place
+`--max-restarts` restart after a killed rank resumes exactly."""
 
 from __future__ import annotations
 
@@ -371,7 +372,6 @@ def test_a_checkpoint_removes_the_half_written_leftovers_of_a_killed_writer(tmp_
     save_checkpoint(tmp_path, model=model, cfg=CFG, optimizer=optimizer, scheduler=scheduler,
                     state=TrainState(step=4, data={}, extra={}))
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000004"]
-
 
 
 def _bertadam(model):
