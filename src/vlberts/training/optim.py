@@ -161,13 +161,19 @@ def warmup_steps(warmup: float, total_steps: int) -> int:
     return int(warmup * total_steps) if warmup < 1 else min(int(warmup), total_steps)
 
 
+def warmup_rise(step: int, warmup_steps: int) -> float:
+    """The warm-up's share of the rate at update `step` (0-based): 1/w, 2/w, ..., 1 over the `warmup_steps`
+    updates (the first update already moves), then 1. Both schedules below rise this way."""
+    return (step + 1) / warmup_steps if step < warmup_steps else 1.0
+
+
 def linear_warmup_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> LambdaLR:
-    """lr factor rises linearly over `warmup_steps` (1/w, 2/w, ..., 1: the first update already moves), then
-    falls linearly to 0 at `total_steps`: update k (0-based) runs at (total - k) / (total - warmup)."""
+    """lr factor rises linearly over `warmup_steps` (`warmup_rise`), then falls linearly to 0 at
+    `total_steps`: update k (0-based) runs at (total - k) / (total - warmup)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
+            return warmup_rise(step, warmup_steps)
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
     return LambdaLR(optimizer, factor)
@@ -176,11 +182,10 @@ def linear_warmup_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, tot
 def warmup_step_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, milestones: Sequence[int],
                       factor: float) -> LambdaLR:
     """VL-BERT's `WarmupMultiStepLR` (its VCR configs: `LR_STEP: "14,18"`, `LR_FACTOR: 0.1`): the rate rises
-    linearly over `warmup_steps` as in `linear_warmup_decay`, then update k runs at lr x factor^(the number
-    of `milestones`, in updates, at or below k)."""
+    linearly over `warmup_steps` (`warmup_rise`), then update k runs at lr x factor^(the number of
+    `milestones`, in updates, at or below k)."""
 
     def rate(step: int) -> float:
-        rise = (step + 1) / warmup_steps if step < warmup_steps else 1.0
-        return rise * factor ** sum(step >= m for m in milestones)
+        return warmup_rise(step, warmup_steps) * factor ** sum(step >= m for m in milestones)
 
     return LambdaLR(optimizer, rate)
