@@ -158,9 +158,9 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
     assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
     assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0, vqa_batch=32)  # §4.1
-    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate and 2 VQA epochs; given, the
-    # rate wins.
-    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=2.0)
+    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate and 2 VQA epochs at batch 32;
+    # given, the rate wins.
+    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=2.0, vqa_batch=32)
     assert resolve(DemoConfig(pretrain_lr=1e-3), explicit={"pretrain_lr"}).pretrain_lr == 1e-3
     assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture
 

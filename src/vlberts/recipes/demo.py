@@ -114,10 +114,11 @@ ARCH_DEMO: dict[str, dict[str, Any]] = {
     # baseline over seeds and CPUs (2x at seed 0 on one CPU only), at 1.5e-3 2.03x at seeds 0 and 1 on the CPU
     # where 1e-3 gave 1.86x, in layer 4 of 6 (docs/demo-runs.md, 2026-11-28).
     # It also fine-tunes VQA for 2 epochs instead of 4, which keeps `make demo` inside its 10 minutes on slow 2-core
-    # CPUs (601-657 s with 4 on an AVX2 EPYC; 562-695 s with 3 on a shared Intel Xeon): from the Intel's seed-0
-    # checkpoint 71.57% (2.12x the majority answer) against 73.67% with 3 (2026-11-29; the EPYC's: 76.36% with
-    # 3, 77.64% with 4).
-    "visualbert": {"pretrain_lr": 1.5e-3, "vqa_epochs": 2.0},
+    # CPUs (601-657 s with 4 on an AVX2 EPYC; 562-695 s with 3 on a shared Intel Xeon), at a batch of 32 instead
+    # of 64: twice the updates for 13-16 s more. From the AVX-512 EPYC's seed-0 checkpoint (2026-11-30), at VQA
+    # seeds 0, 1, 2: 71.60, 72.74 and 72.67% (2.12-2.16x the majority answer) at batch 32, against 66.99, 67.39
+    # and 72.02% at 64 (1.99-2.14x) and 71.51 / 72.17% with 3 epochs at 64 (seeds 0, 1; docs/demo-runs.md).
+    "visualbert": {"pretrain_lr": 1.5e-3, "vqa_epochs": 2.0, "vqa_batch": 32},
     # LXMERT grounds by attention only where a mismatched caption's masked words are not targets (ViLBERT's
     # code's rule; LXMERT's keeps them, its paper is silent), its VQA reaches 2x only with VisualBERT's KL
     # answer loss (its code's BCE: 1.78x), and its grounding reaches 2x with twice the updates (1.81x at 4,000).
