@@ -293,6 +293,39 @@ def test_pretrain_recipe_bert_init(tiny_world, tmp_path):
         pretrain(PretrainConfig(out=str(tmp_path / "r5"), bert_init=str(bert), init=str(final), **base))
 
 
+def test_pretrain_bert_lr_mult_slows_exactly_the_tensors_copied_from_bert(tiny_world, tmp_path):
+    """--bert_lr_mult (vilbert-multi-task's train_concap.py from BERT: 0.1): the tensors `bert_init.json`
+    lists as BERT's learn at a tenth of the rate, the rest at the rate. One Adam update without warm-up or
+    decay moves an element with a gradient by about the rate (the update is m / sqrt(v) = the gradient's sign
+    at step 1), so each tensor's largest change names its rate."""
+    from vlberts.models.builders import build_pretraining_model
+    from vlberts.recipes.pretrain import PretrainConfig, pretrain
+    from vlberts.training.checkpoint import load_pretraining_model
+    from vlberts.training.optim import build_optimizer
+
+    bert, _ = _recipe_bert(tmp_path, tiny_world)
+    base = dict(captions=str(tiny_world.captions_train), features=str(tiny_world.store), model="visualbert-tiny",
+                steps=1, batch_size=4, max_text_len=40, lr=1e-2, warmup=0, weight_decay=0.0, clip=0, ckpt_every=100,
+                bert_init=str(bert))
+    start = pretrain(PretrainConfig(out=str(tmp_path / "start"), **{**base, "lr": 0.0}))  # BERT's weights, unmoved
+    slow = pretrain(PretrainConfig(out=str(tmp_path / "slow"), bert_lr_mult=0.1, **base))
+    rec = json.loads((tmp_path / "slow" / "bert_init.json").read_text())
+    w0, w1 = (load_pretraining_model(d)[0].state_dict() for d in (start, slow))
+    moved = {k: (w1[k] - w0[k]).abs().max().item() for k in rec["initialised"] + rec["random"]}
+    for k in rec["initialised"]:
+        assert moved[k] <= 1e-3 * 1.001, k  # 0.1 x 1e-2
+    fast = [k for k in rec["random"] if moved[k] > 1e-3 * 1.5]
+    assert "bert.embeddings.visual_projection.weight" in fast and len(fast) >= len(rec["random"]) // 2
+    assert max(moved[k] for k in rec["initialised"]) > 0.5e-3  # and they did learn
+    # The groups: the body's decayed / not decayed, then BERT's tensors' two at a tenth of the rate.
+    model = build_pretraining_model(load_pretraining_model(start)[1])
+    opt = build_optimizer(model, 1e-2, slow=rec["initialised"], slow_lr_mult=0.1)
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-2, pytest.approx(1e-3), pytest.approx(1e-3)]
+    assert sum(len(g["params"]) for g in opt.param_groups[2:]) == len(rec["initialised"])
+    with pytest.raises(VlbertsError, match="--bert_lr_mult sets the rate of the tensors --bert_init copies"):
+        pretrain(PretrainConfig(out=str(tmp_path / "r6"), **{**base, "bert_init": ""}, bert_lr_mult=0.1))
+
+
 # --- ViLBERT, VL-BERT, W-VisualBERT ---------------------------------------------------------------------
 
 

@@ -156,6 +156,11 @@ class PretrainConfig:
         "pytorch_model.bin); the vocabulary is then the checkpoint's vocab.txt (its own, or --tokenizer=DIR "
         "holding the same one); writes RUN/bert_init.json listing what was copied and what stayed random",
     )
+    bert_lr_mult: float = opt(
+        1.0,
+        "with --bert_init: the tensors copied from BERT (RUN/bert_init.json's `initialised`) learn at this times "
+        "the rate, the rest at the rate (vilbert-multi-task's train_concap.py from BERT: 0.1)",
+    )
     pairs: bool = opt(True, "VisualBERT: two captions + sentence-image prediction; false: one caption, MLM only")
     objectives: str = opt(
         "",
@@ -580,6 +585,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     check_streamed_sources(cfg, streamed)
     if cfg.init and cfg.bert_init:
         raise VlbertsError("--init and --bert_init both give starting weights; pass one")
+    if cfg.bert_lr_mult != 1.0 and not cfg.bert_init:
+        raise VlbertsError("--bert_lr_mult sets the rate of the tensors --bert_init copies from BERT; give --bert_init")
 
     chosen = read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model)
     arch = arch_of(chosen)
@@ -637,6 +644,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if not dist.main:
         tok = TextTokenizer.load(out / "tokenizer")
     seed_everything(cfg.seed)
+    from_bert: list[str] = []  # the tensors --bert_init copies (--bert_lr_mult's)
     if cfg.init:
         model, model_cfg, meta = load_pretraining_model(cfg.init)
         if qa is not None and tuple(meta.get("qa_answers", ())) != qa.answers.answers:
@@ -653,6 +661,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         model = build_pretraining_model(model_cfg)
         if cfg.bert_init:  # on a resume the checkpoint's weights replace these below
             report = init_text_from_bert(model, cfg.bert_init)
+            from_bert = report.initialised
             if dist.main:
                 write_json(out / "bert_init.json", report.to_dict())
                 print(report.summary(), file=sys.stderr)
@@ -701,7 +710,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         region_setup=regions_setup, pixels=pixels,
     )
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, bias_correction=cfg.bias_correction,
-                                decay_all=cfg.decay_all, kind=cfg.optimizer, momentum=cfg.momentum)
+                                decay_all=cfg.decay_all, kind=cfg.optimizer, momentum=cfg.momentum,
+                                slow=from_bert, slow_lr_mult=cfg.bert_lr_mult)
     scheduler = linear_warmup_decay(optimizer, warmup_steps(cfg.warmup, cfg.steps), cfg.steps)
 
     scaler = loss_scaler(device, cfg.precision, sharded=is_sharded(model))  # fp16 only; a no-op otherwise

@@ -15,7 +15,7 @@ VL-BERT's VCR configs train with SGD (momentum 0.9, L2 weight decay on every ten
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,8 @@ def build_optimizer(
     decay_all: bool = False,
     kind: str = "adamw",
     momentum: float = 0.9,
+    slow: Collection[str] = (),
+    slow_lr_mult: float = 1.0,
 ) -> torch.optim.Optimizer:
     """AdamW; biases and LayerNorm weights get no weight decay (as in BERT's optimizer), unless `decay_all`
     (LXMERT's BertAdam and VL-BERT's AdamW decay every tensor). Without `bias_correction`: `BertAdamW`, the
@@ -44,25 +46,33 @@ def build_optimizer(
     and its L2 weight decay (added to the gradient, as torch's SGD and VL-BERT's VCR configs do), the same
     groups.
 
-    With `head_lr_mult` != 1, the parameters whose names start with one of `head_prefixes` (a fine-tuning
-    task's freshly initialised head) learn at `lr * head_lr_mult` in groups of their own, with the same
-    weight-decay rule as the rest (as ViLBERT's and Hugging Face's fine-tuning set their groups up). Groups,
-    in order: decayed, not decayed, then the head's decayed and not decayed (empty ones left out).
+    Two rate multipliers, each a group pair of its own under the same weight-decay rule as the rest:
+    - `head_lr_mult`: the parameters whose names start with one of `head_prefixes` (a fine-tuning task's
+      freshly initialised head) learn at `lr * head_lr_mult` (as ViLBERT's and Hugging Face's fine-tuning
+      set their groups up);
+    - `slow_lr_mult`: the parameters named in `slow` (e.g. those `--bert_init` copied from BERT, which
+      vilbert-multi-task's `train_concap.py` pre-trains at a tenth of the rate) learn at `lr * slow_lr_mult`.
+    Groups, in order: decayed, not decayed, then each other rate's decayed and not decayed, in the order
+    the parameters first appear (empty ones left out; so with the head alone: body, then head, as before).
 
     The fused kernel (one pass over each tensor; Hugging Face Trainer's default too) on CUDA and on CPU:
     4x faster than the per-tensor loop on a BERT-base parameter set on 2 CPU threads (0.077 vs 0.307 s).
     """
-    split_head = head_lr_mult != 1.0 and bool(head_prefixes)
-    kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {(h, d): [] for h in (False, True) for d in (True, False)}
+    heads = tuple(head_prefixes) if head_lr_mult != 1.0 else ()
+    slow = frozenset(slow) if slow_lr_mult != 1.0 else frozenset()
+    # (rate multiplier, decays) -> parameters; the body's two groups first, always
+    kinds: dict[tuple[float, bool], list[nn.Parameter]] = {(1.0, True): [], (1.0, False): []}
     seen = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        head = split_head and name.startswith(tuple(head_prefixes))
-        kinds[(head, decay_all or not (p.ndim < 2 or "LayerNorm" in name))].append(p)
-    groups = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "lr": lr * (head_lr_mult if head else 1.0)}
-              for (head, decays), ps in kinds.items() if ps or not head]  # the body's two groups always
+        mult = (head_lr_mult if heads and name.startswith(heads) else 1.0) * (slow_lr_mult if name in slow else 1.0)
+        for decays in (True, False):
+            kinds.setdefault((mult, decays), [])
+        kinds[(mult, decay_all or not (p.ndim < 2 or "LayerNorm" in name))].append(p)
+    groups = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "lr": lr * mult}
+              for (mult, decays), ps in kinds.items() if ps or mult == 1.0]
     check_optimizer(kind, bias_correction, momentum)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=True)
