@@ -36,7 +36,8 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert summary["num_layers"] == 2 and 1 <= summary["grounding_best_layer"] <= 2
     assert summary["images"] == 48 and summary["quick"] is True
     # VisualBERT's own demo settings (ARCH_DEMO), with the value in use (TOY gives --vqa_epochs).
-    assert summary["arch_settings"] == {"pretrain_lr": 0.0015, "vqa_epochs": 0.2}
+    assert summary["arch_settings"] == {"pretrain_lr": 0.0015, "vqa_epochs": 0.2, "vqa_batch": 32}
+    assert "batch_size: 32" in (out / "vqa_config.yaml").read_text()
     assert "lr: 0.0015" in (out / "pretrain_config.yaml").read_text()
     for step in ("world", "features", "pretrain", "probe", "vqa", "grounding", "grounding_nouns_masked"):
         assert step in summary["timings"]
