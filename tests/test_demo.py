@@ -36,7 +36,8 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     assert summary["num_layers"] == 2 and 1 <= summary["grounding_best_layer"] <= 2
     assert summary["images"] == 48 and summary["quick"] is True
     # VisualBERT's own demo settings (ARCH_DEMO), with the value in use (TOY gives --vqa_epochs).
-    assert summary["arch_settings"] == {"pretrain_lr": 0.0015, "vqa_epochs": 0.2, "vqa_batch": 32}
+    assert summary["arch_settings"] == {"pretrain_lr": 0.0015, "shape_mask_prob": 0.9, "vqa_epochs": 0.2, "vqa_batch": 32}
+    assert "circle=0.9" in (out / "pretrain_config.yaml").read_text()
     assert "batch_size: 32" in (out / "vqa_config.yaml").read_text()
     assert "lr: 0.0015" in (out / "pretrain_config.yaml").read_text()
     for step in ("world", "features", "pretrain", "probe", "vqa", "grounding", "grounding_nouns_masked"):
@@ -159,9 +160,9 @@ def test_an_architectures_demo_settings_apply_unless_given_and_never_in_compare(
     assert resolve(DemoConfig(arch="vilbert", quick=True)).pretrain_steps == 60  # --quick stays quick
     assert resolve(DemoConfig(arch="vilbert")).pretrain_steps == resolve(DemoConfig(arch="vlbert")).pretrain_steps == 12000
     assert resolve(DemoConfig(arch="wvisualbert")) == DemoConfig(arch="wvisualbert", vqa_epochs=8.0, vqa_batch=32)  # §4.1
-    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate and 2 VQA epochs at batch 32;
-    # given, the rate wins.
-    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, vqa_epochs=2.0, vqa_batch=32)
+    # `make demo`: VisualBERT with the shared defaults but its peak pre-training rate, its shape-word masking and
+    # 2 VQA epochs at batch 32; given, the rate wins.
+    assert resolve(DemoConfig()) == DemoConfig(pretrain_lr=1.5e-3, shape_mask_prob=0.9, vqa_epochs=2.0, vqa_batch=32)
     assert resolve(DemoConfig(pretrain_lr=1e-3), explicit={"pretrain_lr"}).pretrain_lr == 1e-3
     assert resolve(CompareConfig()) == CompareConfig()  # one schedule for every architecture
 
