@@ -68,7 +68,8 @@ class DemoConfig:
     images: int = opt(5000, "world images (quick: 400)")
     referring: str = opt("explicit", "how the world's captions refer to objects: explicit or minimal")
     arch: str = opt("visualbert", "architecture: visualbert, vilbert, vlbert, lxmert or wvisualbert, pre-trained with its "
-                    "paper's objectives; each changes a few of these defaults (ARCH_DEMO in recipes/demo.py; visualbert: --pretrain_lr=0.0015)")
+                    "paper's objectives; each changes a few of these defaults (ARCH_DEMO in recipes/demo.py; visualbert: "
+                    "--pretrain_lr=0.0015 --shape_mask_prob=0.9 --vqa_epochs=2 --vqa_batch=32)")
     model: str = opt("", "named model configuration (`vlberts models`), in place of ARCH-small; its architecture wins over --arch")
     pretrain_steps: int = opt(4000, "pre-training updates (quick: 60)")
     pretrain_batch: int = opt(32, "pre-training batch size")
