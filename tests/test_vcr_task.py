@@ -446,9 +446,10 @@ def test_object_classification_loss_trains_reloads_and_starts_from_vlberts_roi_h
     saved = json.loads((out / "predictions.json").read_text())
     assert all(np.allclose(preds[k], saved[k], atol=1e-5) for k in saved)
     # At the start (no update), the dense layer is the RoI head's, exactly; VisualBERT's has none to give.
-    model0, _ = pretrained_vcr_model(init, len(names))
-    assert start_object_head(model0, init) and torch.equal(model0.object_head.dense.weight, start)
-    assert not start_object_head(pretrained_vcr_model(tiny_pretrained, len(names))[0], tiny_pretrained)
+    model0, _, started = pretrained_vcr_model(init, len(names))
+    assert started and torch.equal(model0.object_head.dense.weight, start)
+    assert not pretrained_vcr_model(tiny_pretrained, len(names))[2]
+    assert not start_object_head(pretrained_vcr_model(init)[0], read_state_dict(init / "model.safetensors"))  # no head
 
 
 def test_vlbert_words_naming_an_object_take_its_regions_visual_feature():

@@ -97,12 +97,16 @@ def load_encoder_module(module: nn.Module, arch: str, directory: str | Path) -> 
     """`load_encoder_weights` into `arch`'s bare encoder module (`ENCODERS[arch]`, e.g. the one a pre-training
     model holds under `ENCODER_PREFIX[arch]`)."""
     weights = find_weights(directory)
-    sd = read_state_dict(weights)
+    load_encoder_state(module, arch, read_state_dict(weights), weights)
+
+
+def load_encoder_state(module: nn.Module, arch: str, sd: dict[str, Tensor], weights: Path) -> None:
+    """`load_encoder_module` from a state dict already read from `weights` (named in errors)."""
     for prefix in (ENCODER_PREFIX[arch] + ".", TASK_PREFIX):
         mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         if mine:
             names = {k[len(prefix):]: k for k in sd if k.startswith(prefix)}  # errors give the file's keys
             load_into(module, mine, source=weights, file_names=names)
             return
-    raise VlbertsError(f"no {arch} encoder weights (keys {ENCODER_PREFIX[arch]}.* or {TASK_PREFIX}*) in model "
-                       "directory", path=directory)
+    raise VlbertsError(f"no {arch} encoder weights (keys {ENCODER_PREFIX[arch]}.* or {TASK_PREFIX}*) in the "
+                       "weights file", path=weights)

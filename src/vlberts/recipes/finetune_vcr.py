@@ -38,7 +38,7 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
 from vlberts.models.builders import arch_of
-from vlberts.models.encoders import load_encoder_weights
+from vlberts.models.encoders import load_encoder_state
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
 from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import autocast, opt, seed_everything
@@ -163,13 +163,16 @@ def usable_examples(examples: list[VCRExample], path: str, store: RegionStore, f
 # --------------------------------------------------------------------------- model
 
 
-def pretrained_vcr_model(init: str | Path, object_classes: int = 0) -> tuple[VCRModel, object]:
+def pretrained_vcr_model(init: str | Path, object_classes: int = 0) -> tuple[VCRModel, object, bool]:
     """A VCR model whose encoder comes from a pre-training (or other fine-tuned) model directory; new scorer
-    (and object head, with `object_classes`)."""
+    (and object head, with `object_classes`, started by `start_object_head` from the same weights, read once).
+    Returns (model, its config, whether the object head started from the initial weights)."""
     model_cfg, _ = read_model_config(init)
     model = VCRModel(model_cfg, object_classes)
-    load_encoder_weights(model.encoder, init)
-    return model, model_cfg
+    weights = find_weights(init)
+    sd = read_state_dict(weights)
+    load_encoder_state(model.encoder.model, model.encoder.arch, sd, weights)
+    return model, model_cfg, start_object_head(model, sd)
 
 
 def object_class_table(examples: list[VCRExample]) -> list[str]:
@@ -178,11 +181,10 @@ def object_class_table(examples: list[VCRExample]) -> list[str]:
     return sorted({name for ex in examples for name in ex.objects})
 
 
-def start_object_head(model: VCRModel, init: str | Path) -> bool:
+def start_object_head(model: VCRModel, sd: dict[str, torch.Tensor]) -> bool:
     """Start the object head's dense layer from the initial weights' RoI-classification transform
     (``region_head.dense``: a VL-BERT pre-training model's), as the release starts `cnn_loss_reg.0` from
-    `mvrc_head.transform`; whether it did (another model, or another width, has none to give)."""
-    sd = read_state_dict(find_weights(init))
+    `mvrc_head.transform`; whether it did (no head, or weights of another model or width: nothing to give)."""
     head = model.object_head
     w, b = sd.get("region_head.dense.weight"), sd.get("region_head.dense.bias")
     if head is None or w is None or b is None or w.shape != head.dense.weight.shape:
@@ -276,8 +278,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
     classes = object_class_table(train) if cfg.object_loss > 0 else []
-    model, model_cfg = pretrained_vcr_model(cfg.init, len(classes))
-    head_from_pretraining = start_object_head(model, cfg.init) if classes else False
+    model, model_cfg, head_from_pretraining = pretrained_vcr_model(cfg.init, len(classes))
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
