@@ -14,7 +14,8 @@
 #      EXTRACT_IMAGES synthetic 640 x 480 JPEGs: images per second at the default settings on the GPU;
 #   5. with SUITE="FILES", those test files with the GPU visible to every test (VLBERTS_TEST_CUDA=1: each
 #      recipe's device=auto takes CUDA and bf16), each result listed in OUTDIR/suite.log; then, with
-#      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests).
+#      CPU_SUITE="FILES", those files as `make test` runs them on a GPU machine (GPU hidden but for `gpu` tests);
+#   6. with DEMO=1, the main job: `vlberts demo` (DEMO_ARGS: its flags) on the GPU, its log and summary.
 # KERNELS, ATTN_KERNELS: see their steps below. THROUGHPUT=0 skips step 2 (B256=0 / B64=0 one of its runs); TESTS=0
 # step 1; LOOP=0 step 3 (GRAPHS=0 its last part: the loop with --static_shapes, eager and in CUDA graphs,
 # GRAPHS_S seconds for the latter); EXTRACT=0 step 4; MODES="default" compiles one mode only;
@@ -31,8 +32,11 @@
 # layout and LXMERT's last-layer rows changed): `TESTS=0 ... KERNELS=0 ATTN_KERNELS=efficient+flash ATTN_S=220`
 # (LXMERT at batch 512, fresh machine) then `TESTS=1 TESTS_S=170` then the same with `ATTN_ARCH=visualbert
 # ATTN_S=150`, 325 s in one call (GPU tests 24 passed, 1 skipped, 99 s); on the warm machine the LXMERT command
-# again and `TESTS=0 B64=0 MODES=reduce-overhead SDPA_BACKENDS=` (the batch-256 rows), 262 s. What a next session
-# could run: the batch-64 rows (`TESTS=0 B256=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), the loop in CUDA graphs again.
+# again and `TESTS=0 B64=0 MODES=reduce-overhead SDPA_BACKENDS=` (the batch-256 rows), 262 s. The seventh
+# (h200-2026-11-30-run2, code at 451ca41): `TESTS=0 ... KERNELS=0 DEMO=1` (the demo 270 s of 289) then `TESTS=1`
+# (144 s), 450 s in one call on a fresh machine; then the demo with DEMO_ARGS=--seed=1, 303 s. What a next session
+# could run: the batch-64 rows (`TESTS=0 B256=0 LOOP=0 GRAPHS=0 EXTRACT=0 KERNELS=0`), the loop in CUDA graphs again,
+# the demo on the world with place compounds.
 #
 #   benchmarks/gpu_checks.sh OUTDIR        (PYTHON=python3 by default; the machine's own torch is used)
 #
@@ -163,6 +167,19 @@ for i in range(int(sys.argv[2])):
   rm -rf "$e"
 fi
 
+# 6. The main job on the GPU (DEMO=1): `vlberts demo` with its defaults, so device auto takes CUDA and bf16 and
+# pre-training and VQA run in this process (torchrun is for CPUs); DEMO_ARGS adds flags (e.g. --seed=1). Its log,
+# summary and timings come back; the run's directory is removed.
+if [ "${DEMO:-0}" = 1 ]; then
+  stamp "vlberts demo on the GPU ${DEMO_ARGS:-}"
+  # shellcheck disable=SC2086
+  timeout "${DEMO_S:-420}" $py -m vlberts.cli demo --out "$out/demo_run" ${DEMO_ARGS:-} > "$out/demo.log" 2>&1
+  stamp "demo exit status $?"
+  cp "$out/demo_run/summary.json" "$out/demo_summary.json" 2>/dev/null
+  cp "$out/demo_run/timings.json" "$out/demo_timings.json" 2>/dev/null
+  rm -rf "$out/demo_run"
+fi
+
 if [ -n "${SUITE:-}" ]; then
   stamp "with the GPU visible to every test: $SUITE"
   # Each test has --timeout (pytest-timeout) so that the session ends and prints every failure's cause
@@ -192,3 +209,4 @@ for f in "$out"/gpu_attn_*.log; do
 done
 [ -f "$out/loop.txt" ] && { echo "== pre-training loop"; cat "$out/loop.txt"; }
 [ -f "$out/extract.txt" ] && { echo "== feature extraction"; cat "$out/extract.txt"; }
+[ -f "$out/demo.log" ] && { echo "== demo"; tail -25 "$out/demo.log"; }
