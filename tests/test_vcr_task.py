@@ -191,6 +191,21 @@ def test_vcr_model_shapes_and_loss(name):
     assert objects.shape == (8, batch.inputs.region_feats.shape[1], 5)
 
 
+@pytest.mark.parametrize("name", ARCH_MODELS)
+def test_the_scorer_starts_as_each_release_starts_it(name):
+    """VL-BERT's released VCR classifier (`1fc`) starts Xavier-uniform with a zero bias; the others BERT's
+    normal(0, 0.02)."""
+    torch.manual_seed(0)
+    cfg = model_config(name, vocab_size=60, **({"use_tags": False} if name.startswith("wvisualbert") else {}))
+    w = VCRModel(cfg).scorer.weight.detach()  # (1, width)
+    bound = math.sqrt(6.0 / (w.shape[1] + 1))  # Xavier-uniform over fan_in = width, fan_out = 1
+    if name.startswith("vlbert"):
+        assert w.abs().max() <= bound and w.std() > 0.8 * bound / math.sqrt(3)  # U(-b, b) has std b / sqrt(3)
+    else:
+        assert w.std() < 1.5 * cfg.initializer_range
+    assert not VCRModel(cfg).scorer.bias.any()
+
+
 # --------------------------------------------------------------------------- fine-tuning
 
 
@@ -311,6 +326,49 @@ def test_gold_object_regions_read_the_store_rows_in_object_order(tiny_world, tin
     # a detector store does not have one region per object: gold is refused, naming the image
     with pytest.raises(VlbertsError, match="one stored region per object"):
         finetune_vcr(vcr_cfg(tiny_world, tiny_pretrained, tmp_path / "gold", object_regions="gold"))
+
+
+def test_a_mirrored_question_flips_its_objects_boxes_and_every_choices_left_and_right(tiny_world, tiny_pretrained):
+    """--flip_prob (VL-BERT's FLIP_PROB): a training item keyed (epoch, index) shows its objects' boxes flipped
+    left-right and "left" / "right" swapped in all four sequences; label, segments and alignment stay; an
+    index alone (prediction) never flips."""
+    store = RegionStore(tiny_world.store)
+    val = read_vcr(tiny_world.root / "vcr" / "val.jsonl")
+    tok = TextTokenizer.load(tiny_pretrained)
+    left, right = tok.tok.token_to_id("left"), tok.tok.token_to_id("right")
+    data = VCRData(val, "qar", store, tok, metadata_dir=tiny_world.root / "vcr" / "metadata", flip_prob=1.0, seed=3)
+    i = next(k for k, cs in enumerate(data.choices) if any({left, right} & set(ids) for ids, _, _ in cs))
+    plain, flipped = data[i], data[(0, i)]
+    swap = {left: right, right: left}
+    assert flipped["label"] == plain["label"] and flipped["index"] == plain["index"] == i
+    for (ids, seg, align), (fids, fseg, falign) in zip(plain["choices"], flipped["choices"]):
+        assert fids == [swap.get(t, t) for t in ids] and fseg == seg and falign == align
+    assert flipped["choices"] != plain["choices"]
+    b, f = plain["regions"], flipped["regions"]
+    assert np.allclose(f.boxes[:, [0, 2]], 1 - b.boxes[:, [2, 0]], atol=1e-6)
+    assert np.array_equal(f.boxes[:, [1, 3]], b.boxes[:, [1, 3]]) and np.array_equal(f.feats, b.feats)
+    width = store.get(val[i].img_id).image_w
+    assert np.allclose(f.pixel_boxes[:, 0], width - b.pixel_boxes[:, 2])
+    assert data[(0, i)]["choices"] == flipped["choices"] and data[i]["choices"] == plain["choices"]
+    unflipped = VCRData(val, "qar", store, tok, metadata_dir=tiny_world.root / "vcr" / "metadata", seed=3)
+    assert unflipped[(0, i)]["choices"] == plain["choices"]
+    half = VCRData(val, "qar", store, tok, metadata_dir=tiny_world.root / "vcr" / "metadata", flip_prob=0.5, seed=3)
+    assert 0.4 < np.mean([half[(e, i)]["choices"] != plain["choices"] for e in range(300)]) < 0.6
+
+
+def test_finetune_vcr_with_mirrored_questions(tiny_world, tiny_pretrained, tmp_path):
+    """--flip_prob reaches the training items: all mirrored trains on other inputs than none, from the same
+    start; a bad value stops the run before any file is read."""
+    first = {}
+    for p in (0.0, 1.0):
+        out = tmp_path / f"flip{p}"
+        finetune_vcr(vcr_cfg(tiny_world, tiny_pretrained, out, mode="qar", epochs=0.1, eval_file="", flip_prob=p))
+        log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        first[p] = next(r["loss"] for r in log if "loss" in r)
+    assert first[0.0] != first[1.0]
+    cfg = vcr_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", flip_prob=1.5, train_file=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(VlbertsError, match=r"--flip_prob must be a probability in \[0, 1\], got 1.5"):
+        finetune_vcr(cfg)
 
 
 def _iou(a, b) -> float:

@@ -27,6 +27,12 @@ Word-region alignment (VisualBERT §3.2/App. A: `VLInputs.image_text_alignment`)
 sequence positions of the subwords of every word that refers to object k, padded with -1. VisualBERT reads
 it (on by default); VL-BERT with `--alignment=true` gives those words region k's visual feature embedding,
 as its released VCR code does (`models.vcr.ALIGNING`); the others get names only.
+
+Mirrored training questions (`flip_prob`, VL-BERT's `FLIP_PROB`, 0.5 in its VCR configs; `data.mirror`): the
+objects' boxes flipped left-right and "left" / "right" swapped in all four choices' text (context and choice);
+the label, the alignment positions and the object classes stay. The release's `vcr.py` flips the image and its
+boxes but not the words, so that a mirrored "the man on the left" names the other side; here the text is
+mirrored as its VQA and RefCOCO+ loaders mirror it (our choice).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ import torch
 from torch import Tensor
 
 from vlberts.data.batch import Batch, TagInputs, VLInputs
-from vlberts.data.regions import Regions, RegionSource, detected_classes, length_keys, pad_regions, pad_sequences
+from vlberts.data.mirror import Flip
+from vlberts.data.regions import Regions, RegionSource, detected_classes, length_keys, mirrored, pad_regions, pad_sequences
 from vlberts.data.vcr import NUM_CHOICES, VCRExample, rationale_context, read_vcr_metadata, render_tokens
 from vlberts.errors import VlbertsError
 from vlberts.features.record import as_float32
@@ -107,14 +114,15 @@ class VCRBatch(Batch):
 class VCRData:
     """Indexable VCR questions of one mode as 4 laid-out choices + the objects' regions (module docstring).
 
-    metadata_dir: where the records' ``metadata_fn`` files are (object boxes for ``iou``)."""
+    metadata_dir: where the records' ``metadata_fn`` files are (object boxes for ``iou``). flip_prob: a training
+    item (keyed (epoch, index)) is mirrored with this probability (module docstring, `data.mirror.Flip`)."""
 
     def __init__(
         self, examples: Sequence[VCRExample], mode: str, regions: RegionSource, tokenizer: TextTokenizer, *,
         join: str = "separate", max_text_len: int = 80, feature_dim: int | None = None,
         object_regions: str = "iou", metadata_dir: str | Path | None = None,
         tag_subwords: Sequence[Sequence[int]] | None = None, float16: bool = False,
-        object_classes: Mapping[str, int] | None = None,
+        object_classes: Mapping[str, int] | None = None, flip_prob: float = 0.0, seed: int = 0,
     ):
         if mode not in MODES:
             raise VlbertsError(f"unknown VCR mode {mode!r}; valid: {', '.join(MODES)}")
@@ -126,6 +134,7 @@ class VCRData:
         self.feature_dim, self.object_regions, self.tag_subwords = feature_dim, object_regions, tag_subwords
         self.float16, self.object_classes = float16, object_classes
         self.metadata_dir = Path(metadata_dir) if metadata_dir is not None else None
+        self.flip = Flip(flip_prob, seed, tokenizer)
         self.choices = []  # per example: 4 x (ids, segments, alignment)
         for ex in examples:
             self.choices.append([layout_choice(*vcr_text(ex, mode, c), ex.objects, tokenizer, join=join,
@@ -166,13 +175,18 @@ class VCRData:
                                f"(visual_dim)", path=store_path, record=f"image {ex.img_id}")
         pix = np.asarray(rec.boxes, dtype=np.float32)[rows]  # (n, 4)
         scale = np.array([rec.image_w, rec.image_h, rec.image_w, rec.image_h], dtype=np.float32)
-        return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=None), rows
+        return Regions(feats=feats, boxes=np.clip(pix / scale, 0.0, 1.0), pixel_boxes=pix, conf=None,
+                       image_w=rec.image_w), rows
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict:
         index = key[1] if isinstance(key, tuple) else key
         ex = self.examples[index]
         regions, rows = self.object_regions_of(ex)
-        item = {"choices": self.choices[index], "regions": regions, "index": index,
+        choices = self.choices[index]
+        if self.flip.drawn(key):
+            choices = [(self.flip.swap(ids), segments, align) for ids, segments, align in choices]
+            regions = mirrored(regions)
+        item = {"choices": choices, "regions": regions, "index": index,
                 "label": -1 if self.labels[index] is None else self.labels[index]}
         if self.tag_subwords is not None:
             obj_id = detected_classes(self.regions, ex.img_id, record=ex.annot_id)

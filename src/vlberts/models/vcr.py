@@ -18,7 +18,8 @@ cross-entropy (`vcr_loss`). Q->A and QA->R are separate models, trained and run 
   wvisualbert  W-VisualBERT reports no VCR: our choice, the linear scorer on the pooled [CLS], detector
                tags of the object regions in the input (§3.2).
 
-The encoder is `VLEncoder` (checkpoint keys ``encoder.model.*``), the scorer ``scorer.*`` (new, BERT init).
+The encoder is `VLEncoder` (checkpoint keys ``encoder.model.*``), the scorer ``scorer.*`` (new: BERT's init,
+VL-BERT's Xavier-uniform with a zero bias, as its release starts the VCR classifier).
 
 Object classification (VL-BERT §4.2.1: "During fine-tuning, we adopt two losses, the classification over the
 correctness of the answers and the RoI classification with linguistic clues"): with `object_classes` > 0 an
@@ -76,6 +77,9 @@ class VCRModel(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.scorer = nn.Linear(width, 1)
         init_bert_weights(self.scorer, cfg.initializer_range)
+        if self.arch == "vlbert":  # the release's VCR `final_mlp` linear: Xavier-uniform, bias 0 (its `init_weight`)
+            nn.init.xavier_uniform_(self.scorer.weight)
+            nn.init.zeros_(self.scorer.bias)
         self.object_head = None
         if object_classes:
             self.object_head = ObjectClassHead(self.encoder.vision_size, object_classes, cfg.hidden_act,

@@ -205,7 +205,7 @@ def opt(default: Any, help: str) -> Any:
 # Help texts of the options every training recipe (pre-training and each fine-tuning task) shares.
 FLIP_PROB_HELP = ("show each training example mirrored with this probability: its boxes flipped left-right, "
                   "'left' and 'right' swapped in its text (and, for VQA and GQA, in its answers) (VL-BERT's "
-                  "FLIP_PROB, 0.5 in its VQA and RefCOCO+ configs; the region features stay as they are)")
+                  "FLIP_PROB, 0.5 in its VQA, RefCOCO+ and VCR configs; the region features stay as they are)")
 WARMUP_HELP = ("learning-rate warm-up: a fraction of the updates (below 1), or a number of updates (1 or more: "
                "VL-BERT's released configs warm up for 500)")
 BIAS_CORRECTION_HELP = ("Adam's bias correction of its moment estimates; false: BertAdam's update without it "

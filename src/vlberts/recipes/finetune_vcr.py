@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from vlberts.config import apply_overrides, from_dict
+from vlberts.data.mirror import check_flip
 from vlberts.data.vcr import VCRExample, parse_vcr_record, read_vcr, read_vcr_metadata
 from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRBatch, VCRData, collate_vcr
 from vlberts.data.vqa_dataset import model_tag_subwords
@@ -41,7 +42,7 @@ from vlberts.models.builders import arch_of
 from vlberts.models.encoders import load_encoder_state
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
 from vlberts.models.weights import find_weights, read_state_dict
-from vlberts.recipes.common import autocast, opt, seed_everything
+from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
@@ -67,6 +68,7 @@ class FinetuneVCRConfig(FinetuneConfig):
                                  "for VL-BERT (§3.2); false: names only, as the other architectures")
     object_loss: float = opt(0.0, "weight of the object-classification loss: each region's final state names its "
                                    "object's class (VL-BERT §4.2.1's second fine-tuning loss, weight 1 there); 0: off")
+    flip_prob: float = opt(0.0, FLIP_PROB_HELP)
     choice_loss: str = opt("softmax", "softmax: cross-entropy over the 4 choices (the papers); sigmoid: a binary "
                                       "cross-entropy per choice (VL-BERT's released VCR configs, CLASSIFIER_SIGMOID)")
     out: str = opt("runs/vcr", "run directory")
@@ -206,14 +208,15 @@ def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer
 
 def vcr_data(model: VCRModel, examples: list[VCRExample], mode: str, store: RegionStore, tok: TextTokenizer, *,
              max_text_len: int, object_regions: str, metadata_dir: Path, float16: bool = False,
-             object_classes: list[str] | None = None) -> VCRData:
+             object_classes: list[str] | None = None, flip_prob: float = 0.0, seed: int = 0) -> VCRData:
     """The examples laid out for `model` (its reference rendering; W-VisualBERT's detector tags); float16
-    features kept so with `float16` (`open_features`); each region's object class with `object_classes`."""
+    features kept so with `float16` (`open_features`); each region's object class with `object_classes`;
+    training items mirrored with `flip_prob` (`data.mirror`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
     table = {name: i for i, name in enumerate(object_classes)} if object_classes else None
     return VCRData(examples, mode, store, tok, join=model.join, max_text_len=max_text_len,
                    feature_dim=model.cfg.visual_dim, object_regions=object_regions, metadata_dir=metadata_dir,
-                   tag_subwords=tags, float16=float16, object_classes=table)
+                   tag_subwords=tags, float16=float16, object_classes=table, flip_prob=flip_prob, seed=seed)
 
 
 @torch.no_grad()
@@ -253,6 +256,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     if cfg.mode not in MODES:
         raise VlbertsError(f"unknown --mode {cfg.mode!r}; valid: qa (Q->A), qar (QA->R)")
     uses_alignment(cfg.alignment, arch_of(read_model_config(cfg.init)[0]))  # a bad --alignment: before any data
+    check_flip(cfg.flip_prob, cfg.init)
     if cfg.choice_loss not in CHOICE_LOSSES:
         raise VlbertsError(f"unknown --choice_loss {cfg.choice_loss!r}; valid: {', '.join(CHOICE_LOSSES)}")
     if cfg.object_regions not in OBJECT_REGIONS:
@@ -286,7 +290,8 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     features, mismatch = check_features(store, cfg.init, dist)
     model.uses_alignment = uses_alignment(cfg.alignment, model.arch)
     layout = dict(max_text_len=cfg.max_text_len, object_regions=cfg.object_regions, metadata_dir=metadata_dir)
-    data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16, object_classes=classes)
+    data = vcr_data(model, train, cfg.mode, store, tok, **layout, float16=float16, object_classes=classes,
+                    flip_prob=cfg.flip_prob, seed=cfg.seed)
     extra = {"task": "vcr", "mode": cfg.mode, "head": "linear_on_pooled", "choice_loss": cfg.choice_loss, "join": model.join,
              "object_regions": cfg.object_regions, "alignment": model.uses_alignment, "features": features,
              **({"object_classes": classes} if classes else {})}
