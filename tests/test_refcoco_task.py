@@ -7,6 +7,7 @@ scores the same; exact resume; the ground-truth-region track on a `--boxes gold`
 from __future__ import annotations
 
 import json
+import math
 import pickle
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.models.builders import model_config
 from vlberts.models.refcoco import LinearRegionScorer, RefCocoModel, VLBertRegionScorer, region_bce_loss
+from vlberts.models.vlbert import start_from_roi_transform
 from vlberts.recipes.extract import ExtractConfig, companion_paths, extract
 from vlberts.recipes.finetune_refcoco import (
     FinetuneRefCocoConfig,
@@ -30,6 +32,7 @@ from vlberts.recipes.finetune_refcoco import (
     load_refcoco_model,
     predict_refcoco,
 )
+from vlberts.recipes.pretrain import PretrainConfig, pretrain
 from vlberts.world import refcoco as world_refcoco
 from vlberts.world.build import make_image
 from vlberts.world.vocab import COLOURS, SHAPES, SIZES
@@ -156,6 +159,36 @@ def test_region_scorer_shapes_and_padding(name):
     assert torch.allclose(loss, want)
     targets[1, 2:] = 0.0
     assert torch.equal(region_bce_loss(logits, targets, x.region_mask), loss)
+
+
+def test_vlbert_scorer_is_the_releases_final_mlp_started_from_the_roi_head(tiny_world, tmp_path):
+    """VL-BERT's RefCOCO+ scorer is the release's `final_mlp`: dense, GELU (no LayerNorm), dropout, linear, both
+    linear layers Xavier-uniform with zero biases; `finetune refcoco` starts the dense layer from the
+    pre-training model's RoI-classification transform (`region_head.dense`) and says so in metrics.json."""
+    torch.manual_seed(0)
+    cfg = model_config("vlbert-tiny", vocab_size=60)
+    scorer = RefCocoModel(cfg).eval().scorer
+    assert [type(m).__name__ for m in scorer.children()] == ["Linear", "Dropout", "Linear"]  # no LayerNorm
+    for layer in (scorer.dense, scorer.linear):
+        fan_in, fan_out = layer.weight.shape[1], layer.weight.shape[0]
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        assert layer.weight.abs().max() <= bound and layer.weight.std() > 0.8 * bound / math.sqrt(3)
+        assert not layer.bias.any()
+    v = torch.randn(2, 3, cfg.hidden_size)
+    want = (F.gelu(v @ scorer.dense.weight.T + scorer.dense.bias) @ scorer.linear.weight.T + scorer.linear.bias)[..., 0]
+    assert torch.allclose(scorer(v), want, atol=1e-6)
+    # the recipe: the transform from a VL-BERT pre-training run's RoI head
+    init = pretrain(PretrainConfig(captions=str(tiny_world.captions_train), features=str(tiny_world.store),
+                                   out=str(tmp_path / "pt"), model="vlbert-tiny", vocab_size=200, steps=2, batch_size=8))
+    sd = load_file(str(init / "model.safetensors"))
+    model = RefCocoModel(cfg)
+    assert start_from_roi_transform(model.scorer.dense, sd)
+    assert torch.equal(model.scorer.dense.weight, sd["region_head.dense.weight"])
+    assert torch.equal(model.scorer.dense.bias, sd["region_head.dense.bias"])
+    out = tmp_path / "ref"
+    finetune_refcoco(ref_cfg(tiny_world, init, out, epochs=0.2, eval_splits="val"))
+    assert json.loads((out / "metrics.json").read_text())["scorer_from_pretraining"] is True
+    assert not start_from_roi_transform(model.scorer.dense, {})  # nothing to give: the Xavier start stays
 
 
 # --------------------------------------------------------------------------- fine-tuning

@@ -8,8 +8,10 @@ as independent binary decisions (SPEC §4; formats-and-metrics.md §5):
                released code applies dropout before the linear layer (`vision_logit`).
   vlbert       VL-BERT §4.2.3: "classification scores for all the input RoIs. For each RoI, a binary
                classification loss is applied". The paper does not give the classifier; the released
-               ``final_mlp`` is the masked-RoI head's transform (Linear(D, D), GELU, LayerNorm), dropout,
-               Linear(D, 1), which `VLBertRegionScorer` follows.
+               ``final_mlp`` is the masked-RoI head's transform (Linear(D, D), GELU), dropout, Linear(D, 1),
+               both linear layers started Xavier-uniform with zero biases and the transform then taken
+               from the pre-training model's (`models.vlbert.start_from_roi_transform`), which
+               `VLBertRegionScorer` and `finetune refcoco` follow.
   wvisualbert  W-VisualBERT §4.1 (RefCOCO+): "We follow ViLBERT ... the model is trained to classify if [each
                box proposal] matches the reference phrase or not": ViLBERT's linear scorer, with the
                detector tags in the input as in its other tasks.
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlberts.data.batch import TagInputs, VLInputs
-from vlberts.models.blocks import init_bert_weights
+from vlberts.models.blocks import activation, init_bert_weights
 from vlberts.models.encoders import VLEncoder
 from vlberts.models.vlbert import require_region_features
 
@@ -56,18 +58,22 @@ class LinearRegionScorer(nn.Module):
 
 
 class VLBertRegionScorer(nn.Module):
-    """VL-BERT's released ``final_mlp``: Linear(D, D), GELU, LayerNorm (the masked-RoI head's transform),
-    dropout, Linear(D, 1)."""
+    """VL-BERT's released ``final_mlp``: Linear(D, D) and the activation (the masked-RoI head's transform,
+    `VisualLinguisticBertMVRCHeadTransform`), dropout, Linear(D, 1); its `init_weight` starts both linear
+    layers Xavier-uniform with zero biases."""
 
-    def __init__(self, width: int, dropout: float, eps: float):
+    def __init__(self, width: int, dropout: float, act: str):
         super().__init__()
         self.dense = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width, eps=eps)
+        self.act = activation(act)
         self.dropout = nn.Dropout(dropout)
         self.linear = nn.Linear(width, 1)
+        for layer in (self.dense, self.linear):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, vision: Tensor) -> Tensor:
-        h = self.norm(F.gelu(self.dense(vision)))  # (B, R, D)
+        h = self.act(self.dense(vision))  # (B, R, D)
         return self.linear(self.dropout(h)).squeeze(-1)  # (B, R)
 
 
@@ -90,10 +96,10 @@ class RefCocoModel(nn.Module):
         width = self.encoder.vision_size
         dropout = getattr(cfg, "v_hidden_dropout", cfg.hidden_dropout)
         if self.head == "vlbert_mlp":
-            self.scorer: nn.Module = VLBertRegionScorer(width, dropout, cfg.layer_norm_eps)
+            self.scorer: nn.Module = VLBertRegionScorer(width, dropout, cfg.hidden_act)
         else:
             self.scorer = LinearRegionScorer(width, dropout)
-        init_bert_weights(self.scorer, cfg.initializer_range)
+            init_bert_weights(self.scorer, cfg.initializer_range)
 
     @property
     def reads_tags(self) -> bool:

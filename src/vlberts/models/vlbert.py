@@ -362,6 +362,23 @@ class RoIClassificationHead(nn.Module):
         return self.decoder(self.act(self.dense(x)))
 
 
+ROI_TRANSFORM = "region_head.dense"  # the pre-training model's RoI-classification transform (released: mvrc_head.transform)
+
+
+def start_from_roi_transform(dense: nn.Linear, sd: Mapping[str, Tensor]) -> bool:
+    """Copy a VL-BERT pre-training state dict's RoI-classification transform (`ROI_TRANSFORM`) into a task
+    head's first layer, as the release's task configs start theirs (`PARTIAL_PRETRAIN_PREFIX_CHANGES`
+    `mvrc_head.transform->final_mlp.0` for RefCOCO+, `->cnn_loss_reg.0` for VCR); whether it did (weights
+    of another model or width hold nothing to give)."""
+    w, b = sd.get(f"{ROI_TRANSFORM}.weight"), sd.get(f"{ROI_TRANSFORM}.bias")
+    if w is None or b is None or w.shape != dense.weight.shape:
+        return False
+    with torch.no_grad():
+        dense.weight.copy_(w)
+        dense.bias.copy_(b)
+    return True
+
+
 class VLBertForPreTraining(nn.Module):
     """VL-BERT with its pre-training heads: MLM with visual clues (tied to the word embeddings), masked RoI
     classification with linguistic clues, and, only if `with_match_head`, sentence-image relationship."""

@@ -43,8 +43,10 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import BOX_SELECTION
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.models.encoders import load_encoder_weights
+from vlberts.models.encoders import load_encoder_state
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
+from vlberts.models.vlbert import start_from_roi_transform
+from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
@@ -212,7 +214,11 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
     model = RefCocoModel(model_cfg)
-    load_encoder_weights(model.encoder, cfg.init)
+    weights = find_weights(cfg.init)
+    sd = read_state_dict(weights)
+    load_encoder_state(model.encoder.model, model.encoder.arch, sd, weights)
+    # VL-BERT's scorer starts its transform from the pre-training model's RoI head, as the release's config does
+    scorer_started = model.head == "vlbert_mlp" and start_from_roi_transform(model.scorer.dense, sd)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
@@ -234,6 +240,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
         return None
 
     metrics: dict = {"track": cfg.track, "head": model.head, "soft_iou": cfg.soft_iou,
+                     **({"scorer_from_pretraining": scorer_started} if model.head == "vlbert_mlp" else {}),
                      "train_expressions": len(train), "train_refs": len({e.ref_id for e in train}),
                      "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(),
                      **mismatch, "splits": {}}

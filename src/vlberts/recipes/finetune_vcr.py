@@ -41,6 +41,7 @@ from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, wri
 from vlberts.models.builders import arch_of
 from vlberts.models.encoders import load_encoder_state
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
+from vlberts.models.vlbert import start_from_roi_transform
 from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
@@ -187,14 +188,7 @@ def start_object_head(model: VCRModel, sd: dict[str, torch.Tensor]) -> bool:
     """Start the object head's dense layer from the initial weights' RoI-classification transform
     (``region_head.dense``: a VL-BERT pre-training model's), as the release starts `cnn_loss_reg.0` from
     `mvrc_head.transform`; whether it did (no head, or weights of another model or width: nothing to give)."""
-    head = model.object_head
-    w, b = sd.get("region_head.dense.weight"), sd.get("region_head.dense.bias")
-    if head is None or w is None or b is None or w.shape != head.dense.weight.shape:
-        return False
-    with torch.no_grad():
-        head.dense.weight.copy_(w)
-        head.dense.bias.copy_(b)
-    return True
+    return model.object_head is not None and start_from_roi_transform(model.object_head.dense, sd)
 
 
 def load_vcr_model(directory: str | Path) -> tuple[VCRModel, dict, TextTokenizer]:
