@@ -87,17 +87,20 @@ class VLEncoder(nn.Module):
 TASK_PREFIX = "encoder.model."  # a `VLEncoder` held as `encoder` by a task model
 
 
-def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> None:
+def load_encoder_weights(encoder: VLEncoder, directory: str | Path) -> dict[str, Tensor]:
     """Load the encoder of a vlberts model directory (pre-training, VQA/GQA or any `VLEncoder` task model)
-    into `encoder`, strictly: every encoder weight must be there."""
-    load_encoder_module(encoder.model, encoder.arch, directory)
+    into `encoder`, strictly: every encoder weight must be there. Returns the directory's whole state dict, for
+    a task head that starts from another of its tensors (e.g. `models.vlbert.start_from_roi_transform`)."""
+    return load_encoder_module(encoder.model, encoder.arch, directory)
 
 
-def load_encoder_module(module: nn.Module, arch: str, directory: str | Path) -> None:
+def load_encoder_module(module: nn.Module, arch: str, directory: str | Path) -> dict[str, Tensor]:
     """`load_encoder_weights` into `arch`'s bare encoder module (`ENCODERS[arch]`, e.g. the one a pre-training
-    model holds under `ENCODER_PREFIX[arch]`)."""
+    model holds under `ENCODER_PREFIX[arch]`); returns the state dict read."""
     weights = find_weights(directory)
-    load_encoder_state(module, arch, read_state_dict(weights), weights)
+    sd = read_state_dict(weights)
+    load_encoder_state(module, arch, sd, weights)
+    return sd
 
 
 def load_encoder_state(module: nn.Module, arch: str, sd: dict[str, Tensor], weights: Path) -> None:

@@ -43,10 +43,9 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import BOX_SELECTION
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.models.encoders import load_encoder_state
+from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.refcoco import RefCocoModel, region_bce_loss
 from vlberts.models.vlbert import start_from_roi_transform
-from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.refcoco import score_regions, write_predictions
@@ -214,9 +213,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
     model = RefCocoModel(model_cfg)
-    weights = find_weights(cfg.init)
-    sd = read_state_dict(weights)
-    load_encoder_state(model.encoder.model, model.encoder.arch, sd, weights)
+    sd = load_encoder_weights(model.encoder, cfg.init)
     # VL-BERT's scorer starts its transform from the pre-training model's RoI head, as the release's config does
     scorer_started = model.head == "vlbert_mlp" and start_from_roi_transform(model.scorer.dense, sd)
     if model_cfg.visual_dim != store.feature_dim:

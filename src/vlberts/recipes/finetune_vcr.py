@@ -39,10 +39,9 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
 from vlberts.models.builders import arch_of
-from vlberts.models.encoders import load_encoder_state
+from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
 from vlberts.models.vlbert import start_from_roi_transform
-from vlberts.models.weights import find_weights, read_state_dict
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
@@ -172,9 +171,7 @@ def pretrained_vcr_model(init: str | Path, object_classes: int = 0) -> tuple[VCR
     Returns (model, its config, whether the object head started from the initial weights)."""
     model_cfg, _ = read_model_config(init)
     model = VCRModel(model_cfg, object_classes)
-    weights = find_weights(init)
-    sd = read_state_dict(weights)
-    load_encoder_state(model.encoder.model, model.encoder.arch, sd, weights)
+    sd = load_encoder_weights(model.encoder, init)
     return model, model_cfg, start_object_head(model, sd)
 
 
