@@ -17,13 +17,14 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 DOCS = sorted((README.parent / "docs").glob("*.md"))
 
 
-def headings(text: str) -> list[tuple[str, str]]:
-    """(level marks, title) of every ## and ### heading outside code blocks, in order."""
+def headings(text: str, marks: str = "##|###") -> list[tuple[str, str]]:
+    """(level marks, title) of every heading of the levels `marks` (a regex: ## and ### by default) outside
+    code blocks, in order."""
     out, in_code = [], False
     for line in text.splitlines():
         if line.startswith("```"):
             in_code = not in_code
-        elif not in_code and (m := re.match(r"^(##|###) (.+)$", line)):
+        elif not in_code and (m := re.match(rf"^({marks}) (.+)$", line)):
             out.append((m.group(1), m.group(2).strip()))
     return out
 
@@ -35,17 +36,23 @@ def anchor(title: str) -> str:
 START, END = "<!-- contents -->", "<!-- /contents -->"
 
 
-def contents(text: str) -> list[tuple[str, str, str]]:
-    """(indent, title, anchor) of every section, as the contents list should name them; a repeated title's
-    anchor gets GitHub's -1, -2, ... suffix."""
+def anchors(titles: list[str]) -> list[str]:
+    """GitHub's anchors of these headings, in order: a repeated title's gets a -1, -2, ... suffix."""
     seen: dict[str, int] = {}
     out = []
-    for marks, title in headings(text):
+    for title in titles:
         slug = anchor(title)
         n = seen.get(slug, 0)
         seen[slug] = n + 1
-        out.append(("" if marks == "##" else "  ", title, f"{slug}-{n}" if n else slug))
+        out.append(f"{slug}-{n}" if n else slug)
     return out
+
+
+def contents(text: str) -> list[tuple[str, str, str]]:
+    """(indent, title, anchor) of every section, as the contents list should name them."""
+    found = headings(text)
+    return [("" if marks == "##" else "  ", title, slug)
+            for (marks, title), slug in zip(found, anchors([title for _, title in found]))]
 
 
 def test_readme_starts_with_the_two_setup_commands():
@@ -58,6 +65,38 @@ def test_the_contents_list_names_every_section_and_points_at_its_anchor():
     block = text.split(START)[1].split(END)[0]
     listed = re.findall(r"^( *)- \[(.+)\]\(#([^)]+)\)$", block, flags=re.M)
     assert listed == contents(text), "the README's contents list is stale: run python tests/test_readme.py"
+
+
+def broken_links(doc: Path) -> list[str]:
+    """Every relative link in `doc` (outside code blocks) whose file does not exist, or whose #anchor is no
+    heading of that file (any level); web links are not followed."""
+    wrong, in_code = [], False
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        for target in [] if in_code else re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, slug = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                wrong.append(f"{doc.name}:{number}: {target}: no such file")
+            elif slug and dest.suffix == ".md" and slug not in anchors(
+                    [title for _, title in headings(dest.read_text(), "#{1,6}")]):
+                wrong.append(f"{doc.name}:{number}: {target}: no such heading")
+    return wrong
+
+
+def test_every_link_in_the_readme_and_docs_reaches_a_file_and_heading(tmp_path):
+    wrong = [w for doc in (README, *DOCS) for w in broken_links(doc)]
+    assert not wrong, "\n".join(wrong)
+    # The check finds a moved heading and a missing file.
+    (tmp_path / "other.md").write_text("# Title\n\n## A section\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#a-section), [ok](#here), [web](https://example.org/x#y)\n"
+                    "```\n[in code](gone.md)\n```\n## Here\n[moved](other.md#old-name) [gone](gone.md)\n")
+    assert broken_links(page) == ["page.md:6: other.md#old-name: no such heading", "page.md:6: gone.md: no such file"]
 
 
 # A `vlberts` invocation in prose or a code block: the command itself, `.venv/bin/vlberts`, or
