@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import time
 
 import h5py
@@ -423,6 +424,37 @@ def test_damaged_index_names_the_damaged_image(tmp_path, name, i, value, problem
     with pytest.raises(VlbertsError) as e:
         RegionStore(path)
     assert str(e.value) == f"{path}: damaged store: {problem}"
+
+
+def _replace(f, name, value):
+    del f[name]
+    f[name] = value
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda f: f.attrs.__delitem__("feature_dim"), "missing attribute 'feature_dim'"),
+    (lambda f: f.attrs.__delitem__("dtype"), "missing attribute 'dtype'"),
+    (lambda f: f.attrs.__setitem__("feature_dim", "abc"), "attribute 'feature_dim' is 'abc', not a whole number"),
+    (lambda f: f.attrs.__setitem__("format_version", "x"), "attribute 'format_version' is 'x', not a whole number"),
+    (lambda f: f.attrs.__setitem__("metadata", "{bad"), "attribute 'metadata' is not JSON"),
+    (lambda f: f.attrs.__setitem__("created", "[]"), "attribute 'created' is a JSON list, not an object"),
+    (lambda f: _replace(f, "image_ids", np.arange(5)), "dataset 'image_ids' holds int64, not strings"),
+    (lambda f: f.__delitem__("image_w"), "missing dataset 'image_w'"),
+    # the width the header states must be the width of the features, and boxes must be 4 numbers
+    (lambda f: f.attrs.__setitem__("feature_dim", 64), "dataset 'features' has shape (15, 6), not (rows, 64)"),
+    (lambda f: _replace(f, "boxes", f["boxes"][:, :3]), "dataset 'boxes' has shape (15, 3), not (rows, 4)"),
+])
+def test_damaged_header_names_the_attribute_or_dataset(tmp_path, capsys, damage, problem):
+    path = tmp_path / "s.h5"
+    write_store_records(path, [make_record(k, 3, seed=j) for j, k in enumerate("abcde")])
+    with h5py.File(path, "a") as f:
+        damage(f)
+    with pytest.raises(VlbertsError, match=re.escape(f"{path}: damaged store: {problem}")):
+        RegionStore(path)
+    with pytest.raises(SystemExit) as exc:  # the CLI: one line, exit 2, no traceback
+        main(["features", "info", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "damaged store" in err
 
 
 def test_cli_damaged_count_is_one_line_exit_2(tmp_path, capsys):

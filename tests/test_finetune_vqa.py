@@ -55,7 +55,7 @@ def test_finetune_writes_model_predictions_and_metrics(tiny_world, tiny_pretrain
     assert model.classifier.out_features == len(vocab) == metrics["num_answers"]
 
 
-def test_a_fixed_answer_table_sets_the_classes_and_their_order(tiny_world, tiny_pretrained, tmp_path):
+def test_a_fixed_answer_table_sets_the_classes_and_their_order(tiny_world, tiny_pretrained, tmp_path, capsys):
     """--answer_vocab (LXMERT's trainval_ans2label.json form): the table's classes in its index order, answers
     the training set gives rarely (or never) included, min_answer_count unused; an empty table is an error."""
     from vlberts.tasks.vqa import build_answer_vocab, normalize_answer
@@ -76,6 +76,17 @@ def test_a_fixed_answer_table_sets_the_classes_and_their_order(tiny_world, tiny_
     expected = sum(1 for ex in read_vqa(tq, ta) if not {normalize_answer(a) for a in ex.answers} & set(table))
     assert metrics["train_questions_without_target"] == expected > 0
     assert {p["answer"] for p in json.loads((out / "predictions.json").read_text())} <= set(table)
+    # ... and said in one warning line naming the answers' file
+    warned = [line for line in capsys.readouterr().err.splitlines() if "no answer among" in line]
+    assert warned == [f"warning: {ta}: {expected} of {metrics['train_questions']} training questions have no answer "
+                      f"among the 7 classes of --answer_vocab={tmp_path / 'ans2label.json'} (first: question "
+                      f"{warned[0].split('first: question ')[1].split(')')[0]}); they train toward no answer "
+                      f"(metrics.json: train_questions_without_target)"]
+    # A table none of whose classes any training question answers would train on nothing: an error.
+    (tmp_path / "other.json").write_text(json.dumps(["zebra", "giraffe"]))
+    with pytest.raises(VlbertsError, match=rf"{ta.name}: no training question has an answer among the 2 classes of "
+                                           rf"--answer_vocab=.*other.json \(question \d+: '"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "o", answer_vocab=str(tmp_path / "other.json")))
 
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(VlbertsError, match=r"empty.json: the answer table is empty"):
@@ -125,7 +136,7 @@ def test_skip_bad_counts_what_it_drops(tiny_world, tiny_pretrained, tmp_path):
     tq, ta = tiny_world.vqa("train")
     q, a = json.loads(tq.read_text()), json.loads(ta.read_text())
     n = len(q["questions"])
-    q["questions"][0]["question"] = 5  # a malformed question (its annotation is then an orphan)
+    q["questions"][0]["question"] = 5  # a malformed question (its annotation goes with it)
     a["annotations"][1]["answers"] = a["annotations"][1]["answers"][:9]  # 9 answers (its question loses it)
     extra = dict(q["questions"][2], question_id=987654321, image_id=999999)  # an image not in the store
     q["questions"].append(extra)
@@ -140,8 +151,9 @@ def test_skip_bad_counts_what_it_drops(tiny_world, tiny_pretrained, tmp_path):
                          train_annotations=str(ba), skip_bad=True))
     metrics = json.loads((tmp_path / "skip" / "metrics.json").read_text())
     skipped = metrics["skipped_records"]
-    # Bad records: question 0, its orphaned annotation, annotation 1 (its question goes with it).
-    assert {k: v for k, v in skipped.items() if k != "first"} == {"total": 4, "malformed record": 3, "missing features": 1}
+    # Bad records: question 0 (its annotation goes with it, not counted again), annotation 1 (its question goes
+    # with it), and the question about the missing image.
+    assert {k: v for k, v in skipped.items() if k != "first"} == {"total": 3, "malformed record": 2, "missing features": 1}
     assert "q.json: record questions[0]" in skipped["first"]
     assert metrics["train_questions"] == n - 2  # questions 0 and 1 lost; the missing image's dropped too
     assert metrics["num_questions"] > 0

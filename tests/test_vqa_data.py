@@ -103,6 +103,21 @@ def test_errors_name_file_and_record(tmp_path):
     assert e.record == "annotations[0]" and "image_id 42 differs from the question's image_id 'img_7'" in e.message
 
 
+def test_skipping_a_bad_question_counts_it_once(tmp_path):
+    """A question skipped as bad is one record: its annotation, left without a question, is not counted again
+    (where the question's id can be read)."""
+    from vlberts.errors import BadRecords
+
+    for change in ({"question": None}, {"question": ""}, {"image_id": [1]}):
+        bad = BadRecords(skip=True)
+        got = read_vqa(*_files(tmp_path, _edited(QUESTIONS, 0, **change), ANNOTATIONS), bad=bad)
+        assert [ex.question_id for ex in got] == [70] and bad.total == 1, (change, bad.to_dict())
+    # an annotation whose question the file never had is still its own bad record
+    bad = BadRecords(skip=True)
+    read_vqa(*_files(tmp_path, QUESTIONS, [*ANNOTATIONS, _edited(ANNOTATIONS, 0, question_id=5)[0]]), bad=bad)
+    assert bad.total == 1 and "question_id 5 has no question" in bad.first
+
+
 def test_malformed_and_missing_files(tmp_path):
     (tmp_path / "q.json").write_text('{"questions": [}')
     with pytest.raises(VlbertsError, match=r"q\.json: malformed JSON at line 1"):

@@ -126,27 +126,36 @@ def _top_level_list(obj: Any, key: str, *, path: Path) -> list:
     return obj[key]
 
 
-def _read_questions(path: Path, data: Any, bad: BadRecords) -> tuple[list[VQAExample], dict[int, int], dict[int, int]]:
-    """Questions in file order, question_id -> index into that list, and question_id -> record position."""
+def _read_questions(
+    path: Path, data: Any, bad: BadRecords,
+) -> tuple[list[VQAExample], dict[int, int], dict[int, int], set[int]]:
+    """Questions in file order, question_id -> index into that list, question_id -> record position, and the
+    ids of the questions skipped as bad (where the id itself could be read), whose annotations are then
+    left out without being counted again."""
     records = _top_level_list(data, "questions", path=path)
     examples: list[VQAExample] = []
     index: dict[int, int] = {}
     first_at: dict[int, int] = {}  # question_id -> its record's position in the file
+    skipped: set[int] = set()
     for i, rec in enumerate(records):
         where = f"questions[{i}]"
+        qid = None
         try:
+            require_keys(rec, ("question_id",), path=path, record=where)
+            qid = _check_question_id(rec, path=path, record=where)  # first: a bad question is known by its id
             require_keys(rec, _QUESTION_KEYS, path=path, record=where)
-            qid = _check_question_id(rec, path=path, record=where)
             image_id = _check_image_id(rec, path=path, record=where)
             question = require_text(rec["question"], "question", path=path, record=where)
             if qid in index:
                 raise VlbertsError(f"duplicate question_id {qid} (first at questions[{first_at[qid]}])", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
+            if qid is not None and qid not in index:
+                skipped.add(qid)
             continue
         index[qid], first_at[qid] = len(examples), i
         examples.append(VQAExample(question_id=qid, image_id=image_id, question=question))
-    return examples, index, first_at
+    return examples, index, first_at, skipped
 
 
 def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
@@ -191,7 +200,7 @@ def read_vqa(
     data = read_json(questions_path)
     if kind == "lxmert":
         return _read_lxmert(questions_path, data, bad)
-    questions, q_index, q_record = _read_questions(questions_path, data, bad)
+    questions, q_index, q_record, q_skipped = _read_questions(questions_path, data, bad)
     if not annotations_path:
         return questions
 
@@ -216,6 +225,8 @@ def read_vqa(
                 raise VlbertsError(f"duplicate annotation for question_id {qid} (first at {seen[qid]})",
                                    path=annotations_path, record=where)
             seen[qid] = where
+            if qid in q_skipped:  # its question was bad, and counted as such
+                continue
             if qid not in q_index:
                 raise VlbertsError(
                     f"question_id {qid} has no question in {questions_path.name}", path=annotations_path, record=where

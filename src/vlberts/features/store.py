@@ -403,29 +403,25 @@ class RegionStore:
         if attrs.get("format") != STORE_FORMAT:
             self.close()
             raise VlbertsError(f"not a {STORE_FORMAT} (HDF5 file without format={STORE_FORMAT!r})", path=self.path)
-        version = int(attrs.get("format_version", -1))
+        raw_version = attrs.get("format_version", -1)
+        try:
+            version = int(raw_version)
+        except (TypeError, ValueError):
+            self.close()
+            raise VlbertsError(f"damaged store: attribute 'format_version' is {raw_version!r}, not a whole number",
+                               path=self.path) from None
         if version > STORE_FORMAT_VERSION:
             self.close()
             raise VlbertsError(
                 f"store format version {version} is newer than this vlberts reads ({STORE_FORMAT_VERSION}); upgrade vlberts",
                 path=self.path,
             )
-        self.feature_dim = int(attrs["feature_dim"])
-        self.dtype = str(attrs["dtype"])
         self.format_version = version
-        self.metadata = StoreMetadata.from_dict(json.loads(attrs["metadata"]), path=self.path)
-        self.created = json.loads(attrs.get("created", "{}"))
-        self.fields = [name for name in ("boxes", "features", *OPTIONAL_FIELDS) if name in f]
-        # Per-image index, held in memory: 20 bytes + one id per image.
         try:
-            self._ids: list[str] = f["image_ids"].asstr()[()].tolist()
-            self._w = f["image_w"][()]
-            self._h = f["image_h"][()]
-            self._offset = f["offset"][()]
-            self._count = f["count"][()]
-        except KeyError as e:
+            self._read_header(f)
+        except VlbertsError:
             self.close()
-            raise VlbertsError(f"damaged store: missing dataset ({e})", path=self.path) from None
+            raise
         problem = self._index_problem(f)
         if problem:
             self.close()
@@ -435,12 +431,54 @@ class RegionStore:
         self._coco_warned = False
         self._cache: dict[str, RegionRecord] | None = None
 
+    def _read_header(self, f: h5py.File) -> None:
+        """The store's attributes and its per-image index (held in memory: 20 bytes + one id per image), each
+        checked as it is read, so a damaged file is named with the attribute or dataset at fault."""
+        def damaged(what: str) -> VlbertsError:
+            return VlbertsError(f"damaged store: {what}", path=self.path)
+
+        attrs = f.attrs
+        for name in ("feature_dim", "dtype", "metadata"):
+            if name not in attrs:
+                raise damaged(f"missing attribute '{name}'")
+        try:
+            self.feature_dim = int(attrs["feature_dim"])
+        except (TypeError, ValueError):
+            raise damaged(f"attribute 'feature_dim' is {attrs['feature_dim']!r}, not a whole number") from None
+        self.dtype = str(attrs["dtype"])
+        json_attrs = {}
+        for name in ("metadata", "created"):
+            try:
+                json_attrs[name] = json.loads(attrs.get(name, "{}"))
+            except (TypeError, ValueError) as e:
+                raise damaged(f"attribute '{name}' is not JSON ({e})") from None
+            if not isinstance(json_attrs[name], dict):
+                raise damaged(f"attribute '{name}' is a JSON {type(json_attrs[name]).__name__}, not an object")
+        self.metadata = StoreMetadata.from_dict(json_attrs["metadata"], path=self.path)
+        self.created = json_attrs["created"]
+        self.fields = [name for name in ("boxes", "features", *OPTIONAL_FIELDS) if name in f]
+        for name in ("image_ids", "image_w", "image_h", "offset", "count"):
+            if name not in f:
+                raise damaged(f"missing dataset '{name}'")
+        if h5py.check_string_dtype(f["image_ids"].dtype) is None:
+            raise damaged(f"dataset 'image_ids' holds {f['image_ids'].dtype}, not strings")
+        self._ids: list[str] = f["image_ids"].asstr()[()].tolist()
+        self._w = f["image_w"][()]
+        self._h = f["image_h"][()]
+        self._offset = f["offset"][()]
+        self._count = f["count"][()]
+
     def _index_problem(self, f: h5py.File) -> str | None:
         """What is wrong with the per-image index, or None: every image's rows must be the next `count` rows
         of the per-box arrays (as the writer lays them out), so no image can read another's regions."""
         for name in ("boxes", "features"):
             if name not in f:
                 return f"missing dataset '{name}'"
+        if f["boxes"].ndim != 2 or f["boxes"].shape[1] != 4:
+            return f"dataset 'boxes' has shape {f['boxes'].shape}, not (rows, 4)"
+        if f["features"].ndim != 2 or f["features"].shape[1] != self.feature_dim:
+            return (f"dataset 'features' has shape {f['features'].shape}, not (rows, {self.feature_dim}) as the "
+                    f"attribute feature_dim says")
         n = len(self._ids)
         if any(len(a) != n for a in (self._w, self._h, self._offset, self._count)):
             return f"the index arrays (image_w, image_h, offset, count) do not all have {n} entries, one per image id"

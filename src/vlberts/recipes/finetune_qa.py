@@ -356,6 +356,27 @@ def examples_with_features(examples: list, path: str, store: RegionStore, featur
     return [ex for ex in examples if ex.image_id in store] if missing else examples
 
 
+def check_targets(train: list, targets: list, path: str, answer_vocab: str, classes: int, dist: DistInfo) -> None:
+    """A training question none of whose answers is a class trains toward no answer (the papers' code keeps
+    such questions). With a given table (`--answer_vocab`) a one-line warning counts them (a table made for
+    other data shows here); with classes counted from the training answers they are the rare answers
+    `--min_answer_count` leaves out, counted in metrics.json only. When no question has a target the run
+    stops, as it would train on nothing."""
+    without = [ex for ex, t in zip(train, targets) if t is not None and not t.labels]
+    if not without:
+        return
+    source = f"the {classes} classes of --answer_vocab={answer_vocab}" if answer_vocab else f"the {classes} classes"
+    first = without[0]
+    answers = sorted(set(first.answers if hasattr(first, "answers") else [first.answer]))[:3]  # VQA's ten, GQA's one
+    if len(without) == len(train):
+        raise VlbertsError(f"no training question has an answer among {source} (question {first.question_id}: "
+                           f"{', '.join(map(repr, answers))})", path=path)
+    if answer_vocab and dist.main:
+        print(f"warning: {path}: {len(without)} of {len(train)} training questions have no answer among {source} "
+              f"(first: question {first.question_id}); they train toward no answer (metrics.json: "
+              f"train_questions_without_target)", file=sys.stderr)
+
+
 def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     """Fine-tune on `task`, then predict and score the evaluation questions; returns the model directory.
 
@@ -405,6 +426,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     features, mismatch = check_features(store, cfg.init, dist)
     data = qa_data(model, train, store, tok, vocab, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
                    target=task.target, float16=float16, flip_prob=cfg.flip_prob, seed=cfg.seed)
+    check_targets(train, data.targets, getattr(cfg, task.answers_field) or cfg.train_questions, cfg.answer_vocab,
+                  len(vocab), dist)
     loss_fn = LOSSES[model.loss if cfg.loss == "auto" else cfg.loss]
     extra = {"task": task.name, "answers": list(vocab.answers), "head": model.head, "features": features}
     final = finetune_loop(
