@@ -278,13 +278,25 @@ def test_retrieval_caption_ids_are_unique(tmp_path):
                "sentences": [{"raw": f"cube {i} {k}", "tokens": ["cube"], "sentid": 10 * i + k} for k in range(2)]}
               for i in (1, 2)]
     split = tmp_path / "split.json"
-    split.write_text(json.dumps({"images": images}))
-    assert [c.caption_id for c in read_retrieval_split(split, "test").captions] == [10, 11, 20, 21]
+
+    def read(images):
+        split.write_text(json.dumps({"images": images}))
+        try:
+            return [c.caption_id for c in read_retrieval_split(split, "test").captions]
+        except VlbertsError as err:
+            return str(err)
+
+    assert read(images) == [10, 11, 20, 21]
     images[1]["sentences"][1]["sentid"] = 11
-    split.write_text(json.dumps({"images": images}))
-    with pytest.raises(VlbertsError) as err:
-        read_retrieval_split(split, "test")
-    assert str(err.value) == f"{split}: record image 2: duplicate sentid 11 (also in image 1); each sentence needs its own id"
+    assert read(images) == f"{split}: record image 2: duplicate sentid 11 (also in image 1); each sentence needs its own id"
+    # Positions stand in for sentids in a file without any; a file with some would have them collide.
+    for image in images:
+        for s in image["sentences"]:
+            s.pop("sentid")
+    assert read(images) == [0, 1, 2, 3]
+    images[1]["sentences"][1]["sentid"] = 0
+    assert read(images) == (f"{split}: record image 2: sentences[1] has a sentid, where the split's first sentence "
+                            "has none: all or none")
 
     np.save(tmp_path / "scores.npy", np.eye(2, dtype=np.float32)[[0, 0, 1, 1]])
     index = {"caption_ids": [10, 11, 20, 21], "caption_image_ids": ["1", "1", "2", "2"], "image_ids": ["1", "2"]}
@@ -351,6 +363,9 @@ def test_foreign_configs_are_objects_of_valid_values_and_name_their_file(tmp_pat
     for change, message in (({"hidden_act": "bogus"}, "unknown activation 'bogus'"),
                             ({"attention_probs_dropout_prob": 2}, "attention_dropout: must be at most 1, got 2"),
                             ({"num_attention_heads": 5}, "hidden_size 32 is not a multiple of num_heads 5"),
+                            # torch's Embedding would assert on it (a traceback), or take -7 from the end
+                            ({"pad_token_id": 30}, "pad_token_id 30 is not a token of the 30-token vocabulary"),
+                            ({"pad_token_id": -7}, "pad_token_id -7 is not a token of the 30-token vocabulary"),
                             ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
                             ({"hidden_size": "wide"}, "hidden_size: expected an integer, got 'wide'")):
         with pytest.raises(VlbertsError, match=f"^my/config.json.*{message}"):
@@ -417,3 +432,35 @@ def test_a_stores_region_classes_past_its_own_class_names_stop_the_representatio
     with pytest.raises(VlbertsError) as err:
         RegionStore(cfg.features).vocabulary_ids("obj_id")
     assert str(err.value) == f"{cfg.features}: record image 3: obj_id outside the store's 3-entry vocabulary (range 0..7)"
+
+
+class _Recorded(dict):
+    """A dict that notes every key read from it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+def test_the_settings_a_config_of_changes_may_name_are_those_the_translators_read():
+    """`--config` of `vlberts models import --format=lxmert|visualbert` may name the settings the translator
+    reads, no others (a misspelt one is an error): the two lists are the translators' own reads."""
+    from vlberts.models.convert_hf import HF_VISUALBERT_SETTINGS, visualbert_config_from_hf
+    from vlberts.models.convert_hf_lxmert import HF_LXMERT_SETTINGS, lxmert_config_from_hf
+
+    lx = _Recorded(vocab_size=30, hidden_size=32, num_attention_heads=4, intermediate_size=37, l_layers=1,
+                   r_layers=1, x_layers=1, visual_feat_dim=16)
+    lxmert_config_from_hf(lx)
+    assert lx.read == set(HF_LXMERT_SETTINGS)
+    vb = _Recorded(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                   visual_embedding_dim=16)
+    visualbert_config_from_hf(vb)
+    assert vb.read == set(HF_VISUALBERT_SETTINGS)

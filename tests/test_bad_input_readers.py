@@ -109,6 +109,25 @@ def test_refcoco_duplicate_annotation_id(tmp_path):
                               "annotations[1])")
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(images=5), "record instances: field images must be a list, got int"),
+    (lambda d: d.update(annotations=None), "record instances: field annotations must be a list, got NoneType"),
+    (lambda d: d.update(categories={}), "record instances: field categories must be a list, got dict"),
+    # a repeated id would silently replace the first image or category
+    (lambda d: d["images"].append(dict(d["images"][0], width=5)), "record images[1]: duplicate image id 1 (first at "
+                                                                  "images[0])"),
+    (lambda d: d["categories"].append({"id": 1, "name": "dog"}), "record categories[1]: duplicate category id 1 "
+                                                                 "(first at categories[0])"),
+])  # fmt: skip
+def test_refcoco_instances_lists_and_their_ids(tmp_path, change, message):
+    inst = _instances()
+    change(inst)
+    _, inst_p = _refcoco(tmp_path, instances=inst)
+    with pytest.raises(VlbertsError) as err:
+        read_instances(inst_p, BadRecords(skip=True))  # not records one can skip: the file's frame
+    assert str(err.value) == f"{inst_p}: {message}"
+
+
 def test_refcoco_unknown_split_names_the_ref(tmp_path):
     refs_p, _ = _refcoco(tmp_path, refs=[REFS[0], dict(REFS[1], split="valid")])
     with pytest.raises(VlbertsError) as err:
@@ -257,6 +276,32 @@ def _vcr_cfg(world, init: Path, tmp_path: Path, train: Path, **kw) -> FinetuneVC
     base = dict(init=str(init), features=str(world.store), out=str(tmp_path / "run"),
                 train_file=str(train), eval_file=str(world.root / "vcr" / "val.jsonl"), device="cpu")
     return FinetuneVCRConfig(**{**base, **kw})
+
+
+def test_vcr_metadata_naming_other_objects_than_the_record(tiny_world, tmp_path):
+    """A metadata file whose names disagree with the record's objects (another image's file, or the objects in
+    another order) would give each object another's box: refused, or counted with --skip_bad."""
+    import shutil
+
+    from vlberts.features.store import RegionStore
+    from vlberts.recipes.finetune_vcr import usable_examples
+
+    val = read_vcr(tiny_world.root / "vcr" / "val.jsonl")
+    examples = [val[0], next(ex for ex in val if ex.metadata_fn != val[0].metadata_fn)]  # two images
+    meta_dir = tmp_path / "metadata"
+    shutil.copytree(tiny_world.root / "vcr" / "metadata", meta_dir)
+    meta_path = meta_dir / examples[0].metadata_fn
+    meta = json.loads(meta_path.read_text())
+    meta["names"] = meta["names"][1:] + meta["names"][:1]  # the same classes, rotated
+    assert meta["names"] != list(examples[0].objects)
+    meta_path.write_text(json.dumps(meta))
+    store = RegionStore(tiny_world.store)
+    args = ("val.jsonl", store, str(tiny_world.store), "iou", meta_dir)
+    with pytest.raises(VlbertsError, match=rf"^{meta_path}: record {examples[0].annot_id}: metadata names object "
+                                           r"\d+ '\w+', the record '\w+' \(\d+ of \d+ differ\)$"):
+        usable_examples(examples, *args, BadRecords())
+    bad = BadRecords(skip=True)
+    assert usable_examples(examples, *args, bad) == examples[1:] and bad.counts == {"bad metadata": 1}
 
 
 def test_finetune_vcr_without_a_metadata_folder_says_so(tiny_world, tiny_pretrained, tmp_path):

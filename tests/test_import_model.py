@@ -150,6 +150,12 @@ def test_original_lxmert_imports_from_its_own_key_layout_with_the_same_outputs(t
                        f"--out={tmp_path / 'm4'}", f"--config={tmp_path / 'heads.json'}")
     assert code == 0, err
     assert load_pretraining_model(tmp_path / "m4")[1].num_heads == 4
+    # A misspelt setting is not dropped without a word.
+    (tmp_path / "typo.json").write_text(json.dumps({"num_attention_head": 4}))
+    code, _, err = run(str(tmp_path / "Epoch20_LXRT.pth"), "--format=lxmert", f"--vocab={vocab}",
+                       f"--out={tmp_path / 'm5'}", f"--config={tmp_path / 'typo.json'}")
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'typo.json'}: unknown key(s) num_attention_head; valid "
+                                        "keys: attention_probs_dropout_prob, hidden_act, ") and err.count("\n") == 1
     torch.save({"module.something.weight": torch.zeros(2)}, tmp_path / "other.pth")
     code, _, err = run(str(tmp_path / "other.pth"), "--format=lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'x'}")
     assert code == 2 and err.strip() == (f"error: {tmp_path / 'other.pth'}: not an LXMERT checkpoint: no "
@@ -229,6 +235,10 @@ def test_original_visualbert_imports_from_its_own_key_layout_with_the_same_outpu
     assert code == 0, err
     ours, cfg, _ = load_pretraining_model(tmp_path / "flickr")
     assert (cfg.visual_dim, cfg.projection_in) == (16, 22)
+    (tmp_path / "typo.json").write_text(json.dumps({"visual_spatial": "6d", "bogus": 1}))
+    code, _, err = run(str(tmp_path / "flickr_pre_trained.th"), "--format=visualbert", f"--vocab={vocab}",
+                       f"--out={tmp_path / 'flickr2'}", f"--config={tmp_path / 'typo.json'}")
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'typo.json'}: unknown key(s) bogus; valid keys: ")
     flickr.save_pretrained(tmp_path / "hf-flickr")
     ref = load_hf_visualbert(tmp_path / "hf-flickr")
     b = x.region_boxes

@@ -288,6 +288,13 @@ def test_vcr_bad_references_name_file_and_line(tmp_path):
     _write_jsonl(path, [_vcr_row(rationale_label=4)])
     with pytest.raises(VlbertsError, match=r"record line 1: rationale_label must be an integer in 0\.\.3"):
         read_vcr(path)
+    # Text that would reach the model as nothing: an empty question or choice, a blank class name.
+    for change, message in (({"question": []}, "question is empty"), ({"question": [" "]}, "question is empty"),
+                            ({"answer_choices": [[], ["b"], ["c"], ["d"]]}, r"answer_choices\[0\] is empty"),
+                            ({"objects": ["person", "", "person", "dog"]}, r"objects\[1\] is an empty class name")):
+        _write_jsonl(path, [_vcr_row(**change)])
+        with pytest.raises(VlbertsError, match=rf"record line 1: {message}$"):
+            read_vcr(path)
     row = json.dumps(_vcr_row())
     path.write_text(row + "\n" + row[:-40] + "\n")
     with pytest.raises(VlbertsError, match=r"val\.jsonl: record line 2: malformed JSON line"):

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -179,16 +180,20 @@ def _num(x: float) -> str:
     return str(int(x)) if x.is_integer() and abs(x) < 1e21 else f"{x:g}"
 
 
+def require_known_keys(data: dict[str, Any], known: Iterable[str], where: str) -> None:
+    """Unknown keys in a settings object are an error listing the valid ones: a misspelt setting must not be
+    dropped without a word."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise VlbertsError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+
+
 def from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
     """Build the dataclass `cls` from `data`; unknown keys, bad values and values outside a setting's range
     (`SETTING_RANGES`) are `VlbertsError`s."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise VlbertsError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(fields))}"
-        )
+    require_known_keys(data, fields, where)
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
     for k, v in kwargs.items():
         _check_range(k, v, fields[k].default, f"{where}.{k}")

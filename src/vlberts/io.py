@@ -285,6 +285,14 @@ def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: o
         raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)
 
 
+def require_lists(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: object) -> None:
+    """Fail with a one-line error when a JSON record is not a dict whose `keys` all hold lists."""
+    require_keys(obj, keys, path=path, record=record)
+    for key in keys:
+        if not isinstance(obj[key], list):
+            raise VlbertsError(f"field {key} must be a list, got {type(obj[key]).__name__}", path=path, record=record)
+
+
 def require_unique(seen: dict[Any, object], key: Any, at: object, *, what: str, path: str | Path | None,
                    record: object = None) -> None:
     """Note that `key` (an id) appears `at` this place of the file (a line, a list position); one seen before

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.io import read_json, require_box, require_keys, require_text, require_unique, write_json
+from vlberts.io import read_json, require_box, require_keys, require_lists, require_text, require_unique, write_json
 from vlberts.safe_pickle import safe_load
 
 Box = tuple[float, float, float, float]
@@ -288,8 +288,9 @@ def read_instances(
     bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
-    require_keys(data, ("images", "annotations", "categories"), path=path, record="instances")
+    require_lists(data, ("images", "annotations", "categories"), path=path, record="instances")
     images: dict[int, CocoImage] = {}
+    seen_images: dict[int, object] = {}  # id -> where it first appears (a repeated id would replace the first)
     for i, rec in enumerate(data["images"]):
         where = f"images[{i}]"
         require_keys(rec, ("id", "width", "height"), path=path, record=where)
@@ -297,14 +298,17 @@ def read_instances(
                         _str(rec.get("file_name", ""), "file_name", path=path, record=where),
                         _int(rec["width"], "width", path=path, record=where),
                         _int(rec["height"], "height", path=path, record=where))
+        require_unique(seen_images, img.id, where, what="image id", path=path)
         images[img.id] = img
     categories: dict[int, str] = {}
+    seen_categories: dict[int, object] = {}
     for i, rec in enumerate(data["categories"]):
         where = f"categories[{i}]"
         require_keys(rec, ("id", "name"), path=path, record=where)
         cid = _int(rec["id"], "id", path=path, record=where)
         if cid < 1:
             raise VlbertsError(f"category id {cid}: COCO category ids are 1-based", path=path, record=where)
+        require_unique(seen_categories, cid, where, what="category id", path=path)
         categories[cid] = _str(rec["name"], "name", path=path, record=where)
     annotations: dict[int, CocoAnnotation] = {}
     first: dict[int, object] = {}  # annotation id -> where it first appears

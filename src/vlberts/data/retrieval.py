@@ -83,10 +83,18 @@ def read_retrieval_split(
     captions: list[RetrievalCaption] = []
     image_ids: list[str] = []
     sentid_image: dict[int, str] = {}  # sentid -> the image it was first seen in (the score index's caption ids)
+    numbered: bool | None = None  # whether the split's sentences carry sentids (all or none: positions otherwise)
     for im in data.split(split):
         image_id = str(im.image_id)
         if not im.sentences:
             bad.handle(VlbertsError("image has no sentences", path=path, record=f"image {image_id}"))
+            continue
+        numbered = im.sentences[0].sentid is not None if numbered is None else numbered
+        odd = next((k for k, s in enumerate(im.sentences) if (s.sentid is not None) != numbered), None)
+        if odd is not None:  # a position standing in for a missing sentid could be another sentence's sentid
+            bad.handle(VlbertsError(f"sentences[{odd}] {'lacks a' if numbered else 'has a'} sentid, where the split's "
+                                    f"first sentence {'has one' if numbered else 'has none'}: all or none",
+                                    path=path, record=f"image {image_id}"))
             continue
         if image_id in image_ids:
             bad.handle(VlbertsError("image listed twice", path=path, record=f"image {image_id}"))

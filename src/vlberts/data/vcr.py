@@ -151,6 +151,8 @@ def render_tokens(
 def _parse_tokens(value: Any, num_objects: int, *, path: Path, record: str, field: str) -> Tokens:
     if not isinstance(value, list):
         raise VlbertsError(f"{field} must be a list of tokens", path=path, record=record)
+    if not any(not isinstance(tok, str) or tok.strip() for tok in value):  # would reach the model as no text
+        raise VlbertsError(f"{field} is empty", path=path, record=record)
     out: list[Token] = []
     for j, tok in enumerate(value):
         if isinstance(tok, str):
@@ -209,6 +211,9 @@ def parse_vcr_record(rec: Any, *, path: Path, record: str) -> VCRExample:
     objects = rec["objects"]
     if not isinstance(objects, list) or not all(isinstance(o, str) for o in objects):
         raise VlbertsError("objects must be a list of class names", path=path, record=record)
+    blank = [i for i, o in enumerate(objects) if not o.strip()]
+    if blank:  # a reference to it would render as no word
+        raise VlbertsError(f"objects[{blank[0]}] is an empty class name", path=path, record=record)
     n = len(objects)
     movie = rec.get("movie")
     if movie is not None and not isinstance(movie, str):

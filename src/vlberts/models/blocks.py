@@ -83,6 +83,9 @@ class BertTextConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        pad = getattr(self, "pad_token_id", 0)  # the subclasses that have one (not LXMERT)
+        if isinstance(pad, int) and not 0 <= pad < self.vocab_size:
+            raise ValueError(f"pad_token_id {pad} is not a token of the {self.vocab_size}-token vocabulary")
         for name in ("hidden_act", "v_hidden_act"):  # the visual stream's own, where there is one (ViLBERT)
             if hasattr(self, name):
                 activation(getattr(self, name))  # an unknown name fails here, not when the model is built

@@ -66,7 +66,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.config import from_dict
+from vlberts.config import from_dict, require_known_keys
 from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
 from vlberts.models.spatial import SPATIAL_DIMS
@@ -98,6 +98,16 @@ HF_VISUALBERT_TASK_HEADS: dict[str, tuple[tuple[str, ...], str]] = {
 _TASK_KEYS = {k for keys, _ in HF_VISUALBERT_TASK_HEADS.values() for k in keys}
 # HF classes whose files hold the MLM and sentence-image heads
 _WITH_PRETRAINING_HEADS = ("VisualBertForPreTraining", "VisualBertForRegionToPhraseAlignment")
+
+
+# The Hugging Face `VisualBertConfig` settings `visualbert_config_from_hf` reads, and our `visual_spatial` (a
+# --config of changes may name these only)
+HF_VISUALBERT_SETTINGS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
+    "layer_norm_eps", "pad_token_id", "initializer_range", "visual_embedding_dim", "special_visual_initialize",
+    "visual_spatial", "bypass_transformer", "tie_word_embeddings",
+)
 
 
 def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> VisualBertConfig:
@@ -222,6 +232,7 @@ def load_original_visualbert(path: str | Path, config: str | Path | None = None)
     sd_hf = {hf_names[k]: v for k, v in raw.items() if hf_names[k]}
     hf = original_visualbert_config(sd_hf, path)
     overrides = read_json_object(config) if config is not None else {}
+    require_known_keys(overrides, HF_VISUALBERT_SETTINGS, str(config))
     hf.update(overrides)
     if "visual_embedding_dim" not in overrides:  # the projection reads each feature and its box geometry
         hf["visual_embedding_dim"] -= SPATIAL_DIMS.get(hf.get("visual_spatial", "none"), 0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.config import from_dict
+from vlberts.config import from_dict, require_known_keys
 from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
 from vlberts.models.weights import dim_of, layer_count, load_into, read_state_dict, rename_key
@@ -60,6 +60,16 @@ HF_LXMERT_RULES = [
 ]
 
 _HEAD_PREFIXES = ("cls.", "obj_predict_head.", "answer_head.")
+
+
+# The Hugging Face `LxmertConfig` settings `lxmert_config_from_hf` reads (a --config of changes may name these only)
+HF_LXMERT_SETTINGS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "l_layers", "r_layers", "x_layers",
+    "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+    "type_vocab_size", "initializer_range", "visual_feat_dim", "visual_pos_dim", "task_obj_predict",
+    "visual_obj_loss", "visual_attr_loss", "visual_feat_loss", "num_object_labels", "num_attr_labels",
+    "num_qa_labels", "task_qa", "tie_word_embeddings",
+)
 
 
 def lxmert_config_from_hf(hf: dict, where: str = "HF LXMERT config") -> LxmertConfig:
@@ -117,7 +127,9 @@ def load_original_lxmert(path: str | Path, config: str | Path | None = None) -> 
         state[hf_key], names[hf_key] = v, k
     hf = original_lxmert_config(state, path)
     if config is not None:
-        hf.update(read_json_object(config))
+        changes = read_json_object(config)
+        require_known_keys(changes, HF_LXMERT_SETTINGS, str(config))
+        hf.update(changes)
     return _load(lxmert_config_from_hf(hf, where=str(config or path)), state, path, names)
 
 

@@ -155,6 +155,12 @@ def usable_examples(examples: list[VCRExample], path: str, store: RegionStore, f
                 if len(meta.boxes) != len(ex.objects):
                     raise VlbertsError(f"metadata has {len(meta.boxes)} boxes for {len(ex.objects)} objects",
                                        path=metadata_dir / ex.metadata_fn, record=ex.annot_id)
+                differ = [i for i, (a, b) in enumerate(zip(meta.names, ex.objects)) if a != b]
+                if differ:  # another image's metadata, or objects reordered: each box would go to another object
+                    i = differ[0]
+                    raise VlbertsError(f"metadata names object {i} {meta.names[i]!r}, the record {ex.objects[i]!r} "
+                                       f"({len(differ)} of {len(ex.objects)} differ)",
+                                       path=metadata_dir / ex.metadata_fn, record=ex.annot_id)
             except VlbertsError as err:
                 bad.handle(err, "bad metadata")
                 continue
