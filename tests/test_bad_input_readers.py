@@ -412,6 +412,19 @@ def test_feature_import_of_a_directory_where_a_file_is_expected_says_so(fmt, tmp
     assert not out.exists()
 
 
+def test_an_output_file_given_as_an_existing_directory_is_refused_before_the_work(tiny_world, tmp_path, capsys):
+    # it imported every record, then failed naming its hidden temporary file
+    tsv, out = tmp_path / "f.tsv", tmp_path / "folder"
+    code, _, err = run_cli(["features", "export", str(tiny_world.store), "--format", "butd-tsv", "--out", str(tsv)],
+                           capsys)
+    assert code == 0, err
+    out.mkdir()
+    code, _, err = run_cli(["features", "import", str(tsv), "--format", "butd-tsv", f"--out={out}", "--overwrite"],
+                           capsys)
+    assert code == 2 and err == f"error: {out}: is a directory, where a file is written: give a file name\n"
+    assert list(out.iterdir()) == []
+
+
 def test_feature_import_formats_that_read_a_directory_still_take_one(tmp_path, capsys):
     src = tmp_path / "features"
     src.mkdir()

@@ -311,18 +311,29 @@ def test_world_build_out_that_is_a_file_says_so_and_keeps_the_file(tmp_path, cap
     assert notes.read_text() == "a file"
 
 
-def test_a_partly_labelled_evaluation_file_is_predicted_with_a_warning(tiny_world, tiny_pretrained, tmp_path, capsys):
+def test_a_partly_labelled_evaluation_file_is_an_error_before_training(tiny_world, tiny_pretrained, tmp_path, capsys):
+    """A record without its label in a labelled evaluation file is bad input, found before training: an error
+    naming it, or with --skip_bad dropped and counted, the rest scored. A file without labels is predicted."""
     lines = nlvr2_file(tiny_world, "test1").read_text().splitlines()
     partly = tmp_path / "test1.json"
-    rec = json.loads(lines[0])
+    rec = json.loads(lines[3])
     rec.pop("label")
-    partly.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    partly.write_text("\n".join([*lines[:3], json.dumps(rec), *lines[4:]]) + "\n")
     out = tmp_path / "run"
-    finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, out, eval_statements=str(partly), epochs=0.05))
-    err = capsys.readouterr().err
-    assert f"warning: {partly}: 1 of {len(lines)} evaluation examples have no label" in err
+    with pytest.raises(VlbertsError) as err:
+        finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, out, eval_statements=str(partly), epochs=0.05))
+    assert str(err.value) == f"{partly}: record {rec['identifier']}: no label, where the file's other records have one"
+    assert not (out / "model").exists()  # before training
+    finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, out, eval_statements=str(partly), epochs=0.05, skip_bad=True))
     metrics = json.loads((out / "metrics.json").read_text())
-    assert "accuracy" not in metrics and len((out / "predictions.csv").read_text().splitlines()) == len(lines)
+    assert metrics["skipped_records"]["missing label"] == 1 and metrics["num_examples"] == len(lines) - 1
+    assert "accuracy" in metrics and len((out / "predictions.csv").read_text().splitlines()) == len(lines) - 1
+    unlabelled = tmp_path / "hidden.json"
+    unlabelled.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "label"}) + "\n"
+                                  for x in lines))
+    finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, tmp_path / "hidden", eval_statements=str(unlabelled),
+                             epochs=0.05))
+    assert "accuracy" not in json.loads((tmp_path / "hidden" / "metrics.json").read_text())
 
 
 def test_on_off_options_also_take_a_value():

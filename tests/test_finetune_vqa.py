@@ -164,6 +164,12 @@ def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path)
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "a", loss="mse"))
     with pytest.raises(VlbertsError, match="no answer is given by 100000\\+ training questions"):
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "b", min_answer_count=100000))
+    # VQA v2's questions as a bare list read as LXMERT's list, which holds its answers: the message says so
+    tq, _ = tiny_world.vqa("train")
+    (tmp_path / "list.json").write_text(json.dumps(json.loads(tq.read_text())["questions"]))
+    with pytest.raises(VlbertsError, match=r"names 1 file\(s\) for 0 VQA v2 questions JSON file\(s\): .*; "
+                                           r".*list\.json reads as a list or imdb holding its answers\)$"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "c", train_questions=str(tmp_path / "list.json")))
 
 
 def test_cli_malformed_annotations_exit_2_naming_the_file(tiny_world, tiny_pretrained, tmp_path):

@@ -30,8 +30,11 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed."""
+    """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed. A
+    directory at `path` is refused before any work (a file cannot replace it)."""
     path = Path(path)
+    if path.is_dir():
+        raise VlbertsError("is a directory, where a file is written: give a file name", path=path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

@@ -142,6 +142,9 @@ def read_vlbert_json(src: str | Path) -> Source:
         except json.JSONDecodeError as e:
             raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=src,
                                record=f"file {name}") from None
+        except UnicodeDecodeError as e:
+            raise VlbertsError(f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})", path=src,
+                               record=f"file {name}") from None
         except DuplicateKey as e:
             raise VlbertsError(str(e), path=src, record=f"file {name}") from None
         except VlbertsError as e:

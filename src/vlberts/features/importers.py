@@ -106,10 +106,10 @@ def _guarded(records: Iterator[tuple[str, bytes, RegionRecord | None]], src: Pat
             return
         except VlbertsError as e:
             raise VlbertsError(e.message, path=e.path or src,
-                               record=e.record or (f"after {at}" if at else "the first")) from None
+                               record=e.record or (f"after {at}" if at else None)) from None  # none read: the file's fault
         except _DECODE_ERRORS as e:
             raise VlbertsError(f"cannot read this {format} file: {type(e).__name__}: {first_line(e)}", path=src,
-                               record=f"after {at}" if at else "the first") from None
+                               record=f"after {at}" if at else "the first record") from None
         at = item[0]
         yield item
 

@@ -29,7 +29,6 @@ trained on, as the pre-trained one did.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from vlberts.data.sampling import Position, update_seed
-from vlberts.errors import VlbertsError
+from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
@@ -164,15 +163,23 @@ def require_eval_examples(examples: Sequence[Any], path: str) -> None:
         raise VlbertsError("no example to evaluate (the file holds none, or --skip_bad dropped them all)", path=path)
 
 
-def all_labelled(examples: Sequence[Any], labelled: Callable[[Any], bool], path: str, dist: DistInfo | None = None) -> bool:
-    """Whether the evaluation examples can be scored: all of them carry labels. A file without labels (a
-    hidden test split) is predicted only, silently; one where only some lack labels is predicted and not
-    scored, with a warning line naming the file (rank 0), rather than scoring a part of it."""
-    missing = sum(1 for ex in examples if not labelled(ex))
-    if missing and missing < len(examples) and (dist is None or dist.main):
-        print(f"warning: {path}: {missing} of {len(examples)} evaluation examples have no label: predictions "
-              "written, not scored", file=sys.stderr)
-    return bool(examples) and not missing
+def labelled_evaluation(examples: list[Any], labelled: Callable[[Any], bool], record: Callable[[Any], object],
+                        path: str, bad: BadRecords) -> list[Any]:
+    """The evaluation examples, checked before training: a file without labels (a hidden test split) is
+    predicted only; in a labelled file a record without its label is bad (`record` names it): an error, or
+    with --skip_bad dropped and counted ("missing label"), so that the rest is scored."""
+    if not any(labelled(ex) for ex in examples):
+        return examples
+    for ex in examples:
+        if not labelled(ex):
+            bad.handle(VlbertsError("no label, where the file's other records have one", path=path, record=record(ex)),
+                       "missing label")
+    return [ex for ex in examples if labelled(ex)]
+
+
+def all_labelled(examples: Sequence[Any], labelled: Callable[[Any], bool]) -> bool:
+    """Whether the evaluation examples (`labelled_evaluation`'s: all labelled or none) can be scored."""
+    return bool(examples) and all(labelled(ex) for ex in examples)
 
 
 def read_task_model(directory: str | Path, task: str, name: str, hint: str = "") -> tuple[Any, dict]:

@@ -41,7 +41,7 @@ from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -158,6 +158,8 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
     image_map = read_image_map(cfg.image_map) if cfg.image_map else None
     store, float16 = open_features(cfg, device)
     train, train_images = resolve_images(train, cfg.train_statements, store, cfg.features, image_map, cfg.image_map, bad)
+    evals = labelled_evaluation(evals, lambda ex: ex.label is not None, lambda ex: ex.identifier, cfg.eval_statements,
+                                bad)
     evals, eval_images = resolve_images(evals, cfg.eval_statements, store, cfg.features, image_map, cfg.image_map, bad)
     require_eval_examples(evals, cfg.eval_statements)
     if bad.total and dist.main:
@@ -200,7 +202,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
                               precision=cfg.precision, dist=dist)
         if dist.main:
             write_predictions(out / "predictions.csv", ((ex.identifier, preds[ex.identifier]) for ex in evals))
-        if all_labelled(evals, lambda ex: ex.label is not None, cfg.eval_statements, dist):
+        if all_labelled(evals, lambda ex: ex.label is not None):
             metrics.update(nlvr2_metrics(preds, evals, train))
     if dist.main:
         write_json(out / "metrics.json", metrics)

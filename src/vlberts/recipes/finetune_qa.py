@@ -51,7 +51,7 @@ from vlberts.models.vlbert import ANSWER_CLASSIFIERS, VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import last_questions
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
@@ -413,6 +413,8 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     seed_everything(cfg.seed)
     train, eval_examples = (examples_with_features(examples, path, store, cfg.features, bad)
                             for path, examples in ((cfg.train_questions, train), (cfg.eval_questions, eval_examples)))
+    eval_examples = labelled_evaluation(eval_examples, lambda ex: ex.annotated, lambda ex: f"question {ex.question_id}",
+                                        cfg.eval_questions, bad)
     require_eval_examples(eval_examples, cfg.eval_questions)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
@@ -451,7 +453,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
                            precision=cfg.precision, dist=dist)
         if dist.main:
             task.write_predictions(out / "predictions.json", ((ex.question_id, preds[ex.question_id]) for ex in eval_examples))
-        if all_labelled(eval_examples, lambda ex: ex.annotated, cfg.eval_questions, dist):
+        if all_labelled(eval_examples, lambda ex: ex.annotated):
             metrics.update(task.metrics(preds, eval_examples, train))
             # Questions none of whose answers is a class: always wrong (no class can score them).
             metrics["eval_questions_without_target"] = sum(1 for ex in eval_examples if not task.target(ex, vocab).labels)

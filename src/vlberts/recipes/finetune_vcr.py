@@ -43,7 +43,7 @@ from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
 from vlberts.models.vlbert import start_from_roi_transform
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import choose
 from vlberts.tasks.vcr import CHANCE, read_submission, score_logits, score_submission
@@ -269,6 +269,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
     evaluation = read_vcr_file(cfg.eval_file, bad, require_labels=False) if cfg.eval_file else []
     train = usable_examples(train, cfg.train_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
     evaluation = usable_examples(evaluation, cfg.eval_file, store, cfg.features, cfg.object_regions, metadata_dir, bad)
+    evaluation = labelled_evaluation(evaluation, lambda ex: ex.annotated, lambda ex: ex.annot_id, cfg.eval_file, bad)
     if bad.total and dist.main:  # first, so that an error below for an emptied file shows what was skipped
         print(bad.warning(), file=sys.stderr)
     if not train:
@@ -314,7 +315,7 @@ def finetune_vcr(cfg: FinetuneVCRConfig) -> Path | None:
         if dist.main:
             write_json(out / "predictions.json", {ex.annot_id: preds[ex.annot_id] for ex in evaluation}, indent=None)
         metrics["eval_questions"] = len(evaluation)
-        if all_labelled(evaluation, lambda ex: ex.annotated, cfg.eval_file, dist):
+        if all_labelled(evaluation, lambda ex: ex.annotated):
             label = (lambda ex: ex.answer_label) if cfg.mode == "qa" else (lambda ex: ex.rationale_label)
             right = sum(1 for ex in evaluation if choose(preds[ex.annot_id]) == label(ex))
             metrics[metric] = 100.0 * right / len(evaluation)

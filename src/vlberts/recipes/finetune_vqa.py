@@ -79,9 +79,12 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords,
         raise VlbertsError("--train_annotations is required with a VQA v2 questions JSON (a Pythia imdb .npy "
                            "or LXMERT's question list holds its answers)", path=json_files[0])
     if len(file_list(cfg.train_annotations)) != len(json_files):
+        read_as = "; ".join(f"{q} reads as {'a list or imdb holding its answers' if holds_answers(q) else 'VQA v2 questions'}"
+                            for q in questions)
         raise VlbertsError(f"--train_annotations names {len(file_list(cfg.train_annotations))} file(s) for "
                            f"{len(json_files)} VQA v2 questions JSON file(s): one each, in the same order (an imdb "
-                           f".npy or LXMERT's list holds its answers and takes none)", path=cfg.train_annotations)
+                           f".npy or LXMERT's list holds its answers and takes none; {read_as})",
+                           path=cfg.train_annotations)
     table = _target_table(cfg, answers)
     parts = [(q, read_vqa(q, None if holds_answers(q) else next(annotations), bad, table)) for q in questions]
     for path, examples in parts:
