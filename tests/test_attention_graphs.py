@@ -216,3 +216,28 @@ def test_command_skip_bad_drops_an_image_missing_from_the_store(tiny_world, tiny
     assert "warning: skipped 1 bad records (1 missing features)" in output
     data = json.loads((tmp_path / "b" / "attention_graphs.json").read_text())
     assert data["bad_records"]["missing features"] == 1 and data["captions"] > 0
+
+
+def test_skipped_captions_are_named_with_their_file(tiny_world, tiny_pretrained, tmp_path, capsys):
+    """A parse whose words differ from its caption is left out of the POS shares: the warning names the CoNLL-U
+    file and the first such caption (it said only "skipped parse words differ: 1")."""
+    import shutil
+
+    root = tmp_path / "w"
+    shutil.copytree(tiny_world.entities, root / "flickr30k_entities")
+    shutil.copytree(tiny_world.entities.parent / "parses", root / "parses")
+    conllu = root / "parses" / "val.conllu"
+    lines = conllu.read_text().split("\n")
+    sent = next(line.split("= ")[1] for line in lines if line.startswith("# sent_id"))
+    k = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))  # its first word
+    cols = lines[k].split("\t")
+    lines[k] = "\t".join([cols[0], cols[1] + "x", *cols[2:]])
+    conllu.write_text("\n".join(lines))
+    code, output = run_cli(["analyze", "attention-graphs", f"--model={tiny_pretrained}",
+                            f"--entities={root / 'flickr30k_entities'}", f"--features={tiny_world.store}",
+                            "--split=val", f"--out={tmp_path / 'a'}", "--figures=0"], capsys)
+    assert code == 0, output
+    assert (f"warning: {conllu}: skipped 1 captions from the POS shares (parse words differ: 1 (first: caption "
+            f"{sent}))") in output
+    data = json.loads((tmp_path / "a" / "attention_graphs.json").read_text())
+    assert data["skipped"] == {"parse words differ": 1} and data["skipped_first"] == {"parse words differ": f"caption {sent}"}

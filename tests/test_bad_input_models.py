@@ -207,6 +207,13 @@ def test_coco_caption_ids_are_unique_and_image_sizes_positive(tmp_path):
     with pytest.raises(VlbertsError) as err:
         read_caption_refs(path)
     assert str(err.value) == f"{path}: record images[1]: image 2: height must be a positive integer, got 0"
+    obj = json.loads(_coco(tmp_path).read_text())
+    del obj["annotations"]  # COCO's images without their captions: not a Karpathy file either
+    path.write_text(json.dumps(obj))
+    with pytest.raises(VlbertsError) as err:
+        read_caption_refs(path)
+    assert str(err.value) == (f"{path}: neither a COCO captions file (no 'annotations' list) nor a Karpathy split "
+                              "file (images[0] has no 'sentences')")
 
 
 CYCLE = """# sent_id = 8_2

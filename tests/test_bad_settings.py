@@ -71,8 +71,8 @@ def test_settings_outside_their_range_are_one_line_errors(override, message):
 def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
     cfg = apply_overrides(PredictQAConfig(), ["--max_text_len=0", "--max_regions=0", "--batch_size=8"])
     assert (cfg.max_text_len, cfg.max_regions, cfg.batch_size) == (0, 0, 8)
-    with pytest.raises(VlbertsError, match="max_regions: must be at least 1, got -1"):
-        apply_overrides(PredictQAConfig(), ["--max_regions=-1"])
+    with pytest.raises(VlbertsError, match=r"max_regions: must be at least 1 \(or 0, the default\), got -1$"):
+        apply_overrides(PredictQAConfig(), ["--max_regions=-1"])  # the message names the 0 it allows
     assert apply_overrides(FinetuneVQAConfig(), ["--warmup=0", "--clip=0", "--lr=3e-5"]).lr == 3e-5
     assert apply_overrides(FinetuneVQAConfig(), ["--warmup=500"]).warmup == 500  # VL-BERT's 500 updates
     assert apply_overrides(DemoConfig(), ["--length_group=0"]).length_group == 0  # 0: off, where 64 is the default

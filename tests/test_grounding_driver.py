@@ -62,6 +62,11 @@ def test_entity_positions_follow_subwords_and_skips_are_counted(tmp_path):
     # Second caption: chain 15 has no annotation at all ("no box"), 0 is notvisual, 13 scene, 14 nobndbox.
     assert [e.phrase for e in caps[1].entities] == ["a man"]
     assert skipped.to_dict() == {"no box": 2, "notvisual": 1, "scene": 1}
+    # one line names the phrases without a box by their first (the analysis prints it; scene and notvisual
+    # phrases carry no box by the format's rule and are not in it)
+    assert skipped.warning("phrases without a gold box", "ANN", ("no box",)) == (
+        "warning: ANN: skipped 2 phrases without a gold box (no box: 2 (first: caption 7_1, chain 15 'a dog'))")
+    assert SkipCounts().warning("phrases", "ANN") == ""
 
 
 def test_truncated_phrases_are_skipped(tmp_path):

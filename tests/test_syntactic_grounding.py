@@ -369,8 +369,10 @@ def test_recipe_without_parses_and_with_mismatched_parses(tiny_world, tiny_pretr
 
     from vlberts.errors import VlbertsError
 
-    with pytest.raises(VlbertsError, match="parses file not found"):
+    with pytest.raises(VlbertsError, match="nope.conllu: file not found"):
         analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), parses=str(tmp_path / "nope.conllu"), **common))
+    with pytest.raises(VlbertsError, match="user: is a directory, expected a file"):  # said "not found"
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), parses=str(tmp_path / "user"), **common))
 
 
 def _captions_with_entities(world, model_dir) -> list[str]:

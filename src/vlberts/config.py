@@ -166,8 +166,11 @@ def _check_range(name: str, value: Any, default: Any, where: str) -> None:
     if name not in SETTING_RANGES or value == default:
         return
     low, high, open_low = SETTING_RANGES[name]
-    if low is not None and (value <= low if open_low else value < low):
-        raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {_num(low)}, got {_num(value)}")
+    below = (lambda v: v <= low if open_low else v < low) if low is not None else (lambda v: False)
+    # the default is allowed too: name it where it lies outside the range (0: "all" / "off")
+    also = f" (or {_num(default)}, the default)" if isinstance(default, (int, float)) and below(default) else ""
+    if below(value):
+        raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {_num(low)}{also}, got {_num(value)}")
     if high is not None and value > high:
         raise VlbertsError(f"{where}: must be at most {_num(high)}, got {_num(value)}")
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import VlbertsError, first_line
+from vlberts.io import require_file
 
 # Global names a plain-data pickle may use, by the name the pickle gives (Python 3 and Python 2 spellings).
 _BUILTIN_MODULES = frozenset({"builtins", "__builtin__"})
@@ -123,9 +124,7 @@ def safe_loads(data: bytes, *, source: str | Path = "<bytes>", encoding: str = "
 
 def safe_load(path: str | Path, *, encoding: str = "utf-8", numpy: bool = False) -> Any:
     """Read a pickle file holding plain data only (see `safe_loads`); a missing file is a `VlbertsError`."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     return safe_loads(path.read_bytes(), source=path, encoding=encoding, numpy=numpy)
 
 
@@ -136,9 +135,7 @@ def read_npy(path: str | Path) -> tuple[Any, bytes]:
     import numpy as np
     from numpy.lib import format as npy
 
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     data = path.read_bytes()
     f = io.BytesIO(data)
     try:

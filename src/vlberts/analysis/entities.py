@@ -16,7 +16,7 @@ text budget are left out and counted, so a report can say how many were skipped 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -54,15 +54,28 @@ class EntityCaption:
 
 @dataclass
 class SkipCounts:
-    """Phrases the analysis could not use, by reason."""
+    """What an analysis could not use (phrases, captions), by reason, with the first one of each reason
+    (e.g. "caption 6_0: the man") for the warning line that names it."""
 
     counts: Counter = field(default_factory=Counter)
+    first: dict[str, str] = field(default_factory=dict)
 
-    def add(self, reason: str, n: int = 1) -> None:
+    def add(self, reason: str, n: int = 1, example: str = "") -> None:
         self.counts[reason] += n
+        if example:
+            self.first.setdefault(reason, example)
 
     def to_dict(self) -> dict[str, int]:
         return dict(sorted(self.counts.items()))
+
+    def warning(self, what: str, source: str, reasons: Collection[str] | None = None) -> str:
+        """One line for stderr counting the skipped `what` of `reasons` (default: all) read from `source`, each
+        reason with its first example, or "" when there are none."""
+        shown = {k: n for k, n in sorted(self.counts.items()) if reasons is None or k in reasons}
+        if not shown:
+            return ""
+        parts = ", ".join(f"{k}: {n}" + (f" (first: {self.first[k]})" if k in self.first else "") for k, n in shown.items())
+        return f"warning: {source}: skipped {sum(shown.values())} {what} ({parts})"
 
 
 def entity_captions(
@@ -88,7 +101,8 @@ def entity_captions(
                     skipped.add("notvisual")
                     continue
                 if not gp.boxes:
-                    skipped.add("scene" if gp.is_scene else "no box")
+                    skipped.add("scene" if gp.is_scene else "no box",
+                                example=f"caption {cap.image_id}_{cap.index}, chain {p.chain_id} {p.text!r}")
                     continue
                 words = [word_tokens[i] for i in range(p.first_word_index, p.end)]
                 if any(len(w) == 0 for w in words):

@@ -210,6 +210,11 @@ def read_caption_refs(path: str | Path, split: str = "train", merge_restval: boo
         return [CaptionRef(str(c.image_id), c.text) for c in coco.captions]
     if split not in ("train", "val", "test", "restval"):
         raise VlbertsError(f"split must be train, val, test or restval, got {split!r}", path=path)
+    images = obj.get("images") if isinstance(obj, dict) else None
+    if isinstance(images, list) and images and isinstance(images[0], dict) and "sentences" not in images[0]:
+        # COCO's images list without its annotations, read as a Karpathy file, would blame images[0]
+        raise VlbertsError("neither a COCO captions file (no 'annotations' list) nor a Karpathy split file "
+                           "(images[0] has no 'sentences')", path=path)
     data = _karpathy_from(obj, path, merge_restval)
     refs = [CaptionRef(str(im.image_id), s.raw) for im in data.split(split) for s in im.sentences]
     if not refs:

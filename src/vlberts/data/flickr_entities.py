@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.errors import VlbertsError
-from vlberts.io import read_text, require_box, require_unique
+from vlberts.io import read_text, require_box, require_file, require_unique
 
 Box = tuple[float, float, float, float]
 SPLITS = ("train", "val", "test")
@@ -181,9 +181,7 @@ def _int_text(elem: ET.Element | None, what: str, path: Path, record: str) -> in
 
 def read_entity_boxes(path: str | Path) -> EntityBoxes:
     """Parse one Annotations/<id>.xml file; boxes converted to 0-based float xyxy (module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError as e:
@@ -255,9 +253,7 @@ def read_flickr_split(root: str | Path, split: str) -> list[str]:
     (its captions would be read, trained on and scored twice)."""
     if split not in SPLITS:
         raise VlbertsError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    path = Path(root) / f"{split}.txt"
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(Path(root) / f"{split}.txt")
     first: dict[str, object] = {}  # image id -> its line
     for k, line in enumerate(read_text(path).split("\n"), 1):
         line = line.strip()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,8 @@ from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
-from vlberts.recipes.analyze_grounding import analysis_images, image_bytes, load_parses, missing_images, resolve_images
+from vlberts.recipes.analyze_grounding import (analysis_images, image_bytes, load_parses, missing_images, resolve_images,
+                                              resolve_parses)
 from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
@@ -185,7 +185,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     write_run_config(cfg.out, cfg)  # before the forward passes
 
     positional, shares, relations = PositionalAccumulator(), TagShareAccumulator(), RelationAccumulator()
-    skipped: Counter = Counter()
+    skipped = SkipCounts()  # captions left out of a statistic, by reason, each with its first
     examples: dict[str, GraphExample] = {}
     views = None
     with progress() as bar, autocast(device, cfg.precision):
@@ -204,7 +204,7 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
                     shares.add(cross, tags)
                 if scenes is not None:
                     if cap.image_id not in scenes:
-                        skipped["image not in the scenes"] += 1
+                        skipped.add(_NOT_IN_SCENES, example=f"image {cap.image_id}")
                     else:
                         boxes, related = scenes[cap.image_id]
                         relations.add(objects, region_objects(reg.pixel_boxes, boxes), related)
@@ -227,15 +227,19 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
         "no POS shares: no parses (pass --parses=FILE.conllu or --parser=spacy:PIPELINE)",
         "object_relations": relations.result(views.object_layer),
         "object_relations_note": scenes_note,
-        "skipped": dict(sorted(skipped.items())),
+        "skipped": skipped.to_dict(),
+        "skipped_first": dict(sorted(skipped.first.items())),
         "bad_records": bad.to_dict(),
         "figure_images": figure_images,  # the object figures' images: missing ones drawn grey
         "parser_alignment_failures": dict(list(parse_failed.items())[:20]),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    if skipped:  # on stderr as well as in attention_graphs.json
-        print("warning: skipped " + ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
-              + "; counts in attention_graphs.json", file=sys.stderr)
+    # on stderr as well as in attention_graphs.json, each naming the file it concerns and the first caption or image
+    parse_source = cfg.parser or str(resolve_parses(cfg)[0])
+    for line in (skipped.warning("captions from the POS shares", parse_source, _PARSE_SKIPS),
+                 skipped.warning("captions from the object relations", str(scenes_path), (_NOT_IN_SCENES,))):
+        if line:
+            print(line, file=sys.stderr)
     out = Path(cfg.out)
     paths = {"json": out / "attention_graphs.json", "markdown": out / "attention_graphs.md"}
     nx, pv = pos["best_next"], pos["best_previous"]
@@ -254,21 +258,27 @@ def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsRepor
     return AttentionGraphsReport(arch, data, paths)
 
 
-def _caption_tags(cap: EntityCaption, parses: dict | None, parse_failed: dict[str, str], skipped: Counter) -> list[str] | None:
+_NOT_IN_SCENES = "image not in the scenes"
+_PARSE_SKIPS = ("parser tokens do not align with the caption's words", "no parse", "parse words differ")
+
+
+def _caption_tags(cap: EntityCaption, parses: dict | None, parse_failed: dict[str, str],
+                  skipped: SkipCounts) -> list[str] | None:
     """The caption's token tags from its parse, or None (counted in `skipped` with the reason)."""
     if parses is None:
         return None
+    where = f"caption {cap.caption_id}"
     if cap.caption_id in parse_failed:
-        skipped["parser tokens do not align with the caption's words"] += 1
+        skipped.add(_PARSE_SKIPS[0], example=where)
         return None
     sentence = parses.get(cap.caption_id)
     if sentence is None:
-        skipped["no parse"] += 1
+        skipped.add(_PARSE_SKIPS[1], example=where)
         return None
     try:
         check_parse_words(sentence, cap.words)
     except ParseMismatch:
-        skipped["parse words differ"] += 1
+        skipped.add(_PARSE_SKIPS[2], example=where)
         return None
     return token_tags(cap.word_tokens, [t.upos for t in sentence.tokens], len(cap.ids))
 

@@ -91,7 +91,7 @@ from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_open, write_json
+from vlberts.io import atomic_open, require_file, write_json
 from vlberts.models.builders import reads_tags
 from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
@@ -165,13 +165,11 @@ def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
         return None, "syntactic grounding not run (--parses=none); only entity grounding ran"
     if cfg.parses == "auto":
         path = Path(cfg.entities).parent / "parses" / f"{cfg.split}.conllu"
-        if not path.is_file():
+        if not path.exists():
             return None, (f"syntactic grounding not run: no parses ({path} does not exist; pass "
                           "--parses=FILE.conllu); only entity grounding ran")
-        return path, f"parses: {path} (found next to the entities, as the embedded world writes them)"
-    path = Path(cfg.parses)
-    if not path.is_file():
-        raise VlbertsError("parses file not found (--parses)", path=path)
+        return require_file(path), f"parses: {path} (found next to the entities, as the embedded world writes them)"
+    path = require_file(cfg.parses)
     return path, f"parses: {path}"
 
 
@@ -315,6 +313,10 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     split_images, bad = analysis_images(cfg, store)
     skipped = SkipCounts()
     captions = entity_captions(split_images, tok, cfg.max_text_len, skipped)
+    # Phrases whose chain has no box in the annotations (not the not-visual and scene ones, which carry none by
+    # the format's own rule): named on stderr as well as counted in grounding.json
+    if (line := skipped.warning("phrases without a gold box", str(Path(cfg.entities) / "Annotations"), ("no box",))):
+        print(line, file=sys.stderr)
     _check_qualitative_ids(qual_ids, captions, cfg.split)
     parses, parse_failed, syntactic_note = load_parses(cfg, captions, nlp)
     captions, mask_note = apply_mask_pos(mask_pos, captions, parses, tok, cfg.entities)

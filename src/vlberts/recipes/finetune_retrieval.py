@@ -53,7 +53,7 @@ from vlberts.data.retrieval import (
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError, first_line
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_open, read_json, require_unique, write_json
+from vlberts.io import atomic_open, read_json, require_file, require_unique, write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
@@ -307,9 +307,7 @@ def check_caption_ids(index: dict, path: Path) -> None:
 
 def rescore(scores_path: str | Path) -> dict:
     """Metrics of a saved score matrix, its rows and columns read from the score_index.json beside it."""
-    path = Path(scores_path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(scores_path)
     try:
         scores = np.load(path, allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:  # EOFError: an empty or cut-short file (click would say "Aborted!")

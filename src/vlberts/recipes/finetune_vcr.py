@@ -37,7 +37,7 @@ from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRBatch, VCRData, c
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import DuplicateKey, read_json, require_unique, unique_keys, write_json
+from vlberts.io import DuplicateKey, read_json, require_file, require_unique, unique_keys, write_json
 from vlberts.models.builders import arch_of
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
@@ -92,9 +92,7 @@ def read_vcr_file(path: str | Path, bad: BadRecords, *, require_labels: bool) ->
     """The records of a VCR jsonl file (`data.vcr.parse_vcr_record`, blank lines skipped); a malformed line or
     record (or, with `require_labels`, an unlabelled one, or an annot_id seen on an earlier line) is an error
     naming the file and line, or with `bad.skip` dropped and counted, reading on."""
-    path = Path(path)
-    if not path.is_file():
-        raise VlbertsError("file not found", path=path)
+    path = require_file(path)
     out = []
     first: dict[str, object] = {}  # annot_id -> its line
     with open(path, "rb") as f:
