@@ -8,6 +8,7 @@ labelled evaluation file, and `--flag=true` for the on/off options of the comman
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -427,3 +428,26 @@ def test_negative_seeds_are_refused_before_anything_runs(tmp_path, capsys):
 
     with pytest.raises(VlbertsError, match="--seeds must name non-negative seeds, got '1,-3'"):
         seed_list(CompareConfig(seeds="1,-3"))
+
+
+def test_an_error_quoting_a_huge_value_stays_a_readable_line(tmp_path, capsys):
+    """A reader's message quotes the bad value; a megabyte-long one (an answer, a CSV header) made a
+    megabyte-long "line". The middle is left out and counted, the start and the end kept."""
+    from vlberts.errors import MAX_MESSAGE
+
+    err = VlbertsError(f"answer must be a string, got {['x' * 1_000_000]!r}", path="p.json", record="[3]")
+    text = str(err)
+    assert len(text) < MAX_MESSAGE + 40 and "\n" not in text
+    assert text.startswith("p.json: record [3]: answer must be a string, got ['xxx") and text.endswith("xxx']")
+    assert re.search(r" \.\.\.\(999,\d{3} characters left out\)\.\.\. ", text)
+    assert str(VlbertsError("short")) == "short"
+    # through a command: the official VQA evaluation of a predictions file with such an answer
+    preds = tmp_path / "preds.json"
+    preds.write_text(json.dumps([{"question_id": 1, "answer": ["x" * 1_000_000]}]))
+    (tmp_path / "q.json").write_text(json.dumps({"questions": [{"question_id": 1, "image_id": 1, "question": "what?"}]}))
+    (tmp_path / "a.json").write_text(json.dumps({"annotations": [{
+        "question_id": 1, "image_id": 1, "multiple_choice_answer": "red", "answer_type": "other",
+        "question_type": "what", "answers": [{"answer": "red", "answer_id": k + 1} for k in range(10)]}]}))
+    code, _, err = run_cli(["evaluate", "vqa", f"--predictions={preds}", f"--questions={tmp_path / 'q.json'}",
+                            f"--annotations={tmp_path / 'a.json'}", f"--out={tmp_path / 'e'}"], capsys)
+    assert code == 2 and len(err) < MAX_MESSAGE + 200 and err.count("\n") == 1 and "characters left out" in err

@@ -138,6 +138,17 @@ def test_finetuning_on_other_features_warns_once_and_records_it(tiny_world, tiny
     assert json.loads((final / "config.json").read_text())["features"] == identity(fewer)
     with RegionStore(tiny_world.store) as store:
         assert feature_mismatch(store, final).endswith("box_policy 10-36 vs 10-20, max_boxes 36 vs 20")
+    # `vlberts predict` with that model on other features says so too (it answered without a word)
+    from vlberts.recipes.predict_qa import PredictQAConfig, predict_file
+
+    questions, _ = tiny_world.vqa("test")
+    predict_file(PredictQAConfig(model=str(final), questions=str(questions), features=str(tiny_world.store),
+                                 out=str(tmp_path / "p"), device="cpu"), "vqa")
+    again = (f"{tiny_world.store}: features from extractor vlberts-world-detector (weights sha256 {sha}) but {final} "
+             f"was trained on features from extractor vlberts-world-detector (weights sha256 {sha}): "
+             "box_policy 10-36 vs 10-20, max_boxes 36 vs 20")
+    assert warnings_of(capsys.readouterr().err) == [f"warning: {again}"]
+    assert json.loads((tmp_path / "p" / "predict.json").read_text())["feature_mismatch"] == again
 
 
 def test_finetuning_on_the_same_features_or_from_a_model_without_a_record_is_quiet(tiny_world, tiny_pretrained,

@@ -168,11 +168,17 @@ def test_given_boxes_are_described_exactly_under_the_files_ids(weights, images, 
     assert read_given_boxes(tmp_path / "plain.json")["COCO_val2014_000000000007"].tolist() == [[1, 2, 30, 40]]
     for bad, match in [({"annotations": [{"image_id": 7, "bbox": [1, 2, 3]}]}, r"annotations\[0\]: a box must be four"),
                        ({"7": [[5, 5, 5, 9]]}, r"record 7: a box has no positive width"),
-                       ({"99": [[0, 0, 4, 4]]}, r"record 99: no image file for image id 99")]:
+                       ({"99": [[0, 0, 4, 4]]}, r"record 99: no image file for image id 99"),
+                       # past the 200 x 100 image: named with the boxes file (it named no file)
+                       ({"7": [[10, 10, 500, 500]]}, r"^\S*bad\.json: record 7: box 0 .* lies outside the 200x100 image")]:
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(VlbertsError, match=match):
             extract_folder(images, weights, tmp_path / "b.h5", settings=SMALL, boxes=tmp_path / "bad.json")
     assert not (tmp_path / "b.h5").exists()
+    (tmp_path / "classes.txt").write_text("bg\na\nb\n")  # the detector has 5 classes
+    with pytest.raises(VlbertsError, match=r"classes\.txt: 3 class names for a detector of 5 classes \(with "
+                                           r"background, or 4 without\)$"):
+        extract_folder(images, weights, tmp_path / "b.h5", settings=SMALL, classes=tmp_path / "classes.txt")
 
 
 def test_cli_given_boxes(weights, images, tmp_path):

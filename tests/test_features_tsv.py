@@ -159,13 +159,20 @@ def test_export_refuses_what_the_format_cannot_hold(tmp_path):
     store = write_store_records(tmp_path / "s.h5", [RegionRecord("world_1", 8, 8, np.zeros((1, 4)), np.ones((1, 2)))])
     with pytest.raises(VlbertsError, match="BUTD TSV image ids are integers"):
         export_tsv(store, tmp_path / "b.tsv", "butd-tsv")
-    with pytest.raises(VlbertsError, match="LXMERT TSV needs obj_id/obj_conf"):
-        export_tsv(store, tmp_path / "l.tsv", "lxmert-tsv")
+    with pytest.raises(VlbertsError, match=r"s\.h5: record world_1: LXMERT TSV needs obj_id/obj_conf"):
+        export_tsv(store, tmp_path / "l.tsv", "lxmert-tsv")  # the store lacks them: named, not the TSV
     assert not (tmp_path / "b.tsv").exists() and not (tmp_path / "l.tsv").exists() and leftovers(tmp_path) == []
     objs = write_store_records(
         tmp_path / "o.h5", [RegionRecord("w1", 8, 8, np.zeros((2, 4)), np.ones((2, 2)), obj_id=[3, 4], obj_conf=[0.9, 0.8])]
     )
     assert export_tsv(objs, tmp_path / "l.tsv", "lxmert-tsv", zero_missing_attrs=True) == 1
+    # an existing file is replaced only when asked, and never the store itself (it was, exit 0)
+    with pytest.raises(VlbertsError, match=r"l\.tsv: already exists \(pass --overwrite to replace it\)"):
+        export_tsv(objs, tmp_path / "l.tsv", "lxmert-tsv", zero_missing_attrs=True)
+    assert export_tsv(objs, tmp_path / "l.tsv", "lxmert-tsv", zero_missing_attrs=True, overwrite=True) == 1
+    with pytest.raises(VlbertsError, match=r"o\.h5: is the store being exported"):
+        export_tsv(objs, tmp_path / "o.h5", "lxmert-tsv", zero_missing_attrs=True, overwrite=True)
+    assert RegionStore(objs).ids() == ["w1"]
     (rec,) = read_lxmert_tsv(tmp_path / "l.tsv")
     assert rec.attr_id.tolist() == [0, 0] and rec.obj_id.tolist() == [3, 4]
 

@@ -261,6 +261,10 @@ def test_submission_scoring_reads_the_rationales_of_the_gold_answer(tmp_path, ca
         "duplicate": ("\n".join([*text, text[1]]), "duplicate row for val-0", "line 5"),
         "unknown": ("\n".join([*text, text[1].replace("val-0", "val-9", 1)]), "val-9 is not a question", "line 5"),
         "missing": ("\n".join(text[:3]), "no prediction for this example", "annot_id val-2"),
+        # a field past the csv module's limit was a traceback (_csv.Error)
+        "huge field": ("\n".join([*text[:3], _with_first_score(text[3], "1" * 200_000)]), "malformed CSV (field "
+                       "larger than field limit", "line 4"),
+        "open quote": ("\n".join([*text[:3], _with_first_score(text[3], '"0.1')]), "expected 21 fields, got 2", "line 4"),
     }
     for name, (content, message, where) in cases.items():
         bad = tmp_path / f"{name}.csv"

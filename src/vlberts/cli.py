@@ -191,7 +191,6 @@ def features_extract(
 ) -> None:
     """Detect and describe the regions of a folder of images with a torchvision Faster R-CNN (your weights)."""
     from vlberts.features.frcnn import DetectorSettings, extract_folder, image_files, read_given_boxes
-    from vlberts.features.importers import read_vocab
     from vlberts.features.selection import SelectionConfig
     from vlberts.recipes.common import progress, resolve_device, set_threads
 
@@ -208,7 +207,7 @@ def features_extract(
         task = bar.add_task("extract", total=len(read_given_boxes(boxes)) if boxes else len(image_files(images)))
         extract_folder(images, weights, out, selection=selection, boxes=boxes,
                        settings=DetectorSettings(min_size=min_size, max_size=max_size, proposals=proposals),
-                       dtype="float16" if float16 else "float32", classes=None if classes is None else read_vocab(classes),
+                       dtype="float16" if float16 else "float32", classes=classes,
                        batch_images=batch_images, device=resolve_device(device), overwrite=overwrite,
                        progress=advance)
     _echo_store_written(out)
@@ -237,11 +236,12 @@ def features_export(
     format: FeatureFormat = typer.Option(..., "--format", help="butd-tsv (integer ids) or lxmert-tsv (needs objects)."),
     out: Path = typer.Option(..., help="The TSV file to write."),
     zero_missing_attrs: bool = typer.Option(False, help="lxmert-tsv: write zero attributes when the store has none."),
+    overwrite: bool = typer.Option(False, help="Replace an existing OUT (never the store itself)."),
 ) -> None:
     """Write a store as a BUTD or LXMERT TSV (features as float32)."""
     from vlberts.features.importers import export_tsv
 
-    n = export_tsv(store, out, format.value, zero_missing_attrs=zero_missing_attrs)
+    n = export_tsv(store, out, format.value, zero_missing_attrs=zero_missing_attrs, overwrite=overwrite)
     typer.echo(f"wrote {out}: {n} images as {format.value}")
 
 

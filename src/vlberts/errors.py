@@ -20,6 +20,18 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+MAX_MESSAGE = 600  # characters of an error line before its middle is left out
+
+
+def shortened(text: str, limit: int = MAX_MESSAGE) -> str:
+    """`text`, or for a longer one its start and end with the middle left out and counted: an error quoting a
+    value read from a file (a megabyte-long answer, a field of a damaged CSV) stays one readable line."""
+    if len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]} ...({len(text) - 2 * keep:,} characters left out)... {text[-keep:]}"
+
+
 def printable(text: str) -> str:
     """`text` with each character that would not print (NUL, ESC, CR, DEL, format and unassigned code points)
     written as its Python escape (``\\x00``, ``\\x1b``, ``\\u200b``): a value read from a binary or mangled
@@ -38,7 +50,7 @@ class VlbertsError(Exception):
     """
 
     def __init__(self, message: str, *, path: str | Path | None = None, record: object = None):
-        self.message = " ".join(str(message).split())  # always one line
+        self.message = shortened(" ".join(str(message).split()))  # always one line, of a readable length
         self.path = None if path is None else str(path)
         self.record = record
         super().__init__(self.__str__())

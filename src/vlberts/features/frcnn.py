@@ -40,6 +40,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from vlberts.errors import first_line, VlbertsError
+from vlberts.features.importers import read_vocab
 from vlberts.features.record import RegionRecord, StoreMetadata
 from vlberts.features.selection import SelectionConfig, select_boxes
 from vlberts.features.store import RegionStoreWriter
@@ -198,7 +199,7 @@ def extract_folder(
     selection: SelectionConfig = SelectionConfig(),
     settings: DetectorSettings = DetectorSettings(),
     dtype: str = "float32",
-    classes: list[str] | None = None,
+    classes: list[str] | str | Path | None = None,
     batch_images: int = 2,
     device: str | torch.device = "cpu",
     overwrite: bool = False,
@@ -218,8 +219,11 @@ def extract_folder(
              else match_given_ids(image_files(folder), given, boxes))
     model, arch, num_classes = build_detector(weights, settings)
     model.to(device)
+    classes_file = None if classes is None or isinstance(classes, list) else classes  # a file: named in errors
+    classes = read_vocab(classes_file) if classes_file is not None else classes
     if classes is not None and len(classes) not in (num_classes, num_classes - 1):
-        raise VlbertsError(f"{len(classes)} class names for a detector of {num_classes} classes (with background)")
+        raise VlbertsError(f"{len(classes)} class names for a detector of {num_classes} classes (with background, "
+                           f"or {num_classes - 1} without)", path=classes_file)
     sha = hashlib.sha256(Path(weights).read_bytes()).hexdigest() if Path(weights).is_file() else None
     meta = StoreMetadata(
         extractor=f"torchvision-{arch}", weights_hash=sha,
@@ -242,11 +246,16 @@ def extract_folder(
             for (path, image_id), image, found in zip(chunk, images, found_all):
                 n = len(found["boxes"])
                 obj = found["cls_prob"][:, 1:]
-                writer.add(RegionRecord(
-                    image_id=image_id, image_w=int(image.shape[-1]), image_h=int(image.shape[-2]),
-                    boxes=found["boxes"], features=found["features"], cls_prob=found["cls_prob"],
-                    obj_id=obj.argmax(1) if n else np.zeros(0, np.int64), obj_conf=obj.max(1) if n else np.zeros(0),
-                ))
+                try:
+                    record = RegionRecord(
+                        image_id=image_id, image_w=int(image.shape[-1]), image_h=int(image.shape[-2]),
+                        boxes=found["boxes"], features=found["features"], cls_prob=found["cls_prob"],
+                        obj_id=obj.argmax(1) if n else np.zeros(0, np.int64), obj_conf=obj.max(1) if n else np.zeros(0),
+                    )
+                except VlbertsError as e:  # a given box the image cannot hold: the boxes file's record (or the image)
+                    raise VlbertsError(e.message, path=boxes if given is not None else path,
+                                       record=e.record or image_id) from None
+                writer.add(record)
             if progress is not None:
                 progress(len(chunk))
     return out

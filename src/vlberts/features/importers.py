@@ -282,16 +282,23 @@ class CaptionSpool:
         self._file.close()
 
 def export_tsv(
-    store: RegionStore | str | Path, path: str | Path, format: str, zero_missing_attrs: bool = False
+    store: RegionStore | str | Path, path: str | Path, format: str, zero_missing_attrs: bool = False,
+    overwrite: bool = False,
 ) -> int:
-    """Write a store (or a store path) as a BUTD or LXMERT TSV, atomically; returns the lines written.
+    """Write a store (or a store path) as a BUTD or LXMERT TSV, atomically; returns the lines written. An
+    existing `path` is replaced only with `overwrite`, and never when it is the store itself.
 
     BUTD needs integer image ids; LXMERT needs objects (and attributes, unless `zero_missing_attrs`).
     """
     get_format(format)
+    store_path = Path(store.path if isinstance(store, RegionStore) else store)
     if Path(path).is_dir():
         raise VlbertsError("is a directory; name the .tsv file to write", path=path)
+    if Path(path).exists() and Path(path).resolve() == store_path.resolve():
+        raise VlbertsError("is the store being exported; name another file to write", path=path)
+    if Path(path).exists() and not overwrite:
+        raise VlbertsError("already exists (pass --overwrite to replace it)", path=path)
     if isinstance(store, RegionStore):
-        return write_tsv(path, store.records(), format, zero_missing_attrs)
+        return write_tsv(path, store.records(), format, zero_missing_attrs, source=store_path)
     with RegionStore(store) as s:
-        return write_tsv(path, s.records(), format, zero_missing_attrs)
+        return write_tsv(path, s.records(), format, zero_missing_attrs, source=store_path)

@@ -261,12 +261,15 @@ def format_tsv_line(rec: RegionRecord, format: str, zero_missing_attrs: bool = F
 
 
 def write_tsv(
-    path: str | Path, records: Iterable[RegionRecord], format: str, zero_missing_attrs: bool = False
+    path: str | Path, records: Iterable[RegionRecord], format: str, zero_missing_attrs: bool = False,
+    source: str | Path | None = None,
 ) -> int:
     """Write records as a BUTD or LXMERT TSV, atomically; returns the number of lines written.
 
     Features are written as float32 whatever they were stored as (both formats are float32).
     `zero_missing_attrs` (LXMERT only) writes zero attribute ids/confs for records without attributes.
+    A record the format cannot hold is an error naming `source` (where the records come from, e.g. the
+    store; default `path`) and the record.
     """
     fmt = get_format(format)
     n = 0
@@ -275,7 +278,7 @@ def write_tsv(
             try:
                 f.write(b"\t".join(fmt.format(rec, zero_missing_attrs)) + b"\r\n")
             except VlbertsError as e:
-                raise VlbertsError(e.message, path=path, record=rec.image_id) from None
+                raise VlbertsError(e.message, path=source or path, record=rec.image_id) from None
             n += 1
     return n
 

@@ -247,6 +247,26 @@ class PredictConfig:
     preload_features: bool = opt(False, "read the whole region store into memory first (for stores that fit)")
 
 
+def prediction_store(cfg: PredictConfig, features: str, models: dict[str, Any]) -> tuple[Any, str | None]:
+    """The region store a `vlberts predict` run reads (preloaded if asked), checked against each model
+    (`models`: model directory -> its model): features of another width are an error; features from
+    another extraction than a model was trained on, a warning line (as fine-tuning and the analyses print
+    it), returned for predict.json."""
+    from vlberts.features.identity import warn_feature_mismatch
+    from vlberts.features.store import RegionStore
+
+    store = RegionStore(features)
+    if cfg.preload_features:
+        store.preload()
+    mismatch = None
+    for model_dir, model in models.items():
+        if model.cfg.visual_dim != store.feature_dim:
+            raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects "
+                               f"{model.cfg.visual_dim}-d", path=features)
+        mismatch = mismatch or warn_feature_mismatch(store, model_dir)[1]
+    return store, mismatch
+
+
 def check_text_len(max_text_len: int, model_cfg, model_dir: str | Path | None, *, inherited: bool = False) -> int:
     """The text length to use: `max_text_len`, if the model has a position embedding for each of its tokens
     (`models.builders.max_text_positions`: VL-BERT's regions and [END] take two more after the text).

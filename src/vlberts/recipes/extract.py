@@ -235,7 +235,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
 
         t2 = time.perf_counter()
         for key, fmt in (("butd_tsv", "butd-tsv"), ("lxmert_tsv", "lxmert-tsv")):
-            export_tsv(out, paths[key], fmt)
+            export_tsv(out, paths[key], fmt, overwrite=True)  # the store's companions, replaced with it
             tsv_paths.append(paths[key])
         timings["tsv"] = time.perf_counter() - t2
 

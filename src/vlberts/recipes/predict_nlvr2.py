@@ -25,9 +25,9 @@ from pathlib import Path
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, predict_text_len, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
+                                    resolve_device, set_threads, write_run_config)
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
 
@@ -60,12 +60,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
     model, tok = load_nlvr2_model(model_dir)
     bad = BadRecords(skip=cfg.skip_bad)
     statements = read_nlvr2(cfg.statements, bad=bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
-    if model.cfg.visual_dim != store.feature_dim:
-        raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects {model.cfg.visual_dim}-d",
-                           path=cfg.features)
+    store, mismatch = prediction_store(cfg, cfg.features, {model_dir: model})
     image_map = read_image_map(cfg.image_map) if cfg.image_map else None
     statements, images = resolve_images(statements, cfg.statements, store, cfg.features, image_map, cfg.image_map, bad)
     if bad.total:
@@ -83,7 +78,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
     write_json(out / "predict.json", {
         "task": "nlvr2", "model": str(model_dir), "statements": cfg.statements, "features": cfg.features,
         "encoding": model.encoding, "predicted": len(statements), "max_text_len": max_text_len,
-        "max_regions": max_regions, "skipped_records": bad.to_dict(),
+        "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
     })
     return path
 

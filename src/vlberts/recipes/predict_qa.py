@@ -25,9 +25,9 @@ from pathlib import Path
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, fine_tuning_setting, opt, predict_text_len, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
+                                    resolve_device, set_threads, write_run_config)
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -64,12 +64,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     model, vocab, tok = load_qa_model(model_dir, qa.name)
     bad = BadRecords(skip=cfg.skip_bad)
     examples = qa.read_questions(cfg.questions, bad)
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
-    if model.cfg.visual_dim != store.feature_dim:
-        raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects {model.cfg.visual_dim}-d",
-                           path=cfg.features)
+    store, mismatch = prediction_store(cfg, cfg.features, {model_dir: model})
     examples = examples_with_features(examples, cfg.questions, store, cfg.features, bad)
     if bad.total:
         print(bad.warning(), file=sys.stderr)
@@ -86,7 +81,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     write_json(out / "predict.json", {
         "task": qa.name, "model": str(model_dir), "questions": str(cfg.questions), "features": str(cfg.features),
         "answered": len(examples), "answer_classes": len(vocab), "max_text_len": max_text_len,
-        "max_regions": max_regions, "skipped_records": bad.to_dict(),
+        "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
     })
     return path
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.store import RegionStore
 from vlberts.io import write_json
-from vlberts.recipes.common import PredictConfig, opt, predict_text_len, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import (PredictConfig, opt, predict_text_len, prediction_store, resolve_device, set_threads,
+                                    write_run_config)
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
 from vlberts.tasks.vcr import SubmissionRow, write_submission
 
@@ -73,13 +73,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
     set_threads()
     device = resolve_device(cfg.device)
     runs = {"qa": _load(cfg.qa_model, "qa", "qa_model"), "qar": _load(cfg.qar_model, "qar", "qar_model")}
-    store = RegionStore(cfg.features)
-    if cfg.preload_features:
-        store.preload()
-    for model, _, _ in runs.values():
-        if model.cfg.visual_dim != store.feature_dim:
-            raise VlbertsError(f"store features are {store.feature_dim}-d but the model expects "
-                               f"{model.cfg.visual_dim}-d", path=cfg.features)
+    store, mismatch = prediction_store(cfg, cfg.features, {cfg.qa_model: runs["qa"][0], cfg.qar_model: runs["qar"][0]})
 
     # The questions both models can see (each reads the objects' regions by its own rule).
     metadata_dir = Path(cfg.metadata_dir) if cfg.metadata_dir else Path(cfg.questions).parent / "metadata"
@@ -114,6 +108,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
     write_json(out / "predict.json", {
         "task": "vcr", "qa_model": cfg.qa_model, "qar_model": cfg.qar_model, "questions": cfg.questions,
         "features": cfg.features, "predicted": len(examples), "skipped_records": bad.to_dict(),
+        "feature_mismatch": mismatch,
     })
     return path
 

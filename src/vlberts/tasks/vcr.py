@@ -24,12 +24,12 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.data.vcr import NUM_CHOICES, VCRExample
-from vlberts.errors import VlbertsError
+from vlberts.errors import VlbertsError, first_line
 from vlberts.io import atomic_open, read_text
 from vlberts.tasks.predictions import choose, require_complete, unique_rows
 
@@ -122,6 +122,19 @@ def write_submission(path: str | Path, rows: Iterable[tuple[str, SubmissionRow]]
     return len(rows)
 
 
+def _csv_rows(reader: Iterator[list[str]], path: str | Path) -> Iterator[list[str]]:
+    """The rows of a `csv.reader` (its header already read), a malformed row (a field past the csv module's
+    size limit, a quote left open) a one-line error naming the file and the line."""
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise VlbertsError(f"malformed CSV ({first_line(e)})", path=path,
+                               record=f"line {reader.line_num}") from None  # type: ignore[attr-defined]
+
+
 def read_submission(path: str | Path, annot_ids: Sequence[str] | None = None) -> dict[str, SubmissionRow]:
     """Read a leaderboard CSV. A wrong header, a row with another number of fields, a score that is not a
     finite number, a duplicate annot_id, or (given `annot_ids`) an unknown or missing one is a one-line
@@ -134,7 +147,7 @@ def read_submission(path: str | Path, annot_ids: Sequence[str] | None = None) ->
                            f"({len(SUBMISSION_COLUMNS)} columns), got {got}", path=path, record="line 1")
     known = set(annot_ids) if annot_ids is not None else None
     out: dict[str, SubmissionRow] = {}
-    for lineno, fields in enumerate(lines, 2):
+    for lineno, fields in enumerate(_csv_rows(lines, path), 2):
         if not fields or not any(f.strip() for f in fields):
             continue
         where = f"line {lineno}"
