@@ -178,7 +178,17 @@ def test_seeds_is_a_count_or_a_list_and_both_record_the_same_run():
     assert compare_settings(CompareConfig(seeds="1"))["seeds"] == compare_settings(CompareConfig())["seeds"] == ""
     assert compare_settings(CompareConfig(seed=3, seeds="3,"))["seeds"] == ""
     assert compare_settings(CompareConfig(seeds="5,"))["seeds"] == "5"
-    for bad, message in (("0", "--seeds=K needs K >= 1 seeds, got '0'"), ("1,1", "--seeds must name distinct seeds"),
+    for bad, message in (("0", "--seeds=K needs K >= 1 seeds, got '0'"), ("1,1", "--seeds names '1' twice: '1,1'"),
+                         ("1,,2", "--seeds has an empty item: '1,,2'"),  # it ran seeds 1 and 2
                          ("two", "--seeds must be a count or comma-separated integers, got 'two'")):
         with pytest.raises(VlbertsError, match=message):
             seed_list(CompareConfig(seeds=bad))
+    # the architectures and tasks alike (an empty item ran the others without a word)
+    from vlberts.recipes.compare import arch_list, task_list
+
+    assert arch_list(CompareConfig(archs="visualbert, lxmert")) == ["visualbert", "lxmert"]
+    for cfg, message in ((CompareConfig(archs="visualbert,,lxmert"), "--archs has an empty item"),
+                         (CompareConfig(archs="lxmert,lxmert"), "--archs names 'lxmert' twice"),
+                         (CompareConfig(tasks="vqa,gqa,gqa"), "--tasks names 'gqa' twice")):
+        with pytest.raises(VlbertsError, match=message):
+            arch_list(cfg) if cfg.archs != CompareConfig().archs else task_list(cfg)

@@ -173,6 +173,7 @@ def test_a_file_based_run_may_change_its_loader_workers_on_resume(tmp_path):
         captions: str = "captions.json"
         num_workers: int = 0
 
+    (tmp_path / "run_config.json").write_text(json.dumps({"captions": "captions.json", "num_workers": 0}))  # the start's
     loop.check_same_run(tmp_path, Run())
     loop.check_same_run(tmp_path, Run(num_workers=2))
 

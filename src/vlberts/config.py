@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from vlberts.errors import first_line, VlbertsError
+from vlberts.io import read_text
 
 C = TypeVar("C")
 
@@ -228,8 +229,9 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
     path = Path(path)
     if not path.is_file():
         raise VlbertsError("config file not found", path=path)
+    text = read_text(path)  # bytes that are not UTF-8: one line naming the file
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise VlbertsError(f"malformed YAML: {first_line(e)}", path=path) from None
     if not isinstance(data, dict):

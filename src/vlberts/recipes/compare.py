@@ -197,18 +197,31 @@ HEADLINE = (
 )
 
 
+def comma_list(text: str, option: str) -> list[str]:
+    """The items of a comma-separated setting (`--archs`, `--seeds`, `--tasks`; one comma at the end is
+    allowed: `--seeds=7,` is the list of seed 7); an empty item (`a,,b`, `,a`) or one named twice is an error,
+    as it would run something else than was typed."""
+    items = [x.strip() for x in text.split(",")] if text.strip() else []
+    if len(items) > 1 and items[-1] == "":
+        items = items[:-1]
+    if "" in items:
+        raise VlbertsError(f"--{option} has an empty item: {text!r}")
+    twice = next((x for k, x in enumerate(items) if x in items[:k]), None)
+    if twice is not None:
+        raise VlbertsError(f"--{option} names {twice!r} twice: {text!r}")
+    return items
+
+
 def arch_list(cfg: CompareConfig) -> list[str]:
     """The architectures to compare, in the order given; an unknown, repeated or missing name is an error."""
     if cfg.arch or cfg.model:
         raise VlbertsError("--arch and --model do not apply to compare; list the architectures in --archs")
-    names = [a.strip() for a in cfg.archs.split(",") if a.strip()]
+    names = comma_list(cfg.archs, "archs")
     if not names:
         raise VlbertsError(f"--archs is empty; valid: {', '.join(ARCHS)}")
     for a in names:
         if a not in ARCHS:
             raise VlbertsError(f"unknown architecture {a!r} in --archs; valid: {', '.join(ARCHS)}")
-    if len(set(names)) != len(names):
-        raise VlbertsError(f"--archs names an architecture twice: {cfg.archs}")
     return names
 
 
@@ -223,7 +236,7 @@ def seed_list(cfg: CompareConfig) -> list[int]:
     if not text:
         return [cfg.seed]
     try:
-        numbers = [int(x) for x in text.split(",") if x.strip()]
+        numbers = [int(x) for x in comma_list(text, "seeds")]
     except ValueError:
         raise VlbertsError(f"--seeds must be a count or comma-separated integers, got {cfg.seeds!r}") from None
     if "," not in text:
@@ -239,7 +252,7 @@ def seed_list(cfg: CompareConfig) -> list[int]:
 
 def task_list(cfg: CompareConfig) -> list[str]:
     """The downstream tasks, vqa first; an unknown name is an error."""
-    names = [t.strip() for t in cfg.tasks.split(",") if t.strip()]
+    names = comma_list(cfg.tasks, "tasks")
     for t in names:
         if t not in TASKS:
             raise VlbertsError(f"unknown task {t!r} in --tasks; valid: {', '.join(TASKS)}")

@@ -102,6 +102,7 @@ from vlberts.tasks.vqa import SoftTarget, read_answer_vocab
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import (
     TrainState,
+    latest_checkpoint,
     load_pretraining_model,
     read_model_config,
     save_checkpoint,
@@ -266,10 +267,14 @@ CONFIG_CLASS = PretrainConfig
 
 def _tokenizer(cfg: PretrainConfig, out: Path, texts: list[str], words: list[str] = ()) -> TextTokenizer:
     saved = out / "tokenizer"
-    if (saved / "vocab.txt").is_file():  # resuming: the vocabulary must not change
+    if (saved / "vocab.txt").is_file() and latest_checkpoint(out) is not None:  # resuming: the vocabulary stays
         return TextTokenizer.load(saved)
+    # (a tokenizer/ left by a start that stopped before its first checkpoint is made again: that run starts over)
     if cfg.init:
         tok = TextTokenizer.load(cfg.init)
+        if cfg.tokenizer and TextTokenizer.load(cfg.tokenizer).tok.get_vocab() != tok.tok.get_vocab():
+            raise VlbertsError(f"--tokenizer's vocab.txt differs from the --init model's ({Path(cfg.init) / 'vocab.txt'}), "
+                               "whose embedding rows are its words: leave --tokenizer out", path=cfg.tokenizer)
     elif cfg.bert_init:
         tok = bert_tokenizer(cfg)
     elif cfg.tokenizer:
@@ -672,7 +677,9 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             f"store features are {store.feature_dim}-d but the model expects {model_cfg.visual_dim}-d", path=cfg.features
         )
     if model_cfg.vocab_size != tok.vocab_size:
-        raise VlbertsError(f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}")
+        source = Path(cfg.init or cfg.tokenizer or out / "tokenizer") / "vocab.txt"
+        raise VlbertsError(f"vocab.txt has {tok.vocab_size} tokens but the model's vocabulary is {model_cfg.vocab_size}"
+                           + (f" ({Path(cfg.init) / 'config.json'} vocab_size)" if cfg.init else ""), path=source)
     model.to(device)
     if cfg.fsdp:  # each rank keeps a shard of every tensor (training/distributed.py)
         model = shard_model(model, dist)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from torch import nn
 
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, refuse_run_directory, write_json
+from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, read_text, refuse_run_directory, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict, init_skipped
 from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, read_state_dict, tied_aliases
@@ -303,8 +304,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
+    name = read_text(pointer).strip()
+    path = pointer.parent / name
+    if not re.fullmatch(r"step_\d+", name) or not (path / "state.json").is_file():
         raise VlbertsError("checkpoint named by 'latest' is incomplete", path=path)
     return path
 
@@ -334,6 +336,10 @@ def restore_checkpoint(
         weights = {k: shard_like(v, own[k]) if k in own and own[k].shape == v.shape else v for k, v in weights.items()}
     load_into(model, weights, source=path / "model.safetensors")
     meta = read_json(path / "state.json")
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    if named and meta.get("step") != int(named.group(1)):  # an edited file: it would skip or repeat updates
+        raise VlbertsError(f"step {meta.get('step')!r} disagrees with the checkpoint's name {path.name}",
+                           path=path / "state.json")
     opt_tensors = {k: v for k, v in tensors.items() if k.startswith("state.")}
     opt_state = _unflatten_optimizer(opt_tensors, meta["optimizer"])
     if is_sharded(model):  # each parameter's moments laid out as the parameter (indices: param_groups order)

@@ -316,20 +316,22 @@ def check_same_run(out: Path, cfg: Any, write: bool = True) -> None:
     another path (relative against absolute, through a link) is the same setting; so are `--device=auto`
     and the device it picks on this machine, and `--precision=auto` and the precision it picks there."""
     path = out / "run_config.json"
-    if path.is_file():
-        before = {k: v for k, v in read_json(path).items() if k not in UNNUMBERED}
-        now = {k: v for k, v in to_dict(cfg).items() if k not in UNNUMBERED}
-        # A setting the record lacks was added to vlberts after the run started: its default is the old behaviour.
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-        diff = [k for k in changed_settings(before, now)
-                if not (k not in before and now.get(k) == defaults.get(k)) and not _same_setting(k, before, now)]
-        if diff:
-            changes = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in diff)
-            raise VlbertsError(
-                f"run directory holds a checkpoint of a run with different settings ({changes}); "
-                "use a new --out or the original settings",
-                path=path,
-            )
+    if not path.is_file():  # called with a checkpoint to resume from: its settings are what the record holds
+        raise VlbertsError("run directory holds a checkpoint but no run_config.json to check this run's settings "
+                           "against (deleted?); use a new --out, or put the record back", path=path)
+    before = {k: v for k, v in read_json(path).items() if k not in UNNUMBERED}
+    now = {k: v for k, v in to_dict(cfg).items() if k not in UNNUMBERED}
+    # A setting the record lacks was added to vlberts after the run started: its default is the old behaviour.
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    diff = [k for k in changed_settings(before, now)
+            if not (k not in before and now.get(k) == defaults.get(k)) and not _same_setting(k, before, now)]
+    if diff:
+        changes = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in diff)
+        raise VlbertsError(
+            f"run directory holds a checkpoint of a run with different settings ({changes}); "
+            "use a new --out or the original settings",
+            path=path,
+        )
     if write:
         write_json(path, to_dict(cfg))
 

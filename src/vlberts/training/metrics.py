@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_open
+from vlberts.io import atomic_open, read_text
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -62,7 +62,7 @@ class MetricsLog:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics log, less a torn last line (see the module docstring)."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)  # bytes that are not UTF-8: one line naming the log
     lines = text.split("\n")  # the last item is "" when the file ends with a newline, the torn line if not
     records = []
     for n, line in enumerate(lines, 1):
