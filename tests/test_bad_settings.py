@@ -439,7 +439,7 @@ def test_an_error_quoting_a_huge_value_stays_a_readable_line(tmp_path, capsys):
     text = str(err)
     assert len(text) < MAX_MESSAGE + 40 and "\n" not in text
     assert text.startswith("p.json: record [3]: answer must be a string, got ['xxx") and text.endswith("xxx']")
-    assert re.search(r" \.\.\.\(999,\d{3} characters left out\)\.\.\. ", text)
+    assert re.search(r" \.\.\.\(9\d\d,\d{3} characters left out\)\.\.\. ", text)
     assert str(VlbertsError("short")) == "short"
     # through a command: the official VQA evaluation of a predictions file with such an answer
     preds = tmp_path / "preds.json"

@@ -20,7 +20,8 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-MAX_MESSAGE = 600  # characters of an error line before its middle is left out
+MAX_MESSAGE = 2000  # characters of an error line before its middle is left out (the longest list of valid
+# settings a message gives is about 1,000)
 
 
 def shortened(text: str, limit: int = MAX_MESSAGE) -> str:
