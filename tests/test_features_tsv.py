@@ -126,9 +126,12 @@ def test_our_lxmert_file_reads_with_the_original_loader(tmp_path):
     recs = [RegionRecord(img_id, w, h, a["boxes"], a["features"], obj_id=a["objects_id"], obj_conf=a["objects_conf"],
                          attr_id=a["attrs_id"], attr_conf=a["attrs_conf"]) for img_id, w, h, a in LXMERT_ITEMS]
     write_lxmert_tsv(tmp_path / "ours.tsv", recs)
-    csv.field_size_limit(sys.maxsize)
-    with open(tmp_path / "ours.tsv") as f:
-        rows = list(csv.DictReader(f, LXMERT_FIELDS, delimiter="\t"))
+    default = csv.field_size_limit(sys.maxsize)  # process-wide: put back below for the tests after this one
+    try:
+        with open(tmp_path / "ours.tsv") as f:
+            rows = list(csv.DictReader(f, LXMERT_FIELDS, delimiter="\t"))
+    finally:
+        csv.field_size_limit(default)
     item = rows[0]
     for key in ["img_h", "img_w", "num_boxes"]:
         item[key] = int(item[key])

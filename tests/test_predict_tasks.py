@@ -266,6 +266,7 @@ def test_submission_scoring_reads_the_rationales_of_the_gold_answer(tmp_path, ca
                        "larger than field limit", "line 4"),
         "open quote": ("\n".join([*text[:3], _with_first_score(text[3], '"0.1')]), "expected 21 fields, got 2", "line 4"),
     }
+    assert csv.field_size_limit() == 131072  # the csv module's default, as in a `vlberts` process
     for name, (content, message, where) in cases.items():
         bad = tmp_path / f"{name}.csv"
         bad.write_text(content + "\n")
