@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from test_bad_settings import run_cli
 
+from vlberts.cli import main
 from vlberts.text.tokenizer import TextTokenizer
 
 
@@ -22,9 +23,7 @@ def _args(world, out: Path, *more: str) -> list[str]:
 def stopped(tiny_world, tmp_path_factory) -> Path:
     """A run stopped after 4 of its 6 updates: checkpoints at 2 and 4."""
     out = tmp_path_factory.mktemp("resume") / "base"
-    with pytest.raises(SystemExit) as exc:
-        from vlberts.cli import main
-
+    with pytest.raises(SystemExit) as exc:  # (run_cli needs capsys, which a module fixture cannot take)
         main(_args(tiny_world, out, "--stop_after=4"))
     assert exc.value.code in (0, None)
     return out
