@@ -163,6 +163,32 @@ def test_a_misspelt_setting_in_a_command_line_is_found():
     assert {"arch", "quick"} <= settings_of(["demo"]) and "qucik" not in settings_of(["demo"])
 
 
+# A pointer from code to a section: (README, "Title") or docs/page.md, "Title", in a comment or in a
+# help string (quotes escaped); the title may be cut where a string literal breaks, so it is a prefix.
+SECTION_REFERENCE = re.compile(r"""(README|docs/[\w.-]+\.md)(?:'s)?,? \\?"([^"\\]+)""")
+
+
+def section_references(text: str) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in SECTION_REFERENCE.finditer(text)]
+
+
+def test_every_section_the_code_points_to_exists():
+    root, wrong, checked = README.parent, [], 0
+    for path in sorted((*root.glob("src/**/*.py"), *root.glob("benchmarks/*.py"), *root.glob("tests/*.py"))):
+        for page, title in section_references(path.read_text()):
+            if path.name == "test_readme.py":
+                continue
+            checked += 1
+            titles = [t for _, t in headings((root / (page if page.endswith(".md") else "README.md")).read_text(), "#+")]
+            if not any(t.startswith(title) for t in titles):
+                wrong.append(f"{path.relative_to(root)}: {page}, {title!r}: no such section")
+    assert checked > 10, checked  # the pattern still finds the pointers
+    assert not wrong, "\n".join(wrong)
+    # The pattern reads both forms, and a title cut at a broken string literal as its start.
+    code = 'x  # (README, "The world\'s vocabulary")\nhelp="... (docs/pretraining.md, \\"Masked "\n'
+    assert section_references(code) == [("README", "The world's vocabulary"), ("docs/pretraining.md", "Masked ")]
+
+
 if __name__ == "__main__":
     text = README.read_text()
     lines = "\n".join(f"{indent}- [{title}](#{slug})" for indent, title, slug in contents(text))

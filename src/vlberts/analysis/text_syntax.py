@@ -4,7 +4,7 @@
 each BERT head as a parser: from a word, the word its attention favours most. The paper's VisualBERT
 starts from BERT, whose heads already do this; syntactic grounding (`syntactic.py`) then asks whether
 such a head lands on the neighbour's *region*. This module measures the text side on its own, so a
-report can say whether a model has syntactic heads over words at all (README, "Syntactic grounding").
+report can say whether a model has syntactic heads over words at all (docs/grounding-analysis.md, "Syntactic grounding").
 
 Reading, per (arc, direction) instance (the directions of `syntactic.py`): the query word's attention
 row (`GroundingOptions.token`'s subword choice, as in grounding) is summed over each word's subwords

@@ -93,12 +93,12 @@ class TaskSchedule:
     extra: tuple[tuple[str, Any], ...] = ()  # further settings of the task's run config
 
 
-# Measured on the 1,000-image comparison world (README, "downstream tasks"): with VQA's schedule (2 epochs,
+# Measured on the 1,000-image comparison world (README, "Comparing the architectures"): with VQA's schedule (2 epochs,
 # batch 64, lr 5e-4) RefCOCO+ stays near its baseline (VisualBERT 17, LXMERT 17 vs 18) where 10 epochs of
 # batch 32 at 1e-4 reach 80-92; VCR needs VL-BERT's larger head learning rate (x20) at 2e-4 for 1 epoch.
 # The retrieval and VCR batches count groups of 4 sequences: a quarter of VQA's keeps the sequences per update.
 # NLVR2 at VQA's 5e-4 stays at ln 2 from demo-length checkpoints of VisualBERT (2 runs of 3), LXMERT and VL-BERT,
-# and leaves it at 2e-4 for all three (README, "NLVR2"): 0.4x.
+# and leaves it at 2e-4 for all three (docs/finetuning.md, "NLVR2"): 0.4x.
 # Retrieval ranks every test image for every caption, one forward pass per pair: the first 100 test images
 # (500 captions, 50,000 pairs; 23 s for visualbert-small on 2 cores) keep that cost and the chance level (1%)
 # fixed. That is all of the 1,000-image world's test split; the demo-size world's 500 would be 25x the pairs.

@@ -84,14 +84,14 @@ class DemoConfig:
     qa_loss: str = opt("auto", "answer loss of VQA (and GQA in compare): auto (each architecture's paper: kl for "
                        "VisualBERT, bce for the others), bce or kl; README, \"The answer loss\"")
     vocab: str = opt("captions", "pre-training vocabulary: captions (WordPiece trained on the training captions) or "
-                     "world (WORLD/vocab/, every text of the world: questions and statements too); README, "
-                     "\"The world's vocabulary\"")
+                     "world (WORLD/vocab/, every text of the world: questions and statements too); "
+                     "README, \"The world's vocabulary\"")
     lxmert_qa: bool = opt(False, "LXMERT also pre-trains image QA (§3.1.3) on the world's VQA and GQA training "
                           "questions (12 per image beside 5 captions), the QA loss in the last half; default off: "
-                          "README, \"LXMERT's image QA\"")
+                          "docs/pretraining.md, \"LXMERT's image QA\"")
     mismatched_targets: str = opt("auto", "pre-training with matching: masked words of a caption that is not the "
                                   "image's are targets (keep), or not (drop); auto: each architecture's released code "
-                                  "(ViLBERT drops, LXMERT and VisualBERT keep); README, \"Masked words of a mismatched caption\"")
+                                  "(ViLBERT drops, LXMERT and VisualBERT keep); docs/pretraining.md, \"Masked words of a mismatched caption\"")
     detector_epochs: int = opt(3, "world-detector training epochs")
     detector_steps: int = opt(600, "cap on world-detector updates")
     device: str = opt("auto", "auto, cpu, cuda")
@@ -135,8 +135,8 @@ ARCH_DEMO: dict[str, dict[str, Any]] = {
     # W-VisualBERT fine-tunes VQA for its paper's 8 epochs at its batch of 32 (§4.1). On a 2-core AVX2 CPU, from
     # its demo checkpoint: 66.91, 76.81, 71.99 and 70.42% at VQA seeds 0-3 (1.98-2.28x the majority answer), against
     # 60.40 and 60.14% at the shared batch of 64 (1.69x with the shared 4 epochs). Its pre-training never puts a
-    # caption beside its image, and meets none of the other checks at any length tried (README, "Every
-    # architecture's full demo").
+    # caption beside its image, and meets none of the other checks at any length tried
+    # (README, "Every architecture's full demo").
     "wvisualbert": {"vqa_epochs": 8.0, "vqa_batch": 32},
 }
 
@@ -164,7 +164,7 @@ def run_settings(cfg: Any, command: str, ignore: tuple[str, ...] = ()) -> dict[s
 
 
 def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", finished: str = "summary.json") -> bool:
-    """Make OUT ready: empty, or holding the run to continue (`--resume`; README "Interrupted runs continue"). Returns
+    """Make OUT ready: empty, or holding the run to continue (`--resume`; README, "What `make demo` does"). Returns
     whether the run continues. Only a directory an earlier demo or compare made is ever removed;
     `finished` is the file a finished run of this command holds."""
     command = settings["command"]
@@ -398,7 +398,7 @@ def run_model(
     # The same heads where the model has to predict the noun: every word the parses tag NOUN (each entity's
     # head noun among them) replaced by [MASK] (`--mask_pos=NOUN`). Not a check, since the paper reads the
     # captions unmasked; it tells a model that grounds only where it predicts (LXMERT, VL-BERT on the world)
-    # from one that does not ground (README, "Where LXMERT's grounding stands with `drop`").
+    # from one that does not ground (docs/pretraining.md, "Masked words of a mismatched caption").
     t = time.perf_counter()
     nouns = analyze_grounding(replace(
         grounding_cfg, out=str(out / "grounding-nouns-masked"), mask_pos="NOUN", explorer_examples=0, qualitative=0,
@@ -462,7 +462,7 @@ def word_probs(shape: float, colour: float) -> tuple[str, ...]:
 # The words that name the direction from one box to another ("left", "right", "above", "below"). A caption
 # says which of two opposites holds only through the image, so text alone scores about half of them; a model
 # above its zeroed-regions score compares the two referents' boxes, which VQA's relation questions and VCR's
-# QA->R rationales need. Reported, not a check (README, "Spatial relations").
+# QA->R rationales need. Reported, not a check (docs/grounding-analysis.md, "Spatial relations").
 DIRECTION_WORDS = tuple(OPPOSITE)
 
 

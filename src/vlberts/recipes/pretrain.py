@@ -185,19 +185,19 @@ class PretrainConfig:
     mlm_prob: float = opt(0.15, "MLM selection probability")
     mlm_word_probs: tuple[str, ...] = opt(
         (), "word=prob entries: these words (each one subword) are selected for MLM with their own probability "
-        "instead of mlm_prob (comma list, e.g. red=0.3,circle=0.7; default none; see the README: the demo's masking)"
+        "instead of mlm_prob (comma list, e.g. red=0.3,circle=0.7; default none; README, \"The demo's world and masking, and why\")"
     )
     match_weight: float = opt(1.0, "weight of the matching loss in the paper recipe (when --objectives is empty)")
     roi_target: str = opt(ArchRecipe.roi_target, "VL-BERT masked RoI classification target: soft (the detector's score vector, as "
-                          "the released code) or hard (its argmax class, as the paper's text; README, \"VL-BERT's "
-                          "masked RoI target\")")
+                          "the released code) or hard (its argmax class, as the paper's text; README, \"Every "
+                          "architecture's full demo\")")
     mismatch_prob: float = opt(0.5, "single-caption matching: probability that the caption is another image's")
     mismatch_replace: str = opt("caption", "single-caption matching: what a negative replaces: caption (the released "
                                 "ViLBERT and LXMERT code), image (the caption with another image's regions), or "
                                 "either, half the time each (ViLBERT §3.1's text)")
     mismatched_targets: str = opt("auto", "with matching: are the masked words (and masked regions) of a text that is "
                                   "not the image's still targets? keep (LXMERT's and VisualBERT's released code), drop "
-                                  "(ViLBERT's --objective 1), auto: the architecture's released code (README, \"Masked "
+                                  "(ViLBERT's --objective 1), auto: the architecture's released code (docs/pretraining.md, \"Masked "
                                   "words of a mismatched caption\")")
     qa_vqa_questions: str = opt("", "LXMERT image-QA pre-training: VQA v2 questions json whose questions join the "
                                 "sentences, answers as QA labels (needs --qa_vqa_annotations), or a Pythia imdb .npy or LXMERT's "

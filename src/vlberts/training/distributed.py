@@ -147,7 +147,7 @@ class GradientSync:
     own stream while the GPU computes; on a CPU gloo adds and copies on the same cores backward is using:
     `benchmarks/ddp_overlap.py` (base models, 2 processes x 1 thread on 2 cores, 4 examples each) measured
     the overlapped step at 0.82-0.90x the speed of summing after backward for VisualBERT and 0.91x for
-    LXMERT: the wait after backward fell (LXMERT 0.88 -> 0.09 s), but backward grew by more (README).
+    LXMERT: the wait after backward fell (LXMERT 0.88 -> 0.09 s), but backward grew by more (docs/speed-and-scale.md).
 
     A parameter that got no gradient on a rank (a head that sat out the update: VL-BERT's pooler,
     W-VisualBERT's text-only steps, ViLBERT's masked losses on a rank whose pairs were all mismatched)
