@@ -375,6 +375,7 @@ def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line(tiny_world, tiny_
     ("1: 2\n", "setting names must be strings, got 1"),
     ("just words\n", "a config file must be a mapping of setting: value, got a str"),
     ("lr: 0.001\nepochs: 2\nlr: 0.1\n", "malformed YAML: setting 'lr' given twice (line 3)"),
+    ("batch_size: 8\nbatch-size: 16\n", "setting 'batch_size' given twice (as 'batch_size' and 'batch-size')"),
 ])
 def test_a_config_file_that_is_not_a_mapping_of_names_is_one_line(text, message, tmp_path, capsys):
     """`--config=FILE` holding a list, a bare string or a number as a key was a TypeError traceback or a
@@ -384,6 +385,37 @@ def test_a_config_file_that_is_not_a_mapping_of_names_is_one_line(text, message,
     code, _, err = run_cli(["finetune", "vqa", f"--config={config}", f"--out={tmp_path / 'run'}"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{config}: {message}" in err
+
+
+def test_show_config_takes_a_command_as_it_is_typed(capsys):
+    """`vlberts show-config finetune vqa` (the command as a user types it) was an "unexpected extra argument";
+    only `finetune-vqa` worked. Both forms print the same settings; an unknown command lists the valid ones."""
+    outputs = []
+    for words in (["finetune", "vqa"], ["finetune-vqa"], ["finetune", "flickr_entities"], ["analyze", "grounding"]):
+        try:
+            main(["show-config", *words])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        assert code == 0 and err == "", (words, err)
+        outputs.append(out)
+    assert outputs[0] == outputs[1] and "--eval_questions=" in outputs[0]
+    assert "--entities=" in outputs[2] and "--iou_rule=" in outputs[2] and "--token=last" in outputs[3]
+    code, _, err = run_cli(["show-config", "finetune", "vqq"], capsys)
+    assert code == 2 and "unknown command 'finetune-vqq'; valid: pretrain, finetune-vqa" in err
+
+
+def test_a_config_file_reads_a_dash_in_a_setting_name_as_an_underscore(tmp_path):
+    """The README: "`-` and `_` are the same in a key", on the command line and in a `--config` file (the
+    file's `eval-questions:` was an unknown key)."""
+    from vlberts.config import load_yaml
+    from vlberts.recipes.finetune_vqa import FinetuneVQAConfig
+
+    config = tmp_path / "run.yaml"
+    config.write_text("eval-questions: q.json\nbatch-size: 8\nskip_bad: true\n")
+    cfg = load_yaml(FinetuneVQAConfig, config)
+    assert (cfg.eval_questions, cfg.batch_size, cfg.skip_bad) == ("q.json", 8, True)
 
 
 def test_a_json_key_given_twice_is_an_error_naming_the_file_and_the_key(tmp_path):

@@ -2,7 +2,7 @@
 saved with every run"): `vlberts analyze ...`, `vlberts predict TASK` and `vlberts evaluate TASK` write
 OUT/run_config.json, every setting with its value (defaults included, paths as given), before their long work.
 An evaluate command without a config dataclass records its options by their command-line names (`evaluate vcr`
-has no OUT: it prints its scores). Another command run on the same OUT replaces the record; a training run's own
+and `evaluate nlvr2` print their scores, and write them and the record only with `--out`). Another command run on the same OUT replaces the record; a training run's own
 record (beside its model/) is never replaced."""
 
 from __future__ import annotations
@@ -175,6 +175,10 @@ def test_evaluations_record_their_options(tiny_world, tmp_path, capsys):
     entities = _entities_dir(tmp_path)
     (tmp_path / "fe.json").write_text(json.dumps([_row(0, 11, 0, [R1, R0]), _row(0, 12, 3, [R2, R1]),
                                                   _row(2, 16, 0, [R4])]))
+    # VCR: every choice's first score highest, for Q->A and QA->R alike
+    vcr_val = tiny_world.root / "vcr" / "val.jsonl"
+    (tmp_path / "vcr.json").write_text(json.dumps({json.loads(x)["annot_id"]: [1.0, 0.0, 0.0, 0.0]
+                                                   for x in vcr_val.read_text().splitlines() if x.strip()}))
     # retrieval: a saved score matrix re-scored
     (tmp_path / "s").mkdir()
     np.save(tmp_path / "s" / "scores.npy", np.eye(2, dtype=np.float32))
@@ -189,6 +193,7 @@ def test_evaluations_record_their_options(tiny_world, tmp_path, capsys):
         "flickr_entities": ["--predictions", str(tmp_path / "fe.json"), "--entities", str(entities),
                             "--max_regions", "12", "--iou_rule", "union"],
         "retrieval": ["--scores", str(tmp_path / "s" / "scores.npy"), "--max_regions", "12", "--batch_size", "9"],
+        "vcr": ["--annotations", str(vcr_val), "--qa", str(tmp_path / "vcr.json"), "--qar", str(tmp_path / "vcr.json")],
     }
     for task, args in cases.items():
         out = tmp_path / f"eval_{task}"

@@ -107,6 +107,17 @@ def test_rank_worker_split_covers_every_sample_once(shard_sets):
     assert sorted(i for p in parts for i in p) == list(range(n))
 
 
+def test_a_stream_takes_an_index_or_one_shard_as_a_path(shard_sets):
+    """`ShardStream("shards/shard-index.json")` read the string as a list of one-letter shard names."""
+    index = shard_sets["it"]
+    shards = shards_of_index(index)
+    keys = [_key(s) for s in ShardStream(shards, seed=3, dist=DistInfo())]
+    assert [_key(s) for s in ShardStream(str(index), seed=3, dist=DistInfo())] == keys
+    assert [_key(s) for s in ShardStream(index, seed=3, dist=DistInfo())] == keys
+    one = [_key(s) for s in ShardStream(str(shards[0]), shuffle=False, buffer=0, dist=DistInfo())]
+    assert one == [_key(s) for s in read_shard(shards[0])]
+
+
 def test_resampling_draws_shards_uniformly_and_forever(shard_sets):
     shards = shards_of_index(shard_sets["img"])  # 4 shards
     stream = ShardStream(shards, seed=1, resample=True, dist=DistInfo())

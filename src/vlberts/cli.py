@@ -757,12 +757,14 @@ SHOW = {
 
 
 @app.command("show-config")
-def show_config(command: str = typer.Argument(..., help=f"One of: {', '.join(SHOW)}.")) -> None:
+def show_config(words: list[str] = typer.Argument(..., metavar="COMMAND",
+                                                 help=f"One of: {', '.join(SHOW)} (or as typed: finetune vqa).")) -> None:
     """Print every setting of a command with its default and meaning."""
     import importlib
 
     from vlberts.recipes.common import field_help
 
+    command = "-".join(words).replace("_", "-")  # `finetune vqa`, `finetune-vqa`, `analyze grounding`
     if command not in SHOW:
         raise VlbertsError(f"unknown command {command!r}; valid: {', '.join(SHOW)}")
     module = importlib.import_module(SHOW[command])
@@ -896,16 +898,19 @@ def evaluate_gqa(
 
 @evaluate_app.command("vcr")
 def evaluate_vcr_cmd(
+    ctx: typer.Context,
     annotations: Path = typer.Option(..., help="VCR jsonl with labels (e.g. WORLD/vcr/val.jsonl)."),
     qa: Optional[Path] = typer.Option(None, help="Q->A predictions.json of `vlberts finetune vcr --mode=qa` (annot_id -> 4 scores)."),
     qar: Optional[Path] = typer.Option(None, help="QA->R predictions.json of `vlberts finetune vcr --mode=qar`."),
     submission: Optional[Path] = typer.Option(None, help="Instead of --qa and --qar: a leaderboard submission CSV "
                                                          "(`vlberts predict vcr`'s submission.csv)."),
+    out: Optional[Path] = typer.Option(None, help="Directory to write metrics.json into (optional)."),
 ) -> None:
     """Score a Q->A and a QA->R predictions file, or a leaderboard submission CSV: Q->A, QA->R and Q->AR
     accuracy (both right); prints JSON."""
     import json
 
+    from vlberts.io import write_json
     from vlberts.recipes.finetune_vcr import evaluate_vcr, evaluate_vcr_submission
 
     if submission is not None and (qa is not None or qar is not None):
@@ -916,7 +921,11 @@ def evaluate_vcr_cmd(
         scores = evaluate_vcr(annotations, qa, qar)
     else:
         raise VlbertsError("evaluate vcr needs --qa and --qar (two predictions.json files) or --submission (a CSV)")
+    _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     typer.echo(json.dumps(scores, indent=2))
+    if out is not None:
+        write_json(out / "metrics.json", scores)
+        typer.echo(f"wrote {out / 'metrics.json'}", err=True)
 
 
 @evaluate_app.command("refcoco")

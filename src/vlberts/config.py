@@ -239,7 +239,16 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
     keys = [k for k in data if not isinstance(k, str)]
     if keys:
         raise VlbertsError(f"setting names must be strings, got {keys[0]!r}", path=path)
-    return from_dict(cls, data, where=str(path))
+    # `-` in a name reads as `_`, as on the command line (`eval-questions` is `eval_questions`); the run
+    # configs are flat, so the top-level names are all there are.
+    settings: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in given:
+            raise VlbertsError(f"setting {name!r} given twice (as {given[name]!r} and {key!r})", path=path)
+        given[name], settings[name] = key, value
+    return from_dict(cls, settings, where=str(path))
 
 
 def flag_names(cls: type) -> frozenset[str]:

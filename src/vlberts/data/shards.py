@@ -712,6 +712,9 @@ def split_shards(
 class ShardStream(IterableDataset):
     """Samples of a list of shards, split across ranks and DataLoader workers (module docstring).
 
+    shards: the shard files, or one path: a shard set's index json (its shards, `shards_of_index`) or one
+        shard `.tar`.
+
     seed, epoch: the shard order and the shuffle buffer draw from (seed, epoch, rank, worker); call
         `set_epoch` before each epoch (workers receive a copy of this object when they start).
     buffer: samples held for shuffling (0 or 1: file order; memory is `buffer` samples).
@@ -728,7 +731,7 @@ class ShardStream(IterableDataset):
 
     def __init__(
         self,
-        shards: Sequence[str | Path],
+        shards: Sequence[str | Path] | str | Path,
         *,
         seed: int = 0,
         epoch: int = 0,
@@ -740,6 +743,8 @@ class ShardStream(IterableDataset):
         arrays: bool = True,
         reader: tuple[int, int] | None = None,
     ):
+        if isinstance(shards, (str, Path)):  # a string is one path, never a sequence of one-letter shards
+            shards = shards_of_index(shards) if Path(shards).suffix == ".json" else [shards]
         if not shards:
             raise VlbertsError("no shards to stream")
         unknown = [k for k in kinds or () if k not in KINDS]

@@ -77,7 +77,7 @@ RELATED = ("near", "touching")
 
 @dataclass(frozen=True)
 class AttentionGraphsConfig:
-    model: str = opt("", "pre-trained vlberts model directory (a pretrain run's RUN/model)")
+    model: str = opt("", "vlberts model directory: a pretrain run's RUN/model, or a finetune run's (its encoder is read)")
     entities: str = opt("", "Flickr30K Entities root: Sentences/, Annotations/, {train,val,test}.txt")
     features: str = opt("", "region store holding the split's images")
     split: str = opt("test", "which split's captions to analyse")

@@ -100,7 +100,7 @@ from vlberts.training.checkpoint import load_attention_model
 
 @dataclass(frozen=True)
 class GroundingConfig:
-    model: str = opt("", "pre-trained vlberts model directory (a pretrain run's RUN/model)")
+    model: str = opt("", "vlberts model directory: a pretrain run's RUN/model, or a finetune run's (its encoder is read)")
     entities: str = opt("", "Flickr30K Entities root: Sentences/, Annotations/, {train,val,test}.txt")
     features: str = opt("", "region store holding the split's images (with detection confidences)")
     split: str = opt("test", "which split's images to analyse (the paper: the evaluation set)")

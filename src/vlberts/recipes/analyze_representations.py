@@ -61,7 +61,7 @@ from vlberts.training.checkpoint import load_attention_model
 
 @dataclass(frozen=True)
 class RepresentationsConfig:
-    model: str = opt("", "pre-trained vlberts model directory (a pretrain run's RUN/model)")
+    model: str = opt("", "vlberts model directory: a pretrain run's RUN/model, or a finetune run's (its encoder is read)")
     entities: str = opt("", "Flickr30K Entities root: Sentences/, Annotations/, {train,val,test}.txt")
     features: str = opt("", "region store of the split's images, with the detector's obj_id and class names")
     split: str = opt("test", "which split's captions to draw from")
