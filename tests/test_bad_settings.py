@@ -17,11 +17,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
+import typer.main
 from safetensors.torch import load_file, save_file
 from test_nlvr2_task import nlvr2_cfg, nlvr2_file
 from test_pretrain import cfg_for
 
 from vlberts.cli import _flags_with_values, main
+from vlberts.cli import app as cli_app
 from vlberts.config import apply_overrides
 from vlberts.data.shards import write_shards
 from vlberts.errors import VlbertsError
@@ -344,6 +346,33 @@ def test_on_off_options_also_take_a_value():
     assert _flags_with_values(["world", "build", "--overwrite=yes", "--out=w"]) == ["world", "build", "--overwrite", "--out=w"]
     # run configs take --key=value as it is
     assert _flags_with_values(["finetune", "vqa", "--skip_bad=true"]) == ["finetune", "vqa", "--skip_bad=true"]
+
+
+def test_options_are_spelt_with_underscores_as_settings_are():
+    """`vlberts show-config extract` prints `--max_boxes=36`, as run configs spell settings, but `vlberts extract
+    --max_boxes 20` was "No such option" (typer's name is --max-boxes). Every option of every command that
+    is not a run config now takes the underscore spelling too."""
+    assert _flags_with_values(["extract", "--world", "w", "--max_boxes", "20", "--min_boxes=5", "--tsv=true"]) == [
+        "extract", "--world", "w", "--max-boxes", "20", "--min-boxes=5", "--tsv"]
+    checked = 0
+
+    def walk(command, path):
+        nonlocal checked
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+        if hasattr(command, "commands") or command.context_settings.get("allow_extra_args"):
+            return
+        for p in command.params:
+            for name in p.opts:
+                if name.startswith("--") and "-" in name[2:]:
+                    underscored = "--" + name[2:].replace("-", "_")
+                    got = _flags_with_values([*path, f"{underscored}=1"])[len(path):]
+                    kept = underscored if underscored in p.opts else name  # some declare both spellings
+                    assert got == ([kept] if getattr(p, "is_flag", False) else [f"{kept}=1"]), (path, name, got)
+                    checked += 1
+
+    walk(typer.main.get_command(cli_app), [])
+    assert checked > 10, checked
 
 
 def test_a_shard_set_is_not_replaced_unless_asked_and_a_directory_is_not_a_file(tiny_world, tmp_path):

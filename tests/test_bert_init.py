@@ -383,6 +383,9 @@ def test_vilbert_text_stream_is_bert_and_its_poolers_visual_stream_and_co_attent
         assert any(k.startswith(p) for k in rep.random), p
     assert "bert.pooler.dense.weight" in rep.unused  # BERT's tanh pooler is not ViLBERT's ReLU pooler
     assert "bert.t_pooler" in rep.summary().splitlines()[1]
+    # BERT's pooler and next-sentence head go unused, named as themselves, not as the whole `bert` or `cls`
+    # (the MLM head under `cls` was used)
+    assert rep.summary().splitlines()[2] == "unused checkpoint tensors (4): bert.pooler, cls.seq_relationship"
 
     # The text layers before the first co-attention layer compute BERT: layer 1's output is BERT's last state.
     x = text_inputs(R=3, D=16)

@@ -192,6 +192,10 @@ def test_end_to_end_backbone_can_be_dropped():
     sd["image_feature_extractor.head.0.0.conv1.weight"] = torch.randn(4, 4, 1, 1)
     model = load_vlbert_state_dict(VLBertForPreTraining(CFG), sd, drop_backbone=True)
     assert torch.equal(model.bert.pooler.dense.weight, sd["vlbert.pooler.dense.weight"])
+    # what was left behind is named (`vlberts models import` prints it), and nothing when nothing was
+    assert model.left_out_head == ("the end-to-end ResNet (2 image_feature_extractor.* tensors; region features "
+                                   "come from a store)")
+    assert load_vlbert_state_dict(VLBertForPreTraining(CFG), original_state_dict()).left_out_head is None
 
 
 def test_mismatches_name_the_file_key():

@@ -295,6 +295,16 @@ def test_original_vlbert_imports_with_a_config_and_loads_back(tmp_path, run):
         a, b = ours.eval()(x), ref.eval()(x)
     assert torch.equal(a.mlm_logits, b.mlm_logits) and torch.equal(a.encoded.pooled, b.encoded.pooled)
 
+    assert "left out" not in out_ and "left_out" not in json.loads((tmp_path / "m" / "config.json").read_text())
+    # an end-to-end file: its ResNet is left behind and said so, as a fine-tuned file's task head is
+    e2e = original_state_dict()
+    e2e["image_feature_extractor.backbone.conv1.weight"] = torch.randn(4, 3, 7, 7)
+    torch.save({"state_dict": e2e}, weights)
+    code, out_, err = run(str(weights), "--format=vlbert", f"--config={config}", f"--out={tmp_path / 'e2e'}")
+    assert code == 0, err
+    assert "left out: the end-to-end ResNet (1 image_feature_extractor.* tensors" in out_
+    assert json.loads((tmp_path / "e2e" / "config.json").read_text())["left_out"].startswith("the end-to-end ResNet")
+
     config.write_text(json.dumps({"num_region_clases": 81}))
     code, out_, err = run(str(weights), "--format=vlbert", f"--config={config}", f"--out={tmp_path / 'n'}")
     assert code == 2 and "num_region_clases" in err and "num_region_classes" in err

@@ -1079,17 +1079,25 @@ def _leave_process_group(ok: bool) -> None:
 
 
 def _flags_with_values(argv: list[str]) -> list[str]:
-    """Let the on/off options of the commands that are not run configs (`--quick`, `--tsv`, `--overwrite`,
-    ...) also be written as settings are, `--quick=true` / `--quick=false`: rewritten to the bare flag or
-    dropped. Run-config commands take `--key=value` as they are, so only a command's own flags change."""
+    """Let the options of the commands that are not run configs (`vlberts extract`, `features`, `evaluate`,
+    ...) be written as settings are: `--max_boxes` for `--max-boxes` (`-` and `_` are the same in a name, as
+    `vlberts show-config` prints them), and an on/off option as `--quick=true` / `--quick=false` (rewritten
+    to the bare flag or dropped). Run-config commands take `--key=value` as they are, so only a command's
+    own options change."""
     command = typer.main.get_command(app)
     rest = list(argv)
     while rest and rest[0] in getattr(command, "commands", {}):  # groups (world, finetune, ...) and commands
         command = command.commands[rest.pop(0)]
+    declared = [name for p in command.params for name in (*p.opts, *getattr(p, "secondary_opts", ()))
+                if name.startswith("--")]
+    spelled = {name.replace("_", "-"): name for name in declared}
     flags = {name for p in command.params if getattr(p, "is_flag", False) for name in p.opts}
     out = argv[: len(argv) - len(rest)]
     for arg in rest:
         name, eq, value = arg.partition("=")
+        if name.startswith("--") and name not in declared and name.replace("_", "-") in spelled:
+            name = spelled[name.replace("_", "-")]
+            arg = f"{name}{eq}{value}"
         if eq and name in flags and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             if value.lower() in ("true", "1", "yes", "on"):
                 out.append(name)

@@ -211,6 +211,7 @@ class BertInitReport:
     initialised: list[str]
     random: list[str]
     unused: list[str] = field(default_factory=list)  # checkpoint keys nothing was copied from
+    checkpoint: list[str] = field(default_factory=list)  # every checkpoint key (what `unused` is named against)
     # our key -> which rows took BERT's values, for tables copied in part (VL-BERT's segment table);
     # such a key is also listed in `initialised`
     partial: dict[str, str] = field(default_factory=dict)
@@ -224,7 +225,7 @@ class BertInitReport:
             f"from BERT {self.source} ({len(self.initialised)} tensors): "
             f"{', '.join(_units(self.initialised, everything))}",
             f"left random ({len(self.random)} tensors): {', '.join(_units(self.random, everything)) or 'none'}",
-            f"unused checkpoint tensors ({len(self.unused)}): {', '.join(_units(self.unused, self.unused)) or 'none'}",
+            f"unused checkpoint tensors ({len(self.unused)}): {', '.join(_units(self.unused, self.checkpoint or self.unused)) or 'none'}",
             *extra,
         ])
 
@@ -352,6 +353,7 @@ def init_text_from_bert(
         initialised=[k for k in keys if k in mapping],
         random=[k for k in keys if k not in mapping],
         unused=[k for k in sd if k not in used],
+        checkpoint=list(sd),
         partial=partial,
     )
 

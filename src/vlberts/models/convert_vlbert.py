@@ -163,6 +163,7 @@ def load_vlbert_state_dict(
     any MLM head key in the file, every pre-training head stays freshly initialised."""
     ours, file_names = original_to_vlberts(sd, model.cfg, source=source, drop_prefixes=drop_prefixes,
                                            drop_backbone=drop_backbone)
+    backbone = sum(k.removeprefix("module.").startswith(_BACKBONE) for k in sd)  # dropped above, if any
     has_heads = any(k.startswith("cls.predictions.") for k in ours)
     optional = (_E + "text_only_visual_embedding.", _E + "object_mask_visual_embedding", _E + "object_mask_word_embedding.")
     load_into(
@@ -170,6 +171,10 @@ def load_vlbert_state_dict(
         allow_missing=lambda k: k.startswith(optional) or (not has_heads and k.startswith(_HEADS)),
     )
     model.tie_weights()
+    # What was left behind, as `convert_hf` names a fine-tuned file's task head (`vlberts models import`
+    # prints it and keeps it in config.json's `left_out`)
+    model.left_out_head = (f"the end-to-end ResNet ({backbone} image_feature_extractor.* tensors; region features "
+                           "come from a store)") if backbone else None
     return model
 
 
