@@ -431,3 +431,45 @@ def test_feature_import_formats_that_read_a_directory_still_take_one(tmp_path, c
     code, _, err = run_cli(["features", "import", str(src), "--format", "vlbert-json", "--out", str(tmp_path / "s.h5")],
                            capsys)
     assert code == 2 and err == f"error: {src}: no records in this vlbert-json file\n"  # read as a directory
+
+
+def _vqa_files(tmp_path, n: int = 3) -> tuple[dict, dict]:
+    questions = {"questions": [{"image_id": 1, "question": f"is it red {i}?", "question_id": 10 + i} for i in range(n)]}
+    answers = [{"answer": "yes", "answer_confidence": "yes", "answer_id": j + 1} for j in range(10)]
+    annotations = {"annotations": [{"question_type": "is it", "multiple_choice_answer": "yes", "answers": answers,
+                                    "image_id": 1, "answer_type": "yes/no", "question_id": 10 + i}
+                                   for i in range(n)]}
+    return questions, annotations
+
+
+@pytest.mark.parametrize("damage, kind", [
+    (lambda q, a: q["questions"][1].update(question_id="abc"), "malformed record"),  # the question's id unreadable
+    (lambda q, a: a["annotations"][1].pop("answers"), "malformed record"),  # the annotation lacks its answers
+])
+def test_one_bad_vqa_record_is_counted_once(damage, kind, tmp_path):
+    """--skip_bad counted a question whose id could not be read twice (its annotation then had "no question"),
+    and an annotation without answers twice (its question then had "no annotation")."""
+    from vlberts.data.vqa import read_vqa
+
+    q, a = _vqa_files(tmp_path)
+    damage(q, a)
+    (tmp_path / "q.json").write_text(json.dumps(q)), (tmp_path / "a.json").write_text(json.dumps(a))
+    bad = BadRecords(skip=True)
+    examples = read_vqa(tmp_path / "q.json", tmp_path / "a.json", bad)
+    assert [ex.question_id for ex in examples] == [10, 12]
+    assert dict(bad.counts) == {kind: 1}
+
+
+def test_a_refcoco_ref_whose_annotation_was_bad_is_not_counted_again(tmp_path):
+    """A box outside its image is a malformed annotation in instances.json; the ref that points to it was
+    counted a second time, as "missing annotation"."""
+    from test_refcoco_task import _fixture
+
+    refs, instances = _fixture(tmp_path)  # 3 refs; ref 1's gold box is annotation 10 of a 100 x 100 image
+    data = json.loads(instances.read_text())
+    data["annotations"][0]["bbox"] = [105, 0, 3, 3]
+    instances.write_text(json.dumps(data))
+    bad = BadRecords(skip=True)
+    kept = read_refcoco(refs, instances, bad)
+    assert dict(bad.counts) == {"malformed record": 1}
+    assert sorted(r.ref_id for r in kept.refs) == [2, 3]

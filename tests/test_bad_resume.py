@@ -47,6 +47,12 @@ def _damaged(stopped: Path, tmp_path: Path, damage) -> Path:
     (lambda r: (r / "checkpoints" / "step_00000004" / "state.json").write_text(
         (r / "checkpoints" / "step_00000004" / "state.json").read_text().replace('"step": 4', '"step": 7', 1)),
      "state.json: step 7 disagrees with the checkpoint's name step_00000004"),
+    # `latest` naming a checkpoint that is not there was "incomplete", with nothing to do about it
+    (lambda r: (r / "checkpoints" / "latest").write_text("step_00000999"),
+     "step_00000999: the checkpoint named by 'latest' does not exist; complete checkpoints here: step_00000002, "
+     "step_00000004 (write one of them into "),
+    (lambda r: (r / "checkpoints" / "step_00000004" / "state.json").unlink(),
+     "step_00000004: the checkpoint named by 'latest' is incomplete; complete checkpoints here: step_00000002"),
 ])  # fmt: skip
 def test_a_damaged_run_directory_is_one_line(tiny_world, stopped, tmp_path, capsys, damage, message):
     run = _damaged(stopped, tmp_path, damage)

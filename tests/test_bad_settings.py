@@ -209,6 +209,16 @@ def test_a_vocabulary_longer_than_the_word_embeddings_is_refused(tiny_pretrained
                               f"{size} word embeddings (a vocabulary from another model?)")
 
 
+def test_a_tokenizer_given_as_its_vocab_file_names_the_folder(tiny_world, tiny_pretrained, tmp_path, capsys):
+    """`--tokenizer=DIR/vocab.txt` said "DIR/vocab.txt/vocab.txt: vocabulary file not found"."""
+    vocab = tiny_pretrained / "vocab.txt"
+    code, _, err = run_cli(["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+                            f"--out={tmp_path / 'pt'}", "--model=visualbert-tiny", "--steps=1", f"--tokenizer={vocab}"],
+                           capsys)
+    assert code == 2 and err.strip() == (f"error: {vocab}: a tokenizer is a directory holding vocab.txt, not a file: "
+                                         f"give {tiny_pretrained}")
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no directory can be made")
 def test_an_output_directory_that_cannot_be_made_is_one_line(tiny_world, capsys):
     out = "/proc/vlberts_cannot_make_this"
@@ -403,7 +413,9 @@ def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line(tiny_world, tiny_
     ("- 1\n- 2\n", "a config file must be a mapping of setting: value, got a list"),
     ("1: 2\n", "setting names must be strings, got 1"),
     ("just words\n", "a config file must be a mapping of setting: value, got a str"),
-    ("lr: 0.001\nepochs: 2\nlr: 0.1\n", "malformed YAML: setting 'lr' given twice (line 3)"),
+    ("lr: 0.001\nepochs: 2\nlr: 0.1\n", "malformed YAML: setting 'lr' given twice (line 3, column 1)"),
+    ("lr: 0.001\nepochs: 2: 3\n", "malformed YAML: mapping values are not allowed here (line 2, column 10)"),
+    ("batch_size: ten\n", "FinetuneVQAConfig.batch_size: expected an integer, got 'ten'"),
     ("batch_size: 8\nbatch-size: 16\n", "setting 'batch_size' given twice (as 'batch_size' and 'batch-size')"),
 ])
 def test_a_config_file_that_is_not_a_mapping_of_names_is_one_line(text, message, tmp_path, capsys):

@@ -29,6 +29,9 @@ def test_bad_values_are_errors():
     with pytest.raises(VlbertsError, match=r"^override '--steps' is not of the form --key=value \(only on/off settings "
                                            r"may be given without a value\)$"):
         apply_overrides(PretrainConfig(), ["--steps"])
+    # a bare name that is no setting at all is an unknown key, listing the valid ones (it said "not of the form")
+    with pytest.raises(VlbertsError, match=r"^PretrainConfig: unknown key\(s\) skip_bad; valid keys: .*steps"):
+        apply_overrides(PretrainConfig(), ["--skip_bad"])
 
 
 def test_a_bare_on_off_setting_means_true():

@@ -149,6 +149,15 @@ def test_finetuning_on_other_features_warns_once_and_records_it(tiny_world, tiny
              "box_policy 10-36 vs 10-20, max_boxes 36 vs 20")
     assert warnings_of(capsys.readouterr().err) == [f"warning: {again}"]
     assert json.loads((tmp_path / "p" / "predict.json").read_text())["feature_mismatch"] == again
+    # and `vlberts analyze grounding` keeps it in grounding.json and grounding.md (it only printed it)
+    from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
+
+    analyze_grounding(GroundingConfig(model=str(final), entities=str(tiny_world.root / "flickr30k_entities"),
+                                      features=str(tiny_world.store), split="val", out=str(tmp_path / "g"),
+                                      device="cpu", explorer_examples=0, qualitative=0, parses="none"))
+    assert warnings_of(capsys.readouterr().err) == [f"warning: {again}"]
+    assert json.loads((tmp_path / "g" / "grounding.json").read_text())["feature_mismatch"] == again
+    assert f"Features: {again}" in (tmp_path / "g" / "grounding.md").read_text().replace("\\", "")
 
 
 def test_finetuning_on_the_same_features_or_from_a_model_without_a_record_is_quiet(tiny_world, tiny_pretrained,

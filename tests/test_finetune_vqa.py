@@ -159,6 +159,32 @@ def test_skip_bad_counts_what_it_drops(tiny_world, tiny_pretrained, tmp_path):
     assert metrics["num_questions"] > 0
 
 
+def test_nothing_left_to_train_on_is_one_line_naming_the_file(tiny_world, tiny_pretrained, tmp_path, capsys):
+    """--skip_bad dropping every training question (every image missing from the store) ended in a
+    traceback from the batch sampler; an empty training file named no file and blamed --exclude_images."""
+    tq, ta = tiny_world.vqa("train")
+    q, a = json.loads(tq.read_text()), json.loads(ta.read_text())
+    for rec in (*q["questions"], *a["annotations"]):
+        rec["image_id"] = 999999
+    bq, ba = tmp_path / "q.json", tmp_path / "a.json"
+    bq.write_text(json.dumps(q)), ba.write_text(json.dumps(a))
+    with pytest.raises(VlbertsError, match=r"q\.json: no example to train on \(the file holds none, or --skip_bad "
+                                           r"dropped them all\)"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "skip", train_questions=str(bq),
+                             train_annotations=str(ba), skip_bad=True))
+    assert f"skipped {len(q['questions'])} bad records ({len(q['questions'])} missing features)" in capsys.readouterr().err
+    bq.write_text(json.dumps({**q, "questions": []})), ba.write_text(json.dumps({**a, "annotations": []}))
+    with pytest.raises(VlbertsError, match=r"q\.json: no example to train on \(the file holds none"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "empty", train_questions=str(bq),
+                             train_annotations=str(ba)))
+    # every training question also an evaluation question, dropped by --exclude_eval_questions: said so
+    eq, ea = tiny_world.vqa("test")
+    with pytest.raises(VlbertsError, match=rf"{eq.name}: no example to train on \(dropped: \d+ also evaluation "
+                                           r"questions \(--exclude_eval_questions\)\)"):
+        finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "same", train_questions=str(eq),
+                             train_annotations=str(ea), exclude_eval_questions=True))
+
+
 def test_bad_settings_are_one_line_errors(tiny_world, tiny_pretrained, tmp_path):
     with pytest.raises(VlbertsError, match="unknown loss 'mse'; valid: auto, bce, kl"):
         finetune_vqa(vqa_cfg(tiny_world, tiny_pretrained, tmp_path / "a", loss="mse"))

@@ -339,7 +339,9 @@ def test_bad_imports_are_one_line(tmp_path, run):
     weights = next(src.glob("model.safetensors"))  # the file, where the format reads its folder
     assert error(str(weights), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}") == (
         f"error: {weights}: --format hf-visualbert reads a save_pretrained directory (config.json and the weights), "
-        f"not a file: give its folder, {src}")
+        f"not a file: give its folder, {src.resolve()}")
+    assert error(str(big), "--format=hf-visualbert", f"--vocab={big}", f"--out={out}").endswith(
+        "not a file: give that directory")  # a file in no save_pretrained folder: no folder to suggest
     assert not out.exists()  # nothing half-written
 
     small = _vocab(tmp_path / "vocab.txt", 12)

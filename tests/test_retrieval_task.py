@@ -384,6 +384,20 @@ def test_bad_split_records_and_missing_images(tiny_world, tiny_pretrained, tmp_p
     assert m["skipped_records"]["malformed record"] == 1 and m["num_images"] == 3
 
 
+def test_too_few_training_images_left_says_what_skip_bad_dropped(tiny_world, tiny_pretrained, tmp_path, capsys):
+    """With every training image missing from the store, --skip_bad's count came after nothing: the error
+    about the split was the only line."""
+    obj = json.loads(split_file(tiny_world).read_text())
+    for im in obj["images"]:
+        if im["split"] == "train":
+            im["cocoid"] += 500000
+    bad_file = tmp_path / "dataset_bad.json"
+    bad_file.write_text(json.dumps(obj))
+    with pytest.raises(VlbertsError, match="split 'train' has 0 images with features"):
+        finetune_retrieval(ret_cfg(tiny_world, tiny_pretrained, tmp_path / "r", split_file=str(bad_file), skip_bad=True))
+    assert "warning: skipped " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind, detail", [
     ("strings", "dtype <U1, expected real numbers"),
     ("complex", "dtype complex128, expected real numbers"),

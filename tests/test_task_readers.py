@@ -28,6 +28,7 @@ from vlberts.data.vcr import (
     render_tokens,
 )
 from vlberts.errors import BadRecords, VlbertsError
+from vlberts.io import read_json
 from vlberts.safe_pickle import safe_load, safe_loads
 
 
@@ -196,8 +197,17 @@ def test_nlvr2_truncated_and_bad_lines_name_file_and_line(tmp_path):
     good = json.dumps(_nlvr2_row("dev-1-0-0", "True"))
     path = tmp_path / "dev.json"
     path.write_text(good + "\n" + good[: len(good) // 2] + "\n")  # second line cut off mid-record
-    with pytest.raises(VlbertsError, match=r"dev\.json: record line 2: malformed JSON line"):
+    with pytest.raises(VlbertsError, match=r"dev\.json: record line 2: malformed JSON line") as err:
         read_nlvr2(path)
+    # the column is the line's own (the cut), not that of the line break after it (column 1 of a next line)
+    expected = json.JSONDecoder()
+    try:
+        expected.decode(good[: len(good) // 2])
+    except json.JSONDecodeError as e:
+        assert str(err.value).endswith(f"(column {e.colno})") and e.colno > 1
+    path.write_text('{"a": "unterminated')
+    with pytest.raises(VlbertsError, match=r"malformed JSON at line 1 column 7: Unterminated string starting$"):
+        read_json(path)
     _write_jsonl(path, [_nlvr2_row("dev-1-0-0", "True"), _nlvr2_row("dev-1-0-0", "False")])
     with pytest.raises(VlbertsError, match=r"record line 2: duplicate identifier dev-1-0-0 \(first at line 1\)"):
         read_nlvr2(path)

@@ -219,7 +219,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue  # a list or mapping as a key: `load_yaml` refuses it as a setting name
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"setting {key!r} given twice (line {key_node.start_mark.line + 1})", key_node.start_mark)
+                    None, None, f"setting {key!r} given twice", key_node.start_mark)  # the mark: its line
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -233,7 +233,9 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
-        raise VlbertsError(f"malformed YAML: {first_line(e)}", path=path) from None
+        mark = getattr(e, "problem_mark", None)  # where PyYAML stopped; its first line does not always say
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise VlbertsError(f"malformed YAML: {first_line(e)}{where}", path=path) from None
     if not isinstance(data, dict):
         raise VlbertsError(f"a config file must be a mapping of setting: value, got a {type(data).__name__}", path=path)
     keys = [k for k in data if not isinstance(k, str)]
@@ -248,7 +250,7 @@ def load_yaml(cls: type[C], path: str | Path) -> C:
         if name in given:
             raise VlbertsError(f"setting {name!r} given twice (as {given[name]!r} and {key!r})", path=path)
         given[name], settings[name] = key, value
-    return from_dict(cls, settings, where=str(path))
+    return from_dict(cls, settings, where=f"{path}: {cls.__name__}")  # "run.yaml: PretrainConfig.steps: ..."
 
 
 def flag_names(cls: type) -> frozenset[str]:
@@ -263,14 +265,18 @@ def flag_names(cls: type) -> frozenset[str]:
     return frozenset(out)
 
 
-def parse_overrides(args: list[str], flags: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+def parse_overrides(args: list[str], flags: frozenset[str] | set[str] = frozenset(),
+                    settings: Iterable[str] | None = None, where: str = "config") -> dict[str, Any]:
     """Turn ``["--lr=1e-4", "--model.hidden_size=64", "steps=10"]`` into a nested dict of strings; a bare
-    ``--name`` of a setting in `flags` (`flag_names`: the bool ones) means ``--name=true``."""
+    ``--name`` of a setting in `flags` (`flag_names`: the bool ones) means ``--name=true``. Given every
+    setting's name (`settings`), a bare ``--name`` that is none of them is an unknown key (listing them)."""
     out: dict[str, Any] = {}
     for arg in args:
         key, sep, value = arg.lstrip("-").partition("=")
         if not sep and key.replace("-", "_") in flags:
             sep, value = "=", "true"
+        if not sep and key and settings is not None and key.replace("-", "_").split(".")[0] not in set(settings):
+            require_known_keys({key.replace("-", "_"): None}, settings, where)
         if not sep or not key:
             raise VlbertsError(f"override {arg!r} is not of the form --key=value"
                                + (" (only on/off settings may be given without a value)" if key else ""))
@@ -297,7 +303,8 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def apply_overrides(cfg: C, args: list[str] | dict[str, Any]) -> C:
     """Return `cfg` with `--key=value` overrides applied and validated."""
-    upd = parse_overrides(args, flag_names(type(cfg))) if isinstance(args, list) else args
+    upd = (parse_overrides(args, flag_names(type(cfg)), [f.name for f in dataclasses.fields(cfg)], type(cfg).__name__)
+           if isinstance(args, list) else args)
     if not upd:
         return cfg
     return from_dict(type(cfg), merge(to_dict(cfg), upd), where=type(cfg).__name__)

@@ -217,7 +217,9 @@ def read_json(path: str | Path) -> Any:
         with open(path, encoding="utf-8-sig") as f:  # a byte-order mark opening the file is dropped (RFC 8259 §8.1)
             return json.load(f, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
-        raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
+        # ("Unterminated string starting at" names the position json's message goes on to give: it is given first)
+        raise VlbertsError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg.removesuffix(' at')}",
+                           path=path) from None
     except DuplicateKey as e:
         raise VlbertsError(str(e), path=path) from None
     except UnicodeDecodeError as e:
@@ -251,7 +253,7 @@ def iter_jsonl(path: str | Path, bad: BadRecords | None = None) -> Iterator[tupl
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line, object_pairs_hook=unique_keys)
+                    rec = json.loads(line.rstrip("\r\n"), object_pairs_hook=unique_keys)  # columns of the line itself
                 except (json.JSONDecodeError, DuplicateKey) as e:
                     what = str(e) if isinstance(e, DuplicateKey) else f"malformed JSON line: {e.msg} (column {e.colno})"
                     error = VlbertsError(what, path=path, record=f"line {lineno}")

@@ -279,12 +279,13 @@ def select_refs(refs: tuple[Ref, ...] | list[Ref], split: str) -> list[Ref]:
 
 
 def read_instances(
-    path: str | Path, bad: BadRecords | None = None
+    path: str | Path, bad: BadRecords | None = None, dropped: set[int] | None = None,
 ) -> tuple[dict[int, CocoImage], dict[int, CocoAnnotation], dict[int, str]]:
     """Read a COCO ``instances.json``: images, annotations and categories by id. An annotation's bbox must lie
     inside its image (one pixel of slack); zero-area boxes pass here (COCO train2014 holds a few) and are
     refused as a ref's gold box (`read_refcoco`). With `bad` skipping, a malformed annotation (a repeated
-    id, a box outside the image, a missing image or category) is dropped and counted instead."""
+    id, a box outside the image, a missing image or category) is dropped and counted instead, and its id
+    (where it could be read) added to `dropped`."""
     bad = bad if bad is not None else BadRecords()
     path = Path(path)
     data = read_json(path)
@@ -314,6 +315,7 @@ def read_instances(
     first: dict[int, object] = {}  # annotation id -> where it first appears
     for i, rec in enumerate(data["annotations"]):
         where = f"annotations[{i}]"
+        ann = None
         try:
             require_keys(rec, ("id", "image_id", "category_id", "bbox"), path=path, record=where)
             ann = CocoAnnotation(_int(rec["id"], "id", path=path, record=where),
@@ -331,6 +333,8 @@ def read_instances(
             require_unique(first, ann.id, f"annotations[{i}]", what="annotation id", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
+            if ann is not None and dropped is not None and ann.id not in first:
+                dropped.add(ann.id)
             continue
         annotations[ann.id] = ann
     return images, annotations, categories
@@ -346,11 +350,14 @@ def read_refcoco(refs_path: str | Path, instances_path: str | Path, bad: BadReco
     bad = bad if bad is not None else BadRecords()
     refs_path = Path(refs_path)
     all_refs = _read_refs(refs_path, bad)
-    images, annotations, categories = read_instances(instances_path, bad)
+    dropped: set[int] = set()
+    images, annotations, categories = read_instances(instances_path, bad, dropped)
     refs = []
     for i, ref in all_refs:
         where = f"refs[{i}] (ref_id {ref.ref_id})"
         ann = annotations.get(ref.ann_id)
+        if ann is None and ref.ann_id in dropped:  # its annotation was bad, and counted as such
+            continue
         try:
             if ref.image_id not in images:
                 bad.handle(VlbertsError(f"image_id {ref.image_id} is not in {Path(instances_path).name}",

@@ -128,15 +128,17 @@ def _top_level_list(obj: Any, key: str, *, path: Path) -> list:
 
 def _read_questions(
     path: Path, data: Any, bad: BadRecords,
-) -> tuple[list[VQAExample], dict[int, int], dict[int, int], set[int]]:
-    """Questions in file order, question_id -> index into that list, question_id -> record position, and the
+) -> tuple[list[VQAExample], dict[int, int], dict[int, int], set[int], int]:
+    """Questions in file order, question_id -> index into that list, question_id -> record position, the
     ids of the questions skipped as bad (where the id itself could be read), whose annotations are then
-    left out without being counted again."""
+    left out without being counted again, and how many were skipped with an id that could not be read
+    (as many annotations without a question are theirs, and left out uncounted too)."""
     records = _top_level_list(data, "questions", path=path)
     examples: list[VQAExample] = []
     index: dict[int, int] = {}
     first_at: dict[int, int] = {}  # question_id -> its record's position in the file
     skipped: set[int] = set()
+    unreadable = 0
     for i, rec in enumerate(records):
         where = f"questions[{i}]"
         qid = None
@@ -150,12 +152,14 @@ def _read_questions(
                 raise VlbertsError(f"duplicate question_id {qid} (first at questions[{first_at[qid]}])", path=path, record=where)
         except VlbertsError as err:
             bad.handle(err)
-            if qid is not None and qid not in index:
+            if qid is None:
+                unreadable += 1
+            elif qid not in index:
                 skipped.add(qid)
             continue
         index[qid], first_at[qid] = len(examples), i
         examples.append(VQAExample(question_id=qid, image_id=image_id, question=question))
-    return examples, index, first_at, skipped
+    return examples, index, first_at, skipped, unreadable
 
 
 def _read_answers(rec: dict, *, path: Path, record: str) -> list[str]:
@@ -200,7 +204,7 @@ def read_vqa(
     data = read_json(questions_path)
     if kind == "lxmert":
         return _read_lxmert(questions_path, data, bad)
-    questions, q_index, q_record, q_skipped = _read_questions(questions_path, data, bad)
+    questions, q_index, q_record, q_skipped, unreadable = _read_questions(questions_path, data, bad)
     if not annotations_path:
         return questions
 
@@ -219,13 +223,17 @@ def read_vqa(
     for i, rec in enumerate(records):
         where = name.format(i)
         try:
-            require_keys(rec, keys, path=annotations_path, record=where)
+            require_keys(rec, ("question_id",), path=annotations_path, record=where)
             qid = _check_question_id(rec, path=annotations_path, record=where)
             if qid in seen:
                 raise VlbertsError(f"duplicate annotation for question_id {qid} (first at {seen[qid]})",
                                    path=annotations_path, record=where)
-            seen[qid] = where
+            seen[qid] = where  # first: a bad annotation is its question's, which is not counted again below
+            require_keys(rec, keys, path=annotations_path, record=where)
             if qid in q_skipped:  # its question was bad, and counted as such
+                continue
+            if qid not in q_index and unreadable:  # the annotation of a question whose id was bad, counted
+                unreadable -= 1
                 continue
             if qid not in q_index:
                 raise VlbertsError(

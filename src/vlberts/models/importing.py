@@ -136,8 +136,10 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     if not src.exists():
         raise VlbertsError("checkpoint not found", path=src)
     if fmt.startswith("hf-") and not src.is_dir():
+        folder = src.resolve().parent
+        hint = f"give its folder, {folder}" if (folder / "config.json").is_file() else "give that directory"
         raise VlbertsError(f"--format {fmt} reads a save_pretrained directory (config.json and the weights), not a "
-                           f"file: give its folder, {src.parent}", path=src)
+                           f"file: {hint}", path=src)
     if config is not None and fmt not in ("visualbert", "lxmert", "vilbert", "vlbert"):
         raise VlbertsError(f"--config is read for --format visualbert, lxmert, vilbert and vlbert only (the {fmt} checkpoint "
                            "carries its config)")

@@ -155,6 +155,7 @@ class GroundingReport:
     figure_images: dict = field(default_factory=dict)  # --images: directory, images drawn, how many not found there
     breakdowns: dict = field(default_factory=dict)  # "type" / "last_word" -> [BreakdownRow]: accuracy by kind of entity
     syntactic_by_word: dict = field(default_factory=dict)  # "amod (dep->head)" -> [BreakdownRow] by the query word
+    feature_mismatch: str | None = None  # the store's features are not those the model was trained on: how
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
@@ -290,7 +291,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     model.to(device)
     tok = TextTokenizer.load(cfg.model)
     store = RegionStore(cfg.features)
-    warn_feature_mismatch(store, cfg.model)  # one warning line if the model was trained on other features
+    mismatch = warn_feature_mismatch(store, cfg.model)[1]  # one warning line if the model was trained on other features
     tags = model_tag_subwords(reads_tags(model_cfg), store, tok)  # W-VisualBERT: tags beside the regions
 
     if cfg.parser and cfg.parses not in ("auto", "none"):
@@ -390,7 +391,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                              None if text_syn is None else text_syn.result(), bad.to_dict(),
                              str(meta.get("task", "")), figure_images,
                              {name: b.rows(result) for name, b in breakdowns.items()},
-                             {} if syn_words is None or syntactic is None else syn_words.rows(syntactic))
+                             {} if syn_words is None or syntactic is None else syn_words.rows(syntactic), mismatch)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -409,6 +410,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         f.write(f"\nAttention maps: {maps}. Skipped phrases: {_skips(report.skipped)}.\n\n")
         if report.model_task:
             f.write(f"Model: fine-tuned on {md_text(report.model_task)} (its encoder; no head is read).\n\n")
+        if report.feature_mismatch:
+            f.write(f"Features: {md_text(report.feature_mismatch)}.\n\n")
         if bad.total:
             f.write(f"Images dropped by --skip_bad: {bad.total} ({_skips(dict(bad.counts))}; first: {md_text(bad.first)}).\n\n")
         if mask_note:
@@ -505,6 +508,7 @@ def _to_json(cfg: GroundingConfig, report: GroundingReport) -> dict[str, Any]:
         "model": cfg.model,
         "model_task": report.model_task or None,  # fine-tuned on this task: its encoder's maps
         "features": cfg.features,
+        "feature_mismatch": report.feature_mismatch,  # as fine-tuning's metrics.json and predict.json keep it
         "attention_maps": report.maps,
         "skipped_phrases": report.skipped,
         "bad_records": report.bad_records,

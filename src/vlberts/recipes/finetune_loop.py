@@ -163,6 +163,14 @@ def require_eval_examples(examples: Sequence[Any], path: str) -> None:
         raise VlbertsError("no example to evaluate (the file holds none, or --skip_bad dropped them all)", path=path)
 
 
+def require_train_examples(examples: Sequence[Any], path: str, why: str = "") -> None:
+    """Nothing left to train on is an error naming the training file (and, given `why`, what removed the
+    examples), before a loader is asked for batches of nothing."""
+    if not examples:
+        raise VlbertsError(f"no example to train on ({why or 'the file holds none, or --skip_bad dropped them all'})",
+                           path=path)
+
+
 def labelled_evaluation(examples: list[Any], labelled: Callable[[Any], bool], record: Callable[[Any], object],
                         path: str, bad: BadRecords) -> list[Any]:
     """The evaluation examples, checked before training: a file without labels (a hidden test split) is

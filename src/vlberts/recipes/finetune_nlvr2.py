@@ -41,7 +41,7 @@ from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.nlvr2 import NLVR2Model, nlvr2_loss, predict_labels
 from vlberts.recipes.common import autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, require_train_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.nlvr2 import nlvr2_metrics, write_predictions
 from vlberts.text.tokenizer import TextTokenizer
@@ -164,8 +164,7 @@ def finetune_nlvr2(cfg: FinetuneNLVR2Config) -> Path | None:
     require_eval_examples(evals, cfg.eval_statements)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
-    if not train:
-        raise VlbertsError("no training statement left to train on", path=cfg.train_statements)
+    require_train_examples(train, cfg.train_statements)
 
     # Model: the pre-trained encoder and a new classifier.
     tok = TextTokenizer.load(cfg.init)

@@ -51,7 +51,7 @@ from vlberts.models.vlbert import ANSWER_CLASSIFIERS, VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
-from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
+from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, require_train_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import last_questions
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
@@ -401,9 +401,9 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     train, in_eval = without_eval_questions(train, eval_examples, cfg.exclude_eval_questions, cfg.eval_questions)
     train, on_excluded = without_images(train, excluded)
     eval_examples, eval_on_excluded = without_images(eval_examples, excluded)  # (after --eval_last, as ViLBERT's minval)
-    if not train:
-        raise VlbertsError("no training question is left once the images of --exclude_images are left out",
-                           path=cfg.exclude_images)
+    removed = [f"{n} on the images of --exclude_images" for n in (on_excluded,) if n]
+    removed += [f"{n} also evaluation questions (--exclude_eval_questions)" for n in (in_eval,) if n]
+    require_train_examples(train, cfg.train_questions, "dropped: " + ", ".join(removed) if removed else "")
     vocab = table if table is not None else task.answer_vocab(train, cfg.min_answer_count)
     if not len(vocab):
         raise VlbertsError(f"no answer is given by {cfg.min_answer_count}+ training questions",
@@ -418,6 +418,7 @@ def finetune_qa(cfg: FinetuneQAConfig, task: QATask) -> Path | None:
     require_eval_examples(eval_examples, cfg.eval_questions)
     if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
+    require_train_examples(train, cfg.train_questions)  # after the warning that says what --skip_bad dropped
     model, model_cfg, copied = build_qa_model(cfg.init, vocab, cfg.qa_head_init, cfg.answer_classifier)
     if model_cfg.visual_dim != store.feature_dim:
         raise VlbertsError(

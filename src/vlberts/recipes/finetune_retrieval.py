@@ -238,6 +238,8 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
     store, float16 = open_features(cfg, device)
     train = read_retrieval_split(cfg.split_file, cfg.train_split, store, bad, store_path=cfg.features)
     if len(train.image_ids) < 2:
+        if bad.total and dist.main:  # what --skip_bad dropped, before the error it led to
+            print(bad.warning(), file=sys.stderr)
         raise VlbertsError(f"split {cfg.train_split!r} has {len(train.image_ids)} images with features; 4-way "
                            "training needs at least 2", path=cfg.split_file)
     evaluation = _eval_split(cfg.split_file, cfg.eval_split, cfg.eval_images, store, cfg.features, bad) \

@@ -130,6 +130,9 @@ class TextTokenizer:
     def load(cls, directory: str | Path) -> TextTokenizer:
         """Load what `save` wrote (or any BERT checkpoint directory holding `vocab.txt`)."""
         directory = Path(directory)
+        if directory.is_file():  # `--tokenizer=DIR/vocab.txt`: the file where its folder is meant
+            raise VlbertsError(f"a tokenizer is a directory holding vocab.txt, not a file: give {directory.parent}",
+                               path=directory)
         refuse_run_directory(directory, "vocab.txt")
         cfg_path = directory / "tokenizer_config.json"
         lowercase = read_do_lower_case(cfg_path) if cfg_path.is_file() else True

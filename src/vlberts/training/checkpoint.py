@@ -307,7 +307,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     name = read_text(pointer).strip()
     path = pointer.parent / name
     if not re.fullmatch(r"step_\d+", name) or not (path / "state.json").is_file():
-        raise VlbertsError("checkpoint named by 'latest' is incomplete", path=path)
+        have = sorted(p.name for p in pointer.parent.glob("step_*") if (p / "state.json").is_file())
+        what = "is incomplete" if path.is_dir() else "does not exist"
+        hint = f"; complete checkpoints here: {', '.join(have)} (write one of them into {pointer})" if have else ""
+        raise VlbertsError(f"the checkpoint named by 'latest' {what}{hint}", path=path)
     return path
 
 
