@@ -155,7 +155,7 @@ class GroundingReport:
     figure_images: dict = field(default_factory=dict)  # --images: directory, images drawn, how many not found there
     breakdowns: dict = field(default_factory=dict)  # "type" / "last_word" -> [BreakdownRow]: accuracy by kind of entity
     syntactic_by_word: dict = field(default_factory=dict)  # "amod (dep->head)" -> [BreakdownRow] by the query word
-    feature_mismatch: str | None = None  # the store's features are not those the model was trained on: how
+    feature_mismatch: str | None = None  # how the store's features differ from the model's (None: they do not)
 
 
 def resolve_parses(cfg: GroundingConfig) -> tuple[Path | None, str]:
