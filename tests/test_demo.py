@@ -79,6 +79,8 @@ def test_demo_runs_every_step_and_writes_summary_and_report(tmp_path):
     proc = subprocess.run([str(VLBERTS), "demo", "--quick", "--out", str(out), *TOY], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "kept the world and its region features" in proc.stderr and "Built the embedded world" not in proc.stderr
+    step = int(checkpoints[-2].removeprefix("step_"))  # and says where the pre-training went on from
+    assert f"for updates {step + 1}-" in proc.stderr and "continued from its checkpoint" in proc.stderr, proc.stderr
     assert (out / "features.h5").stat().st_mtime_ns == features_mtime
     assert (out / "pretrain/model/model.safetensors").read_bytes() == model
     resumed = json.loads((out / "summary.json").read_text())

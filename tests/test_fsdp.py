@@ -390,3 +390,58 @@ def _bertadam_updates(model, step) -> dict:
         found["norms"].append(float(update(model, optimizer, scheduler, clip=0.03, clip_per_tensor=True)))
     found["w"] = _full(model)
     return found
+
+
+@pytest.mark.parametrize("name", ["visualbert-tiny", "lxmert-tiny", "vilbert-tiny", "vlbert-tiny", "wvisualbert-tiny"])
+def test_every_sharded_unit_computes_only_inside_its_own_forward(name):
+    """FSDP gathers a unit's weights in its forward: a layer whose weights a model reads through another
+    method ran on the shards (`--fsdp=true` with LXMERT crashed: "mixed torch.Tensor and DTensor", its last
+    cross-modality layer entered through `.last()`). Every unit `shard_model` makes, in every pre-training
+    forward with masked words (the path where last layers compute only some rows) and in the VQA models'
+    forward (one row), touches its parameters only between its own forward hooks."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    from vlberts.models.builders import arch_of
+    from vlberts.recipes.finetune_qa import VQA_MODELS
+    from vlberts.training.distributed import _layer_units
+
+    cfg = model_config(name)
+    g = torch.Generator().manual_seed(0)
+    x = VLInputs(torch.randint(5, 90, (2, 7), generator=g), torch.zeros(2, 7, dtype=torch.long),
+                 torch.ones(2, 7, dtype=torch.bool), torch.randn(2, 4, cfg.visual_dim, generator=g),
+                 torch.rand(2, 4, 4, generator=g).sort(-1).values, torch.ones(2, 4, dtype=torch.bool))
+    where = torch.zeros(2, 7, dtype=torch.bool)
+    where[0, 2] = where[1, 4] = True
+
+    def check(model, run) -> int:
+        units = _layer_units(model)
+        owner = {id(p): i for i, u in enumerate(units) for p in u.parameters()}
+        inside: list[int] = []
+        for i, unit in enumerate(units):
+            unit.register_forward_pre_hook(lambda m, a, i=i: inside.append(i))
+            unit.register_forward_hook(lambda m, a, o, i=i: inside.remove(i))
+        outside: list[str] = []
+
+        class Watch(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                for t in tree_leaves((args, kwargs or {})):
+                    if isinstance(t, torch.Tensor) and owner.get(id(t)) is not None and owner[id(t)] not in inside:
+                        outside.append(f"{getattr(func, '__name__', func)} on unit {owner[id(t)]}")
+                return func(*args, **(kwargs or {}))
+
+        with Watch():
+            run(model)
+        assert not outside, f"{name}: {outside[:3]}"
+        return len(units)
+
+    assert check(build_pretraining_model(cfg), lambda m: m(x, mlm_positions=where)) >= 2
+    vqa = VQA_MODELS[arch_of(cfg)](cfg, 9)
+    pos = torch.tensor([3, 5])
+    if name.startswith("wvisualbert"):  # its detector tags beside the regions
+        from vlberts.models.wvisualbert import collate_tags, tag_tokens
+
+        tags = collate_tags([tag_tokens(c, [[20], [21, 20], [22]]) for c in ([1, 0, 2, 0], [2, 1, 0, 0])])
+        check(vqa, lambda m: m(x, tags))
+    else:
+        check(vqa, lambda m: m(x) if name.startswith(("lxmert", "vilbert")) else m(x, pos))

@@ -171,13 +171,19 @@ class CrossModalityLayer(nn.Module):
         self.visn_ffn = FeedForward(cfg)
 
     def forward(
-        self, lang: Tensor, lang_bias: Tensor | None, visn: Tensor, visn_bias: Tensor | None, need_weights: bool = False
-    ) -> tuple[Tensor, Tensor, CrossLayerMaps | None]:
+        self, lang: Tensor, lang_bias: Tensor | None, visn: Tensor, visn_bias: Tensor | None, need_weights: bool = False,
+        rows: Tensor | None = None, need_vision: bool = True,
+    ) -> tuple[Tensor, Tensor | None, CrossLayerMaps | None]:
         """lang (B, T, D), visn (B, R, D); biases (B, 1, 1, T) and (B, 1, 1, R) additive key masks (None: no
         key of that stream is padded).
 
-        Returns the new lang (B, T, D), visn (B, R, D) and, if asked, the layer's attention maps.
+        Returns the new lang (B, T, D), visn (B, R, D) and, if asked, the layer's attention maps. With `rows`
+        (B, M) the layer runs as the last one for callers that read only some of its outputs (`_last`): the
+        language states at those rows (B, M, D), and the vision states only if `need_vision` (else None).
+        (One entry point, so that FSDP, which gathers a layer's weights in its forward, sees every call.)
         """
+        if rows is not None:
+            return (*self._last(lang, lang_bias, visn, visn_bias, rows, need_vision), None)
         l_hat, t2v = self.cross_attention(lang, visn_bias, ctx=visn, need_weights=need_weights)  # (B, T, D)
         v_hat, v2t = self.cross_attention(visn, lang_bias, ctx=lang, need_weights=need_weights)  # (B, R, D)
         l_til, tt = self.lang_self_att(l_hat, lang_bias, need_weights=need_weights)
@@ -185,7 +191,7 @@ class CrossModalityLayer(nn.Module):
         maps = CrossLayerMaps(t2v, v2t, tt, vv) if need_weights else None
         return self.lang_ffn(l_til), self.visn_ffn(v_til), maps
 
-    def last(
+    def _last(
         self, lang: Tensor, lang_bias: Tensor | None, visn: Tensor, visn_bias: Tensor | None, rows: Tensor,
         need_vision: bool,
     ) -> tuple[Tensor, Tensor | None]:
@@ -273,7 +279,7 @@ class LxmertModel(nn.Module):
 
     def hidden(self, x: VLInputs, rows: Tensor, need_vision: bool = True) -> tuple[Tensor, Tensor | None]:
         """The final language states at `rows` (B, M) -> (B, M, D) and, if `need_vision`, every final vision
-        state (B, R, D) (else None): the last cross-modality layer computes only those (`CrossModalityLayer.last`),
+        state (B, R, D) (else None): the last cross-modality layer computes only those (`CrossModalityLayer._last`),
         for the heads that read [CLS] (pooled: matching, QA, every pooled task head) and the masked words. The
         same values as `forward` there."""
         lang, lang_bias, visn, visn_bias = self._embed(x)
@@ -281,7 +287,8 @@ class LxmertModel(nn.Module):
         visn, _ = self.r_encoder(visn, visn_bias)
         for layer in self.x_layers[:-1]:
             lang, visn, _ = layer(lang, lang_bias, visn, visn_bias)
-        return self.x_layers[-1].last(lang, lang_bias, visn, visn_bias, rows, need_vision)
+        lang, visn, _ = self.x_layers[-1](lang, lang_bias, visn, visn_bias, rows=rows, need_vision=need_vision)
+        return lang, visn
 
 
 class LxmertObjectHeads(nn.Module):

@@ -51,7 +51,7 @@ from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
 from vlberts.recipes.finetune_qa import check_loss
 from vlberts.recipes.pretrain import PretrainConfig, check_mismatched_targets, pretrain
-from vlberts.training.checkpoint import load_pretraining_model, read_model_config
+from vlberts.training.checkpoint import latest_checkpoint, load_pretraining_model, read_model_config
 from vlberts.training.distributed import launch
 from vlberts.world.build import WorldConfig, build_world
 from vlberts.world.language import VOCAB_DIR
@@ -360,10 +360,14 @@ def run_model(
     pre_cfg = pretrain_config(cfg, model, world, features, out / "pretrain")
     model_dir = Path(pre_cfg.out) / "model"
     if not timings.keep(("pretrain",), (model_dir / "config.json").is_file(), log, f"the pre-trained {model}"):
-        run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")  # continues from a checkpoint
+        ckpt = latest_checkpoint(pre_cfg.out)  # an interrupted demo's pre-training continues from it
+        start = int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
+        run_procs(pretrain, pre_cfg, ["pretrain"], cfg.procs, out, "pretrain")
         timings.record("pretrain", t)
         how = f"{cfg.procs} processes, log {out / 'pretrain.log'}" if (out / "pretrain.log").is_file() else "1 process"
-        log(f"pre-trained {model} for {cfg.pretrain_steps} updates in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
+        done = f"updates {start + 1}-{cfg.pretrain_steps} of {cfg.pretrain_steps}, continued from its checkpoint" \
+            if start else f"{cfg.pretrain_steps} updates"
+        log(f"pre-trained {model} for {done} in {timings['pretrain']:.0f}s ({how}) -> {model_dir}")
 
     # 4. Does the image help masked language modelling on visual words?
     t = time.perf_counter()
