@@ -96,6 +96,11 @@ _VISUAL_FC = "image_feature_extractor.obj_downsample.1.weight"
 _HEADS = ("cls.", "region_head.")
 
 
+def _backbone_keys(sd: dict[str, Tensor]) -> list[str]:
+    """The keys of the end-to-end network's ResNet (`_BACKBONE`) in a state dict of original names."""
+    return [k for k in sd if k.startswith(_BACKBONE)]
+
+
 def original_to_vlberts(
     sd: dict[str, Tensor],
     cfg: VLBertConfig,
@@ -111,7 +116,7 @@ def original_to_vlberts(
         bad = [k for k in sd if k.startswith(prefix)]
         if bad:
             raise VlbertsError(f"{bad[0]}: {what} is not supported by vlberts' VL-BERT", path=source)
-    backbone = [k for k in sd if k.startswith(_BACKBONE)]
+    backbone = _backbone_keys(sd)
     if backbone and not drop_backbone:
         raise VlbertsError(f"{backbone[0]} (+{len(backbone) - 1} more): this is an end-to-end checkpoint with its "
                            "ResNet; vlberts' VL-BERT reads precomputed region features: pass drop_backbone=True "
@@ -163,7 +168,7 @@ def load_vlbert_state_dict(
     any MLM head key in the file, every pre-training head stays freshly initialised."""
     ours, file_names = original_to_vlberts(sd, model.cfg, source=source, drop_prefixes=drop_prefixes,
                                            drop_backbone=drop_backbone)
-    backbone = sum(k.removeprefix("module.").startswith(_BACKBONE) for k in sd)  # dropped above, if any
+    backbone = len(_backbone_keys({k.removeprefix("module."): v for k, v in sd.items()}))  # dropped above, if any
     has_heads = any(k.startswith("cls.predictions.") for k in ours)
     optional = (_E + "text_only_visual_embedding.", _E + "object_mask_visual_embedding", _E + "object_mask_word_embedding.")
     load_into(

@@ -237,15 +237,13 @@ def finetune_retrieval(cfg: FinetuneRetrievalConfig) -> Path | None:
     bad = BadRecords(skip=cfg.skip_bad)
     store, float16 = open_features(cfg, device)
     train = read_retrieval_split(cfg.split_file, cfg.train_split, store, bad, store_path=cfg.features)
-    if len(train.image_ids) < 2:
-        if bad.total and dist.main:  # what --skip_bad dropped, before the error it led to
-            print(bad.warning(), file=sys.stderr)
-        raise VlbertsError(f"split {cfg.train_split!r} has {len(train.image_ids)} images with features; 4-way "
-                           "training needs at least 2", path=cfg.split_file)
     evaluation = _eval_split(cfg.split_file, cfg.eval_split, cfg.eval_images, store, cfg.features, bad) \
         if cfg.eval_split else None
-    if bad.total and dist.main:
+    if bad.total and dist.main:  # what --skip_bad dropped, before any error it led to
         print(bad.warning(), file=sys.stderr)
+    if len(train.image_ids) < 2:
+        raise VlbertsError(f"split {cfg.train_split!r} has {len(train.image_ids)} images with features; 4-way "
+                           "training needs at least 2", path=cfg.split_file)
 
     tok = TextTokenizer.load(cfg.init)
     seed_everything(cfg.seed)
