@@ -211,6 +211,30 @@ def test_flickr_bad_box_is_counted_with_skip_bad(tmp_path):
                                 "ymax = -5, 1, 10, 10 (1-based) lies outside the 50x40 image")
 
 
+def test_flickr_annotations_of_another_image_size_than_the_store(tmp_path):
+    """Gold boxes in one frame and the store's regions in another (features of resized images) would score every
+    head wrongly and silently: an error naming the store and the image, or a counted skip; a pixel of slack."""
+    for d in ("Sentences", "Annotations"):
+        (tmp_path / d).mkdir()
+    for image_id in ("1", "2", "3"):
+        (tmp_path / "Sentences" / f"{image_id}.txt").write_text("[/EN#1/people a man] .\n")
+        _xml(tmp_path / "Annotations" / f"{image_id}.xml", (1, 1, 10, 10))  # <size> 50 x 40
+    (tmp_path / "train.txt").write_text("1\n2\n3\n")
+
+    class Sized(_Store):
+        def image_size(self, image_id):
+            return {"1": (50, 40), "2": (51, 39), "3": (100, 80)}[image_id]
+
+    with pytest.raises(VlbertsError) as err:
+        read_split_images(tmp_path, "train", Sized(), BadRecords())
+    assert str(err.value) == ("fake.h5: record image 3: the store's image is 100x80 but Annotations/3.xml gives <size> "
+                              "50x40: its gold boxes and the store's regions are in different frames (features of "
+                              "resized images?)")
+    bad = BadRecords(skip=True)
+    assert [im.image_id for im in read_split_images(tmp_path, "train", Sized(), bad)] == ["1", "2"]
+    assert bad.counts == {"image size differs": 1}
+
+
 # --------------------------------------------------------------------------- VCR
 
 
@@ -430,7 +454,14 @@ def test_feature_import_formats_that_read_a_directory_still_take_one(tmp_path, c
     src.mkdir()
     code, _, err = run_cli(["features", "import", str(src), "--format", "vlbert-json", "--out", str(tmp_path / "s.h5")],
                            capsys)
-    assert code == 2 and err == f"error: {src}: no records in this vlbert-json file\n"  # read as a directory
+    assert code == 2 and err == (f"error: {src}: holds no .json file: vlbert-json reads a directory of per-image "
+                                 ".json files, or a .zip of them\n")  # read as a directory
+    import torch
+
+    torch.save({"state_dict": {}}, tmp_path / "vl-bert-base-prec.model")  # a zip too, of no .json
+    code, _, err = run_cli(["features", "import", str(tmp_path / "vl-bert-base-prec.model"), "--format", "vlbert-json",
+                            "--out", str(tmp_path / "s.h5")], capsys)
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'vl-bert-base-prec.model'}: holds no .json file")
 
 
 def _vqa_files(tmp_path, n: int = 3) -> tuple[dict, dict]:

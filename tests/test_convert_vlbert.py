@@ -156,12 +156,25 @@ def test_training_checkpoint_file_with_module_prefix_and_task_head(tmp_path):
     path = tmp_path / "vl-bert_base_vqa-0019.model"
     torch.save({"state_dict": {"module." + k: v for k, v in sd.items()}, "optimizer": {"state": {}, "param_groups": []}},
                path)
-    with pytest.raises(VlbertsError, match="final_mlp"):
-        load_original_vlbert(path, CFG)
-    model = load_original_vlbert(path, CFG, drop_prefixes=("final_mlp.",))
+    model = load_original_vlbert(path, CFG)
     assert torch.equal(model.bert.embeddings.end_embedding.weight, sd["vlbert.end_embedding.weight"])
+    assert model.left_out_head == "the fine-tuning head final_mlp (1 tensor)"
     fresh = VLBertForPreTraining(CFG)  # heads and the absent text-only embedding keep the initialisation's shapes
     assert model.region_head.decoder.weight.shape == fresh.region_head.decoder.weight.shape
+
+
+def test_released_pretraining_file_without_pooler_loads():
+    """The released pre-training configs set `with_pooler: false` (cfgs/pretrain/base_prec_4x16G_fp32.yaml), so
+    vl-bert-base-prec.model has no `vlbert.pooler.*`: the pooler keeps its initial values, as the release's task
+    networks start theirs, and everything else loads."""
+    sd = {k: v for k, v in original_state_dict().items() if not k.startswith("vlbert.pooler.")}
+    torch.manual_seed(0)
+    fresh = VLBertForPreTraining(CFG)
+    torch.manual_seed(0)
+    model = load_vlbert_state_dict(VLBertForPreTraining(CFG), sd)
+    assert torch.equal(model.bert.pooler.dense.weight, fresh.bert.pooler.dense.weight)
+    assert torch.equal(model.bert.embeddings.end_embedding.weight, sd["vlbert.end_embedding.weight"])
+    assert model.left_out_head is None
 
 
 def test_frozen_word_embedding_special_rows_are_merged():

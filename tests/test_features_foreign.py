@@ -188,8 +188,24 @@ def test_ban_h5_recovers_each_image_size(tmp_path):
     import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "ban.h5", ids=tmp_path / "test36_imgid2idx.pkl")
     _check_store(tmp_path / "ban.h5", images, with_cls_prob=False)
 
-    with pytest.raises(VlbertsError, match="ban-h5 needs --ids"):
+    # Without --ids each file is read with its own index beside it: BAN's splits into one store
+    more = _images(6)[4:]
+    (tmp_path / "val36_imgid2idx.pkl").write_bytes(pickle.dumps(_write_ban(tmp_path / "val36.hdf5", more), protocol=2))
+    import_features([tmp_path / "test36.hdf5", tmp_path / "val36.hdf5"], "ban-h5", tmp_path / "both.h5")
+    _check_store(tmp_path / "both.h5", images + more, with_cls_prob=False)
+    with pytest.raises(VlbertsError, match=r"--ids is one file's image index, and 2 files are imported: leave it out"):
+        import_features([tmp_path / "test36.hdf5", tmp_path / "val36.hdf5"], "ban-h5", tmp_path / "x.h5",
+                        ids=tmp_path / "test36_imgid2idx.pkl")
+    # Another split's index: refused, whether its rows fit inside this file's or not
+    with pytest.raises(VlbertsError, match=r"val36_imgid2idx.pkl: the index names 2 distinct rows, but test36.hdf5 "
+                                           r"holds 4 images \(pos_boxes rows\), each indexed once by its own "
+                                           r"test36_imgid2idx.pkl: is this that file's index\?"):
+        import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "x.h5", ids=tmp_path / "val36_imgid2idx.pkl")
+    (tmp_path / "test36_imgid2idx.pkl").rename(tmp_path / "elsewhere.pkl")
+    with pytest.raises(VlbertsError, match=r"test36.hdf5: ban-h5 reads each file's image ids from the "
+                                           r"test36_imgid2idx.pkl beside it .*: pass it as --ids"):
         import_features(tmp_path / "test36.hdf5", "ban-h5", tmp_path / "x.h5")
+    (tmp_path / "elsewhere.pkl").rename(tmp_path / "test36_imgid2idx.pkl")
     with h5py.File(tmp_path / "test36.hdf5", "a") as f:  # two of image 101's boxes normalised by another width
         spatial = f["spatial_features"][...]
         spatial[4:6, 2] *= 0.5
@@ -263,7 +279,13 @@ def test_visualbert_th_giant_file_and_npz_directory_read_sizes_from_the_images(t
                 np.testing.assert_array_equal(rec.boxes, im["boxes"])
                 np.testing.assert_array_equal(rec.features, im["features"])
 
-    (folder / "dev-101-0-img0.png").unlink()
+    # NLVR2's train images sit in numbered folders, and one root serves every split: images below --images count
+    (folder / "17").mkdir()
+    (folder / "dev-101-0-img0.png").rename(folder / "17" / "dev-101-0-img0.png")
+    import_features(tmp_path / "features_dev_150.th", "visualbert-th", tmp_path / "nested.h5", images=tmp_path)
+    with RegionStore(tmp_path / "nested.h5") as s:
+        assert s.image_size("dev-101-0-img0") == (images[1]["w"], images[1]["h"])
+    (folder / "17" / "dev-101-0-img0.png").unlink()
     with pytest.raises(VlbertsError, match=r"record image dev-101-0-img0.png: no image dev-101-0-img0.png in"):
         import_features(tmp_path / "features_dev_150.th", "visualbert-th", tmp_path / "x.h5", images=folder)
     with pytest.raises(VlbertsError, match="visualbert-th needs --images"):

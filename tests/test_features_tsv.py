@@ -370,3 +370,13 @@ def test_several_files_of_one_format_import_into_one_store(tmp_path):
     with pytest.raises(VlbertsError, match=rf"^{b}: no records in this lxmert-tsv file$"):
         import_features([a, b], "lxmert-tsv", tmp_path / "empty.h5")
     assert not (tmp_path / "dup.h5").exists() and not (tmp_path / "empty.h5").exists() and leftovers(tmp_path) == []
+
+
+def test_a_zipped_tsv_says_to_unzip_it(tmp_path):
+    """LXMERT distributes its TSVs zipped; the zip given as the TSV read as one cut-off line."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "train2014_obj36.zip", "w") as z:
+        z.writestr("train2014_obj36.tsv", "x\ty\n")
+    with pytest.raises(VlbertsError, match=r"train2014_obj36.zip: is a zip archive, not a TSV: unzip it"):
+        import_features(tmp_path / "train2014_obj36.zip", "lxmert-tsv", tmp_path / "s.h5")

@@ -297,3 +297,17 @@ def test_several_training_files_and_questions_also_evaluated(tiny_world, tiny_pr
         train_questions=f"{gqa / 'train_balanced_questions.json'},{gqa / 'val_balanced_questions.json'}"), BadRecords(),
         None)  # no --answer_vocab
     assert len(train) == sum(len(json.loads((gqa / f"{s}_balanced_questions.json").read_text())) for s in ("train", "val"))
+
+
+def test_the_closing_line_names_only_files_the_run_wrote(tmp_path, capsys, monkeypatch):
+    """A run without evaluation questions writes no predictions.json, and its last line does not name one."""
+    from vlberts import cli
+
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "metrics.json").write_text(json.dumps({"num_train_questions": 10}))
+    cli._report_finetune(str(tmp_path), tmp_path / "model", cli._qa_lines("VQA"), "predictions.json")
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'model'} and {tmp_path / 'metrics.json'}"
+    (tmp_path / "predictions.json").write_text("[]")
+    cli._report_finetune(str(tmp_path), tmp_path / "model", cli._qa_lines("VQA"), "predictions.json")
+    assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'model'}, {tmp_path / 'predictions.json'} and "
+                                               f"{tmp_path / 'metrics.json'}")

@@ -67,13 +67,16 @@ def test_a_target_pickle_needs_its_table_and_unique_ids(tmp_path):
         read_gqa(_pickle(tmp_path / "d.pkl", {"question_id": "1"}), answers=TABLE)
 
 
-def test_minval_is_the_last_of_trainval_by_question_id_as_a_number():
-    class Q:
-        def __init__(self, qid):
-            self.question_id = qid
-
-    examples = [Q("9"), Q("100"), Q("011"), Q("10")]
-    assert [ex.question_id for ex in last_questions(examples, 2)] == ["100", "011"]  # 100 and 11, not "9" > "100"
+def test_minval_is_the_last_of_trainval_by_question_id_as_the_pickle_stores_it(tmp_path):
+    """ViLBERT sorts its pickle's records by `question_id` as stored (gqa_dataset.py): strings as text, so "9"
+    comes after "100" (GQA's ids are digit strings of 8 and 9 digits), numbers as numbers."""
+    as_text = [_rec(q) for q in ("9", "100", "011", "10")]
+    examples = read_gqa(_pickle(tmp_path / "s.pkl", as_text), answers=TABLE)
+    assert [ex.question_id for ex in last_questions(examples, 2)] == ["9", "100"]  # "100" < "9" as text
+    as_numbers = [{**rec, "question_id": int(rec["question_id"])} for rec in as_text]
+    examples = read_gqa(_pickle(tmp_path / "n.pkl", as_numbers), answers=TABLE)
+    assert [ex.question_id for ex in examples] == ["9", "100", "11", "10"]  # read back as the digits
+    assert [ex.question_id for ex in last_questions(examples, 2)] == ["100", "11"]
 
 
 def test_the_world_writes_vilberts_gqa_files(tiny_world):

@@ -536,3 +536,17 @@ def test_a_fine_tuned_model_is_analysed_through_its_encoder(tiny_world, tiny_pre
         analyze_grounding(GroundingConfig(model=str(tmp_path / "vqa"), out=str(tmp_path / "c"), **common))
     with pytest.raises(VlbertsError, match=r"not a model directory \(no vocab.txt\): a run directory\? its model is "):
         TextTokenizer.load(tmp_path / "vqa")  # as `vlberts finetune TASK --init=RUN` reads it first
+    # One of a run's training checkpoints, a model's weights file, a released checkpoint: each said for what it is
+    step = tmp_path / "run" / "checkpoints" / "step_00000040"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    with pytest.raises(VlbertsError, match=r"step_00000040: a training checkpoint, not a model directory \(no "
+                                           r"vocab.txt\): the run's model is .*run/model once it ends"):
+        TextTokenizer.load(step)
+    with pytest.raises(VlbertsError, match=r"model.safetensors: is a file; a model is a directory \(config.json, "
+                                           r"model.safetensors, vocab.txt\): this one's, .*same\?"):
+        analyze_grounding(GroundingConfig(model=str(same / "model.safetensors"), out=str(tmp_path / "c"), **common))
+    (tmp_path / "Epoch20_LXRT.pth").write_bytes(b"")
+    with pytest.raises(VlbertsError, match=r"Epoch20_LXRT.pth: is a file; .*a released checkpoint becomes one with "
+                                           r"`vlberts models import`"):
+        TextTokenizer.load(tmp_path / "Epoch20_LXRT.pth")

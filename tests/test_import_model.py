@@ -144,6 +144,18 @@ def test_original_lxmert_imports_from_its_own_key_layout_with_the_same_outputs(t
     for name in ("mlm_logits", "match_logits", "obj_logits", "attr_logits", "feat_pred", "qa_logits"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
+    # A fine-tuned task model (src/tasks/vqa.py's BEST.pth, its encoder under DataParallel): the encoder, its
+    # answer head left out and named
+    best = {"lxrt_encoder.model.module." + k[len("module."):]: v for k, v in original.items() if k.startswith("module.bert.")}
+    best.update({"logit_fc.0.weight": torch.zeros(256, 128), "logit_fc.3.bias": torch.zeros(9)})
+    torch.save(best, tmp_path / "BEST.pth")
+    code, out_, err = run(str(tmp_path / "BEST.pth"), "--format=lxmert", f"--vocab={vocab}", f"--out={tmp_path / 'ft'}")
+    assert code == 0, err
+    assert "left out: the fine-tuning head logit_fc (2 tensors)" in out_
+    tuned, _, _ = load_pretraining_model(tmp_path / "ft")
+    with torch.no_grad():
+        torch.testing.assert_close(tuned.eval().lxmert(x).text, ours.lxmert(x).text, rtol=0, atol=0)
+
     # The heads are not in the names of the weights: hidden_size / 64 unless --config says.
     (tmp_path / "heads.json").write_text(json.dumps({"num_attention_heads": 4}))
     code, _, err = run(str(tmp_path / "Epoch20_LXRT.pth"), "--format=lxmert", f"--vocab={vocab}",
@@ -389,3 +401,33 @@ def test_hf_lxmert_with_its_answer_table_starts_vqa_from_its_qa_head(tiny_world,
     assert code == 2 and err.strip() == (f"error: {tmp_path / 'short.json'}: --qa_answers names {len(table) - 1} "
                                          f"answers but the checkpoint's QA head has {len(table)} rows")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_vocabulary_much_shorter_than_the_word_table_is_warned_of(tmp_path, run):
+    """An uncased checkpoint with a cased vocab.txt (28,996 tokens for 30,522 rows) imports, but every token would
+    take another's embedding: a warning names the file; a table padded by a few rows says nothing."""
+    hf = transformers.VisualBertModel(transformers.VisualBertConfig(
+        vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
+        visual_embedding_dim=8))
+    hf.save_pretrained(tmp_path / "hf")
+    short = _vocab(tmp_path / "short.txt", 100)
+    code, _, err = run(str(tmp_path / "hf"), "--format=hf-visualbert", f"--vocab={short}", f"--out={tmp_path / 'a'}")
+    assert code == 0 and err.startswith(f"warning: {short}: 100 tokens for the checkpoint's 300 word embeddings; a "
+                                        "padded table has a few rows more, not 200")
+    padded = _vocab(tmp_path / "padded.txt", 290)
+    code, _, err = run(str(tmp_path / "hf"), "--format=hf-visualbert", f"--vocab={padded}", f"--out={tmp_path / 'b'}")
+    assert code == 0 and "warning" not in err
+
+
+def test_a_file_of_another_size_without_config_says_to_pass_one(tmp_path, run):
+    """A ViLBERT file read with the assumed base config (no --config) does not fit its shapes: the one-line error
+    says first that --config is what is missing, then which shapes differ."""
+    from test_vilbert import _original_state_dict, _write_original
+
+    weights, _ = _write_original(tmp_path, _original_state_dict())
+    _vocab(tmp_path / "vocab.txt", 100)
+    code, _, err = run(str(weights), "--format=vilbert", f"--out={tmp_path / 'm'}")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {weights}: weights do not fit vilbert-multi-task's base config "
+                          "(bert_base_6layer_6conect.json), which is assumed without --config: pass the file's own "
+                          "config with --config; shape mismatch: ")

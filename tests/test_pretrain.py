@@ -280,6 +280,25 @@ def test_cli_pretrain_bad_override_and_missing_image(tiny_world, tmp_path):
     assert f"{tiny_world.store}: record 999999: image id 999999 of {bad} not in store (1 sentences of that file" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (out / "model").exists()
+    # Several files, comma-separated (VisualBERT's task pre-training on train + val): the missing image's file named
+    proc = subprocess.run(
+        [str(VLBERTS), "pretrain", f"--captions={tiny_world.captions_train},{bad}", f"--features={tiny_world.store}",
+         f"--out={out}", "--model=visualbert-tiny", "--steps=1"], capture_output=True, text=True)
+    assert proc.returncode == 2 and f"image id 999999 of {bad} not in store (1 sentences of that file" in proc.stderr
+
+
+def test_several_captions_files_are_read_one_after_the_other(tiny_world, tmp_path, monkeypatch):
+    from vlberts.data.task_texts import task_caption_refs
+    from vlberts.recipes import pretrain as recipe
+
+    seen = []
+    monkeypatch.setattr(recipe, "require_images", lambda sentences, sources, store: seen.append((sentences, sources)))
+    one = task_caption_refs(tiny_world.captions_train)
+    train, val = str(tiny_world.captions_train), str(tiny_world.captions_train).replace("train", "val")
+    other = task_caption_refs(val)
+    pretrain(cfg_for(tiny_world, tmp_path / "two", captions=f"{train},{val}", steps=1))
+    (sentences, sources), = seen
+    assert sources == [(train, len(one)), (val, len(other))] and sentences == one + other
 
 
 def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):

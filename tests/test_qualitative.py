@@ -13,7 +13,9 @@ from PIL import Image
 from vlberts.analysis.explorer import ExplorerEntity, ExplorerExample
 from vlberts.analysis.grounding import GroundingOptions, GroundingResult
 from vlberts.analysis.qualitative import (
+    MISSING_GREY,
     TopRegion,
+    decode_image,
     default_heads,
     pick_records,
     save_qualitative_figure,
@@ -108,11 +110,33 @@ def test_the_figure_is_a_png_with_one_panel_per_head(tmp_path):
     pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     assert ((pixels == (250, 250, 0)).all(-1)).sum() > 1000  # the image is drawn
     assert ((np.abs(pixels.astype(int) - (0xD6, 0x27, 0x28)).sum(-1) < 30)).sum() > 100  # entity 0's red boxes
+    # A JPEG (Flickr30K's images are JPEGs; matplotlib's own reader takes PNG only) is drawn too
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG", quality=95)
+    jpeg = save_qualitative_figure(record(buf.getvalue()), [(0, 0)], tmp_path / "jpeg.png", dpi=100)
+    pixels = np.asarray(Image.open(jpeg).convert("RGB")).astype(int)
+    assert ((np.abs(pixels - (250, 250, 0)).sum(-1) < 20)).sum() > 1000
     # Without image bytes: a grey canvas, still a figure.
     grey = save_qualitative_figure(record(), [(0, 1)], tmp_path / "grey.png", dpi=100)
     assert png_size(grey.read_bytes()) == (320, 410)
     with pytest.raises(ValueError, match="outside"):
         save_qualitative_figure(record(), [(2, 0)], tmp_path / "bad.png")
+
+
+def test_dollar_signs_in_a_caption_are_text_not_mathtext(tmp_path):
+    """"$5 ... $10": two dollar signs would start and end matplotlib's mathtext, which fails to parse this
+    one and stopped the run; the figures draw the text as it is."""
+    from dataclasses import replace
+
+    rec = replace(record(), words=("a", "$5", "holds", "50%", "off", "$10"))
+    path = save_qualitative_figure(rec, [(0, 0), (1, 0)], tmp_path / "dollars.png", dpi=60)
+    assert png_size(path.read_bytes())[0] == 384
+
+
+def test_an_image_file_that_cannot_be_decoded_is_drawn_grey_with_a_warning(capsys):
+    canvas = decode_image(b"not an image", (30, 20), "caption 7_2")
+    assert canvas.shape == (20, 30, 3) and (canvas == MISSING_GREY).all()
+    assert capsys.readouterr().err.startswith("warning: caption 7_2: the image file could not be decoded (")
 
 
 def test_analyze_grounding_writes_qualitative_figures(tiny_world, tiny_pretrained, tmp_path):
@@ -129,5 +153,10 @@ def test_analyze_grounding_writes_qualitative_figures(tiny_world, tiny_pretraine
     assert [f.stem for f in (tmp_path / "c" / "qualitative").glob("*.png")] == [chosen]
     none = analyze_grounding(GroundingConfig(out=str(tmp_path / "n"), qualitative=0, explorer_examples=0, **common))
     assert "qualitative" not in none.paths and not (tmp_path / "n" / "qualitative").exists()
+    # The same OUT again, writing neither: the earlier run's figures and page do not stay behind as if this run's
+    (tmp_path / "g" / "explorer.html").write_text("<html></html>")
+    analyze_grounding(GroundingConfig(out=str(tmp_path / "g"), qualitative=0, explorer_examples=0, parses="none", **common))
+    assert not list((tmp_path / "g" / "qualitative").glob("*.png")) and not (tmp_path / "g" / "explorer.html").exists()
+    assert not (tmp_path / "g" / "syntactic_grounding.png").exists() and (tmp_path / "g" / "grounding.json").is_file()
     with pytest.raises(VlbertsError, match="not in the analysed"):
         analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), qualitative_captions="999999_0", **common))

@@ -23,6 +23,7 @@ from vlberts.analysis.syntactic import (
     score_syntactic,
 )
 from vlberts.data.conllu import parse_conllu, read_conllu
+from vlberts.errors import VlbertsError
 from vlberts.world.vocab import COLOUR_NAMES, SIZES
 
 COLOURS_AND_SIZES = (*COLOUR_NAMES, *SIZES)
@@ -362,12 +363,18 @@ def test_recipe_without_parses_and_with_mismatched_parses(tiny_world, tiny_pretr
     rep = analyze_grounding(GroundingConfig(out=str(tmp_path / "user"), parses=str(parses), **common))
     syn = rep.syntactic
     assert syn.skipped == {"no parse": 1, "parse words differ": 1}
-    assert syn.skipped_examples == {"no parse": [dropped.sent_id], "parse words differ": [changed.sent_id]}
+    word = changed.words[0]
+    why = f"word 1 is {word + 'x'!r} in the parse, {word!r} in the caption"  # the first difference is kept
+    assert syn.skipped_examples == {"no parse": [dropped.sent_id], "parse words differ": [f"{changed.sent_id} ({why})"]}
     assert syn.n_captions == rep.result.n_captions - 2
     md = (tmp_path / "user" / "grounding.md").read_text()
-    assert f"parse words differ 1 (e.g. {changed.sent_id.replace('_', chr(92) + '_')})" in md
-
-    from vlberts.errors import VlbertsError
+    assert f"parse words differ 1 (e.g. {changed.sent_id.replace('_', chr(92) + '_')} ({why}))" in md
+    # A file whose sent_ids follow another convention names no caption: an error that shows the convention
+    (tmp_path / "other.conllu").write_text(parses.read_text().replace("# sent_id = ", "# sent_id = img"))
+    with pytest.raises(VlbertsError, match=r"other.conllu: no sent_id names a caption of split 'test' \(\d+ parses, "
+                                           r"the first 'img.*'\): a caption's parse is '# sent_id = <image id>_<caption "
+                                           r"index>', e.g. "):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), parses=str(tmp_path / "other.conllu"), **common))
 
     with pytest.raises(VlbertsError, match="nope.conllu: file not found"):
         analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), parses=str(tmp_path / "nope.conllu"), **common))

@@ -342,12 +342,15 @@ def test_unsupported_and_fine_tuning_keys():
     sd = _original_state_dict()
     msg = _load_error({**sd, "bert.embeddings.task_embeddings.weight": torch.zeros(20, 32)})
     assert "unexpected keys: bert.embeddings.task_embeddings.weight" in msg
-    heads = {"vil_prediction.main.0.weight_g": torch.zeros(()), "vil_logit.weight": torch.zeros(1, 16),
-             "vision_logit.bias": torch.zeros(1), "linguisic_logit.weight": torch.zeros(1, 32)}
-    assert "unexpected keys: vil_prediction.main.0.weight_g" in _load_error({**sd, **heads})
-    model = load_vilbert_state_dict(ViLBertForPreTraining(vilbert_tiny()), {**sd, **heads},
-                                    drop_prefixes=("vil_", "vision_logit", "linguisic_logit"))
+    # A fine-tuned VILBertForVLTasks file: its task heads are left out and named, the rest loads
+    heads = {"vil_prediction.logit_fc.0.weight": torch.zeros(32, 16), "vil_prediction.logit_fc.3.bias": torch.zeros(9),
+             "vil_logit.weight": torch.zeros(1, 16), "vision_logit.bias": torch.zeros(1),
+             "linguisic_logit.weight": torch.zeros(1, 32)}
+    model = load_vilbert_state_dict(ViLBertForPreTraining(vilbert_tiny()), {**sd, **heads})
     assert torch.equal(model.bert.t_pooler.dense.weight, sd["bert.t_pooler.dense.weight"])
+    assert model.left_out_head == "the fine-tuning heads vil_prediction, vil_logit, vision_logit, linguisic_logit (5 tensors)"
+    assert load_vilbert_state_dict(ViLBertForPreTraining(vilbert_tiny()), sd).left_out_head is None
+    assert "unexpected keys: vil_something_new.weight" in _load_error({**sd, "vil_something_new.weight": torch.zeros(1)})
     untied = {**sd, "cls.predictions.decoder.weight": sd["cls.predictions.decoder.weight"] + 1}
     assert "differs from bert.embeddings.word_embeddings.weight" in _load_error(untied)
 

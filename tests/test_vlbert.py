@@ -319,3 +319,17 @@ def test_every_task_model_refuses_an_end_to_end_vlbert_up_front(task):
              "retrieval": RetrievalModel}[task]
     with pytest.raises(VlbertsError, match=rf"^{task}.* reads stored region features; an end-to-end VL-BERT"):
         build(vlbert_e2e_tiny())
+
+
+def test_the_analyses_refuse_an_end_to_end_vlbert_in_one_line(tmp_path):
+    """The analyses feed stored region features: an end-to-end model directory is refused when loaded, not with
+    a traceback from the first forward pass (or a misleading feature-width message)."""
+    from vlberts.errors import VlbertsError
+    from vlberts.models.builders import build_pretraining_model, vlbert_e2e_tiny
+    from vlberts.training.checkpoint import load_attention_model, save_model_dir
+
+    cfg = vlbert_e2e_tiny()
+    save_model_dir(tmp_path / "e2e", build_pretraining_model(cfg), cfg)
+    with pytest.raises(VlbertsError, match=r"^Each analysis \(analyze grounding, attention-graphs, representations\) "
+                                           "reads stored region features; an end-to-end VL-BERT"):
+        load_attention_model(tmp_path / "e2e")

@@ -144,6 +144,10 @@ def test_finetune_and_evaluate_from_vilberts_files_equal_the_json_run(tiny_world
                                    eval_annotations=str(va)))
     finetune_vqa(FinetuneVQAConfig(**common, out=str(tmp_path / "vil"), eval_annotations=str(cache / "val_target.pkl"),
                                    train_annotations=f"{cache / 'train_target.pkl'},{cache / 'val_target.pkl'}"))
+    with pytest.raises(VlbertsError, match=r"train_target.pkl: ViLBERT's VQA target pickle holds answers, not question "
+                                           r"text: give it as the annotations"):  # as GQA's are given, which do
+        finetune_vqa(FinetuneVQAConfig(**{**common, "train_questions": str(cache / "train_target.pkl")},
+                                       out=str(tmp_path / "x"), train_annotations=str(ta)))
     m_json, m_vil = (json.loads((tmp_path / r / "metrics.json").read_text()) for r in ("json", "vil"))
     assert m_vil["num_questions"] == m_json["num_questions"] == 20
     assert m_vil["train_questions_in_eval_dropped"] == 20
@@ -164,6 +168,14 @@ def test_finetune_and_evaluate_from_vilberts_files_equal_the_json_run(tiny_world
     proc = subprocess.run([*evaluate, "--eval_last", "20"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["accuracy"] == m_json["accuracy"]
+    assert "warning" not in proc.stderr
+    # Another table than the pickle's (the world's Pythia table, whose rows differ) names other answers at the
+    # same indices: a warning names both files
+    other = [*evaluate[:evaluate.index("--answer_vocab") + 1], str(tiny_world.root / "vqa" / "answers_vqa.txt"),
+             "--eval_last", "20"]
+    proc = subprocess.run(other, capture_output=True, text=True)
+    assert proc.stderr.startswith(f"warning: {cache / 'val_target.pkl'}: its labels index ViLBERT's answer table")
+    assert "answers_vqa.txt is not that pickle" in proc.stderr
 
 
 def test_image_id_lists_as_vilbert_writes_them(tmp_path):
@@ -190,7 +202,7 @@ def test_excluded_images_leave_training_as_vilberts_clean_train_sets(tiny_world,
     import numpy as np
 
     from vlberts.data.vqa import VQAExample
-    from vlberts.recipes.finetune_qa import excluded_images, without_images
+    from vlberts.tasks.predictions import excluded_images, without_images
     from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
 
     examples = [VQAExample(question_id=i, image_id=image, question="q")
@@ -214,6 +226,16 @@ def test_excluded_images_leave_training_as_vilberts_clean_train_sets(tiny_world,
     on_banned_test = sum(ex.image_id in banned for ex in test)
     assert metrics["eval_questions_on_excluded_images"] == on_banned_test > 0
     assert metrics["num_questions"] == len(test) - on_banned_test
+    # `evaluate vqa --exclude_images` scores the same questions again (without it, the left-out ones have no
+    # prediction)
+    evaluate = [str(VLBERTS), "evaluate", "vqa", "--predictions", str(tmp_path / "run" / "predictions.json"),
+                "--questions", str(eq), "--annotations", str(ea), "--out", str(tmp_path / "eval")]
+    proc = subprocess.run(evaluate, capture_output=True, text=True)
+    assert proc.returncode == 2 and "no prediction for this example" in proc.stderr
+    proc = subprocess.run([*evaluate, "--exclude_images", str(tmp_path / "banned.npy")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    scored = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert scored["accuracy"] == metrics["accuracy"] and scored["questions_on_excluded_images"] == on_banned_test
     with pytest.raises(VlbertsError, match="missing.npy: image list not found"):
         finetune_vqa(FinetuneVQAConfig(**{**common, "train_questions": str(tmp_path / "nowhere.json")},
                                        out=str(tmp_path / "bad"), exclude_images=str(tmp_path / "missing.npy")))

@@ -115,8 +115,10 @@ def features_import(
                                           "in between (vilbert-cc-lmdb: each image with its caption)."),
     shard_size: int = typer.Option(1000, "--shard-size", help="With --shards: samples per shard."),
     prefix: str = typer.Option("shard", help="With --shards: the shard set's name (PREFIX-000000.tar, PREFIX-index.json)."),
-    ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl beside the .hdf5."),
-    images: Optional[Path] = typer.Option(None, help="visualbert-th only: the images, whose sizes the file does not hold."),
+    ids: Optional[Path] = typer.Option(None, help="ban-h5 only: the {split}_imgid2idx.pkl of the .hdf5 (default: the "
+                                                "one beside each file, so several splits import with their own)."),
+    images: Optional[Path] = typer.Option(None, help="visualbert-th only: the folder of the images (or of folders of them, e.g. "
+                                                      "NLVR2's), whose sizes the file does not hold."),
     captions: Optional[Path] = typer.Option(None, help="vilbert-cc-lmdb only: also write its captions here, as a COCO "
                                             "captions file for `vlberts pretrain --captions`."),
     float16: bool = typer.Option(False, "--float16", help="Store features as float16 (half the size)."),
@@ -567,7 +569,8 @@ def _qa_lines(task: str) -> Callable[[dict], list[str]]:
 
 def _report_finetune(out: str, final: Optional[Path], lines: Callable[[dict], list[str]], written: str = "") -> None:
     """The closing lines of a fine-tuning command (rank 0 only under torchrun): the task's numbers from
-    OUT/metrics.json (`lines`), and what was written (the model, OUT/`written` if given, metrics.json)."""
+    OUT/metrics.json (`lines`), and what was written (the model, OUT/`written` if the run wrote it: a run
+    without evaluation questions writes no predictions, metrics.json)."""
     from vlberts.io import read_json
 
     if os.environ.get("RANK", "0") != "0":
@@ -577,7 +580,8 @@ def _report_finetune(out: str, final: Optional[Path], lines: Callable[[dict], li
         return
     for line in lines(read_json(Path(out) / "metrics.json")):
         typer.echo(line)
-    files = [str(final), *([str(Path(out) / written)] if written else []), str(Path(out) / "metrics.json")]
+    files = [str(final), *([str(Path(out) / written)] if written and (Path(out) / written).is_file() else []),
+             str(Path(out) / "metrics.json")]
     typer.echo(f"wrote {', '.join(files[:-1])} and {files[-1]}")
 
 
@@ -613,10 +617,10 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
         typer.echo(rep.syntactic_note)
     else:
         s = rep.syntactic
-        typer.echo(f"syntactic grounding: {s.n_instances} arc instances in {s.n_captions} captions; "
-                   + "; ".join(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
-                               f"{100 * row.baseline:.2f}%)" for row in s.table2(3))
-                   + (f"; skipped captions: {s.skipped}" if s.skipped else ""))
+        typer.echo("; ".join([f"syntactic grounding: {s.n_instances} arc instances in {s.n_captions} captions",
+                              *(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
+                                f"{100 * row.baseline:.2f}%)" for row in s.table2(3)),
+                              *([f"skipped captions: {s.skipped}"] if s.skipped else [])]))
         parts = []
         for key in (direction_key(rel, d) for rel in ("pobj", "nsubj", "amod") for d in DIRECTIONS):
             if (r := rep.text_syntax.rows.get(key)) is not None:
@@ -794,13 +798,13 @@ def models_import(
     out: Path = typer.Option(..., help="The vlberts model directory to write."),
     vocab: Optional[Path] = typer.Option(None, help="The BERT vocab.txt the checkpoint was trained with (default: "
                                          "one beside SRC)."),
-    config: Optional[Path] = typer.Option(None, help="vilbert: the original JSON config of the weights (default: "
-                                          "the released base config, 6 co-attention layers); vlbert: a JSON object "
-                                          "of settings to change from vlbert-base, e.g. {\"num_region_classes\": 81}; "
-                                          "visualbert / lxmert: a JSON object of Hugging Face VisualBertConfig / "
-                                          "LxmertConfig settings to change from those read off the weights, e.g. "
-                                          "{\"num_attention_heads\": 12}."),
-    qa_answers: Optional[Path] = typer.Option(None, "--qa_answers", help="hf-lxmert: the answers of the QA head's rows, in order "
+    config: Optional[Path] = typer.Option(None, help="A JSON file. vilbert: the original JSON config of the weights "
+                                          "(default: the released base config, 6 co-attention layers); vlbert: an "
+                                          "object of settings to change from vlbert-base, e.g. a file holding "
+                                          "{\"num_region_classes\": 81}; visualbert / lxmert: an object of Hugging "
+                                          "Face VisualBertConfig / LxmertConfig settings to change from those read off "
+                                          "the weights, e.g. a file holding {\"num_attention_heads\": 12}."),
+    qa_answers: Optional[Path] = typer.Option(None, "--qa_answers", help="lxmert / hf-lxmert: the answers of the QA head's rows, in order "
                                               "(LXMERT's all_ans.json), so that VQA/GQA fine-tuning starts from the "
                                               "head (LXMERT's --loadLXMERTQA)."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (once the new one is complete)."),
@@ -861,12 +865,16 @@ def evaluate_vqa(
                                                 "the answer table its labels index (ViLBERT's cache/trainval_ans2label.pkl)."),
     eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
                                   "largest question ids (ViLBERT's minval: the last 3,000 of val2014); 0: all."),
+    exclude_images: Optional[Path] = typer.Option(None, "--exclude_images", "--exclude-images", help="An image-id list "
+                                                  "(.npy or one id a line): leave out the questions on those images, "
+                                                  "after --eval_last, as finetune's --exclude_images does (ViLBERT's "
+                                                  "clean_datasets)."),
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
     from vlberts.tasks.vqa import answer_types, evaluate_predictions
 
-    metrics = evaluate_predictions(predictions, questions, annotations, answer_vocab, eval_last)
+    metrics = evaluate_predictions(predictions, questions, annotations, answer_vocab, eval_last, exclude_images or "")
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     types = answer_types(metrics["per_answer_type"])
     _write_metrics(out, metrics, [f"VQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{types}"])
@@ -884,13 +892,17 @@ def evaluate_gqa(
     answer_vocab: Optional[Path] = typer.Option(None, "--answer_vocab", "--answer-vocab", help="With a target.pkl: "
                                                 "the answer table its labels index (ViLBERT's cache/trainval_ans2label.pkl)."),
     eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
-                                  "largest question ids, compared as numbers (ViLBERT's minval: the last 3,000 of "
-                                  "trainval); 0: all."),
+                                  "largest question ids, ordered as the file stores them (numbers as numbers, strings "
+                                  "as text: ViLBERT's minval, the last 3,000 of trainval); 0: all."),
+    exclude_images: Optional[Path] = typer.Option(None, "--exclude_images", "--exclude-images", help="An image-id list "
+                                                  "(.npy or one id a line): leave out the questions on those images, "
+                                                  "after --eval_last, as finetune's --exclude_images does (ViLBERT's "
+                                                  "clean_datasets)."),
 ) -> None:
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
     from vlberts.tasks.gqa import evaluate_predictions
 
-    metrics = evaluate_predictions(predictions, questions, train_questions, answer_vocab, eval_last)
+    metrics = evaluate_predictions(predictions, questions, train_questions, answer_vocab, eval_last, exclude_images or "")
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])

@@ -171,12 +171,24 @@ def require_file(path: str | Path) -> Path:
 
 
 def refuse_run_directory(directory: str | Path, name: str) -> None:
-    """Where a model directory was expected but `directory` lacks `name` and holds a `model/` that has it, a
-    one-line error naming the run's model directory (`vlberts pretrain --out=RUN` writes RUN/model)."""
+    """Where a model directory was expected but `directory` lacks `name`: a one-line error saying what was
+    given instead, when that is clear: a run directory (its model is RUN/model: `vlberts pretrain --out=RUN`
+    writes it), one of a run's training checkpoints, or a file (a model's weights file, or a released
+    checkpoint, which `vlberts models import` turns into a model directory)."""
     directory = Path(directory)
-    if not (directory / name).is_file() and (directory / "model" / name).is_file():
+    if directory.is_file():
+        raise VlbertsError("is a file; a model is a directory (config.json, model.safetensors, vocab.txt): "
+                           + (f"this one's, {directory.parent}?" if (directory.parent / name).is_file() else
+                              "a released checkpoint becomes one with `vlberts models import`"), path=directory)
+    if (directory / name).is_file():
+        return
+    if (directory / "model" / name).is_file():
         raise VlbertsError(f"not a model directory (no {name}): a run directory? its model is {directory / 'model'}",
                            path=directory)
+    if directory.parent.name == "checkpoints" and (directory / "state.json").is_file():
+        run = directory.parent.parent
+        raise VlbertsError(f"a training checkpoint, not a model directory (no {name}): the run's model is {run / 'model'} "
+                           f"once it ends, and `--out={run}` continues the run from its newest checkpoint", path=directory)
 
 
 def read_text(path: str | Path) -> str:

@@ -7,9 +7,12 @@ draws Figure 4, the same panel for each of several dependency relations (pobj, n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
+import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -23,6 +26,22 @@ INACTIVE_COLOR = "#9ecae1"  # light blue: heads that mostly look at the words ("
 BASELINE_COLOR = "#808080"  # §3.1 / Figure 3: the baseline is "the grey line"
 
 
+
+_Build = TypeVar("_Build", bound=Callable)
+
+
+def plain_text(build: _Build) -> _Build:
+    """Build a figure whose text is drawn as it is: captions, words, tokens and class names come from the
+    user's files, and a `$` in them is a dollar sign, not the start of matplotlib's mathtext (two of them
+    set the words between as maths, or fail to parse and stop the run)."""
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        with matplotlib.rc_context({"text.parse_math": False}):  # read when each Text is made
+            return build(*args, **kwargs)
+    return built  # type: ignore[return-value]
+
+
+@plain_text
 def head_accuracy_figure(
     result: GroundingResult,
     *,
@@ -95,6 +114,7 @@ def draw_head_accuracy(
     ax.legend(loc="best", fontsize=legend_size, frameon=False)
 
 
+@plain_text
 def syntactic_grounding_figure(
     result: SyntacticResult,
     relations: Sequence[str] = FIGURE4_RELATIONS,

@@ -16,7 +16,6 @@ Letters in shape comments: L layers, H heads, T tokens, R regions.
 
 from __future__ import annotations
 
-import io
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from vlberts.analysis.attention_graphs import top_edges
+from vlberts.analysis.figures import plain_text
+from vlberts.analysis.qualitative import decode_image
 from vlberts.io import atomic_path
 
 LINE_COLOR = "#1f4e9c"
@@ -52,18 +53,6 @@ class GraphExample:
     image: bytes | None = None
 
 
-def _decode(example: GraphExample) -> np.ndarray:
-    width, height = example.image_size
-    if example.image is not None:
-        from matplotlib.image import imread
-
-        try:
-            return imread(io.BytesIO(example.image))
-        except Exception:  # noqa: BLE001 - an undecodable image is drawn like a missing one
-            pass
-    return np.full((max(1, int(height)), max(1, int(width)), 3), 0.55)
-
-
 def _save(fig: Figure, path: str | Path, dpi: int = 130) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp:
@@ -71,6 +60,7 @@ def _save(fig: Figure, path: str | Path, dpi: int = 130) -> Path:
     return path
 
 
+@plain_text
 def language_figure(example: GraphExample, heads: Sequence[tuple[int, int, str]]) -> Figure:
     """One bipartite panel per (layer, head, title) with 0-based layer and head of `example.language`."""
     T = len(example.tokens)
@@ -94,13 +84,14 @@ def language_figure(example: GraphExample, heads: Sequence[tuple[int, int, str]]
     return fig
 
 
+@plain_text
 def objects_figure(example: GraphExample, layer: int, k: int = 5, title: str = "") -> Figure:
     """The image with the `k` strongest region pairs of `layer` (0-based; mean over heads) joined."""
     width, height = example.image_size
     fig = Figure(figsize=(4.2, 4.6))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.imshow(_decode(example), extent=(0, width, height, 0), interpolation="nearest")
+    ax.imshow(decode_image(example.image, example.image_size, f"caption {example.caption_id}"), extent=(0, width, height, 0), interpolation="nearest")
     mean = example.objects[layer].mean(0)  # (H, R, R) -> (R, R)
     edges = top_edges(mean, k)
     boxes = np.asarray(example.region_boxes, dtype=np.float64)
@@ -122,6 +113,7 @@ def objects_figure(example: GraphExample, layer: int, k: int = 5, title: str = "
     return fig
 
 
+@plain_text
 def cross_figure(example: GraphExample, title: str = "regions -> words") -> Figure:
     """Per cross layer, the mean attention each token receives from the regions (bars)."""
     L = example.cross.shape[0]

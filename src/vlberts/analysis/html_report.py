@@ -17,7 +17,7 @@ from markupsafe import Markup
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from vlberts.analysis.figures import head_accuracy_figure
+from vlberts.analysis.figures import head_accuracy_figure, plain_text
 from vlberts.analysis.report import best_heads_html
 from vlberts.io import atomic_open
 
@@ -50,6 +50,7 @@ def _png_data_uri(fig: Figure, dpi: int = 110) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+@plain_text
 def _loss_figure(records: list[dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(6.4, 3.2))
     FigureCanvasAgg(fig)

@@ -21,6 +21,7 @@ Letters in shape comments: L layers, H heads, W words, R regions.
 from __future__ import annotations
 
 import io
+import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from vlberts.analysis.explorer import ExplorerEntity, ExplorerExample
+from vlberts.analysis.figures import plain_text
 from vlberts.analysis.grounding import GroundingResult, TokenChoice
 from vlberts.io import atomic_path
 
@@ -89,20 +91,24 @@ def default_heads(result: GroundingResult, n_layers: int = 4) -> list[tuple[int,
     return [(best[layer].layer, best[layer].head) for layer in spread_layers(result.num_layers, n_layers)]
 
 
-def decode_image(record: ExplorerExample) -> np.ndarray:
-    """(h, w, 3|4) image decoded from the record's bytes with matplotlib, or a grey canvas of the
-    record's `image_size` when it has none or they cannot be decoded."""
-    if record.image is not None:
-        from matplotlib.image import imread
+def decode_image(data: bytes | None, image_size: tuple[int, int], name: str = "") -> np.ndarray:
+    """(h, w, 3) uint8 image decoded from a PNG or JPEG file's bytes (Pillow, which matplotlib brings; its own
+    `imread` reads PNG only), or a grey canvas of `image_size` (width, height) when there are none; bytes that
+    cannot be decoded are drawn grey too, with a warning on stderr naming `name` (what the figure shows)."""
+    if data is not None:
+        from PIL import Image, UnidentifiedImageError
 
         try:
-            return imread(io.BytesIO(record.image))
-        except Exception:  # noqa: BLE001 - an undecodable image is drawn like a missing one
-            pass
-    width, height = record.image_size
+            with Image.open(io.BytesIO(data)) as im:
+                return np.asarray(im.convert("RGB"))
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            print(f"warning: {name or 'an image'}: the image file could not be decoded ({e}); drawn as a grey canvas",
+                  file=sys.stderr)
+    width, height = image_size
     return np.full((max(1, int(height)), max(1, int(width)), 3), MISSING_GREY)
 
 
+@plain_text
 def qualitative_figure(
     record: ExplorerExample,
     heads: Sequence[tuple[int, int]],
@@ -120,7 +126,7 @@ def qualitative_figure(
         if not (0 <= layer < L and 0 <= head < H):
             raise ValueError(f"head ({layer}, {head}) outside the record's {L} layers x {H} heads")
     n = len(heads)
-    image = decode_image(record)
+    image = decode_image(record.image, record.image_size, f"caption {record.caption_id}")
     width, height = record.image_size
     fig = Figure(figsize=(panel_size * n, panel_size + 0.9))
     FigureCanvasAgg(fig)

@@ -37,6 +37,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from vlberts.analysis.figures import plain_text
 from vlberts.io import atomic_path
 
 MODALITIES = ("word", "region", "tag")
@@ -156,6 +157,7 @@ def tsne(x: np.ndarray, *, perplexity: float = 30.0, iterations: int = 750, seed
 
 
 # --------------------------------------------------------------------------- figure
+@plain_text
 def representation_figure(points: np.ndarray, reps: RepresentationSet, *, title: str = "",
                           figsize: tuple[float, float] = (7.5, 6.0)) -> Figure:
     """Figure 2: one point per representation, coloured by class, marker by modality (o word, ^ region,

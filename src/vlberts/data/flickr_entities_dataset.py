@@ -49,9 +49,12 @@ def read_split_images(
     entities: str | Path, split: str, store: Container[str], bad: BadRecords, *, max_images: int = 0
 ) -> list[FlickrEntitiesImage]:
     """The split's images (its first `max_images` if > 0) with their captions and boxes. An image missing
-    from the store or whose Sentences/Annotations file is malformed is an error naming it, or with
-    `bad` skipping (--skip_bad) is dropped and counted ("missing features", "malformed entities file").
-    The store is checked first, so a split the store does not cover fails before any file is parsed."""
+    from the store, whose Sentences/Annotations file is malformed, or whose Annotations `<size>` is not the
+    store's image size (its gold boxes and the store's regions would be compared in two frames: features
+    extracted from resized images) is an error naming it, or with `bad` skipping (--skip_bad) is dropped and
+    counted ("missing features", "malformed entities file", "image size differs"). Sizes within a pixel agree
+    (a store may have recovered its sizes from boxes). The store is checked first, so a split the store does
+    not cover fails before any file is parsed."""
     ids = read_flickr_split(entities, split)
     if max_images:
         ids = ids[:max_images]
@@ -65,9 +68,19 @@ def read_split_images(
                        "missing features")
             continue
         try:
-            images.append(read_flickr_entities(entities, image_id))
+            image = read_flickr_entities(entities, image_id)
         except VlbertsError as err:
             bad.handle(err, "malformed entities file")
+            continue
+        stored = store.image_size(image_id) if hasattr(store, "image_size") else None
+        if stored and (abs(stored[0] - image.width) > 1 or abs(stored[1] - image.height) > 1):
+            bad.handle(VlbertsError(
+                f"the store's image is {stored[0]}x{stored[1]} but Annotations/{image_id}.xml gives <size> "
+                f"{image.width}x{image.height}: its gold boxes and the store's regions are in different frames "
+                "(features of resized images?)", path=getattr(store, "path", ""), record=f"image {image_id}"),
+                "image size differs")
+            continue
+        images.append(image)
     return images
 
 

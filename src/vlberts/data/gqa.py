@@ -58,10 +58,17 @@ class GQAExample:
     detailed_type: str | None = None  # types.detailed, e.g. "verifyAttr"
     entailed: tuple[str, ...] = ()  # question ids entailed by this one (GQA consistency)
     equivalent: tuple[str, ...] = ()
+    id_stored_as_number: bool = False  # the file held question_id as a number (a pickle may), not as a string
 
     @property
     def annotated(self) -> bool:
         return self.answer is not None
+
+    @property
+    def sort_id(self) -> str | int:
+        """The question id as the file stored it, which is how ViLBERT orders its minval
+        (`tasks.predictions.last_questions`): a number, or a string compared as text."""
+        return int(self.question_id) if self.id_stored_as_number else self.question_id
 
 
 def _opt_str(rec: dict, key: str, *, path: Path, record: str) -> str | None:
@@ -80,8 +87,9 @@ def _str_list(rec: dict, key: str, *, path: Path, record: str) -> tuple[str, ...
     return tuple(value)
 
 
-def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExample:
-    """Check one question record and turn it into a `GQAExample`."""
+def parse_gqa_record(qid: str | int, rec: Any, *, path: Path, record: str) -> GQAExample:
+    """Check one question record and turn it into a `GQAExample` (a question id stored as a number is kept
+    as its digits, and `id_stored_as_number` says so)."""
     require_keys(rec, _REQUIRED, path=path, record=record)
     image_id = rec["imageId"]
     if isinstance(image_id, int) and not isinstance(image_id, bool):
@@ -96,7 +104,8 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
     if not isinstance(types, dict):
         raise VlbertsError("field types must be an object", path=path, record=record)
     return GQAExample(
-        question_id=qid,
+        question_id=str(qid),
+        id_stored_as_number=isinstance(qid, int),
         image_id=image_id,
         question=question,
         answer=_opt_str(rec, "answer", path=path, record=record),
@@ -111,7 +120,7 @@ def parse_gqa_record(qid: str, rec: Any, *, path: Path, record: str) -> GQAExamp
 
 
 def _list_items(records: list, path: Path, bad: BadRecords, *, keys: tuple[str, ...], image: str, question: str,
-                answer: Callable[[dict, str], str | None]) -> Iterator[tuple[str, dict, str]]:
+                answer: Callable[[dict, str], str | None]) -> Iterator[tuple[str | int, dict, str]]:
     """The records of a list of questions (LXMERT's, ViLBERT's) as (question id, the record in GQA's own form,
     its name): `image` and `question` name the record's fields, `answer(record, name)` reads its answer (None:
     none); a record is named by its place in the list and its question id. Every record must have `keys`
@@ -124,18 +133,19 @@ def _list_items(records: list, path: Path, bad: BadRecords, *, keys: tuple[str, 
             qid = rec["question_id"]
             if isinstance(qid, bool) or not isinstance(qid, (str, int)):
                 raise VlbertsError(f"question_id must be a string, got {qid!r}", path=path, record=where)
-            qid, where = str(qid), f"[{i}] (question {qid})"
-            if qid in seen:
-                raise VlbertsError(f"duplicate question id {qid} (first at [{seen[qid]}])", path=path, record=where)
+            key, where = str(qid), f"[{i}] (question {qid})"
+            if key in seen:
+                raise VlbertsError(f"duplicate question id {key} (first at [{seen[key]}])", path=path, record=where)
             gold = answer(rec, where)
         except VlbertsError as err:
             bad.handle(err)
             continue
-        seen[qid] = i
+        seen[key] = i
+        # the id as stored (a number stays one: `GQAExample.sort_id`)
         yield qid, {"imageId": rec[image], "question": rec[question], **({} if gold is None else {"answer": gold})}, where
 
 
-def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
+def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str | int, dict, str]]:
     """LXMERT's records: `sent` the question, `img_id` the image, the one key of `label` the answer."""
     def answer(rec: dict, where: str) -> str | None:
         label = rec.get("label")
@@ -150,7 +160,7 @@ def _lxmert_items(data: list, path: Path, bad: BadRecords) -> Iterator[tuple[str
 _VILBERT_KEYS = ("question_id", "image_id", "question", "labels", "scores")  # ViLBERT's GQA target.pkl records
 
 
-def _vilbert_items(records: list, answers: Sequence[str], path: Path, bad: BadRecords) -> Iterator[tuple[str, dict, str]]:
+def _vilbert_items(records: list, answers: Sequence[str], path: Path, bad: BadRecords) -> Iterator[tuple[str | int, dict, str]]:
     """ViLBERT's target records: the answer is the best-scored label's (GQA's targets hold one, at 1.0), or ""
     when the answer is not in the table."""
     def answer(rec: dict, where: str) -> str:
@@ -189,7 +199,7 @@ def read_gqa(path: str | Path, *, require_answers: bool = False, bad: BadRecords
     return _parsed(items, path, require_answers, bad)
 
 
-def _parsed(items: Iterator[tuple[str, dict, str]], path: Path, require_answers: bool, bad: BadRecords) -> list[GQAExample]:
+def _parsed(items: Iterator[tuple[str | int, dict, str]], path: Path, require_answers: bool, bad: BadRecords) -> list[GQAExample]:
     """The items' records as examples (`parse_gqa_record`), in order; bad ones raise or are counted by `bad`."""
     examples = []
     for qid, rec, where in items:

@@ -41,6 +41,7 @@ This module only reads and checks; answer normalisation, accuracy and soft score
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -280,6 +281,17 @@ def _annotation_example(rec: dict, question: VQAExample, *, path: Path, record: 
 def is_target_pickle(path: str | Path) -> bool:
     """Whether an annotations file is ViLBERT's `{split}_target.pkl` (told by its suffix) rather than VQA v2 JSON."""
     return Path(path).suffix.lower() == ".pkl"
+
+
+def warn_unless_pickled_table(table: str | Path, pickle: str | Path) -> None:
+    """ViLBERT's target pickles label their answers by index into the table its preprocessing wrote
+    (cache/trainval_ans2label.pkl, or trainval_label2ans.pkl); any other table names other answers at the same
+    indices, and every score would be silently wrong. A table that is not a pickle gets a one-line warning on
+    stderr naming both files (it may still be that table, converted)."""
+    if Path(table).suffix.lower() != ".pkl":
+        print(f"warning: {pickle}: its labels index ViLBERT's answer table (cache/trainval_ans2label.pkl); --answer_vocab "
+              f"{table} is not that pickle: unless it lists the same answers in the same order, every answer is "
+              "misnamed", file=sys.stderr)
 
 
 def target_records(path: Path, keys: Sequence[str] = _TARGET_KEYS) -> list:

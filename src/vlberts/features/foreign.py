@@ -116,13 +116,21 @@ VLBERT_FIELDS = {"image_id": "image_id", "image_w": "image_w", "image_h": "image
 
 
 def _json_files(src: Path) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of every *.json in a directory, or in a zip (VL-BERT's `*.zip@/...` layout), by name."""
+    """(name, bytes) of every *.json in a directory, or in a zip (VL-BERT's `*.zip@/...` layout), by name; one
+    holding none (an LMDB's folder, a torch.save file, which is a zip too) is an error saying what is read."""
+    none = "holds no .json file: vlbert-json reads a directory of per-image .json files, or a .zip of them"
     if src.is_dir():
-        for path in sorted(src.glob("*.json")):
+        paths = sorted(src.glob("*.json"))
+        if not paths:
+            raise VlbertsError(none, path=src)
+        for path in paths:
             yield path.name, path.read_bytes()
     elif zipfile.is_zipfile(src):
         with zipfile.ZipFile(src) as z:
-            for name in sorted(n for n in z.namelist() if n.endswith(".json")):
+            names = sorted(n for n in z.namelist() if n.endswith(".json"))
+            if not names:
+                raise VlbertsError(none, path=src)
+            for name in names:
                 yield name, z.read(name)
     elif src.exists():
         raise VlbertsError("vlbert-json reads a directory of per-image .json files, or a .zip of them", path=src)
@@ -288,7 +296,8 @@ def read_ban_h5(src: str | Path, ids: str | Path) -> Source:
     """BAN's HDF5 (jnhwkim/ban-vqa `adaptive_detection_features_converter.py`; VisualBERT's Flickr30K
     features): `image_features` (sum N, D), `image_bb` (sum N, 4) xyxy pixels, `spatial_features`
     (sum N, 6) = (x1/W, y1/H, x2/W, y2/H, w/W, h/H), `pos_boxes` (images, 2) each image's [start, end)
-    rows; `ids` the `{split}_imgid2idx.pkl` beside it, {image id: row of pos_boxes} (restricted unpickler).
+    rows; `ids` the `{split}_imgid2idx.pkl` beside it, {image id: row of pos_boxes} (restricted unpickler),
+    which must index every row once (another split's index would name other images).
 
     The file holds no image size: W and H come back from the boxes and their normalised coordinates
     (W = x2 / (x2 / W) for the box reaching furthest right; every box must agree to within a pixel)."""
@@ -322,8 +331,14 @@ def read_ban_h5(src: str | Path, ids: str | Path) -> Source:
                      or not 0 <= i < len(pos)]
         if bad_index:
             k, i = bad_index[0]
-            raise VlbertsError(f"index {i!r} is not a row of pos_boxes (0..{len(pos) - 1})", path=ids,
-                               record=f"image {k}")
+            raise VlbertsError(f"index {i!r} is not a row of {src.name}'s pos_boxes (0..{len(pos) - 1}): is this "
+                               "that file's index?", path=ids, record=f"image {k}")
+        # BAN's converter indexes every image of its file once: another split's index may fit inside the rows
+        # and still name other images
+        if sorted(index.values()) != list(range(len(pos))):
+            raise VlbertsError(f"the index names {len(set(index.values()))} distinct rows, but {src.name} holds "
+                               f"{len(pos)} images (pos_boxes rows), each indexed once by its own "
+                               f"{src.stem}_imgid2idx.pkl: is this that file's index?", path=ids)
         for image_id, i in sorted(index.items(), key=lambda item: item[1]):
             where = f"image {image_id} (index {i})"
             a, b = (int(v) for v in pos[i])
@@ -364,8 +379,9 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
     COCO-for-NLVR2): one `torch.save`d dict {image file name: (box_features (N, D), cls_boxes (N, 4) xyxy
     pixels, max_conf (N,))} (`--one_giant_file X.th`, read with `weights_only=True`), or a directory of
     per-image `<image file name>.npz` files with those three arrays (read without pickles). Neither holds
-    the image size, so it is read from the header of the image of that name in `images`; the id is the
-    image file's stem. `max_conf` comes without the class it belongs to, so it is not kept (the store's
+    the image size, so it is read from the header of the image of that name in `images` or any folder below
+    it (NLVR2's train images sit in numbered folders, and one root serves train, dev and test1); the id is
+    the image file's stem. `max_conf` comes without the class it belongs to, so it is not kept (the store's
     object confidences go with class ids); boxes stay in the file's order."""
     import torch
     from PIL import Image, UnidentifiedImageError
@@ -373,9 +389,23 @@ def read_visualbert_th(src: str | Path, images: str | Path) -> Source:
     src, images = Path(src), Path(images)
     if not images.is_dir():
         raise VlbertsError("not a directory of images (visualbert-th reads the image sizes from them)", path=images)
+    below: dict[str, Path] = {}  # file name -> path, for the names not directly in `images` (walked once)
+
+    def find(name: str) -> Path | None:
+        if (images / name).is_file():
+            return images / name
+        if not below:
+            for path in sorted(images.rglob("*")):
+                if path.is_file():
+                    below.setdefault(path.name, path)
+            below.setdefault("", images)  # walked (and empty names never match)
+        return below.get(name)
 
     def size(name: str, where: str) -> tuple[int, int]:
-        path = images / name
+        path = find(name)
+        if path is None or not name:
+            raise VlbertsError(f"no image {name} in {images} or below it to read its size from", path=src,
+                               record=where)
         try:
             with Image.open(path) as im:
                 return im.size

@@ -56,8 +56,21 @@ def read_vocab(path: str | Path) -> list[str]:
 
 def _tsv_records(src: Path, format: str) -> Iterator[tuple[str, bytes, RegionRecord | None]]:
     fmt = get_format(format)
+    if zipfile.is_zipfile(src):  # LXMERT distributes its TSVs zipped (train2014_obj36.zip)
+        raise VlbertsError(f"is a zip archive, not a TSV: unzip it and import the .tsv inside (--format {format})",
+                           path=src)
     for lineno, line in iter_tsv_lines(src):
         yield f"line {lineno}", line, parse_tsv_line(fmt, line, path=src, lineno=lineno)
+
+
+def ban_ids_beside(src: str | Path) -> Path:
+    """The image-id index BAN's converter writes beside each `{split}.hdf5`: `{split}_imgid2idx.pkl` (what
+    ban-h5 reads when --ids is not given, so that several splits import with their own indices)."""
+    path = Path(src).with_name(f"{Path(src).stem}_imgid2idx.pkl")
+    if not path.is_file():
+        raise VlbertsError(f"ban-h5 reads each file's image ids from the {path.name} beside it (BAN's converter writes "
+                           "one per split), which is not there: pass it as --ids", path=src)
+    return path
 
 
 def read_records(src: Path, format: str, ids: str | Path | None = None, images: str | Path | None = None,
@@ -75,9 +88,7 @@ def read_records(src: Path, format: str, ids: str | Path | None = None, images: 
     if format == "vilbert-cc-lmdb":
         return read_vilbert_cc_lmdb(src, captions)
     if format == "ban-h5":
-        if ids is None:
-            raise VlbertsError("ban-h5 needs --ids, the {split}_imgid2idx.pkl written beside the .hdf5")
-        return read_ban_h5(src, ids)
+        return read_ban_h5(src, ids if ids is not None else ban_ids_beside(src))
     if format == "visualbert-th":
         if images is None:
             raise VlbertsError("visualbert-th needs --images, the directory of the images (their sizes are not in the file)")
@@ -154,6 +165,9 @@ def import_features(
     out = Path(out)
     if format not in IMPORT_FORMATS:
         raise VlbertsError(f"unknown feature format {format!r}; valid: {', '.join(IMPORT_FORMATS)}")
+    if ids is not None and len(sources) > 1:
+        raise VlbertsError(f"--ids is one file's image index, and {len(sources)} files are imported: leave it out, and "
+                           "each .hdf5 is read with the {split}_imgid2idx.pkl beside it")
     meta = metadata if isinstance(metadata, StoreMetadata) else StoreMetadata.from_dict(metadata or {})
     if shards:
         return _import_to_shards(sources, format, out, dtype, meta, overwrite, progress, ids, images, captions_out,

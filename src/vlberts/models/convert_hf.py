@@ -243,7 +243,8 @@ def load_original_visualbert(path: str | Path, config: str | Path | None = None)
     model = _load_pretraining(cfg, archs, rename_keys(sd_hf, HF_VISUALBERT_RULES), names, path)
     if model.left_out_head:  # no config.json here: the file's name is what would have told the head
         model.left_out_head = model.left_out_head.replace("config.json names no architecture",
-                                                          "the file's name does not say which")
+                                                          "the file's name does not say which").replace(
+            "; load_hf_visualbert_vqa loads it", "")  # (which reads a Hugging Face directory, not this file)
     if detector:
         model.left_out_head = "; ".join(x for x in (model.left_out_head, f"the ResNet-50 detector ({detector} detector.* "
                                                     "tensors; region features come from a store)") if x)

@@ -44,7 +44,7 @@ from vlberts.errors import VlbertsError
 from vlberts.config import from_dict, require_known_keys
 from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
-from vlberts.models.weights import dim_of, layer_count, load_into, read_state_dict, rename_key
+from vlberts.models.weights import dim_of, layer_count, leave_out, load_into, read_state_dict, rename_key
 
 HF_LXMERT_RULES = [
     (r"^(embeddings|encoder|pooler)\.", r"lxmert.\1."),  # 1
@@ -113,16 +113,23 @@ def load_hf_lxmert(path: str | Path) -> LxmertForPreTraining:
     return _load(cfg, read_state_dict(path), path)
 
 
-# LXMERT's own checkpoint keys -> Hugging Face's: DataParallel's prefix dropped, the backbone renamed.
-ORIGINAL_LXMERT_RULES = [(r"^module\.", ""), (r"^bert\.", "lxmert.")]
+# LXMERT's own checkpoint keys -> Hugging Face's: DataParallel's prefix dropped, the backbone renamed; a
+# fine-tuned task model's encoder (src/tasks/*_model.py: `lxrt_encoder.model`, its `module.` under --multiGPU)
+# read as the pre-trained model's.
+ORIGINAL_LXMERT_RULES = [(r"^lxrt_encoder\.model\.(module\.)?", ""), (r"^module\.", ""), (r"^bert\.", "lxmert.")]
+# The answer head of LXMERT's VQA, GQA and NLVR2 models (the `logit_fc` beside `lxrt_encoder`): left out and named.
+LXMERT_TASK_HEADS = {"logit_fc.": "logit_fc"}
 
 
 def load_original_lxmert(path: str | Path, config: str | Path | None = None) -> LxmertForPreTraining:
     """Load an airsplay/lxmert checkpoint (`*_LXRT.pth`) into our `LxmertForPreTraining` (module docstring):
-    its config read off the tensors, `config` a JSON object of Hugging Face settings that changes it."""
+    its config read off the tensors, `config` a JSON object of Hugging Face settings that changes it. A
+    fine-tuned task model's file (`BEST.pth` of src/tasks/vqa.py, gqa.py, nlvr2.py) gives its encoder, the
+    pre-training heads fresh; its answer head is left out and named in the model's `left_out_head`."""
     path = Path(path)
     state, names = {}, {}
-    for k, v in read_state_dict(path).items():
+    raw, left_out = leave_out(read_state_dict(path), LXMERT_TASK_HEADS)
+    for k, v in raw.items():
         hf_key = rename_key(k, ORIGINAL_LXMERT_RULES)
         state[hf_key], names[hf_key] = v, k
     hf = original_lxmert_config(state, path)
@@ -130,7 +137,9 @@ def load_original_lxmert(path: str | Path, config: str | Path | None = None) -> 
         changes = read_json_object(config)
         require_known_keys(changes, HF_LXMERT_SETTINGS, str(config))
         hf.update(changes)
-    return _load(lxmert_config_from_hf(hf, where=str(config or path)), state, path, names)
+    model = _load(lxmert_config_from_hf(hf, where=str(config or path)), state, path, names)
+    model.left_out_head = left_out
+    return model
 
 
 def original_lxmert_config(state: dict, path: str | Path) -> dict:

@@ -38,9 +38,10 @@ Unsure, and therefore errors rather than guesses:
   layers, off in the released configs), and, from memory and not verified in a stored copy, later
   versions add multi-task task tokens (`bert.embeddings.task_embeddings`); neither is implemented here,
   so such keys are reported as unexpected;
-- the fine-tuning heads of `VILBertForVLTasks` (`vil_prediction`, `vil_logit`, `vision_logit`,
-  `linguisic_logit`, ...) are not part of this model: pass `drop_prefixes=("vil_", "vision_logit",
-  "linguisic_logit")` to load the encoder (and `cls`) from such a file.
+Fine-tuned files (`VILBertForVLTasks`, e.g. the released `multi_task_model.bin`) hold the encoder, `cls` and
+the task heads `VILBERT_TASK_HEADS` (`vil_prediction`, `vil_logit`, `vision_logit`, `linguisic_logit`, ...),
+which have no place in this model: they are left out and named in the model's `left_out_head` (`vlberts
+models import` prints it and keeps it in config.json's `left_out`).
 A file without any `cls.` key (a bare encoder) leaves the heads freshly initialised; any other missing,
 unexpected or mis-shaped key is a `VlbertsError` naming the first offending keys (with the file's name).
 """
@@ -58,7 +59,7 @@ from vlberts.config import from_dict
 from vlberts.io import read_json_object
 from vlberts.models.builders import vilbert_base
 from vlberts.models.vilbert import ViLBertConfig, ViLBertForPreTraining
-from vlberts.models.weights import load_into, read_state_dict, rename_key
+from vlberts.models.weights import leave_out, load_into, read_state_dict, rename_key
 
 _CO = r"^bert\.encoder\.c_layer\.(\d+)\."
 ORIGINAL_VILBERT_RULES = [
@@ -86,6 +87,11 @@ ORIGINAL_VILBERT_RULES = [
 ]
 
 _TIED_DECODER = "cls.predictions.decoder.weight"
+# The task heads of vilbert-multi-task's fine-tuning network (`VILBertForVLTasks`, vilbert/vilbert.py): VQA's,
+# GQA's, NLVR2's, retrieval's and RefCOCO's / VCR's scorers, visual entailment's, and the per-stream logits.
+VILBERT_TASK_HEADS = {f"{name}.": name for name in (
+    "vil_prediction", "vil_prediction_gqa", "vil_binary_prediction", "vil_logit", "vil_tri_prediction",
+    "vision_logit", "linguisic_logit")}
 _WORDS = "bert.embeddings.word_embeddings.weight"
 
 
@@ -145,11 +151,13 @@ def load_vilbert_state_dict(
 ) -> ViLBertForPreTraining:
     """Copy an original-layout state dict into `model` through the rename table (module docstring).
 
-    Keys starting with one of `drop_prefixes` (in the file's names) are ignored. Returns `model`."""
+    Keys starting with one of `drop_prefixes` (in the file's names) are ignored, and a fine-tuned file's task
+    heads are left out (`left_out_head` names them). Returns `model`."""
     words, decoder = sd.get(_WORDS), sd.get(_TIED_DECODER)
     if words is not None and decoder is not None and not torch.equal(words, decoder):
         raise VlbertsError(f"{_TIED_DECODER} differs from {_WORDS}; ViLBERT ties them, so this is not a ViLBERT "
                            "pre-training checkpoint", path=source)
+    sd, model.left_out_head = leave_out(sd, VILBERT_TASK_HEADS)
     ours, file_names = {}, {}
     for k, v in sd.items():
         if drop_prefixes and k.startswith(drop_prefixes):

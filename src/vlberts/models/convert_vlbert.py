@@ -47,9 +47,10 @@ Not representable, and therefore errors rather than guesses:
   `.head.`): vlberts' VL-BERT reads precomputed region features (or trains its own small CNN), so these
   keys are an error unless `drop_backbone=True`, which loads everything else (the region features you
   then feed should come from a detector like the one the checkpoint was tuned with).
-Task heads of the fine-tuning networks (`final_mlp.` for VQA, ...) are not part of this model: pass
-`drop_prefixes=("final_mlp.",)`. A file without MLM head keys (a task network) leaves the pre-training
-heads freshly initialised. Any other missing, unexpected or mis-shaped key is a `VlbertsError` naming the
+The task heads of the fine-tuning networks (`final_mlp.` of VQA, VCR and RefCOCO+, VCR's `cnn_loss_reg.`) are not
+part of this model: they are left out and named in the model's `left_out_head`, as the ResNet is. A file
+without MLM head keys (a task network) leaves the pre-training heads freshly initialised, and one without
+the pooler (the released pre-training configs set `with_pooler: false`) leaves the pooler so. Any other missing, unexpected or mis-shaped key is a `VlbertsError` naming the
 first offending keys (ours and the file's) and the file.
 """
 
@@ -63,7 +64,7 @@ from torch import Tensor
 from vlberts.errors import VlbertsError
 from vlberts.models.builders import vlbert_base
 from vlberts.models.vlbert import VLBertConfig, VLBertForPreTraining
-from vlberts.models.weights import load_into, read_state_dict, rename_key
+from vlberts.models.weights import leave_out, load_into, read_state_dict, rename_key
 
 _E = "bert.embeddings."
 ORIGINAL_VLBERT_RULES = [
@@ -94,6 +95,9 @@ _WORDS, _SPECIAL, _DECODER = "vlbert.word_embeddings.weight", "vlbert.special_wo
     "vlbert.mlm_head.predictions.decoder.weight"
 _VISUAL_FC = "image_feature_extractor.obj_downsample.1.weight"
 _HEADS = ("cls.", "region_head.")
+# The task heads of the released fine-tuning networks (vqa/, vcr/, refcoco/ modules): the answer, choice or
+# region scorer, and VCR's object classifier on the final states (ENABLE_CNN_REG_LOSS with CNN_LOSS_TOP).
+VLBERT_TASK_HEADS = {"final_mlp.": "final_mlp", "cnn_loss_reg.": "cnn_loss_reg"}
 
 
 def _backbone_keys(sd: dict[str, Tensor]) -> list[str]:
@@ -163,14 +167,18 @@ def load_vlbert_state_dict(
 ) -> VLBertForPreTraining:
     """Copy an original-layout state dict into `model` (module docstring). Returns `model`.
 
-    Always allowed to be missing: the text-only visual embedding (only the multitask network has one) and
-    the masked-RoI appearance (absent when raw pixels are masked); both keep their initial values. Without
-    any MLM head key in the file, every pre-training head stays freshly initialised."""
+    Always allowed to be missing: the text-only visual embedding (only the multitask network has one), the
+    masked-RoI appearance (absent when raw pixels are masked) and the pooler (`with_pooler: false`); they keep
+    their initial values. Without any MLM head key in the file, every pre-training head stays freshly
+    initialised. A fine-tuning network's task heads are left out, as the ResNet is with `drop_backbone`."""
+    sd = {k.removeprefix("module."): v for k, v in sd.items()}
+    sd, heads = leave_out(sd, VLBERT_TASK_HEADS)
     ours, file_names = original_to_vlberts(sd, model.cfg, source=source, drop_prefixes=drop_prefixes,
                                            drop_backbone=drop_backbone)
-    backbone = len(_backbone_keys({k.removeprefix("module."): v for k, v in sd.items()}))  # dropped above, if any
+    backbone = len(_backbone_keys(sd))  # dropped above, if any
     has_heads = any(k.startswith("cls.predictions.") for k in ours)
-    optional = (_E + "text_only_visual_embedding.", _E + "object_mask_visual_embedding", _E + "object_mask_word_embedding.")
+    optional = (_E + "text_only_visual_embedding.", _E + "object_mask_visual_embedding", _E + "object_mask_word_embedding.",
+                "bert.pooler.")
     load_into(
         model, ours, source=source, file_names=file_names,
         allow_missing=lambda k: k.startswith(optional) or (not has_heads and k.startswith(_HEADS)),
@@ -178,8 +186,9 @@ def load_vlbert_state_dict(
     model.tie_weights()
     # What was left behind, as `convert_hf` names a fine-tuned file's task head (`vlberts models import`
     # prints it and keeps it in config.json's `left_out`)
-    model.left_out_head = (f"the end-to-end ResNet ({backbone} image_feature_extractor.* tensors; region features "
-                           "come from a store)") if backbone else None
+    resnet = (f"the end-to-end ResNet ({backbone} image_feature_extractor.* tensors; region features come from a "
+              "store)") if backbone else None
+    model.left_out_head = "; ".join(note for note in (resnet, heads) if note) or None
     return model
 
 

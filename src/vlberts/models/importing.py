@@ -20,6 +20,7 @@ The directory is written under a temporary name and renamed once complete.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,10 +55,25 @@ def _lxmert(src: Path, config: Path | None) -> nn.Module:
     return load_original_lxmert(src, config)
 
 
+def _assumed_config(load: Callable[[], nn.Module], config: Path | None, assumed: str) -> nn.Module:
+    """`load()`; when it was given no --config and the file's shapes disagree with the `assumed` one, the error
+    says first that a --config is what fits the file."""
+    try:
+        return load()
+    except VlbertsError as e:
+        if config is not None or not e.message.startswith("weights do not fit the model; shape mismatch"):
+            raise
+        raise VlbertsError(f"weights do not fit {assumed}, which is assumed without --config: pass the file's own "
+                           f"config with --config; {e.message.removeprefix('weights do not fit the model; ')}",
+                           path=e.path, record=e.record) from None
+
+
 def _vilbert(src: Path, config: Path | None) -> nn.Module:
     from vlberts.models.convert_vilbert import load_original_vilbert
 
-    return load_original_vilbert(src, config)  # None: the released base config (6 co-attention layers)
+    # None: the released base config (6 co-attention layers)
+    return _assumed_config(lambda: load_original_vilbert(src, config), config,
+                           "vilbert-multi-task's base config (bert_base_6layer_6conect.json)")
 
 
 def _vlbert(src: Path, config: Path | None) -> nn.Module:
@@ -73,7 +89,7 @@ def _vlbert(src: Path, config: Path | None) -> nn.Module:
         changes = read_json_object(config)  # a JSON object of settings
         cfg = from_dict(VLBertConfig, {**to_dict(cfg), **changes}, where=str(config))
     # Region features come from a store, so the released end-to-end ResNet (if any) is left behind.
-    return load_original_vlbert(src, cfg, drop_backbone=True)
+    return _assumed_config(lambda: load_original_vlbert(src, cfg, drop_backbone=True), config, "vlbert-base")
 
 
 # format -> (loader, what SRC is)
@@ -104,6 +120,25 @@ def find_vocab(src: Path, vocab: Path | None) -> Path:
         return here / "vocab.txt"
     raise VlbertsError("no vocab.txt beside the checkpoint: pass --vocab with the BERT vocabulary it was trained "
                        "with (e.g. bert-base-uncased's vocab.txt)", path=src)
+
+
+# Word tables are padded past their vocabulary by a few rows at most (to a multiple of 8, 64 or 128)
+PADDED_ROWS = 128
+
+
+def warn_short_vocab(vocab: Path, rows: int) -> None:
+    """A vocab.txt much shorter than the checkpoint's word table (more than `PADDED_ROWS` fewer tokens) is
+    almost always another vocabulary, e.g. bert-base-cased's 28,996 tokens for an uncased model's 30,522 rows:
+    every token would take another token's embedding. A warning on stderr (shorter is not an error: a
+    model may have grown its table)."""
+    if not rows or not vocab.is_file():
+        return
+    with open(vocab, "rb") as f:
+        tokens = sum(1 for _ in f)
+    if rows - tokens > PADDED_ROWS:
+        print(f"warning: {vocab}: {tokens} tokens for the checkpoint's {rows} word embeddings; a padded table has a "
+              f"few rows more, not {rows - tokens}: is this the vocabulary it was trained with (a cased vocab.txt for "
+              "an uncased model?)", file=sys.stderr)
 
 
 def _lowercase(src: Path, vocab: Path) -> bool:
@@ -149,6 +184,7 @@ def import_model(src: str | Path, fmt: str, out: str | Path, *, vocab: str | Pat
     model = loader(src, None if config is None else Path(config))
     cfg = model.cfg
     require_vocab_fits(vocab_file, cfg, holder="the checkpoint")
+    warn_short_vocab(vocab_file, getattr(cfg, "vocab_size", 0))
     extra = {"imported_from": str(src), "import_format": fmt}
     if qa_answers is not None:
         rows = getattr(cfg, "num_qa_labels", 0)

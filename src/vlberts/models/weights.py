@@ -111,6 +111,24 @@ def dim_of(sd: Mapping[str, Tensor], key: str, axis: int = 0, default: int = 0) 
     return int(sd[key].shape[axis]) if key in sd else default
 
 
+def leave_out(sd: dict[str, Tensor], heads: Mapping[str, str]) -> tuple[dict[str, Tensor], str | None]:
+    """`sd` without the keys under the task-head prefixes `heads` (prefix -> the head's name, e.g.
+    {"vil_prediction.": "vil_prediction"}), and a line naming what was left out (None: nothing was), for
+    the model's `left_out_head`: a fine-tuned file's task heads have no place in a pre-training model."""
+    kept, dropped = {}, {}
+    for k, v in sd.items():
+        prefix = next((p for p in heads if k.startswith(p)), None)
+        if prefix is None:
+            kept[k] = v
+        else:
+            dropped[heads[prefix]] = dropped.get(heads[prefix], 0) + 1
+    if not dropped:
+        return kept, None
+    n = sum(dropped.values())
+    return kept, (f"the fine-tuning head{'s' if len(dropped) > 1 else ''} {', '.join(dropped)} "
+                  f"({n} tensor{'s' if n > 1 else ''})")
+
+
 def load_into(
     model: nn.Module,
     sd: dict[str, Tensor],

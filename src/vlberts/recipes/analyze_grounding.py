@@ -180,14 +180,25 @@ def load_parses(cfg: GroundingConfig, captions: list[EntityCaption], nlp=None
     (caption id -> message) and the report's sentence on where the parses came from.
 
     `--parser spacy:PIPELINE` parses the captions with spaCy (`vlberts.data.spacy_parse`; `nlp` stands in
-    for the pipeline in tests); otherwise `--parses` names a CoNLL-U file (`resolve_parses`).
+    for the pipeline in tests); otherwise `--parses` names a CoNLL-U file (`resolve_parses`), one of whose
+    `sent_id`s at least must name a caption (a file under another id convention would analyse nothing).
     """
     path, note = resolve_parses(cfg)
     if getattr(cfg, "parser", ""):
         nlp = nlp or load_spacy(cfg.parser)
         parses, failed = parse_captions(((c.caption_id, c.words) for c in captions), nlp)
         return parses, failed, note
-    return (read_conllu(path) if path else None), {}, note
+    if not path:
+        return None, {}, note
+    parses = read_conllu(path)
+    if captions and not any(c.caption_id in parses for c in captions):
+        first = next(iter(parses), None)
+        raise VlbertsError(f"no sent_id names a caption of split {cfg.split!r} ({len(parses)} parses"
+                           + (f", the first {first!r}" if first is not None else "") + "): a caption's parse is "
+                           f"'# sent_id = <image id>_<caption index>', e.g. {captions[0].caption_id!r} for caption "
+                           f"{captions[0].caption_id.rsplit('_', 1)[-1]} (0-based, blank lines not counted) of "
+                           f"Sentences/{captions[0].image_id}.txt", path=path)
+    return parses, {}, note
 
 
 def resolve_images(cfg: GroundingConfig) -> Path | None:
@@ -392,6 +403,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                              str(meta.get("task", "")), figure_images,
                              {name: b.rows(result) for name, b in breakdowns.items()},
                              {} if syn_words is None or syntactic is None else syn_words.rows(syntactic), mismatch)
+    clear_stale_outputs(out, paths)
     write_json(paths["json"], _to_json(cfg, report))
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
@@ -442,6 +454,25 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     return report
 
 
+# What `analyze grounding` may write into OUT besides grounding.json/md and entity_grounding.png (always written)
+OPTIONAL_OUTPUTS = ("syntactic_grounding.png", "explorer.html", "qualitative")
+
+
+def clear_stale_outputs(out: Path, paths: dict[str, Path]) -> None:
+    """Before writing into an OUT that held an earlier analysis: remove that run's optional outputs which this
+    one does not write (an explorer page, a Figure 4, qualitative figures of other captions), so that every
+    file in OUT is this run's. Only the analysis' own file names are touched."""
+    for name in OPTIONAL_OUTPUTS:
+        old = out / name
+        if old in paths.values() and not old.is_dir():
+            continue  # rewritten below
+        if old.is_dir():
+            for png in old.glob("*.png"):
+                png.unlink()
+        elif old.is_file():
+            old.unlink()
+
+
 def analysis_images(cfg: Any, store: RegionStore) -> tuple[list[FlickrEntitiesImage], BadRecords]:
     """The split's images an analysis reads (`cfg`: entities, split, max_images, skip_bad), and what
     --skip_bad dropped (a warning on stderr; the caller writes `bad.to_dict()` to its JSON). An image
@@ -484,8 +515,8 @@ def _add_syntactic(syn: SyntacticAccumulator, parses: dict[str, ConlluSentence],
         return
     try:
         arcs = arcs_from_parse(sentence, cap.words)
-    except ParseMismatch:
-        syn.skip("parse words differ", cap.caption_id)
+    except ParseMismatch as e:  # the example keeps the first difference
+        syn.skip("parse words differ", f"{cap.caption_id} ({str(e).split(': ', 1)[-1]})")
         return
     except ParseNotTree:
         syn.skip("parse has a cycle (a word that reaches no root)", cap.caption_id)

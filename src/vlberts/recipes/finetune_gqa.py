@@ -26,7 +26,7 @@ from pathlib import Path
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords
 from vlberts.data.gqa import GQAExample, read_gqa
-from vlberts.data.vqa import is_target_pickle
+from vlberts.data.vqa import is_target_pickle, warn_unless_pickled_table
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (
     FinetuneQAConfig, QATask, VQAModel, file_list, finetune_qa, join_files, load_qa_model,
@@ -53,7 +53,10 @@ def _read(cfg: FinetuneGQAConfig, bad: BadRecords,
           answers: tuple[str, ...] | None) -> tuple[list[GQAExample], list[GQAExample]]:
     # ViLBERT's target pickles name their answers through --answer_vocab (its cache/trainval_ans2label.pkl)
     files = file_list(cfg.train_questions) + file_list(cfg.eval_questions)
-    table = answers if any(map(is_target_pickle, files)) else None
+    pickles = [f for f in files if is_target_pickle(f)]
+    table = answers if pickles else None
+    if pickles and cfg.answer_vocab:
+        warn_unless_pickled_table(cfg.answer_vocab, pickles[0])
     train = join_files((q, read_gqa(q, require_answers=True, bad=bad, answers=table))
                        for q in file_list(cfg.train_questions))
     return train, read_gqa(cfg.eval_questions, bad=bad, answers=table) if cfg.eval_questions else []

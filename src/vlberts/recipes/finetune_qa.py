@@ -37,10 +37,8 @@ import torch
 from vlberts.data.lxmert_corpus import convert_answer
 from vlberts.data.mirror import check_flip
 from vlberts.data.regions import RegionSource
-from vlberts.data.text_corpus import read_image_ids
 from vlberts.data.vqa_dataset import Target, VQAData, collate_vqa, model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.record import coco_number
 from vlberts.features.store import RegionStore
 from vlberts.io import require_unique, write_json
 from vlberts.models.builders import arch_of
@@ -53,7 +51,7 @@ from vlberts.models.wvisualbert import WVisualBertForVQA
 from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, require_train_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
-from vlberts.tasks.predictions import last_questions
+from vlberts.tasks.predictions import excluded_images, last_questions, without_images
 from vlberts.tasks.vqa import AnswerVocab, read_answer_vocab, vqa_bce_loss, vqa_kl_loss
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
@@ -107,8 +105,9 @@ class FinetuneQAConfig(FinetuneConfig):
     flip_prob: float = opt(0.0, FLIP_PROB_HELP)
     qa_head_init: bool = opt(True, "start the classifier from the checkpoint's pre-training image-QA head where it has "
                                    "one (LXMERT's --loadLXMERTQA: hidden layers and the rows of shared answers)")
-    eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only (ViLBERT's "
-                            "minval: the last 3,000 of val2014); 0: all of them")
+    eval_last: int = opt(0, "evaluate on the N evaluation questions with the largest question ids only, ordered as the "
+                            "file stores them (numbers as numbers, strings as text: ViLBERT's minval, the last 3,000 of "
+                            "val2014 or of GQA's trainval); 0: all of them")
     exclude_eval_questions: bool = opt(False, "drop the training questions that are also evaluation questions (VisualBERT's "
                                               "exclude_minival, ViLBERT's trainval minus minval); without it such an "
                                               "overlap is an error")
@@ -170,25 +169,6 @@ def without_eval_questions(train: list, eval_examples: Sequence, exclude: bool, 
         raise VlbertsError(f"{len(overlap)} of these evaluation questions are training questions too (the first: question "
                            f"id {overlap[0]!r}); --exclude_eval_questions drops them from training", path=path)
     return ([ex for ex in train if ex.question_id not in held_out] if overlap else train), len(overlap)
-
-
-def _image_key(image_id: Any) -> str:
-    """An image id as `--exclude_images` compares it: a string, a COCO file stem as its number
-    ("COCO_val2014_000000000042" is 42)."""
-    return coco_number(str(image_id)) or str(image_id)
-
-
-def excluded_images(path: str) -> set[str]:
-    """The image ids listed in `path` (`data.text_corpus.read_image_ids`: a .npy array or one id a line), as
-    `_image_key`s; an empty setting lists none."""
-    return {_image_key(i) for i in read_image_ids(path)} if path else set()
-
-
-def without_images(examples: list, excluded: set[str]) -> tuple[list, int]:
-    """The examples whose image is not `excluded`, and how many were dropped: ViLBERT's `clean_datasets`, which
-    keeps the test images of its other tasks out of its training and evaluation splits."""
-    kept = [ex for ex in examples if _image_key(ex.image_id) not in excluded] if excluded else examples
-    return kept, len(examples) - len(kept)
 
 
 def qa_model(model_cfg: Any, num_answers: int) -> VQAModel:

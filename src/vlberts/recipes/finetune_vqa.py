@@ -22,7 +22,7 @@ from typing import Any
 
 from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.data.vqa import VQAExample, holds_answers, is_target_pickle, read_vqa
+from vlberts.data.vqa import VQAExample, holds_answers, is_target_pickle, read_vqa, warn_unless_pickled_table
 from vlberts.data.vqa_dataset import vqa_soft_target
 from vlberts.recipes.common import opt
 from vlberts.recipes.finetune_qa import (  # noqa: F401 -- re-exported: VQA's names for the shared pieces
@@ -74,6 +74,11 @@ def _read(cfg: FinetuneVQAConfig, bad: BadRecords,
     if cfg.eval_annotations and not cfg.eval_questions:
         raise VlbertsError("--eval_annotations needs --eval_questions (the questions they answer)")
     questions, annotations = file_list(cfg.train_questions), iter(file_list(cfg.train_annotations))
+    for q in (*questions, *file_list(cfg.eval_questions)):
+        if is_target_pickle(q):  # (GQA's target pickles do hold the questions; VQA's do not)
+            raise VlbertsError("ViLBERT's VQA target pickle holds answers, not question text: give it as the "
+                               "annotations (--train_annotations / --eval_annotations) beside the VQA v2 questions "
+                               "JSON of the same split", path=q)
     json_files = [q for q in questions if not holds_answers(q)]
     if json_files and not cfg.train_annotations:
         raise VlbertsError("--train_annotations is required with a VQA v2 questions JSON (a Pythia imdb .npy "
@@ -103,6 +108,7 @@ def _target_table(cfg: FinetuneVQAConfig, answers: tuple[str, ...] | None) -> tu
     if answers is None:
         raise VlbertsError("ViLBERT's target pickle names answers by their index in the answer table it was made "
                            "with: give that table (trainval_ans2label.pkl) as --answer_vocab", path=pickles[0])
+    warn_unless_pickled_table(cfg.answer_vocab, pickles[0])
     return answers
 
 

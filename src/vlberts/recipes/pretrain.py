@@ -128,7 +128,8 @@ from vlberts.training.optim import build_optimizer, check_optimizer, linear_warm
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    captions: str = opt("", "COCO-format captions json (official or Karpathy) to pre-train on")
+    captions: str = opt("", "COCO-format captions json (official or Karpathy) to pre-train on (or a file of "
+                            "--captions_format); several: comma-separated, one after the other")
     features: str = opt("", "region-feature store (HDF5) holding every image of the captions")
     shards: str = opt("", "instead of --captions and --features: a shard index json (`python -m vlberts.data.shards`) "
                       "to stream captioned images from, each rank its own endless stream (data/pretrain_stream.py)")
@@ -456,6 +457,11 @@ def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None) 
                             min_count=cfg.qa_min_answer_count, answers=answers)
 
 
+def caption_files(value: str) -> list[str]:
+    """--captions as its files, in order (comma-separated; one file has no comma)."""
+    return [p.strip() for p in value.split(",") if p.strip()]
+
+
 def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg, with_qa: bool = False) -> dict[str, float]:
     """The objectives of this run: --objectives, or the paper's (VisualBERT's match only with pairs; LXMERT's
     image QA when the run has questions). `qa` needs questions."""
@@ -618,8 +624,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         image_store = image_only_corpus(cfg.unpaired_images, store) if cfg.unpaired_images else None
     else:
         # VCR's texts are written as this architecture's VCR fine-tuning writes them (its join of names).
-        captions = task_caption_refs(cfg.captions, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
-                                     join=VCR_JOIN[arch], questions=not cfg.qa_lxmert)  # (QA questions join below)
+        parts = [(path, task_caption_refs(path, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
+                                          join=VCR_JOIN[arch], questions=not cfg.qa_lxmert))  # (QA questions join below)
+                 for path in caption_files(cfg.captions)]
+        captions = [c for _, refs in parts for c in refs]
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
                                path=cfg.captions)
@@ -632,7 +640,10 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     documents = read_documents(cfg.text_corpus) if cfg.text_corpus and not streamed else []
     vocab_documents = shard_documents(streamed_text, VOCAB_CAPTIONS) if streamed_text else documents
     qa_targets = None
-    sources = [(cfg.captions, len(captions))]  # the file each run of sentences comes from, in order
+    # the file each run of sentences comes from, in order (all of --captions as one where some were withheld)
+    sources = [(cfg.captions, len(captions))]
+    if not streamed and sum(len(refs) for _, refs in parts) == len(captions):
+        sources = [(path, len(refs)) for path, refs in parts]
     if qa is not None:  # questions join the sentences; captions carry no QA label
         qa_targets = [SoftTarget((), ())] * len(captions) + qa.targets
         captions = captions + qa.sentences

@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlberts.data.gqa import GQAExample, read_gqa
+from vlberts.data.vqa import is_target_pickle, warn_unless_pickled_table
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, require_keys
 from vlberts.tasks.vqa import AnswerVocab, SoftTarget, read_answer_vocab, write_target_pickle
-from vlberts.tasks.predictions import last_questions, require_complete, write_json_predictions
+from vlberts.tasks.predictions import (excluded_images, last_questions, require_complete, without_images,
+                                      write_json_predictions)
 
 
 def normalize_gqa_answer(answer: str) -> str:
@@ -174,20 +176,26 @@ def gqa_metrics(
 
 def evaluate_predictions(
     predictions_path: str | Path, questions_path: str | Path, train_questions_path: str | Path | None = None,
-    answer_vocab: str | Path | None = None, last: int = 0,
+    answer_vocab: str | Path | None = None, last: int = 0, exclude_images: str | Path = "",
 ) -> dict:
     """Score an official results file against a balanced questions file (`gqa_metrics`), with the
     majority baseline of `train_questions_path` if given. Either file may be ViLBERT's target pickle, whose
     answers `answer_vocab` names (its cache/trainval_ans2label.pkl); `last`: score only the questions with the
-    `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`). Bad files are one-line
-    `VlbertsError`s."""
+    `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`), then without the questions on
+    the images `exclude_images` lists (as `finetune gqa --exclude_images`; their count:
+    ``questions_on_excluded_images``). Bad files are one-line `VlbertsError`s."""
     table = read_answer_vocab(answer_vocab).answers if answer_vocab else None
+    pickles = [p for p in (questions_path, train_questions_path) if p and is_target_pickle(p)]
+    if answer_vocab and pickles:
+        warn_unless_pickled_table(answer_vocab, pickles[0])
     examples = last_questions(read_gqa(questions_path, require_answers=True, answers=table), last)
+    examples, on_excluded = without_images(examples, excluded_images(str(exclude_images)))
     if not examples:
         raise VlbertsError("no questions to score", path=questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
     train = read_gqa(train_questions_path, require_answers=True, answers=table) if train_questions_path else None
-    return gqa_metrics(preds, examples, train)
+    metrics = gqa_metrics(preds, examples, train)
+    return {**metrics, "questions_on_excluded_images": on_excluded} if exclude_images else metrics
 
 
 # --------------------------------------------------------------------------- fine-tuning

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from vlberts.errors import VlbertsError
+from vlberts.features.record import coco_number
 from vlberts.io import write_json
 
 
@@ -56,10 +57,31 @@ def choose(scores: Sequence[float]) -> int:
 def last_questions(examples: list, n: int) -> list:
     """The `n` examples with the largest question ids, in their own order (all of them for n = 0): ViLBERT's
     VQA minval is the last 3,000 of val2014's questions sorted by id (vilbert-multi-task `vqa_dataset.py`), its
-    GQA minval the last 3,000 of trainval's (`gqa_dataset.py`). GQA's ids are strings of digits, compared here as
-    numbers (as text, "9" would come after "100")."""
+    GQA minval the last 3,000 of trainval's (`gqa_dataset.py`), each sorted by the id as its pickle stores it
+    (`sorted(items, key=lambda x: x["question_id"])`): numbers as numbers, strings as text ("9" after "100").
+    An example's `sort_id` is that stored value where it differs from `question_id` (`GQAExample`)."""
     if not n or n >= len(examples):
         return examples
-    number = lambda q: int(q) if isinstance(q, str) and q.isdigit() else q  # noqa: E731 -- GQA's "02930152"
-    kept = set(sorted((ex.question_id for ex in examples), key=number)[-n:])
+    kept = set(ex.question_id for ex in sorted(examples, key=lambda ex: getattr(ex, "sort_id", ex.question_id))[-n:])
     return [ex for ex in examples if ex.question_id in kept]
+
+
+def _image_key(image_id: Any) -> str:
+    """An image id as `--exclude_images` compares it: a string, a COCO file stem as its number
+    ("COCO_val2014_000000000042" is 42)."""
+    return coco_number(str(image_id)) or str(image_id)
+
+
+def excluded_images(path: str) -> set[str]:
+    """The image ids listed in `path` (`data.text_corpus.read_image_ids`: a .npy array or one id a line), as
+    `_image_key`s; an empty setting lists none."""
+    from vlberts.data.text_corpus import read_image_ids  # (here: data.text_corpus reaches this module through tasks.vqa)
+
+    return {_image_key(i) for i in read_image_ids(path)} if path else set()
+
+
+def without_images(examples: list, excluded: set[str]) -> tuple[list, int]:
+    """The examples whose image is not `excluded`, and how many were dropped: ViLBERT's `clean_datasets`, which
+    keeps the test images of its other tasks out of its training and evaluation splits."""
+    kept = [ex for ex in examples if _image_key(ex.image_id) not in excluded] if excluded else examples
+    return kept, len(examples) - len(kept)

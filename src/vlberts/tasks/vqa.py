@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, holds_answers, read_vqa
+from vlberts.data.vqa import NUM_GT_ANSWERS, VQAExample, holds_answers, is_target_pickle, read_vqa, warn_unless_pickled_table
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json, read_text, require_keys, write_json
 from vlberts.safe_pickle import safe_load
-from vlberts.tasks.predictions import last_questions, require_complete, write_json_predictions
+from vlberts.tasks.predictions import (excluded_images, last_questions, require_complete, without_images,
+                                      write_json_predictions)
 
 # --------------------------------------------------------------------------- official normalisation
 
@@ -327,13 +328,15 @@ def write_predictions(path: str | Path, predictions: Iterable[tuple[int, str]]) 
 
 def evaluate_predictions(
     predictions_path: str | Path, questions_path: str | Path, annotations_path: str | Path | None = None,
-    answer_vocab: str | Path | None = None, last: int = 0,
+    answer_vocab: str | Path | None = None, last: int = 0, exclude_images: str | Path = "",
 ) -> dict:
     """Score an official predictions file as vqaEval.py does; returns `VQAScores.to_dict()`. The answers come
     from the annotations file, or from the questions file itself when it is a Pythia imdb `.npy`. ViLBERT's
     target pickle as the annotations file names its answers through `answer_vocab` (trainval_ans2label.pkl);
     its questions score their label's score of the prediction, as ViLBERT's evaluation does. `last`: score only
-    the questions with the `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`).
+    the questions with the `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`); then
+    `exclude_images` (an image-id list) leaves out the questions on those images, as `finetune vqa
+    --exclude_images` does (their count: ``questions_on_excluded_images``).
 
     Keys: ``accuracy`` (percent, 2 decimals), ``accuracy_unrounded``, ``per_answer_type``,
     ``per_question_type``, ``num_questions``.
@@ -342,11 +345,15 @@ def evaluate_predictions(
         raise VlbertsError("scoring a VQA v2 questions JSON needs its annotations file (--annotations)",
                            path=questions_path)
     table = read_answer_vocab(answer_vocab).answers if answer_vocab else None
+    if answer_vocab and annotations_path and is_target_pickle(annotations_path):
+        warn_unless_pickled_table(answer_vocab, annotations_path)
     examples = last_questions(read_vqa(questions_path, annotations_path, answers=table), last)
+    examples, on_excluded = without_images(examples, excluded_images(str(exclude_images)))
     if not examples or not examples[0].annotated:
         raise VlbertsError("no annotated questions to score", path=annotations_path or questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
-    return score_predictions(preds, examples).to_dict()
+    scores = score_predictions(preds, examples).to_dict()
+    return {**scores, "questions_on_excluded_images": on_excluded} if exclude_images else scores
 
 
 # --------------------------------------------------------------------------- answer vocabulary

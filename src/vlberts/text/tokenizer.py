@@ -130,7 +130,7 @@ class TextTokenizer:
     def load(cls, directory: str | Path) -> TextTokenizer:
         """Load what `save` wrote (or any BERT checkpoint directory holding `vocab.txt`)."""
         directory = Path(directory)
-        if directory.is_file():  # `--tokenizer=DIR/vocab.txt`: the file where its folder is meant
+        if directory.is_file() and directory.suffix == ".txt":  # `--tokenizer=DIR/vocab.txt`: its folder is meant
             raise VlbertsError(f"a tokenizer is a directory holding vocab.txt, not a file: give {directory.parent}",
                                path=directory)
         refuse_run_directory(directory, "vocab.txt")

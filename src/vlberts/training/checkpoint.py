@@ -33,6 +33,7 @@ from vlberts.errors import VlbertsError
 from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, read_text, refuse_run_directory, write_json
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict, init_skipped
 from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
+from vlberts.models.vlbert import require_region_features
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors, read_state_dict, tied_aliases
 from vlberts.training.distributed import full_tensor, is_sharded, shard_like
 
@@ -170,8 +171,10 @@ def load_attention_model(directory: str | Path) -> tuple[nn.Module, Any, dict[st
     `config.json`. A pre-trained model directory loads as `load_pretraining_model` does; a fine-tuned one
     (config.json names its "task": VQA, NLVR2, RefCOCO+, ...) loads its encoder, strictly, into the
     pre-training model of its architecture, whose heads no analysis reads: they are built without drawing
-    random weights (`init_skipped`, ~2 s for a base model) and left at zero."""
+    random weights (`init_skipped`, ~2 s for a base model) and left at zero. An end-to-end VL-BERT, which reads
+    pixels where the analyses give region features, is a one-line error before its weights are read."""
     cfg, meta = read_model_config(directory)
+    require_region_features(cfg, "Each analysis (analyze grounding, attention-graphs, representations)")
     if "task" not in meta:
         return load_pretraining_model(directory)
     model = build_pretraining_model(cfg, initialise=False)
