@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vlberts.analysis.entities import SkipCounts, entity_captions, grounding_inputs, region_confidence
-from vlberts.analysis.grounding import GroundingAccumulator
+from vlberts.analysis.grounding import GroundingAccumulator, GroundingResult
 from vlberts.data.flickr_entities import EntityBoxes, ground_sentences, parse_entity_sentence, FlickrEntitiesImage
 from vlberts.errors import VlbertsError
 from vlberts.features.record import RegionRecord
@@ -550,3 +550,32 @@ def test_a_fine_tuned_model_is_analysed_through_its_encoder(tiny_world, tiny_pre
     with pytest.raises(VlbertsError, match=r"Epoch20_LXRT.pth: is a file; .*a released checkpoint becomes one with "
                                            r"`vlberts models import`"):
         TextTokenizer.load(tmp_path / "Epoch20_LXRT.pth")
+
+
+def test_a_store_without_detection_confidences_runs_with_baseline_none(tiny_world, tiny_pretrained, tmp_path):
+    """BUTD's 6-field TSVs (and BAN's HDF5) hold no detection confidences, so no most-confident-region baseline:
+    the analysis says so in one line and how to go on; with --baseline=none every head's numbers are the same as
+    with the baseline, and the baseline is n/a (null in grounding.json, no grey line), not 0."""
+    from vlberts.features.importers import export_tsv, import_features
+
+    export_tsv(tiny_world.store, tmp_path / "butd.tsv", "butd-tsv")
+    import_features(tmp_path / "butd.tsv", "butd-tsv", tmp_path / "butd.h5")
+    common = dict(model=str(tiny_pretrained), entities=str(tiny_world.entities), explorer_examples=0, qualitative=0,
+                  max_images=12)
+    with pytest.raises(VlbertsError, match=r"butd.h5: record image \S+: the store has no detection confidences .* or "
+                                           r"pass --baseline=none to analyse without the baseline"):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "x"), features=str(tmp_path / "butd.h5"), **common))
+    ref = analyze_grounding(GroundingConfig(out=str(tmp_path / "ref"), features=str(tiny_world.store), **common))
+    rep = analyze_grounding(GroundingConfig(out=str(tmp_path / "none"), features=str(tmp_path / "butd.h5"),
+                                            baseline="none", **common))
+    np.testing.assert_allclose(rep.result.accuracy, ref.result.accuracy, atol=1e-12)
+    assert np.isnan(rep.result.baseline_accuracy) and rep.result.upper_bound == ref.result.upper_bound
+    data = json.loads((tmp_path / "none" / "grounding.json").read_text())
+    assert data["baseline_accuracy"] is None and np.isnan(GroundingResult.from_dict(data).baseline_accuracy)
+    assert all(row["baseline"] is None for row in data["syntactic_grounding"]["table2"])
+    md = (tmp_path / "none" / "grounding.md").read_text()
+    assert "- baseline (most confident region): n/a (no detection confidences read: --baseline=none)" in md
+    assert "| n/a |" in md and "nan" not in md
+    with pytest.raises(VlbertsError, match="--baseline must be one of confidence, none, got 'largest'"):
+        analyze_grounding(GroundingConfig(out=str(tmp_path / "y"), features=str(tiny_world.store), baseline="largest",
+                                          **common))

@@ -169,7 +169,8 @@ def region_confidence(record, path: object = None) -> np.ndarray:
         return np.asarray(record.cls_prob, dtype=np.float64)[:, 1:].max(axis=1)
     raise VlbertsError(
         "the store has no detection confidences (obj_conf or cls_prob), which the most-confident-region "
-        "baseline needs; import features that carry them (e.g. an LXMERT TSV)",
+        "baseline needs; import features that carry them (e.g. an LXMERT TSV), or pass --baseline=none to "
+        "analyse without the baseline",
         path=path,
         record=f"image {record.image_id}",
     )
@@ -232,6 +233,7 @@ def grounding_inputs(
     device: torch.device | str = "cpu",
     tag_subwords: Sequence[Sequence[int]] | None = None,
     text_maps: bool = False,
+    baseline: bool = True,
 ) -> Iterator[tuple[EntityCaption, GroundingInput]]:
     """Run the model on each caption with its image and yield the caption with its `GroundingInput`.
 
@@ -239,7 +241,8 @@ def grounding_inputs(
     (L, B, H, T, R): the joint map's text rows and region columns for single-stream models, the
     text-to-vision maps for two-stream ones. Captions without entities are not run; the others come in
     `attention_batches`' length order, not the split's. `tag_subwords`: W-VisualBERT's tags, as there.
-    `text_maps`: also hand over the text-to-text maps (`GroundingInput.text_attn`).
+    `text_maps`: also hand over the text-to-text maps (`GroundingInput.text_attn`). `baseline`: read each region's
+    detection confidence for the most-confident-region baseline (False: none, and the baseline is NaN).
 
     For VisualBERT without early fusion (`cfg.fusion_layer` > 0) the layers before the fusion layer do
     not see the regions; `text_to_region()` gives them zero attention, so their heads keep their place in
@@ -253,7 +256,7 @@ def grounding_inputs(
         t2t = maps.text_to_text().float().cpu().numpy() if text_maps else None  # (L', B, H, T, T)
         for b, (cap, rec, reg) in enumerate(zip(chunk, recs, regs)):
             n = len(reg.feats)
-            conf = region_confidence(rec, path)[:n]
+            conf = region_confidence(rec, path)[:n] if baseline else None
             yield cap, GroundingInput(
                 attn=t2r[:, b, :, : len(cap.ids), :n],  # (L, H, T_b, R_b): drop padding
                 region_boxes=reg.pixel_boxes.astype(np.float64),

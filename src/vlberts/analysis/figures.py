@@ -94,9 +94,11 @@ def draw_head_accuracy(
     if active.any():
         ax.scatter(x[active], acc[active], s=36, c=ACTIVE_COLOR, linewidths=0, zorder=3,
                    label=f"heads with {above} {thr:g}% of attention on regions")
-    ax.axhline(100.0 * result.baseline_accuracy, color=BASELINE_COLOR, linewidth=1.5, zorder=1,
-               label=f"baseline: most confident region ({100.0 * result.baseline_accuracy:.2f}%)")
-    top = max(float(acc.max()), 100.0 * result.baseline_accuracy)
+    has_baseline = np.isfinite(result.baseline_accuracy)  # (not without detection confidences)
+    if has_baseline:
+        ax.axhline(100.0 * result.baseline_accuracy, color=BASELINE_COLOR, linewidth=1.5, zorder=1,
+                   label=f"baseline: most confident region ({100.0 * result.baseline_accuracy:.2f}%)")
+    top = max(float(acc.max()), 100.0 * result.baseline_accuracy if has_baseline else 0.0)
     if show_upper_bound:
         ax.axhline(100.0 * result.upper_bound, color="black", linestyle="--", linewidth=1.0, zorder=1,
                    label=f"upper bound ({100.0 * result.upper_bound:.2f}%)")

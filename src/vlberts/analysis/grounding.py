@@ -172,7 +172,8 @@ class GroundingInput:
         Single-stream: the region columns of the joint attention rows (rows sum to < 1).
         Two-stream: the text-to-vision cross-attention (rows sum to 1).
     region_boxes: (R, 4) float xyxy pixels, in the same frame as the gold boxes.
-    region_conf: (R,) detection confidences (for the baseline).
+    region_conf: (R,) detection confidences (for the baseline), or None where there are none (a store without
+        them, `--baseline=none`): the baseline is then not a number (NaN; "n/a" in the reports).
     entities: the caption's grounded entities (may be empty; the caption then adds nothing).
     region_mass: (L, H, T) share of each token's full attention row that goes to regions; None means
         `attn` summed over the valid regions, which is exactly that share for both kinds of map.
@@ -188,7 +189,7 @@ class GroundingInput:
 
     attn: np.ndarray  # (L, H, T, R)
     region_boxes: np.ndarray  # (R, 4)
-    region_conf: np.ndarray  # (R,)
+    region_conf: np.ndarray | None  # (R,)
     entities: list[GroundingEntity] = field(default_factory=list)
     region_mass: np.ndarray | None = None  # (L, H, T)
     region_valid: np.ndarray | None = None  # (R,) bool
@@ -210,9 +211,10 @@ class GroundingInput:
         self.region_boxes = as_boxes(self.region_boxes, "region_boxes")
         if self.region_boxes.shape[0] != R:
             raise ValueError(f"region_boxes has {self.region_boxes.shape[0]} boxes but attn has R = {R}")
-        self.region_conf = np.asarray(self.region_conf, dtype=np.float64)
-        if self.region_conf.shape != (R,) or not np.isfinite(self.region_conf).all():
-            raise ValueError(f"region_conf must be finite with shape ({R},), got {self.region_conf.shape}")
+        if self.region_conf is not None:  # (None: no baseline)
+            self.region_conf = np.asarray(self.region_conf, dtype=np.float64)
+            if self.region_conf.shape != (R,) or not np.isfinite(self.region_conf).all():
+                raise ValueError(f"region_conf must be finite with shape ({R},), got {self.region_conf.shape}")
         if self.region_valid is None:
             self.region_valid = np.ones(R, dtype=bool)
         else:
@@ -253,7 +255,7 @@ class CaptionScores:
     hit: np.ndarray  # (L, H, E) bool, pred agrees with the gold boxes
     mass: np.ndarray  # (L, H, E) float64, share of the entity's attention that went to regions
     baseline_pred: np.ndarray  # (E,) int, the most confident valid region
-    baseline_hit: np.ndarray  # (E,) bool
+    baseline_hit: np.ndarray  # (E,) bool, or NaN floats without a baseline
     reachable: np.ndarray  # (E,) bool, some valid region agrees with the gold boxes (upper bound)
     correct: np.ndarray  # (E, R) bool, which regions count as correct for each entity
 
@@ -310,10 +312,18 @@ def entity_correct_regions(inp: GroundingInput, options: GroundingOptions) -> np
     return (iou >= options.iou_threshold).T & inp.region_valid  # (E, R); a padded region is never correct
 
 
-def most_confident_region(inp: GroundingInput) -> int:
+def most_confident_region(inp: GroundingInput) -> int | None:
     """The baseline's choice (§3.1): "always chooses the region with the highest detection confidence",
-    among the valid regions; ties go to the lowest index."""
+    among the valid regions; ties go to the lowest index. None without confidences (no baseline)."""
+    if inp.region_conf is None:
+        return None
     return int(np.where(inp.region_valid, inp.region_conf, -np.inf).argmax())
+
+
+def baseline_hits(correct: np.ndarray, base: int | None) -> np.ndarray:
+    """(Q,) whether the baseline's region is right for each query, from `correct` (Q, R); NaN for every query
+    when there is no baseline (`most_confident_region` None), so that its accuracy comes out NaN, not 0."""
+    return np.full(len(correct), np.nan) if base is None else correct[:, base].copy()
 
 
 def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOptions()) -> CaptionScores:
@@ -326,13 +336,13 @@ def score_caption(inp: GroundingInput, options: GroundingOptions = GroundingOpti
     hit = correct[np.arange(E), pred] & ~blind  # (E, R)[(E,), (L, H, E)] -> (L, H, E)
 
     base = most_confident_region(inp)
-    baseline_pred = np.full(E, base, dtype=np.int64)
+    baseline_pred = np.full(E, -1 if base is None else base, dtype=np.int64)
     return CaptionScores(
         pred=pred,
         hit=hit,
         mass=mass,
         baseline_pred=baseline_pred,
-        baseline_hit=correct[:, base].copy(),
+        baseline_hit=baseline_hits(correct, base),
         reachable=correct.any(axis=1),
         correct=correct,
     )
@@ -460,7 +470,7 @@ class GroundingResult:
             accuracy=np.asarray(data["accuracy"], dtype=np.float64),
             mean_region_mass=np.asarray(data["mean_region_mass"], dtype=np.float64),
             active=np.asarray(data["active"], dtype=bool),
-            baseline_accuracy=float(data["baseline_accuracy"]),
+            baseline_accuracy=float("nan") if data["baseline_accuracy"] is None else float(data["baseline_accuracy"]),
             upper_bound=float(data["upper_bound"]),
         )
 
@@ -537,7 +547,7 @@ class GroundingAccumulator:
         self.n_captions = 0
         self.hits: np.ndarray | None = None  # (L, H) int64
         self.mass_sum: np.ndarray | None = None  # (L, H) float64
-        self.baseline_hits = 0
+        self.baseline_hits = 0.0  # NaN once a query without a baseline is added
         self.reachable = 0
 
     def _ensure_shape(self, L: int, H: int) -> None:
@@ -562,10 +572,10 @@ class GroundingAccumulator:
         baseline_hit (N,) bool, reachable (N,) bool. `add` uses it for entities; the syntactic analysis
         for the (arc, direction) instances of one relation, each counted like an entity."""
         check_query_shapes(hit, mass, baseline_hit, reachable)
-        self.add_totals(hit.sum(axis=-1), mass.sum(axis=-1), hit.shape[-1], int(baseline_hit.sum()),
+        self.add_totals(hit.sum(axis=-1), mass.sum(axis=-1), hit.shape[-1], float(baseline_hit.sum()),
                         int(reachable.sum()), captions)
 
-    def add_totals(self, hits: np.ndarray, mass_sum: np.ndarray, n: int, baseline_hits: int, reachable: int,
+    def add_totals(self, hits: np.ndarray, mass_sum: np.ndarray, n: int, baseline_hits: float, reachable: int,
                    captions: int) -> None:
         """Add the sums over n queries: hits (L, H) int, mass_sum (L, H) float (`GroupSums` adds groups so)."""
         self._ensure_shape(*hits.shape)
@@ -681,7 +691,10 @@ class GroupedGrounding:
         out = {}
         for key, (hits, mass, n, base, reach, caps) in self._sums.totals().items():
             out[key] = GroundingAccumulator(self.options)
-            out[key].add_totals(np.rint(hits).astype(np.int64), mass, *(int(round(float(x))) for x in (n, base, reach, caps)))
+            n, reach, caps = (int(round(float(x))) for x in (n, reach, caps))
+            base = float(base)  # NaN without a baseline
+            out[key].add_totals(np.rint(hits).astype(np.int64), mass, n, round(base) if np.isfinite(base) else base,
+                                reach, caps)
         return out
 
     def rows(self, overall: GroundingResult) -> list[BreakdownRow]:

@@ -35,7 +35,8 @@ def best_heads(result: GroundingResult, k: int = 10, *, active_only: bool = Fals
 
 
 def _pct(x: float) -> str:
-    return f"{100.0 * x:.2f}"
+    """A fraction as a percentage with 2 decimals; "n/a" for NaN (a baseline the run could not compute)."""
+    return "n/a" if x != x else f"{100.0 * x:.2f}"
 
 
 def md_text(s: str) -> str:
@@ -108,7 +109,9 @@ def summary_markdown(result: GroundingResult, k: int = 10, *, title: str = "Enti
         f"## {md_text(title)}",
         "",
         f"- entities: {result.n_entities} in {result.n_captions} captions",
-        f"- baseline (most confident region): {_pct(result.baseline_accuracy)}%",
+        "- baseline (most confident region): " + ("n/a (no detection confidences read: --baseline=none)"
+                                                  if result.baseline_accuracy != result.baseline_accuracy
+                                                  else f"{_pct(result.baseline_accuracy)}%"),
         f"- upper bound (some region is correct): {_pct(result.upper_bound)}%",
         f"- best head: {best.label} at {_pct(best.accuracy)}% ({'active' if best.active else 'inactive'})",
         "- best active head: "

@@ -63,6 +63,7 @@ from vlberts.analysis.grounding import (
     GroundingOptions,
     GroundingResult,
     HeadScore,
+    baseline_hits,
     breakdown_rows,
     entity_correct_regions,
     most_confident_region,
@@ -181,7 +182,7 @@ class SyntacticCaptionScores:
     pred: np.ndarray  # (L, H, S) int, the region each head picks; -1: no attention to any region
     hit: np.ndarray  # (L, H, S) bool
     mass: np.ndarray  # (L, H, S) float64, share of the query word's attention on regions
-    baseline_hit: np.ndarray  # (S,) bool
+    baseline_hit: np.ndarray  # (S,) bool, or NaN floats without a baseline
     reachable: np.ndarray  # (S,) bool, some valid region agrees with the target's gold boxes
     n_arcs: int  # arcs of the caption (root excluded)
     n_arcs_without_entity: int  # arcs neither of whose words is in a grounded entity
@@ -235,7 +236,7 @@ def score_syntactic(inp: SyntacticInput, options: GroundingOptions = GroundingOp
         pred=pred,
         hit=hit,
         mass=mass_q[:, :, qi],
-        baseline_hit=correct[ei, base],  # (S,)
+        baseline_hit=baseline_hits(correct[ei], base),  # (S,)
         reachable=correct[ei].any(axis=1),  # (E, R)[(S,)] -> (S, R) -> (S,)
         n_arcs=len(inp.arcs),
         n_arcs_without_entity=without_entity,

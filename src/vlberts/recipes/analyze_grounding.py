@@ -102,13 +102,16 @@ from vlberts.training.checkpoint import load_attention_model
 class GroundingConfig:
     model: str = opt("", "vlberts model directory: a pretrain run's RUN/model, or a finetune run's (its encoder is read)")
     entities: str = opt("", "Flickr30K Entities root: Sentences/, Annotations/, {train,val,test}.txt")
-    features: str = opt("", "region store holding the split's images (with detection confidences)")
+    features: str = opt("", "region store holding the split's images (with detection confidences, for the baseline)")
     split: str = opt("test", "which split's images to analyse (the paper: the evaluation set)")
     out: str = opt("runs/grounding", "output directory")
     token: str = opt("last", "subword standing for an entity: last, first, head_mean, mean (see GroundingOptions)")
     iou_rule: str = opt("any", "any: IoU with any gold box (BAN/VisualBERT); union: with the union box (Plummer et al.)")
     iou_threshold: float = opt(0.5, "a region agrees with the annotation at IoU >= this")
     active_threshold: float = opt(0.2, "heads with more than this mean share of attention on regions are 'active'")
+    baseline: str = opt("confidence", "confidence: the paper's baseline, the most confident region (the store must "
+                        "hold detection confidences); none: no baseline (n/a in the reports), for stores without "
+                        "them (BUTD 6-field TSVs, BAN HDF5)")
     max_images: int = opt(0, "analyse only the split's first N images (0: all)")
     skip_bad: bool = opt(False, "drop images whose Sentences/Annotations file is malformed and images missing from "
                          "the store, counting them (a warning and bad_records in grounding.json) instead of stopping")
@@ -293,6 +296,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
         options = GroundingOptions(cfg.token, cfg.iou_rule, cfg.iou_threshold, cfg.active_threshold)  # type: ignore[arg-type]
     except ValueError as e:
         raise VlbertsError(str(e)) from None
+    if cfg.baseline not in BASELINES:
+        raise VlbertsError(f"--baseline must be one of {', '.join(BASELINES)}, got {cfg.baseline!r}")
     out = Path(cfg.out)
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
@@ -352,7 +357,8 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                             total=len(captions), info="")
         maps = ""
         for cap, inp in grounding_inputs(model, captions, store, max_regions=cfg.max_regions, batch_size=cfg.batch_size,
-                                         device=device, tag_subwords=tags, text_maps=syn is not None):
+                                         device=device, tag_subwords=tags, text_maps=syn is not None,
+                                         baseline=cfg.baseline == "confidence"):
             scores = acc.add(inp)
             for breakdown in breakdowns.values():
                 breakdown.add_caption(inp, scores)
@@ -404,7 +410,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
                              {name: b.rows(result) for name, b in breakdowns.items()},
                              {} if syn_words is None or syntactic is None else syn_words.rows(syntactic), mismatch)
     clear_stale_outputs(out, paths)
-    write_json(paths["json"], _to_json(cfg, report))
+    write_json(paths["json"], nan_as_null(_to_json(cfg, report)))  # (a baseline not computed: null)
     save_head_accuracy_figure(result, paths["figure"])
     if "syntactic_figure" in paths:
         absent = [r for r in relations if r not in syntactic.relations and r not in syntactic.by_direction]
@@ -454,8 +460,22 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
     return report
 
 
+BASELINES = ("confidence", "none")  # --baseline
+
 # What `analyze grounding` may write into OUT besides grounding.json/md and entity_grounding.png (always written)
 OPTIONAL_OUTPUTS = ("syntactic_grounding.png", "explorer.html", "qualitative")
+
+
+def nan_as_null(obj: Any) -> Any:
+    """`obj` with every NaN float (the baseline of a run without one) as None, JSON's null: json writes NaN as a
+    bare `NaN`, which is not JSON."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: nan_as_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [nan_as_null(v) for v in obj]
+    return obj
 
 
 def clear_stale_outputs(out: Path, paths: dict[str, Path]) -> None:
