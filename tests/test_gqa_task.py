@@ -170,7 +170,12 @@ def test_evaluate_gqa_scores_exact_match_after_normalisation(tiny_world, tmp_pat
                           "--out", str(tmp_path / "eval")], capsys)
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert code == 0 and metrics["num_correct"] == len(test) - 1 and "majority_baseline" not in metrics
-    assert metrics["accuracy"] == pytest.approx(100 * (len(test) - 1) / len(test))
+    assert metrics["accuracy"] == pytest.approx(100 * (len(test) - 1) / len(test)) and metrics["answers_normalized"]
+    # --no-normalize: the official eval.py's comparison of the strings as they are, so none of these counts
+    code, _, _ = run_cli(["evaluate", "gqa", "--predictions", str(tmp_path / "p.json"), "--questions", str(test_q),
+                          "--out", str(tmp_path / "raw"), "--no-normalize"], capsys)
+    raw = json.loads((tmp_path / "raw" / "metrics.json").read_text())
+    assert code == 0 and raw["num_correct"] == 0 and raw["answers_normalized"] is False
 
 
 def test_evaluate_gqa_bad_predictions_exit_2_with_one_line(tiny_world, tmp_path, capsys):

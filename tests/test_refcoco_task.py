@@ -372,6 +372,7 @@ def test_evaluate_refcoco_hand_made_fixture(tmp_path, capsys):
         (preds[:-1], "record sent_id 201: no prediction for this example"),
         (preds + [{"sent_id": 999, "ref_id": 1, "box": [0, 0, 1, 1]}], "record sent_id 999: not an expression of the refs"),
         ([{**preds[0], "ref_id": 2}] + preds[1:], "record sent_id 100: ref_id 2 but the expression belongs to ref 1"),
+        ([{**preds[0], "image_id": 2}] + preds[1:], "record sent_id 100: image_id 2 but the expression is of image 1"),
         ([{**preds[0], "box": [0, 0, -1, 3]}] + preds[1:], "box must be [x, y, w, h] with w, h >= 0"),
     ):
         (tmp_path / "p.json").write_text(json.dumps(bad))

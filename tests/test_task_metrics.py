@@ -101,6 +101,12 @@ def test_nlvr2_prediction_csv(tmp_path):
     path.write_text("dev-1-0-0,True\ndev-1-1-0 False\n")
     with pytest.raises(VlbertsError, match=r"predictions\.csv: record line 2: expected 'identifier,True'"):
         nlvr2.read_predictions(path, ids)
+    # Another task's predictions.json: the line quoted short, and what the file is said
+    path.write_text(json.dumps([{"question_id": i, "answer": "yes"} for i in range(300)]))
+    with pytest.raises(VlbertsError) as err:
+        nlvr2.read_predictions(path, ids)
+    assert len(str(err.value)) < 300 + len(str(path)) and str(err.value).endswith(
+        "...' (a JSON file: NLVR2's predictions are CSV lines, as `vlberts finetune nlvr2` writes predictions.csv)")
     path.write_text("dev-1-0-0,True\n")
     with pytest.raises(VlbertsError, match=r"record identifier dev-1-1-0: no prediction for this example \(4 more"):
         nlvr2.read_predictions(path, ids)

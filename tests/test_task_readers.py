@@ -422,6 +422,11 @@ def test_refcoco_inconsistent_files_name_the_ref(refcoco_files, tmp_path):
     p.write_bytes(pickle.dumps({"refs": REFS}, protocol=2))
     with pytest.raises(VlbertsError, match="expected a list of refs, got dict"):
         read_refs(p)
+    # Re-pickled from Python 3 with bytes for names: the fields are there, as byte strings, and the message says so
+    p.write_bytes(pickle.dumps([{k.encode(): v for k, v in REFS[0].items()}], protocol=2))
+    with pytest.raises(VlbertsError, match=r"refs\[0\]: missing field\(s\) .* \(present as byte strings, b'\w+': the "
+                                           r"file's keys must be text\)"):
+        read_refs(p)
 
 
 def test_refcoco_detections(tmp_path):

@@ -470,6 +470,20 @@ def test_evaluate_vcr_hand_made_fixture(tmp_path, capsys):
     code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'nan.json'}",
                             f"--qar={tmp_path / 'qar.json'}"], capsys)
     assert code == 2 and "expected 4 finite numbers" in err and "val-2" in err
+    # The two files swapped (each beside its run's metrics.json, as finetune writes them), or one file twice: the
+    # scores cannot tell, the runs' records can
+    for mode, preds in (("qa", qa), ("qar", qar)):
+        (tmp_path / mode).mkdir()
+        (tmp_path / mode / "predictions.json").write_text(json.dumps(preds))
+        (tmp_path / mode / "metrics.json").write_text(json.dumps({"mode": mode}))
+    assert evaluate_vcr(ann, tmp_path / "qa" / "predictions.json", tmp_path / "qar" / "predictions.json") == got
+    code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'qar' / 'predictions.json'}",
+                            f"--qar={tmp_path / 'qa' / 'predictions.json'}"], capsys)
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'qar' / 'predictions.json'}: this file comes from a "
+                                        "--mode=qar run") and "(--qa and --qar swapped?)" in err
+    code, _, err = run_cli(["evaluate", "vcr", f"--annotations={ann}", f"--qa={tmp_path / 'qa.json'}",
+                            f"--qar={tmp_path / 'qa.json'}"], capsys)
+    assert code == 2 and "--qa and --qar name the same file" in err
 
 
 def test_object_classification_loss_trains_reloads_and_starts_from_vlberts_roi_head(tiny_world, tiny_pretrained,

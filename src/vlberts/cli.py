@@ -903,11 +903,15 @@ def evaluate_gqa(
                                                   "(.npy or one id a line): leave out the questions on those images, "
                                                   "after --eval_last, as finetune's --exclude_images does (ViLBERT's "
                                                   "clean_datasets)."),
+    normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Compare answers after lower-casing and "
+                                   "trimming both sides (the gold answers are already so); --no-normalize compares "
+                                   "the strings as they are, as the official eval.py does."),
 ) -> None:
     """Score GQA predictions by exact match (per structural type); write OUT/metrics.json."""
     from vlberts.tasks.gqa import evaluate_predictions
 
-    metrics = evaluate_predictions(predictions, questions, train_questions, answer_vocab, eval_last, exclude_images or "")
+    metrics = evaluate_predictions(predictions, questions, train_questions, answer_vocab, eval_last, exclude_images or "",
+                                   normalize=normalize)
     _record_options(ctx)  # once the inputs scored: a bad one leaves no OUT behind
     baseline = f" (majority-answer baseline {metrics['majority_baseline']:.2f}%)" if "majority_baseline" in metrics else ""
     _write_metrics(out, metrics, [f"GQA accuracy {metrics['accuracy']:.2f}% on {metrics['num_questions']} questions{baseline}"])

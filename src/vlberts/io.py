@@ -299,7 +299,11 @@ def require_keys(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: o
         raise VlbertsError(f"expected an object, got {type(obj).__name__}", path=path, record=record)
     missing = [k for k in keys if k not in obj]
     if missing:
-        raise VlbertsError(f"missing field(s) {', '.join(missing)}", path=path, record=record)
+        # a pickle of Python 3 bytes holds its names as byte strings (b'ref_id'): there, but not as text
+        as_bytes = [k for k in missing if k.encode() in obj]
+        raise VlbertsError(f"missing field(s) {', '.join(missing)}"
+                           + (f" (present as byte strings, b{as_bytes[0]!r}: the file's keys must be text)"
+                              if as_bytes else ""), path=path, record=record)
 
 
 def require_lists(obj: Any, keys: tuple[str, ...], *, path: str | Path, record: object) -> None:

@@ -351,6 +351,15 @@ def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predic
     """Q->A, QA->R and Q->AR accuracy (percent) of a Q->A and a QA->R predictions file on a labelled VCR
     jsonl file (`tasks.vcr.score_logits`: Q->AR = both argmaxes right), with chance levels."""
     examples = _labelled(annotations)
+    if Path(qa_predictions).resolve() == Path(qar_predictions).resolve():
+        raise VlbertsError("--qa and --qar name the same file; they take a --mode=qa and a --mode=qar run's "
+                           "predictions", path=qa_predictions)
+    for path, expected, option in ((qa_predictions, "qa", "--qa"), (qar_predictions, "qar", "--qar")):
+        mode = _run_mode(path)
+        if mode is not None and mode != expected:
+            raise VlbertsError(f"this file comes from a --mode={mode} run ({Path(path).parent / 'metrics.json'}); "
+                               f"{option} takes a --mode={expected} run's predictions (--qa and --qar swapped?)",
+                               path=path)
     qa, qar = read_vcr_predictions(qa_predictions), read_vcr_predictions(qar_predictions)
     known = {ex.annot_id for ex in examples}
     for path, preds in ((qa_predictions, qa), (qar_predictions, qar)):
@@ -364,6 +373,19 @@ def evaluate_vcr(annotations: str | Path, qa_predictions: str | Path, qar_predic
                                path=path, record=missing[0])
     scores = score_logits(qa, qar, examples)
     return {**scores.to_dict(), "chance": dict(CHANCE)}
+
+
+def _run_mode(predictions: str | Path) -> str | None:
+    """The --mode of the fine-tuning run that wrote `predictions` (its metrics.json beside it), or None when no
+    such record is there (a file moved or written elsewhere: the scores cannot tell the two modes apart)."""
+    record = Path(predictions).parent / "metrics.json"
+    if not record.is_file():
+        return None
+    try:
+        mode = json.loads(record.read_text(encoding="utf-8")).get("mode")
+    except (ValueError, AttributeError):
+        return None
+    return mode if mode in ("qa", "qar") else None
 
 
 def evaluate_vcr_submission(annotations: str | Path, submission: str | Path) -> dict:

@@ -162,11 +162,12 @@ def majority_baseline(train_examples: Iterable[GQAExample], eval_examples: Seque
 
 def gqa_metrics(
     predictions: Mapping[str, str], eval_examples: Sequence[GQAExample],
-    train_examples: Sequence[GQAExample] | None = None,
+    train_examples: Sequence[GQAExample] | None = None, *, normalize: bool = True,
 ) -> dict:
     """metrics.json of GQA: `GQAScores.to_dict()`, plus the majority-answer baseline when training
-    examples are given (``majority_answer``, ``majority_baseline``, ``majority_baseline_per_structural_type``)."""
-    out = score_predictions(predictions, eval_examples).to_dict()
+    examples are given (``majority_answer``, ``majority_baseline``, ``majority_baseline_per_structural_type``).
+    `normalize=False`: the official eval.py's comparison of the strings as they are (``answers_normalized``)."""
+    out = {**score_predictions(predictions, eval_examples, normalize=normalize).to_dict(), "answers_normalized": normalize}
     if train_examples:
         baseline = majority_baseline(train_examples, eval_examples)
         out.update(majority_answer=majority_answer(train_examples), majority_baseline=baseline.accuracy,
@@ -176,9 +177,10 @@ def gqa_metrics(
 
 def evaluate_predictions(
     predictions_path: str | Path, questions_path: str | Path, train_questions_path: str | Path | None = None,
-    answer_vocab: str | Path | None = None, last: int = 0, exclude_images: str | Path = "",
+    answer_vocab: str | Path | None = None, last: int = 0, exclude_images: str | Path = "", normalize: bool = True,
 ) -> dict:
-    """Score an official results file against a balanced questions file (`gqa_metrics`), with the
+    """Score an official results file against a balanced questions file (`gqa_metrics`; `normalize=False`: the
+    official eval.py's exact comparison of the strings as they are), with the
     majority baseline of `train_questions_path` if given. Either file may be ViLBERT's target pickle, whose
     answers `answer_vocab` names (its cache/trainval_ans2label.pkl); `last`: score only the questions with the
     `last` largest ids (ViLBERT's minval, `tasks.predictions.last_questions`), then without the questions on
@@ -194,7 +196,7 @@ def evaluate_predictions(
         raise VlbertsError("no questions to score", path=questions_path)
     preds = read_predictions(predictions_path, [ex.question_id for ex in examples])
     train = read_gqa(train_questions_path, require_answers=True, answers=table) if train_questions_path else None
-    metrics = gqa_metrics(preds, examples, train)
+    metrics = gqa_metrics(preds, examples, train, normalize=normalize)
     return {**metrics, "questions_on_excluded_images": on_excluded} if exclude_images else metrics
 
 

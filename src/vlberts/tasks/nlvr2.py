@@ -86,8 +86,12 @@ def read_predictions(path: str | Path, identifiers: Sequence[str]) -> dict[str, 
         where = f"line {lineno}"
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 2 or parts[1].lower() not in ("true", "false"):
-            raise VlbertsError(f"expected 'identifier,True' or 'identifier,False', got {line.strip()!r}",
-                               path=path, record=where)
+            got = line.strip()
+            shown = repr(got if len(got) <= 80 else got[:77] + "...")
+            json_file = lineno == 1 and got[:1] in "[{"  # another task's predictions.json, say
+            raise VlbertsError(f"expected 'identifier,True' or 'identifier,False', got {shown}"
+                               + (" (a JSON file: NLVR2's predictions are CSV lines, as `vlberts finetune nlvr2` "
+                                  "writes predictions.csv)" if json_file else ""), path=path, record=where)
         identifier, label = parts
         if identifier not in known:
             raise VlbertsError(f"identifier {identifier} is not an example of the evaluated set",

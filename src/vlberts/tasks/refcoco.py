@@ -130,7 +130,7 @@ def write_predictions(path: str | Path, rows: Iterable[dict]) -> int:
     return len(rows)
 
 
-def read_predictions(path: str | Path) -> dict[int, tuple[int, Box]]:
+def read_predictions(path: str | Path) -> dict[int, tuple[int, Box, int | None]]:
     """sent_id -> (ref_id, predicted box xywh); malformed rows and repeated sent_ids are one-line errors."""
     path = Path(path)
     data = read_json(path)
@@ -150,7 +150,10 @@ def read_predictions(path: str | Path) -> dict[int, tuple[int, Box]]:
                                record=f"sent_id {sid}")
         if sid in out:
             raise VlbertsError("duplicate prediction", path=path, record=f"sent_id {sid}")
-        out[sid] = (rid, (float(box[0]), float(box[1]), float(box[2]), float(box[3])))
+        image = rec.get("image_id")  # optional (vlberts writes it): checked against the expression's image
+        if image is not None and (not isinstance(image, int) or isinstance(image, bool)):
+            raise VlbertsError(f"image_id must be an integer, got {image!r}", path=path, record=f"sent_id {sid}")
+        out[sid] = (rid, (float(box[0]), float(box[1]), float(box[2]), float(box[3])), image)
     return out
 
 
@@ -166,13 +169,16 @@ def evaluate_predictions(
     num_correct}}, "accuracy": <first split's>}``."""
     data = read_refcoco(refs_path, instances_path)
     preds = read_predictions(predictions_path)
-    by_sent = {s.sent_id: (ref.ref_id) for ref in data.refs for s in ref.sentences}
-    for sid, (rid, _) in preds.items():
-        ref_id = by_sent.get(sid)
-        if ref_id is None:
+    by_sent = {s.sent_id: ref for ref in data.refs for s in ref.sentences}
+    for sid, (rid, _, image) in preds.items():
+        ref = by_sent.get(sid)
+        if ref is None:
             raise VlbertsError("not an expression of the refs", path=predictions_path, record=f"sent_id {sid}")
-        if ref_id != rid:
-            raise VlbertsError(f"ref_id {rid} but the expression belongs to ref {ref_id}",
+        if ref.ref_id != rid:
+            raise VlbertsError(f"ref_id {rid} but the expression belongs to ref {ref.ref_id}",
+                               path=predictions_path, record=f"sent_id {sid}")
+        if image is not None and image != ref.image_id:
+            raise VlbertsError(f"image_id {image} but the expression is of image {ref.image_id}",
                                path=predictions_path, record=f"sent_id {sid}")
     if splits is None:
         splits = [s for s in ("val", "testA", "testB", "train")
