@@ -276,8 +276,13 @@ def test_not_a_store_is_a_clear_error(tmp_path):
     (tmp_path / "text.h5").write_text("hello")
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["x"] = 1
-    with pytest.raises(VlbertsError, match="cannot open as HDF5"):
+    with pytest.raises(VlbertsError, match=r"not a region store \(an HDF5 file\): features in another format become "
+                                           "a store with `vlberts features import`"):
         RegionStore(tmp_path / "text.h5")
+    (tmp_path / "shard-index.json").write_text("{}")
+    with pytest.raises(VlbertsError, match=r"shard-index.json: not a region store \(an HDF5 file\): a shard index: "
+                                           "pass it as --shards"):
+        RegionStore(tmp_path / "shard-index.json")
     with pytest.raises(VlbertsError, match="not a vlberts-region-store"):
         RegionStore(tmp_path / "other.h5")
     with pytest.raises(VlbertsError, match="region store not found"):

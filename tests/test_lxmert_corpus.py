@@ -36,6 +36,14 @@ def test_corpus_sentences_sources_and_labels(tmp_path):
     assert len(refs) == 6 and refs[2].text == "How many buses?"
     captions = task_caption_refs(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "lxmert", questions=False)
     assert [r.text for r in captions] == ["A bus on a street.", "Two buses.", "a man holding a kite"]
+    # An image's record twice, in one file or across two (the same file given twice): its sentences would be
+    # read twice
+    (tmp_path / "c.json").write_text(json.dumps(RECORDS + RECORDS[:1]))
+    with pytest.raises(VlbertsError, match=r"c.json: record \[2\] \(img_id COCO_val2014_000000000042\): img_id "
+                                           r"COCO_val2014_000000000042 has a record already \(at \[0\]\)"):
+        read_lxmert_corpus(tmp_path / "c.json")
+    with pytest.raises(VlbertsError, match=r"has a record already \(at \[0\] of .*a.json, the same file given twice\)"):
+        read_lxmert_corpus(f"{tmp_path / 'a.json'},{tmp_path / 'a.json'}")
 
 
 def test_answers_are_converted_as_lxmert_does_and_the_table_is_counted(tmp_path):
@@ -71,7 +79,8 @@ def test_the_released_answer_table_is_read_in_its_order_and_labels_keep_its_answ
     assert qa.answers.answers == ("man", "2")  # the file's order, not the counted one ("2" first)
     assert [(t.labels, t.scores, t.dropped) for t in qa.targets] == [((1,), (1.0,), ("3",)), ((), (), ()),
                                                                      ((0,), (1.0,), ())]
-    with pytest.raises(VlbertsError, match=r"the answer table is empty \(no answer of coco\)"):
+    with pytest.raises(VlbertsError, match=r"the answer table is empty \(no answer of coco; the file's data sets: "
+                                           r"gqa, visual7w, vqa\)"):
         read_answer_vocab(tmp_path / "all_ans.json", ["coco"])
     (tmp_path / "bad.json").write_text(json.dumps([ALL_ANS[0], {"ans": 2, "dsets": ["vqa"]}]))
     with pytest.raises(VlbertsError, match=r"bad\.json: record \[1\]: an all_ans.json record needs ans"):

@@ -281,6 +281,11 @@ def test_cli_pretrain_bad_override_and_missing_image(tiny_world, tmp_path):
     assert "Traceback" not in proc.stderr
     assert not (out / "model").exists()
     # Several files, comma-separated (VisualBERT's task pre-training on train + val): the missing image's file named
+    val = json.loads(Path(str(tiny_world.captions_train).replace("train", "val")).read_text())
+    val["images"].append({**val["images"][0], "id": 999999})
+    val["annotations"][0]["image_id"] = 999999
+    bad = tmp_path / "captions_val.json"
+    bad.write_text(json.dumps(val))
     proc = subprocess.run(
         [str(VLBERTS), "pretrain", f"--captions={tiny_world.captions_train},{bad}", f"--features={tiny_world.store}",
          f"--out={out}", "--model=visualbert-tiny", "--steps=1"], capture_output=True, text=True)
@@ -299,6 +304,16 @@ def test_several_captions_files_are_read_one_after_the_other(tiny_world, tmp_pat
     pretrain(cfg_for(tiny_world, tmp_path / "two", captions=f"{train},{val}", steps=1))
     (sentences, sources), = seen
     assert sources == [(train, len(one)), (val, len(other))] and sentences == one + other
+    # A file twice, or the same images in two files (COCO's file and its Karpathy one): one line, not twice the data
+    with pytest.raises(VlbertsError, match=rf"{train}: named twice in --captions"):
+        pretrain(cfg_for(tiny_world, tmp_path / "twice", captions=f"{train},{train}", steps=1))
+    data = json.loads(Path(val).read_text())
+    overlap = tmp_path / "overlap.json"
+    image = json.loads(Path(train).read_text())["images"][0]  # a train image, captioned in the val file too
+    overlap.write_text(json.dumps({**data, "images": data["images"] + [image], "annotations": data["annotations"] + [
+        {"id": 10 ** 9, "image_id": image["id"], "caption": "a caption of a train image"}]}))
+    with pytest.raises(VlbertsError, match=rf"{overlap}: image \S+ is also in {train}: its captions would be trained"):
+        pretrain(cfg_for(tiny_world, tmp_path / "overlap", captions=f"{train},{overlap}", steps=1))
 
 
 def test_cli_pretrain_runs_and_help_lists_settings(tiny_world, tmp_path):
@@ -420,3 +435,56 @@ def test_tensorboard_without_the_package_is_a_one_line_error(tiny_world, tmp_pat
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     with pytest.raises(VlbertsError, match=r"needs the tensorboard package: pip install 'vlberts\[tensorboard\]'"):
         pretrain(cfg_for(tiny_world, tmp_path / "run", tensorboard=True))
+
+
+def test_a_resume_refuses_other_data_at_the_same_paths(tiny_world, tmp_path):
+    """A run resumed on other data under the same names (a captions file rewritten, a store of another detector or
+    of other images) used to go on from its checkpoint silently: the fingerprints of what it started with
+    (OUT/data_record.json) are compared, and a difference names the setting and the file."""
+    import shutil
+
+    from vlberts.features.importers import export_tsv, import_features
+
+    caps, store = tmp_path / "captions.json", tmp_path / "features.h5"
+    shutil.copy(tiny_world.captions_train, caps)
+    shutil.copy(tiny_world.store, store)
+    run = tmp_path / "run"
+    cfg = cfg_for(tiny_world, run, captions=str(caps), features=str(store), stop_after=4)
+    assert pretrain(cfg) is None
+    record = json.loads((run / "data_record.json").read_text())
+    assert set(record) == {"captions", "features"} and record["features"]["images"] > 0
+
+    data = json.loads(caps.read_text())
+    caps.write_text(json.dumps({**data, "annotations": data["annotations"][:-1]}))  # one caption fewer
+    with pytest.raises(VlbertsError, match=rf"^{caps}: --captions: its contents differ from those this run started "
+                                           r"with \(the same path, other data; data_record.json"):
+        pretrain(cfg)
+    shutil.copy(tiny_world.captions_train, caps)  # put back: the run goes on
+
+    export_tsv(tiny_world.store, tmp_path / "same.tsv", "lxmert-tsv")  # the same boxes, another store (an import)
+    store.unlink()
+    import_features(tmp_path / "same.tsv", "lxmert-tsv", store)
+    with pytest.raises(VlbertsError, match=rf"^{store}: --features: its features or images differ"):
+        pretrain(cfg)
+    shutil.copy(tiny_world.store, store)
+    assert pretrain(cfg_for(tiny_world, run, captions=str(caps), features=str(store))) is not None
+
+
+def test_continued_pre_training_on_other_features_is_warned_of(tiny_world, tmp_path, capsys):
+    """`pretrain --init` on a store of another extractor (here the same boxes re-imported from a TSV) says so in
+    one warning line, as fine-tuning does; the new model records only the store it was given."""
+    from vlberts.features.importers import export_tsv, import_features
+
+    first = pretrain(cfg_for(tiny_world, tmp_path / "a", steps=2))
+    export_tsv(tiny_world.store, tmp_path / "same.tsv", "lxmert-tsv")
+    import_features(tmp_path / "same.tsv", "lxmert-tsv", tmp_path / "other.h5")
+    capsys.readouterr()
+    pretrain(cfg_for(tiny_world, tmp_path / "b", steps=2, init=str(first), features=str(tmp_path / "other.h5")))
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and "features" in err.split("warning: ")[1].splitlines()[0]
+    capsys.readouterr()
+    pretrain(cfg_for(tiny_world, tmp_path / "c", steps=2, init=str(first)))  # the same store: nothing said
+    assert "warning" not in capsys.readouterr().err
+    # --model naming another size of the same architecture would be ignored for --init's: refused
+    with pytest.raises(VlbertsError, match=r"--model=visualbert-base is not the model --init holds \(hidden_size "):
+        pretrain(cfg_for(tiny_world, tmp_path / "d", steps=2, init=str(first), model="visualbert-base"))

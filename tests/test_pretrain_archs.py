@@ -245,11 +245,22 @@ def test_pretrain_and_demo_pass_on_mismatched_targets_and_the_demos_answer_loss(
 
     seen = record_data_argument(monkeypatch, "drop_mismatched")
     runs = [("lxmert-tiny", "auto", ""), ("lxmert-tiny", "drop", ""), ("vilbert-tiny", "auto", ""),
-            ("vilbert-tiny", "keep", ""), ("lxmert-tiny", "drop", "mlm=1,obj=1")]  # no matching: nothing to drop
+            ("vilbert-tiny", "keep", ""), ("lxmert-tiny", "auto", "mlm=1,obj=1")]  # no matching: nothing to drop
     for i, (model, choice, objectives) in enumerate(runs):
         pretrain(cfg_for(tiny_world, tmp_path / str(i), model, steps=1, ckpt_every=100, mismatched_targets=choice,
                          objectives=objectives))
     assert seen == [False, True, True, False, False]
+    # A choice for a run without matching would change nothing: refused (as --mismatch_replace and --mismatch_prob)
+    with pytest.raises(VlbertsError, match="--mismatched_targets=drop decides the targets of a mismatched caption, but "
+                                           "this run has no matching objective"):
+        pretrain(cfg_for(tiny_world, tmp_path / "x", "lxmert-tiny", steps=1, mismatched_targets="drop",
+                         objectives="mlm=1,obj=1"))
+    with pytest.raises(VlbertsError, match="--mismatch_prob=0.3 sets how often single-caption matching's caption is "
+                                           "another image's, but this run has no matching objective"):
+        pretrain(cfg_for(tiny_world, tmp_path / "y", "vlbert-tiny", steps=1, mismatch_prob=0.3))
+    with pytest.raises(VlbertsError, match="--pairs=false turns VisualBERT's two-caption texts into one caption; "
+                                           "lxmert reads one caption already"):
+        pretrain(cfg_for(tiny_world, tmp_path / "z", "lxmert-tiny", steps=1, pairs=False))
     # `vlberts demo` / `vlberts compare` hand their --mismatched_targets to pre-training.
     for args, want in (([], ("auto", "auto")), (["--mismatched_targets=drop", "--qa_loss=kl"], ("drop", "kl"))):
         cfg = demo.config_from_args(["--arch=lxmert", *args])

@@ -196,6 +196,29 @@ def test_bad_coco_and_karpathy_files(tmp_path):
     assert read_karpathy(kp).images[0].split == "train"
     assert read_karpathy(kp, merge_restval=False).images[0].split == "restval"
     assert read_karpathy(kp).images[0].image_id == "1000"
+    # --split=restval reads the restval images alone (train holds them too); an official file takes no split
+    from vlberts.data.coco import read_caption_refs
+
+    assert [r.text for r in read_caption_refs(kp, split="restval")] == ["a dog ."]
+    assert [r.text for r in read_caption_refs(kp, split="train")] == ["a dog ."]
+    with pytest.raises(VlbertsError, match="no captions in split 'val'"):
+        read_caption_refs(kp, split="val")
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "1.jpg"}],
+                                "annotations": [{"id": 3, "image_id": 1, "caption": "ok"}]}))
+    assert [r.text for r in read_caption_refs(coco)] == ["ok"]
+    with pytest.raises(VlbertsError, match=r"an official COCO captions file is one split already \(the file\); "
+                                           r"split 'val' picks the images of a Karpathy split file"):
+        read_caption_refs(coco, split="val")
+    # Another format's file read as captions: what it looks like, and the --captions_format that reads it
+    other = tmp_path / "other.json"
+    for value, hint in (([{"img_id": "1", "sentf": {}, "labelf": {}}], "LXMERT's corpus: pass --captions_format=lxmert"),
+                        ({"questions": [], "info": {}}, "VQA v2 questions: pass --captions_format=vqa")):
+        other.write_text(json.dumps(value))
+        with pytest.raises(VlbertsError, match=f"neither a COCO captions file nor a Karpathy split file: .*{hint}"):
+            read_caption_refs(other)
+    (tmp_path / "train.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    with pytest.raises(VlbertsError, match="a JSON-lines file, not COCO captions: VCR's\\? pass --captions_format=vcr"):
+        read_caption_refs(tmp_path / "train.jsonl")
 
 
 def test_conllu_reader_good_and_bad(tmp_path):

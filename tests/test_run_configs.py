@@ -95,7 +95,8 @@ def test_predictions_record_every_setting(tiny_world, runs, tmp_path, capsys):
     assert code == 0, err
     assert recorded(tmp_path / "vqa") == {"predictions": str(tmp_path / "vqa" / "predictions.json"),
                                           "questions": str(questions), "annotations": str(annotations),
-                                          "answer_vocab": None, "eval_last": 0, "out": str(tmp_path / "vqa")}
+                                          "answer_vocab": None, "eval_last": 0, "exclude_images": None,
+                                          "out": str(tmp_path / "vqa")}
 
     # ... but never over a training run's record, which a resumed run and `vlberts predict` read
     before = (runs["vqa"] / "run_config.json").read_text()
@@ -177,8 +178,10 @@ def test_evaluations_record_their_options(tiny_world, tmp_path, capsys):
                                                   _row(2, 16, 0, [R4])]))
     # VCR: every choice's first score highest, for Q->A and QA->R alike
     vcr_val = tiny_world.root / "vcr" / "val.jsonl"
-    (tmp_path / "vcr.json").write_text(json.dumps({json.loads(x)["annot_id"]: [1.0, 0.0, 0.0, 0.0]
-                                                   for x in vcr_val.read_text().splitlines() if x.strip()}))
+    first_choice = json.dumps({json.loads(x)["annot_id"]: [1.0, 0.0, 0.0, 0.0]
+                               for x in vcr_val.read_text().splitlines() if x.strip()})
+    (tmp_path / "vcr.json").write_text(first_choice)
+    (tmp_path / "vcr_qar.json").write_text(first_choice)  # (one file as both would be refused)
     # retrieval: a saved score matrix re-scored
     (tmp_path / "s").mkdir()
     np.save(tmp_path / "s" / "scores.npy", np.eye(2, dtype=np.float32))
@@ -193,7 +196,7 @@ def test_evaluations_record_their_options(tiny_world, tmp_path, capsys):
         "flickr_entities": ["--predictions", str(tmp_path / "fe.json"), "--entities", str(entities),
                             "--max_regions", "12", "--iou_rule", "union"],
         "retrieval": ["--scores", str(tmp_path / "s" / "scores.npy"), "--max_regions", "12", "--batch_size", "9"],
-        "vcr": ["--annotations", str(vcr_val), "--qa", str(tmp_path / "vcr.json"), "--qar", str(tmp_path / "vcr.json")],
+        "vcr": ["--annotations", str(vcr_val), "--qa", str(tmp_path / "vcr.json"), "--qar", str(tmp_path / "vcr_qar.json")],
     }
     for task, args in cases.items():
         out = tmp_path / f"eval_{task}"

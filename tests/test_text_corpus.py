@@ -103,6 +103,12 @@ def test_document_reader_splits_on_blank_lines_and_names_bad_input(tmp_path):
         read_documents(tmp_path / "nul.txt")
     with pytest.raises(VlbertsError, match=r"missing.txt: text corpus not found"):
         read_documents(tmp_path / "missing.txt")
+    with pytest.raises(VlbertsError, match=r": is a directory; a text corpus is one file"):
+        read_documents(tmp_path)
+    # A captions JSON or JSON lines given as the corpus: its markup would be trained on as sentences
+    (tmp_path / "train.jsonl").write_text('{"img_fn": "a.jpg", "question": ["Why"]}\n{"img_fn": "b.jpg"}\n')
+    with pytest.raises(VlbertsError, match=r"train.jsonl: record line 1: its first line opens a JSON value"):
+        read_documents(tmp_path / "train.jsonl")
     (tmp_path / "ids.txt").write_text("3\n\n7\n3\n")
     assert read_image_ids(tmp_path / "ids.txt") == ["3", "7"]
     (tmp_path / "bad_ids.txt").write_text("3\n7 8\n")
@@ -345,6 +351,12 @@ def test_nsp_objective_needs_a_corpus_and_a_head(tiny_world, tmp_path):
     (tmp_path / "bin.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     with pytest.raises(VlbertsError, match=r"bin.txt: record line 1: not a UTF-8 text file"):
         pretrain(_cfg(tiny_world, tmp_path / "f", "vlbert-tiny", text_corpus=str(tmp_path / "bin.txt")))
+    # A blank line after every sentence: every document one sentence, every pair NotNext
+    one_each = tmp_path / "spaced.txt"
+    one_each.write_text("".join(f"sentence {i} .\n\n" for i in range(6)))
+    with pytest.raises(VlbertsError, match=r"spaced.txt: objective nsp needs documents of two sentences or more, and "
+                                           r"all 6 hold one \(a blank line after every sentence\?\)"):
+        pretrain(_cfg(tiny_world, tmp_path / "g", "visualbert-tiny", objectives="mlm=1,nsp=1", text_corpus=str(one_each)))
 
 
 # --------------------------------------------------------------------------- runs
@@ -484,3 +496,13 @@ def test_text_files_read_whole_drop_a_byte_order_mark_too(tiny_world, tmp_path):
     lines = tmp_path / "a.jsonl"
     lines.write_bytes(b"\xef\xbb\xbf" + b'{"k": 1}\n{"k": 2}\n')
     assert list(iter_jsonl(lines)) == [(1, {"k": 1}), (2, {"k": 2})]
+
+
+def test_vlbert_with_its_relationship_head_trains_matching_and_nsp(tiny_world, tmp_path):
+    """VL-BERT's ablated sentence-image relationship head (Table 4 (c)) is a named model: matching on the pairs
+    and next-sentence prediction on a corpus train through it."""
+    docs = str(tiny_world.root / "text" / "documents.txt")
+    pretrain(_cfg(tiny_world, tmp_path / "m", "vlbert-match-tiny", objectives="mlm=1,roi_cls=1,match=1,nsp=1",
+                  text_corpus=docs))
+    logged = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert any("match_loss" in r for r in logged) and any(r.get("nsp_loss", 0) > 0 for r in logged)

@@ -155,9 +155,15 @@ def read_karpathy(path: str | Path, merge_restval: bool = True, bad: BadRecords 
 def _karpathy_from(obj: Any, path: Path, merge_restval: bool, bad: BadRecords | None = None) -> KarpathyDataset:
     require_keys(obj, ("images",), path=path, record="top level")
     images = []
+    seen: dict[str, int] = {}  # image id -> its record's index: an image listed twice would train (or rank) twice
     for k, rec in enumerate(_list_field(obj, "images", path=path, record="top level")):
         try:
-            images.append(_karpathy_image(rec, f"images[{k}]", path, merge_restval))
+            image = _karpathy_image(rec, f"images[{k}]", path, merge_restval)
+            if image.image_id in seen:
+                raise VlbertsError(f"duplicate image id {image.image_id} (first at images[{seen[image.image_id]}])",
+                                   path=path, record=f"images[{k}]")
+            seen[image.image_id] = k
+            images.append(image)
         except VlbertsError as err:
             (bad or BadRecords()).handle(err)
     return KarpathyDataset(str(obj.get("dataset", "")), tuple(images))
@@ -197,15 +203,40 @@ class CaptionRef:
     text: str
 
 
+def _other_format(obj: Any) -> str | None:
+    """What a JSON value read as captions looks like instead, with the --captions_format that reads it, or None."""
+    if isinstance(obj, list) and obj and isinstance(obj[0], dict):
+        if "sentf" in obj[0]:
+            return "a list of {img_id, sentf, labelf} records, LXMERT's corpus: pass --captions_format=lxmert"
+        if "sent" in obj[0] and "identifier" in obj[0]:
+            return "a list of NLVR2 statements (LXMERT's form): pass --captions_format=nlvr2"
+        if "sent" in obj[0]:
+            return "a list of LXMERT's question records: pass --captions_format=vqa (or gqa)"
+    if isinstance(obj, dict) and "questions" in obj and "annotations" not in obj:
+        return "VQA v2 questions: pass --captions_format=vqa"
+    return None
+
+
 def read_caption_refs(path: str | Path, split: str = "train", merge_restval: bool = True) -> list[CaptionRef]:
     """(image id, caption text) pairs from an official COCO captions file or a Karpathy split file.
 
     The layout is recognised by its top-level keys (``annotations`` for COCO); `split` applies to
-    Karpathy files only (an official file is one split already). Image ids are canonical strings.
+    Karpathy files only (an official file is one split already: a split other than the default "train" is
+    an error for it, not ignored). With `merge_restval` a Karpathy file's "train" holds its restval images
+    too (as the papers train); "restval" alone reads those. Image ids are canonical strings.
     """
     path = Path(path)
+    if path.suffix.lower() == ".jsonl":  # (read as JSON it would fail on its second line's "Extra data")
+        raise VlbertsError("a JSON-lines file, not COCO captions: VCR's? pass --captions_format=vcr (or the format of "
+                           "the task's texts)", path=path)
     obj = read_json(path)
+    hint = _other_format(obj)
+    if hint:
+        raise VlbertsError(f"neither a COCO captions file nor a Karpathy split file: {hint}", path=path)
     if isinstance(obj, dict) and "annotations" in obj:
+        if split != "train":
+            raise VlbertsError(f"an official COCO captions file is one split already (the file); split {split!r} "
+                               "picks the images of a Karpathy split file", path=path)
         coco = _coco_from(obj, path)
         return [CaptionRef(str(c.image_id), c.text) for c in coco.captions]
     if split not in ("train", "val", "test", "restval"):
@@ -215,7 +246,7 @@ def read_caption_refs(path: str | Path, split: str = "train", merge_restval: boo
         # COCO's images list without its annotations, read as a Karpathy file, would blame images[0]
         raise VlbertsError("neither a COCO captions file (no 'annotations' list) nor a Karpathy split file "
                            "(images[0] has no 'sentences')", path=path)
-    data = _karpathy_from(obj, path, merge_restval)
+    data = _karpathy_from(obj, path, merge_restval and split != "restval")
     refs = [CaptionRef(str(im.image_id), s.raw) for im in data.split(split) for s in im.sentences]
     if not refs:
         raise VlbertsError(f"no captions in split {split!r}", path=path)

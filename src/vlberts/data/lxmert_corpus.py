@@ -97,15 +97,25 @@ def read_lxmert_corpus(paths: str | Path) -> list[LxmertSentence]:
     image, in each image's source order. A damaged record is a one-line error naming the file and the record
     (``[i] (img_id X)``, with the field: ``.sentf.vqa``, ``.labelf.vqa[3]``)."""
     out: list[LxmertSentence] = []
-    for name in [p for p in str(paths).split(",") if p]:
+    seen: dict[str, tuple[int, Path, int]] = {}  # img_id -> (file, record) where it was: one record an image
+    for k, name in enumerate(p for p in str(paths).split(",") if p):
         path = Path(name)
         data = read_json(path)
         if not isinstance(data, list):
             raise VlbertsError("expected a JSON list of image records {img_id, sentf, labelf} (LXMERT's "
-                               "pre-training corpus)", path=path)
+                               "pre-training corpus; an LXMERT corpus file as --captions needs "
+                               "--captions_format=lxmert)", path=path)
         for i, rec in enumerate(data):
             img = rec.get("img_id") if isinstance(rec, dict) else None
-            out.extend(_image_sentences(rec, path=path, record=f"[{i}]" + (f" (img_id {img})" if img else "")))
+            where = f"[{i}]" + (f" (img_id {img})" if img else "")
+            if isinstance(img, str) and img in seen:
+                f, first, j = seen[img]
+                of = "" if f == k else f" of {first}" + (", the same file given twice" if first == path else "")
+                raise VlbertsError(f"img_id {img} has a record already (at [{j}]{of}): its sentences would be read "
+                                   "twice", path=path, record=where)
+            if isinstance(img, str):
+                seen[img] = (k, path, i)
+            out.extend(_image_sentences(rec, path=path, record=where))
     if not out:
         raise VlbertsError("no sentence in LXMERT's corpus files", path=paths)
     return out

@@ -54,6 +54,9 @@ def task_caption_refs(path: str | Path, fmt: str = "coco", *, split: str = "trai
         raise VlbertsError(f"--image_map names NLVR2's images; the {fmt} format has none to map")
     if fmt == "coco":
         return read_caption_refs(path, split=split)
+    if split != "train":  # (the default)
+        raise VlbertsError(f"--split picks the images of a Karpathy split file; a {fmt} file has no splits to pick "
+                           f"(got {split!r})", path=path)
     if fmt == "vqa":
         from vlberts.data.vqa import read_vqa
 

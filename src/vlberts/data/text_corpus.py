@@ -40,9 +40,13 @@ def _decode_line(raw: bytes, n: int) -> str:
 
 
 def read_documents(path: str | Path) -> list[list[str]]:
-    """Documents (lists of sentences) of a BERT-format text file. A missing file, a file that is not
-    UTF-8 text (the line is named), or one with no sentence is a one-line error."""
+    """Documents (lists of sentences) of a BERT-format text file. A missing file, a directory, a file that is
+    not UTF-8 text (the line is named), one with no sentence, or one whose first line opens a JSON value (a
+    captions file or JSON lines given for the corpus, which would train on their markup) is a one-line error."""
     path = Path(path)
+    if path.is_dir():
+        raise VlbertsError("is a directory; a text corpus is one file (one sentence a line, a blank line between "
+                           "documents)", path=path)
     if not path.is_file():
         raise VlbertsError("text corpus not found", path=path)
     docs: list[list[str]] = [[]]
@@ -55,6 +59,9 @@ def read_documents(path: str | Path) -> list[list[str]]:
             except UnicodeDecodeError:
                 raise VlbertsError("not a UTF-8 text file (one sentence per line expected)", path=path,
                                    record=f"line {n}") from None
+            if line and n == 1 and line[0] in "[{":
+                raise VlbertsError(f"its first line opens a JSON value ({line[:40]!r}...): a text corpus is plain text, "
+                                   "one sentence a line, a blank line between documents", path=path, record="line 1")
             if line:
                 docs[-1].append(line)
             elif docs[-1]:

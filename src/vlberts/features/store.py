@@ -392,6 +392,11 @@ class RegionStore:
         self.upcast = upcast
         if not self.path.is_file():
             raise VlbertsError("region store not found", path=self.path)
+        if not h5py.is_hdf5(self.path):  # a feature file to import, or a shard index, given where a store is read
+            hint = ("a shard index: pass it as --shards" if self.path.name.endswith("index.json") else
+                    "features in another format become a store with `vlberts features import` (or `vlberts extract` "
+                    "from images)")
+            raise VlbertsError(f"not a region store (an HDF5 file): {hint}", path=self.path)
         self._file: h5py.File | None = None
         self._pid: int | None = None
         self._ds: dict[str, h5py.Dataset] = {}

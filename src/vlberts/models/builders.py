@@ -222,6 +222,19 @@ def vlbert_tiny(**kw: Any) -> VLBertConfig:
     return dataclasses.replace(base, **kw)
 
 
+def vlbert_match_small(**kw: Any) -> VLBertConfig:
+    """`vlbert_small` with the sentence-image relationship head that VL-BERT tried and left out of its recipe
+    (§3: "of no help"; Table 4's setting (c) "would hurt accuracy on all the three downstream tasks";
+    `with_match_head`): the head the `match` objective (with `--mismatch_replace`) and next-sentence prediction
+    on a text corpus (`nsp`) train, for the paper's ablation."""
+    return vlbert_small(**{"with_match_head": True, **kw})
+
+
+def vlbert_match_tiny(**kw: Any) -> VLBertConfig:
+    """`vlbert_tiny` with the sentence-image relationship head (`vlbert_match_small`), for unit tests."""
+    return vlbert_tiny(**{"with_match_head": True, **kw})
+
+
 def vlbert_e2e_tiny(**kw: Any) -> VLBertConfig:
     """A 2-layer end-to-end VL-BERT for unit tests: a 2-conv CNN (8, 16 channels, stride 4) + 4x4 RoIAlign
     inside the model, reading `VLInputs.pixels`."""
@@ -266,6 +279,8 @@ MODEL_CONFIGS: dict[str, Callable[..., Any]] = {
     "vlbert-base": vlbert_base,
     "vlbert-small": vlbert_small,
     "vlbert-tiny": vlbert_tiny,
+    "vlbert-match-small": vlbert_match_small,
+    "vlbert-match-tiny": vlbert_match_tiny,
     "vlbert-e2e-tiny": vlbert_e2e_tiny,
     "wvisualbert-base": wvisualbert_base,
     "wvisualbert-small": wvisualbert_small,

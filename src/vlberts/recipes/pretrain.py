@@ -62,7 +62,7 @@ from vlberts.data.vcr_dataset import JOIN as VCR_JOIN
 from vlberts.data.sampling import Position, update_seed
 from vlberts.errors import VlbertsError
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.features.identity import feature_identity
+from vlberts.features.identity import feature_identity, warn_feature_mismatch
 from vlberts.features.record import labels_misfit
 from vlberts.features.store import RegionStore
 from vlberts.io import read_json_object, write_json
@@ -139,7 +139,8 @@ class PretrainConfig:
     chunk_documents: int = opt(1000, "with --shards and a streamed --text_corpus: documents per in-memory chunk "
                                "(next-sentence prediction's other document comes from the same chunk)")
     out: str = opt("runs/pretrain", "run directory")
-    split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json")
+    split: str = opt("train", "Karpathy split to use when `captions` is a Karpathy json (train, which holds its "
+                     "restval images too, val, test, or restval alone); an official COCO file is one split already")
     captions_format: str = opt("coco", "what --captions holds: coco (COCO captions or a Karpathy split), or a "
                                        "task's own texts for VisualBERT's task-specific pre-training: vqa, gqa "
                                        "(questions), nlvr2 (statements, each with each of its images), vcr "
@@ -462,6 +463,25 @@ def caption_files(value: str) -> list[str]:
     return [p.strip() for p in value.split(",") if p.strip()]
 
 
+def require_distinct_caption_files(parts: list[tuple[str, list[CaptionRef]]], fmt: str) -> None:
+    """Several --captions files are read one after the other: a file given twice, or (COCO captions and Karpathy
+    files, one record an image) an image in two of them, would train its captions twice: a one-line error
+    naming both files. (A task's texts, questions or statements, share images across files as within one.)"""
+    files: set[Path] = set()
+    image_file: dict[str, str] = {}  # image id -> the file it came from (COCO and Karpathy files)
+    for path, refs in parts:
+        if Path(path).resolve() in files:
+            raise VlbertsError("named twice in --captions", path=path)
+        files.add(Path(path).resolve())
+        if fmt != "coco":
+            continue
+        for image in dict.fromkeys(ref.image_id for ref in refs):
+            if image in image_file:
+                raise VlbertsError(f"image {image} is also in {image_file[image]}: its captions would be trained on "
+                                   "twice (the same images in two files?)", path=path)
+            image_file[image] = path
+
+
 def run_weights(cfg: PretrainConfig, recipe: ArchRecipe, model_cfg, with_qa: bool = False) -> dict[str, float]:
     """The objectives of this run: --objectives, or the paper's (VisualBERT's match only with pairs; LXMERT's
     image QA when the run has questions). `qa` needs questions."""
@@ -606,6 +626,15 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     if cfg.init and cfg.model != default_model and arch_of(model_config(cfg.model)) != arch:
         raise VlbertsError(f"--model={cfg.model} is a {arch_of(model_config(cfg.model))} model but --init holds a "
                            f"{arch} model; with --init the model is --init's, so leave --model out", path=cfg.init)
+    if cfg.init and cfg.model != default_model:  # the same architecture at another size would be trained silently
+        named, sizes = model_config(cfg.model), ("hidden_size", "num_layers", "num_heads", "language_layers",
+                                                 "relation_layers", "cross_layers", "t_num_layers", "v_num_layers")
+        differ = [f for f in sizes if hasattr(named, f) and getattr(named, f) != getattr(chosen, f, None)]
+        if differ:
+            there = ", ".join(f"{f} {getattr(chosen, f)}" for f in differ)
+            raise VlbertsError(f"--model={cfg.model} is not the model --init holds ({there}, where {cfg.model} has "
+                               f"{', '.join(str(getattr(named, f)) for f in differ)}); with --init the model is "
+                               "--init's, so leave --model out", path=cfg.init)
     if cfg.roi_target not in ("soft", "hard"):
         raise VlbertsError(f"--roi_target must be soft or hard, got {cfg.roi_target!r}")
     check_mismatched_targets(cfg.mismatched_targets)
@@ -627,6 +656,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         parts = [(path, task_caption_refs(path, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
                                           join=VCR_JOIN[arch], questions=not cfg.qa_lxmert))  # (QA questions join below)
                  for path in caption_files(cfg.captions)]
+        require_distinct_caption_files(parts, cfg.captions_format)
         captions = [c for _, refs in parts for c in refs]
         if not captions:
             raise VlbertsError("no captions to pre-train on" + (f" in split {cfg.split!r}" if cfg.split else ""),
@@ -663,6 +693,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     from_bert: list[str] = []  # the tensors --bert_init copies (--bert_lr_mult's)
     if cfg.init:
         model, model_cfg, meta = load_pretraining_model(cfg.init)
+        # a model pre-trained on another extractor's features: one warning line, as fine-tuning gives
+        warn_feature_mismatch(store, cfg.init, main=dist.main)
         if qa is not None and tuple(meta.get("qa_answers", ())) != qa.answers.answers:
             raise VlbertsError("--init's image-QA head was trained on another joint answer table (config.json "
                                "qa_answers); continue with the same questions", path=Path(cfg.init) / "config.json")
@@ -709,6 +741,17 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         raise VlbertsError(f"--mismatch_replace={cfg.mismatch_replace} changes single-caption matching negatives, but this "
                            "run has " + ("caption pairs (VisualBERT's sentence-image prediction; --pairs=false for one "
                                          "caption)" if pairs else "no matching objective"))
+    # Settings of objectives this run does not train change nothing: refused, as --mismatch_replace is above
+    if cfg.mismatch_prob != 0.5 and (pairs or "match" not in weights):
+        raise VlbertsError(f"--mismatch_prob={cfg.mismatch_prob:g} sets how often single-caption matching's caption is "
+                           "another image's, but this run has " + ("caption pairs (VisualBERT's sentence-image "
+                                                                  "prediction)" if pairs else "no matching objective"))
+    if cfg.mismatched_targets != "auto" and "match" not in weights:
+        raise VlbertsError(f"--mismatched_targets={cfg.mismatched_targets} decides the targets of a mismatched caption, "
+                           "but this run has no matching objective")
+    if not cfg.pairs and not recipe.caption_pairs:
+        raise VlbertsError(f"--pairs=false turns VisualBERT's two-caption texts into one caption; {arch} reads one "
+                           "caption already")
     # The width of the store's features as read: the model's, or, end-to-end, the store's own (the CNN
     # replaces them; they only pad batches alongside the boxes).
     feature_dim = store.feature_dim if end_to_end else model_cfg.visual_dim

@@ -205,6 +205,10 @@ def build_sources(
     if documents:
         if "nsp" in weights and len(documents) < 2:
             raise VlbertsError("objective nsp needs at least two documents (blank-line separated)", path=cfg.text_corpus)
+        if "nsp" in weights and all(len(d) == 1 for d in documents):  # every pair NotNext: a constant to learn
+            raise VlbertsError(f"objective nsp needs documents of two sentences or more, and all {len(documents)} hold "
+                               "one (a blank line after every sentence?): no sentence has a next one",
+                               path=cfg.text_corpus)
         sources["text"] = TextOnlyData(
             documents, tok, feature_dim=feature_dim, max_text_len=cfg.max_text_len,
             mlm_prob=cfg.mlm_prob, seed=stream_seed(cfg.seed, TEXT_SEED), nsp="nsp" in weights,

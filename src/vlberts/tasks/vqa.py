@@ -431,6 +431,7 @@ def read_answer_vocab(path: str | Path, sets: Sequence[str] = ()) -> AnswerVocab
     set, so giving sets for them is an error."""
     suffix = Path(path).suffix.lower()
     data = _answer_lines(path) if suffix == ".txt" else safe_load(path) if suffix == ".pkl" else read_json(path)
+    data_sets = data  # (all_ans.json's records, for naming its data sets)
     if isinstance(data, list) and data and all(isinstance(a, dict) for a in data):
         data = _lxmert_answers(data, sets, path)
     elif sets:
@@ -447,7 +448,11 @@ def read_answer_vocab(path: str | Path, sets: Sequence[str] = ()) -> AnswerVocab
     if len(set(answers)) != len(answers):
         raise VlbertsError("answer vocabulary has duplicate entries", path=path)
     if not answers:
-        raise VlbertsError("the answer table is empty" + (f" (no answer of {', '.join(sets)})" if sets else ""), path=path)
+        present = sorted({d for rec in data_sets if isinstance(rec, dict) for d in rec.get("dsets", [])
+                          if isinstance(d, str)}) if sets and isinstance(data_sets, list) else []
+        raise VlbertsError("the answer table is empty" + (f" (no answer of {', '.join(sets)}"
+                                                          + (f"; the file's data sets: {', '.join(present)}" if present else "")
+                                                          + ")" if sets else ""), path=path)
     return AnswerVocab(tuple(answers))
 
 

@@ -21,6 +21,7 @@ from vlberts.data.sampling import EpochBatchSampler, Position
 from vlberts.errors import VlbertsError
 from vlberts.io import read_json, write_json
 from vlberts.training.checkpoint import TrainState, latest_checkpoint, restore_checkpoint
+from vlberts.training.data_record import check_same_data, record_data
 from vlberts.training.distributed import DistInfo, RankBatches, full_tensor, start_sum_over_ranks
 
 
@@ -380,13 +381,16 @@ def start_or_resume(
     out: Path, cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, write: bool = True
 ) -> tuple[TrainState, bool]:
     """Restore the newest checkpoint of `out` if there is one; record the run config either way (only
-    with `write`: distributed, rank 0 writes and every rank restores)."""
+    with `write`: distributed, rank 0 writes and every rank restores), and the fingerprints of the data a
+    starting run reads, which a resumed run must read again (`data_record.check_same_data`)."""
     latest = latest_checkpoint(out)
     if latest is None:
         if write:
             write_json(out / "run_config.json", to_dict(cfg))
+            record_data(out, cfg)  # what it reads, for a resume to compare (training/data_record.py)
         return TrainState(step=0, data=Position().to_dict(), extra={}), False
     check_same_run(out, cfg, write=write)
+    check_same_data(out, cfg)
     return restore_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler), True
 
 
