@@ -11,7 +11,7 @@ resumed run compares them:
                                   (its features are not hashed: a store may hold hundreds of gigabytes)
     any other file up to 1 GiB    the sha256 of its bytes
     a larger file                 its size
-    a directory                   the names and sizes of the files directly in it
+    a directory                   the number of files directly in it and a sha256 of their names and sizes
 
 Paths that do not exist, and the settings that name no input (`out`; `init` and `bert_init`, read only when a
 run starts: a resumed run restores its own weights), are left out. A run without the record (started before
@@ -44,8 +44,9 @@ def _sha256_file(path: Path) -> str:
 
 def fingerprint(path: Path) -> dict[str, Any]:
     """The fingerprint of one input (module docstring)."""
-    if path.is_dir():
-        return {"files": sorted([p.name, p.stat().st_size] for p in path.iterdir() if p.is_file())}
+    if path.is_dir():  # (an image folder may hold a million files: their listing's hash, not the listing)
+        listing = sorted(f"{p.name}\t{p.stat().st_size}" for p in path.iterdir() if p.is_file())
+        return {"files": len(listing), "listing_sha256": hashlib.sha256("\n".join(listing).encode()).hexdigest()}
     if path.suffix.lower() in _STORE_SUFFIXES:
         from vlberts.features.identity import feature_identity
         from vlberts.features.store import RegionStore
