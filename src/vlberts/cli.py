@@ -856,6 +856,12 @@ def _write_metrics(out: Path, metrics: dict, lines: list[str]) -> None:
     typer.echo(f"wrote {out / 'metrics.json'}")
 
 
+# evaluate vqa / gqa: the questions finetune's --exclude_images left out, left out again
+EXCLUDE_IMAGES_OPTION = typer.Option(None, "--exclude_images", "--exclude-images", help="An image-id list (.npy or one "
+                                     "id a line): leave out the questions on those images, after --eval_last, as "
+                                     "finetune's --exclude_images does (ViLBERT's clean_datasets).")
+
+
 @evaluate_app.command("vqa")
 def evaluate_vqa(
     ctx: typer.Context,
@@ -870,10 +876,7 @@ def evaluate_vqa(
                                                 "the answer table its labels index (ViLBERT's cache/trainval_ans2label.pkl)."),
     eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
                                   "largest question ids (ViLBERT's minval: the last 3,000 of val2014); 0: all."),
-    exclude_images: Optional[Path] = typer.Option(None, "--exclude_images", "--exclude-images", help="An image-id list "
-                                                  "(.npy or one id a line): leave out the questions on those images, "
-                                                  "after --eval_last, as finetune's --exclude_images does (ViLBERT's "
-                                                  "clean_datasets)."),
+    exclude_images: Optional[Path] = EXCLUDE_IMAGES_OPTION,
     out: Path = typer.Option(..., help="Directory to write metrics.json into."),
 ) -> None:
     """Score VQA predictions exactly as the official vqaEval.py does; write OUT/metrics.json."""
@@ -899,10 +902,7 @@ def evaluate_gqa(
     eval_last: int = typer.Option(0, "--eval_last", "--eval-last", min=0, help="Score only the N questions with the "
                                   "largest question ids, ordered as the file stores them (numbers as numbers, strings "
                                   "as text: ViLBERT's minval, the last 3,000 of trainval); 0: all."),
-    exclude_images: Optional[Path] = typer.Option(None, "--exclude_images", "--exclude-images", help="An image-id list "
-                                                  "(.npy or one id a line): leave out the questions on those images, "
-                                                  "after --eval_last, as finetune's --exclude_images does (ViLBERT's "
-                                                  "clean_datasets)."),
+    exclude_images: Optional[Path] = EXCLUDE_IMAGES_OPTION,
     normalize: bool = typer.Option(True, "--normalize/--no-normalize", help="Compare answers after lower-casing and "
                                    "trimming both sides (the gold answers are already so); --no-normalize compares "
                                    "the strings as they are, as the official eval.py does."),

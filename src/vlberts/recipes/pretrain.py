@@ -458,6 +458,11 @@ def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None) 
                             min_count=cfg.qa_min_answer_count, answers=answers)
 
 
+def setting_default(name: str) -> Any:
+    """A `PretrainConfig` setting's default (what a run that does not give it has)."""
+    return next(f.default for f in dataclasses.fields(PretrainConfig) if f.name == name)
+
+
 def caption_files(value: str) -> list[str]:
     """--captions as its files, in order (comma-separated; one file has no comma)."""
     return [p.strip() for p in value.split(",") if p.strip()]
@@ -622,7 +627,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     chosen = read_model_config(cfg.init)[0] if cfg.init else model_config(cfg.model)
     arch = arch_of(chosen)
     cfg = fit_text_len(cfg, chosen, cfg.init or None)  # a text beyond the position table: one line, before any data
-    default_model = next(f.default for f in dataclasses.fields(PretrainConfig) if f.name == "model")
+    default_model = setting_default("model")
     if cfg.init and cfg.model != default_model and arch_of(model_config(cfg.model)) != arch:
         raise VlbertsError(f"--model={cfg.model} is a {arch_of(model_config(cfg.model))} model but --init holds a "
                            f"{arch} model; with --init the model is --init's, so leave --model out", path=cfg.init)
@@ -742,11 +747,11 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                            "run has " + ("caption pairs (VisualBERT's sentence-image prediction; --pairs=false for one "
                                          "caption)" if pairs else "no matching objective"))
     # Settings of objectives this run does not train change nothing: refused, as --mismatch_replace is above
-    if cfg.mismatch_prob != 0.5 and (pairs or "match" not in weights):
+    if cfg.mismatch_prob != setting_default("mismatch_prob") and (pairs or "match" not in weights):
         raise VlbertsError(f"--mismatch_prob={cfg.mismatch_prob:g} sets how often single-caption matching's caption is "
                            "another image's, but this run has " + ("caption pairs (VisualBERT's sentence-image "
                                                                   "prediction)" if pairs else "no matching objective"))
-    if cfg.mismatched_targets != "auto" and "match" not in weights:
+    if cfg.mismatched_targets != setting_default("mismatched_targets") and "match" not in weights:
         raise VlbertsError(f"--mismatched_targets={cfg.mismatched_targets} decides the targets of a mismatched caption, "
                            "but this run has no matching objective")
     if not cfg.pairs and not recipe.caption_pairs:
