@@ -313,6 +313,17 @@ def test_command_line_reads_a_tasks_texts_as_captions(tiny_world, tmp_path, caps
                  "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown captions format 'vqq'" in err
+    # NLVR2's statements, each with each of its images, through the map of its image names (streamed NLVR2
+    # task pre-training)
+    from vlberts.data.task_texts import task_caption_refs
+
+    nlvr2, names = tiny_world.root / "nlvr2" / "train.json", tiny_world.root / "nlvr2" / "images.json"
+    assert main(["--store", str(tiny_world.store), "--captions", str(nlvr2), "--captions-format", "nlvr2",
+                 "--image-map", str(names), "--out", str(tmp_path / "n")]) == 0
+    capsys.readouterr()
+    written = Counter((s["image_id"], c) for s in ShardStream(shards_of_index(tmp_path / "n" / "shard-index.json"),
+                                                               shuffle=False, dist=DistInfo()) for c in s["captions"])
+    assert written == Counter((r.image_id, r.text) for r in task_caption_refs(nlvr2, "nlvr2", image_map=names))
 
 
 def test_documents_keep_their_sentences(tiny_world, tmp_path, capsys):

@@ -1123,8 +1123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--captions", help="COCO or Karpathy caption file (omit: image-only samples), or another "
                     "--captions-format")
     ap.add_argument("--captions-format", default="coco", help="coco (COCO or Karpathy), lxmert (LXMERT's corpus "
-                    "files, comma-separated: captions, and questions with their answers for image QA), vqa, gqa, vcr "
-                    "(as vlberts pretrain --captions_format reads them)")
+                    "files, comma-separated: captions, and questions with their answers for image QA), vqa, gqa, "
+                    "nlvr2, vcr (as vlberts pretrain --captions_format reads them)")
+    ap.add_argument("--image-map", help="nlvr2: the JSON object of image names to store ids, as vlberts pretrain "
+                    "--image_map takes it")
     ap.add_argument("--split", default="train", help="Karpathy split of --captions")
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
@@ -1149,7 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.store is None and args.documents is None) or args.out is None:
         ap.error("writing shards needs --store (and/or --documents) and --out (or give --check INDEX)")
     try:
-        refs, questions = _caption_file(args.captions, args.captions_format, args.split)
+        refs, questions = _caption_file(args.captions, args.captions_format, args.split, args.image_map)
         documents = read_documents(args.documents) if args.documents else []
         index = write_shards(args.store, refs, args.out, shard_size=args.shard_size, prefix=args.prefix,
                              image_only=args.image_only, withhold=args.withhold or (), documents=documents,
@@ -1162,8 +1164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _caption_file(path: str | None, fmt: str, split: str) -> tuple[list[CaptionRef] | None, list]:
-    """The captions of `path` read as `fmt` (`data.task_texts`), and LXMERT's questions with their labels apart."""
+def _caption_file(path: str | None, fmt: str, split: str, image_map: str | None = None
+                  ) -> tuple[list[CaptionRef] | None, list]:
+    """The captions of `path` read as `fmt` (`data.task_texts`; NLVR2's with its `image_map`), and LXMERT's
+    questions with their labels apart."""
     if path is None:
         return None, []
     if fmt == "lxmert":
@@ -1174,7 +1178,7 @@ def _caption_file(path: str | None, fmt: str, split: str) -> tuple[list[CaptionR
                 [(CaptionRef(s.image_id, s.text), s.label) for s in sentences if s.label is not None])
     from vlberts.data.task_texts import task_caption_refs
 
-    return task_caption_refs(path, fmt, split=split), []
+    return task_caption_refs(path, fmt, split=split, image_map=image_map), []
 
 
 def _check_command(index: str, max_problems: int) -> int:

@@ -913,7 +913,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
                 bar.update(task, info=" ".join(f"{k} {v:.3f}" for k, v in totals.items()))
             if log is not None and log_step:
                 record = {"step": step, "loss": sum(weights.get(k, 0.0) * v for k, v in totals.items())}
-                record.update({f"{k}_loss": v for k, v in totals.items()})
+                # a loss with no terms in this update (NSP in a text update of captions) is not a 0 to average in
+                record.update({f"{k}_loss": v for k, v in totals.items() if shares.counts.get(k, 1) > 0})
                 if source is not None:
                     record["source"] = source
                 if scaler.is_enabled():

@@ -419,13 +419,21 @@ class LossShares:
         local = {name: sum(c[name] for c in counts) for name in counts[0]} if counts else {}
         self._totals = start_sum_over_ranks(local, dist)
         self._shares: list[dict[str, float]] | None = None
+        self._summed: dict[str, float] = {}
 
     def _ready(self) -> list[dict[str, float]]:
         if self._shares is None:
-            totals = self._totals()
+            totals = self._summed = self._totals()
             self._shares = [{name: (n / totals[name] if totals[name] > 0 else 0.0) for name, n in c.items()}
                             for c in self._counts]
         return self._shares
+
+    @property
+    def counts(self) -> dict[str, float]:
+        """Each loss's terms in the whole update (all micro-batches, all ranks): 0 for a loss this update had
+        nothing for (W-VisualBERT's NSP in a text update drawn from captions), which a log leaves out."""
+        self._ready()
+        return self._summed
 
     def __getitem__(self, i: int) -> dict[str, float]:
         return self._ready()[i]
