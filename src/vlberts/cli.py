@@ -567,11 +567,6 @@ def _qa_lines(task: str) -> Callable[[dict], list[str]]:
                       f"(majority-answer baseline {m['majority_baseline']:.2f}%)"] if "accuracy" in m else []
 
 
-def _percent(fraction: float) -> str:
-    """A fraction as "12.34%", or "n/a" for NaN (the grounding baseline of `--baseline=none`)."""
-    return "n/a" if fraction != fraction else f"{100 * fraction:.2f}%"
-
-
 def _report_finetune(out: str, final: Optional[Path], lines: Callable[[dict], list[str]], written: str = "") -> None:
     """The closing lines of a fine-tuning command (rank 0 only under torchrun): the task's numbers from
     OUT/metrics.json (`lines`), and what was written (the model, OUT/`written` if the run wrote it: a run
@@ -607,6 +602,7 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
 
     Run `vlberts show-config analyze-grounding` for every setting and its documented default.
     """
+    from vlberts.analysis.report import percent
     from vlberts.analysis.syntactic import DIRECTIONS, direction_key
     from vlberts.recipes import analyze_grounding as recipe
 
@@ -616,7 +612,7 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
     if rep.mask_note:
         typer.echo(f"inputs: {rep.mask_note}")
     typer.echo(f"{r.n_entities} entities in {r.n_captions} captions; best head {r.best_head.label} "
-               f"{100 * r.best_head.accuracy:.2f}%, baseline {_percent(r.baseline_accuracy)}, "
+               f"{100 * r.best_head.accuracy:.2f}%, baseline {percent(r.baseline_accuracy)}, "
                f"upper bound {100 * r.upper_bound:.2f}%, best layer {r.best_layer + 1} of {r.num_layers}")
     if rep.syntactic is None:
         typer.echo(rep.syntactic_note)
@@ -624,7 +620,7 @@ def analyze_grounding_cmd(ctx: typer.Context, config: Optional[Path] = CONFIG_OP
         s = rep.syntactic
         typer.echo("; ".join([f"syntactic grounding: {s.n_instances} arc instances in {s.n_captions} captions",
                               *(f"{row.relation} {100 * row.head.accuracy:.2f}% ({row.head.label}, baseline "
-                                f"{_percent(row.baseline)})" for row in s.table2(3)),
+                                f"{percent(row.baseline)})" for row in s.table2(3)),
                               *([f"skipped captions: {s.skipped}"] if s.skipped else [])]))
         parts = []
         for key in (direction_key(rel, d) for rel in ("pobj", "nsubj", "amod") for d in DIRECTIONS):

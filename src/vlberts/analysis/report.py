@@ -39,6 +39,11 @@ def _pct(x: float) -> str:
     return "n/a" if x != x else f"{100.0 * x:.2f}"
 
 
+def percent(x: float) -> str:
+    """`_pct` with its sign: "12.34%", or "n/a" (the command line's summary lines)."""
+    return "n/a" if x != x else f"{_pct(x)}%"
+
+
 def md_text(s: str) -> str:
     """Free text safe inside a Markdown table or line: no pipes, no line breaks, no raw HTML tags."""
     s = " ".join(str(s).split())

@@ -484,12 +484,10 @@ def clear_stale_outputs(out: Path, paths: dict[str, Path]) -> None:
     file in OUT is this run's. Only the analysis' own file names are touched."""
     for name in OPTIONAL_OUTPUTS:
         old = out / name
-        if old in paths.values() and not old.is_dir():
-            continue  # rewritten below
-        if old.is_dir():
+        if old.is_dir():  # qualitative/: this run draws its own captions' figures anew
             for png in old.glob("*.png"):
                 png.unlink()
-        elif old.is_file():
+        elif old.is_file() and old not in paths.values():  # (a file this run writes is replaced whole)
             old.unlink()
 
 

@@ -37,7 +37,7 @@ from vlberts.data.vcr_dataset import MODES, OBJECT_REGIONS, VCRBatch, VCRData, c
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import DuplicateKey, read_json, require_file, require_unique, unique_keys, write_json
+from vlberts.io import DuplicateKey, read_json, read_json_object, require_file, require_unique, unique_keys, write_json
 from vlberts.models.builders import arch_of
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.vcr import CHOICE_LOSSES, VCRModel, uses_alignment, vcr_loss, vcr_object_loss
@@ -382,8 +382,8 @@ def _run_mode(predictions: str | Path) -> str | None:
     if not record.is_file():
         return None
     try:
-        mode = json.loads(record.read_text(encoding="utf-8")).get("mode")
-    except (ValueError, AttributeError):
+        mode = read_json_object(record).get("mode")
+    except VlbertsError:  # a damaged record says nothing about the file beside it
         return None
     return mode if mode in ("qa", "qar") else None
 
