@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from timing import seconds  # noqa: E402
+from timing import at_least, guarded, seconds  # noqa: E402
 from vlberts.io import write_json  # noqa: E402
 from vlberts.models.blocks import SDPA_KERNELS, mask_bias  # noqa: E402
 
@@ -140,12 +140,12 @@ def best_kernel(per_step: dict[str, float | None]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=None, help="examples (default 512; 2 with --smoke)")
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=at_least(1), default=None, help="examples (default 512; 2 with --smoke)")
+    ap.add_argument("--heads", type=at_least(1), default=12)
+    ap.add_argument("--head-dim", type=at_least(1), default=64)
     ap.add_argument("--dropout", type=float, default=0.1, help="attention dropout (the models' training value)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per variant (default 5; 1 smoke)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed calls per variant (default 30; 2 smoke)")
+    ap.add_argument("--warmup", type=at_least(0), default=None, help="untimed calls per variant (default 5; 1 smoke)")
+    ap.add_argument("--repeats", type=at_least(1), default=None, help="timed calls per variant (default 30; 2 smoke)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--smoke", action="store_true", help="a tiny CPU run of the code path (not a measurement)")
     ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     b = args.batch or (2 if args.smoke else 512)
-    warmup = args.warmup or (1 if args.smoke else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     repeats = args.repeats or (2 if args.smoke else 30)
     name = torch.cuda.get_device_name(device) if cuda else "CPU (smoke run: not a measurement)"
     print(f"device: {name}; torch {torch.__version__}; batch {b} x {args.heads} heads x {args.head_dim}-d, "
@@ -205,4 +205,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

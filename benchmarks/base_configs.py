@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from timing import at_least, guarded
+
 REFERENCE = "visualbert-base"
 EXTRA = ("visualbert-no-early-fusion", "vilbert-single-stream")
 B, T, R, F = 8, 20, 36, 2048
@@ -101,7 +103,7 @@ def measure(name: str, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=None, help="comma-separated names (default: all base configurations)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per model after 2 warm-ups")
+    ap.add_argument("--steps", type=at_least(1), default=5, help="timed steps per model after 2 warm-ups")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: measure one model, print JSON
     args = ap.parse_args()
 
@@ -110,10 +112,15 @@ def main() -> None:
         return
 
     models = args.models.split(",") if args.models else default_models()
+    from vlberts.models.builders import MODEL_CONFIGS
+
+    unknown = [m for m in models if m not in MODEL_CONFIGS]
+    if unknown:
+        ap.error(f"argument --models: unknown {', '.join(unknown)}; valid: {', '.join(MODEL_CONFIGS)}")
     models = [REFERENCE] + [m for m in models if m != REFERENCE]
     if len(models) > 1:
         models.append(REFERENCE)  # again at the end: how much the machine drifted during the run
-    rows = []
+    rows, failed = [], []
     for name in models:
         proc = subprocess.run(
             [sys.executable, __file__, "--worker", name, "--steps", str(args.steps)],
@@ -122,6 +129,7 @@ def main() -> None:
         if proc.returncode:
             print(f"{name}: failed\n{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",
                   file=sys.stderr)
+            failed.append(name)
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"measured {name}", file=sys.stderr, flush=True)
@@ -143,7 +151,9 @@ def main() -> None:
               "ratios use the first, and differ by about that much from run to run")
     if rows:
         print(f"peak RSS includes the interpreter + torch import (~{rows[0]['import_rss_gb']:.2f} GB here)")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (their rows are missing above)")
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -21,6 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import at_least, guarded
+
+from vlberts.errors import VlbertsError
+from vlberts.models.builders import MODEL_CONFIGS
 from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.training.distributed import free_port
 from vlberts.world.build import build_world
@@ -30,8 +34,12 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:
+    """Wall seconds of `cmd`; a failed run is one line with the last line it printed to stderr."""
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        last = next((line for line in reversed(done.stderr.splitlines()) if line.strip()), "")
+        raise VlbertsError(f"{' '.join(cmd[:2])} ... failed (exit {done.returncode}): {last}")
     return time.perf_counter() - t
 
 
@@ -43,10 +51,10 @@ def train_seconds(out: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=600)
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--model", default="visualbert-small")
-    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--images", type=at_least(50), default=600)
+    ap.add_argument("--steps", type=at_least(1), default=120)
+    ap.add_argument("--model", choices=sorted(MODEL_CONFIGS), default="visualbert-small", metavar="MODEL")
+    ap.add_argument("--procs", type=at_least(1), default=2)
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -73,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

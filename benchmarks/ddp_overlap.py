@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import at_least, guarded  # noqa: E402
 from vs_hf import B, batch, lxmert_our_step, visualbert_our_step  # noqa: E402  (the same batch and losses)
 
 from vlberts.models.builders import build_pretraining_model, model_config  # noqa: E402
@@ -100,15 +101,18 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(ARCHS), default="visualbert")
-    ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="per process (default: the cores / --procs)")
+    ap.add_argument("--procs", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=8)
+    ap.add_argument("--warmup", type=at_least(0), default=2)
+    ap.add_argument("--threads", type=at_least(0), default=0, help="per process (default: the cores / --procs)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args()
     if "RANK" in os.environ:
         worker(args)
         return
+    if args.device == "cuda" and torch.cuda.device_count() < args.procs:
+        sys.exit(f"--device cuda: {args.procs} processes need {args.procs} CUDA devices, this machine has "
+                 f"{torch.cuda.device_count()}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = args.threads or max(1, cores // args.procs)
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -120,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

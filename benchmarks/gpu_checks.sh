@@ -49,6 +49,11 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKEN
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
+# Every step needs a CUDA device: without one, stop here in one line (each step would fail in its own log).
+if ! $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "error: no CUDA device visible to $py (or it has no torch): these checks run on a GPU machine" >&2
+  exit 1
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 $py -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'transformers', transformers.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
@@ -160,9 +165,14 @@ for i in range(int(sys.argv[2])):
   s0=$(date +%s.%N)
   timeout "${EXTRACT_S:-180}" $py -m vlberts.cli features extract --images "$e/images" --weights "$e/w.pth" \
     --out "$e/f.h5" --batch-images "${EXTRACT_BATCH:-8}" > "$out/extract.log" 2>&1
+  rc=$?
   s1=$(date +%s.%N)
-  $py -c "import sys; n, t = int(sys.argv[1]), float(sys.argv[3]) - float(sys.argv[2]); print(f'{n} images of 640 x 480 in {t:.1f} s (start-up included): {n / t:.1f} images/s')" \
-    "${EXTRACT_IMAGES:-256}" "$s0" "$s1" | tee "$out/extract.txt"
+  if [ "$rc" = 0 ]; then  # a rate only for an extraction that finished
+    $py -c "import sys; n, t = int(sys.argv[1]), float(sys.argv[3]) - float(sys.argv[2]); print(f'{n} images of 640 x 480 in {t:.1f} s (start-up included): {n / t:.1f} images/s')" \
+      "${EXTRACT_IMAGES:-256}" "$s0" "$s1" | tee "$out/extract.txt"
+  else
+    echo "extraction failed or timed out (exit $rc; 124: past EXTRACT_S=${EXTRACT_S:-180} s): no rate" | tee "$out/extract.txt"
+  fi
   tail -1 "$out/extract.log" | tee -a "$out/extract.txt"
   rm -rf "$e"
 fi

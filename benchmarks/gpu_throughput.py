@@ -78,7 +78,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_hf.py sits next to this file
 
 import vs_hf  # noqa: E402
-from timing import seconds  # noqa: E402
+from timing import at_least, guarded, seconds  # noqa: E402
 from vs_hf import ARCHS, R, T, batch, counted_flops, models, train_fn  # noqa: E402
 
 from vlberts.io import write_json  # noqa: E402
@@ -87,7 +87,7 @@ from vlberts.data.batch import TokenSelection  # noqa: E402
 from vlberts.models.blocks import ATTENTION_KERNELS, DEFAULT_ATTENTION_KERNEL, SDPA_KERNELS, use_attention_kernel  # noqa: E402
 from vlberts.models.lxmert import LxmertConfig  # noqa: E402
 from vlberts.models.visualbert import VisualBertConfig  # noqa: E402
-from vlberts.recipes.common import autocast  # noqa: E402
+from vlberts.recipes.common import CompileMode, autocast  # noqa: E402
 from vlberts.training.loop import pinned, to_device  # noqa: E402
 from vlberts.training.optim import build_optimizer  # noqa: E402
 
@@ -336,6 +336,7 @@ def profile_steps(fn: Callable[[], Any], device: torch.device, steps: int = 3) -
 
 
 SDPA_BACKENDS = tuple(SDPA_KERNELS)
+COMPILE_MODES: tuple[str, ...] = CompileMode.__args__  # torch.compile modes (`--compile_mode`)
 
 
 def only_sdpa(backend: str, loss: Callable) -> Callable:
@@ -480,12 +481,12 @@ def print_arch(out: dict[str, Any], caveat: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=[*sorted(ARCHS), "all"], default="all")
-    ap.add_argument("--batch", type=int, default=None, help="examples per step (default 64; 2 with --smoke)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per model (default 20; 2 with --smoke)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per model (default 3; 1 with --smoke)")
-    ap.add_argument("--run-steps", type=int, default=None,
+    ap.add_argument("--batch", type=at_least(1), default=None, help="examples per step (default 64; 2 with --smoke)")
+    ap.add_argument("--steps", type=at_least(1), default=None, help="timed steps per model (default 20; 2 with --smoke)")
+    ap.add_argument("--warmup", type=at_least(1), default=None, help="warm-up steps per model (default 3; 1 with --smoke)")
+    ap.add_argument("--run-steps", type=at_least(1), default=None,
                     help="back-to-back steps per timed run (default 10; 2 with --smoke)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per model (default 3; 1 with --smoke)")
+    ap.add_argument("--runs", type=at_least(1), default=None, help="timed runs per model (default 3; 1 with --smoke)")
     ap.add_argument("--compile", action="store_true", help="also time our model under torch.compile (default mode)")
     ap.add_argument("--compile-modes", default="",
                     help="comma-separated torch.compile modes to time, one compiled copy each "
@@ -507,8 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                     help="the steps' autocast and the peak matmul's dtype (fp32: neither in bf16; for CPU smoke runs "
                          "on CPUs without bf16 instructions, where bf16 is emulated and slow)")
-    ap.add_argument("--matmul-size", type=int, default=None, help="peak matmul size n (default 8192; 1024 smoke)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--matmul-size", type=at_least(1), default=None, help="peak matmul size n (default 8192; 1024 smoke)")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--json", default=None, help="write the numbers to this JSON file")
     ap.add_argument("--profile", type=Path, default=None,
                     help="also profile 3 steps of each model: per-step host and kernel time, and the operator "
@@ -516,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.compile_modes.split(",") if m.strip()]
     args.compile_modes = list(dict.fromkeys((["default"] if args.compile else []) + modes))
+    if unknown := [m for m in args.compile_modes if m not in COMPILE_MODES]:
+        ap.error(f"--compile-modes: unknown {', '.join(unknown)} (choose from {', '.join(COMPILE_MODES)})")
     args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     if unknown := [b for b in args.sdpa_backends if b not in SDPA_BACKENDS]:
         ap.error(f"--sdpa-backends: unknown {', '.join(unknown)} (choose from {', '.join(SDPA_BACKENDS)})")
@@ -586,4 +589,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from timing import at_least, guarded
 from torch.utils.data import DataLoader
 
 from vlberts.data.coco import CaptionRef, read_caption_refs
@@ -161,14 +162,16 @@ def train_rate(data: CaptionPretrainData, pad_id: int, steps: int = 3, batch: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--images", type=at_least(32), default=2000, help="(the training step (c) reads 32 captions)")
     ap.add_argument("--store", help="an existing region store (default: write a random one)")
     ap.add_argument("--captions", help="its captions (required with --store)")
-    ap.add_argument("--batches", type=int, default=60, help="batches of 64 timed per loader")
-    ap.add_argument("--shard-size", type=int, default=250)
-    ap.add_argument("--stream-batches", type=int, default=300,
+    ap.add_argument("--batches", type=at_least(1), default=60, help="batches of 64 timed per loader")
+    ap.add_argument("--shard-size", type=at_least(1), default=250)
+    ap.add_argument("--stream-batches", type=at_least(1), default=300,
                     help="batches of 64 timed for (d): several chunks of 2,500 examples, each worker's first included")
     args = ap.parse_args()
+    if bool(args.store) != bool(args.captions):
+        ap.error("--store and --captions go together (a store and the captions of its images)")
     torch.set_num_threads(1)  # loaders: the workers do the work; the main process only receives batches
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +199,8 @@ def main() -> None:
         d0 = pretrain_stream_rate(index, tok, args.stream_batches, 0)
         d2, d16 = interleaved(lambda f: pretrain_stream_rate(index, tok, args.stream_batches, WORKERS, f), (False, True))
 
-    print(f"\n{len(store)} images x {R} regions x {D}-d float16; loaders: {WORKERS} workers, batch {BATCH}")
+    what = f"{len(store)} images of {args.store}" if args.store else f"{len(store)} images x {R} regions x {D}-d float16"
+    print(f"\n{what}; loaders: {WORKERS} workers, batch {BATCH}")
     print(f"{'':44s}{'examples/s':>12s}{'x training':>12s}")
     print(f"{'(a) store -> CaptionPretrainData':44s}{a:12.0f}{a / c:11.0f}x")
     print(f"{'(b) shards -> ShardStream':44s}{b:12.0f}{b / c:11.0f}x")
@@ -209,4 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

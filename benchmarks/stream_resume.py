@@ -15,8 +15,8 @@ tar headers only. Writes a store of `--images` images x 36 regions of 2048-d flo
   (b) the stream read as a re-read reads it (`arrays=False`: json and tar headers, the .npy members
       stepped over), over the same samples;
   (c) `stream_examples` resumed up to its first example (chunks of 500 images; the whole resume, building
-      that chunk's examples included): at chunk 0, and at chunk --chunk (default 2 x --images / 500:
-      thousands of draws into the run), from its saved reader state and, as before readers kept one, by
+      that chunk's examples included): at chunk 0, and at chunk --chunk (default 2 x --images / 500, at
+      least 1: thousands of draws into the run), from its saved reader state and, as before readers kept one, by
       re-reading.
 
 The files were just written, so they are in the page cache; from a network file system or a cold disk
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from loader_speed import D, R, random_store
+from timing import at_least, guarded
 
 from vlberts.data.pretrain import CaptionPretrainData
 from vlberts.data.pretrain_stream import ShardCorpus, StreamPosition, stream_examples
@@ -67,11 +68,11 @@ def replay(shards: list[Path], n: int, arrays: bool) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=2000)
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--shard-size", type=int, default=250)
-    ap.add_argument("--chunk", type=int, default=0,
-                    help="the late position's chunk (default 2 x --images / 500); the re-read grows with it")
+    ap.add_argument("--images", type=at_least(1), default=2000)
+    ap.add_argument("--passes", type=at_least(1), default=3)
+    ap.add_argument("--shard-size", type=at_least(1), default=250)
+    ap.add_argument("--chunk", type=at_least(1), default=None,
+                    help="the late position's chunk (default 2 x --images / 500, at least 1); the re-read grows with it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -97,7 +98,7 @@ def main() -> None:
         # chunks' draws, and so the position, do not depend on the examples built; cheap stand-ins go there.
         run = stream_examples(corpus, lambda captions, regions, seed: Unbuilt(len(captions)), seed=0,
                               chunk_images=CHUNK, dist=DistInfo())
-        late = next(pos for _, pos in run if pos.chunk == (args.chunk or args.images // CHUNK * 2))
+        late = next(pos for _, pos in run if pos.chunk == (args.chunk or max(1, args.images // CHUNK * 2)))
         corpus.info()
         at0 = statistics.median(resume(StreamPosition()) for _ in range(args.passes))
         saved = statistics.median(resume(late) for _ in range(args.passes))
@@ -111,9 +112,9 @@ def main() -> None:
     print(f"{'(c) resume at chunk 0 (build one chunk)':58s}{at0:9.2f}")
     print(f"{f'(c) resume at chunk {late.chunk}, from the saved reader state':58s}{saved:9.2f}")
     print(f"{f'(c) resume at chunk {late.chunk}, re-reading (no reader state)':58s}{reread:9.2f}")
-    print(f"(c) at chunk {late.chunk}: the saved state resumes {reread / saved:.1f}x faster than re-reading, "
+    print(f"(c) at chunk {late.chunk}: the saved state resumes {reread / saved:.1f}x as fast as re-reading, "
           f"{saved / at0:.2f}x the time of a resume at chunk 0")
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

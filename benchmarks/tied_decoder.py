@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import vs_hf
-from timing import seconds
+from timing import at_least, guarded, seconds
 
 from vlberts.models.blocks import MLMHead
 
@@ -50,10 +50,11 @@ def table_adds(run, table: torch.Tensor) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(vs_hf.ARCHS), default="visualbert")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=12)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    vs_hf.transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar
     arch = vs_hf.ARCHS[args.arch]
     with tempfile.TemporaryDirectory() as tmp:
         _, model = vs_hf.models(arch, Path(tmp))
@@ -84,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

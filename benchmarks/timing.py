@@ -1,11 +1,40 @@
-"""One timer for every benchmark script: the wall time of a call's work on its device."""
+"""What every benchmark script shares: the wall time of a call's work on its device (`seconds`), argparse
+types for counts (`at_least`), and a `main` guard that reports bad input in one line (`guarded`)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from typing import Any, Callable
 
 import torch
+
+from vlberts.errors import VlbertsError
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low` (repeats, steps, images, processes: 0 or a negative count would
+    fail later, after minutes of set-up, or time nothing)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def guarded(main: Callable[[], Any]) -> None:
+    """Run a script's `main`: bad input (a `VlbertsError`: a world directory that is not one, a malformed
+    captions file) is one line on stderr and exit status 1, as `vlberts` reports it, not a traceback."""
+    try:
+        main()
+    except VlbertsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def seconds(fn: Callable[[], Any], device: torch.device | None = None, calls: int = 1) -> float:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from timing import seconds
+from timing import at_least, guarded, seconds
 
 from vlberts.data.batch import VLInputs, select_tokens
 from vlberts.models.convert_hf import load_hf_visualbert, visualbert_config_from_hf
@@ -221,11 +221,12 @@ def peak(arch: Arch, which: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=sorted(ARCHS), default="visualbert")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=10)
     ap.add_argument("--peak-only", choices=["hf", "ours"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar
     arch = ARCHS[args.arch]
     if args.peak_only:
         peak(arch, args.peak_only)
@@ -275,4 +276,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/world_build.py [--images N] [--workers W] [--out DIR] [--keep]
 
 Target (SPEC §7, a laptop in minutes): 10,000 images with all annotations in under a minute on 2 cores.
-The world is written to a temporary directory (removed afterwards unless --keep and --out are given).
+The world is written to a temporary directory, or to --out, which must not exist yet (a directory this
+run creates; removed afterwards unless --keep). Nothing that was there before is ever removed.
 """
 
 from __future__ import annotations
@@ -15,20 +16,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import at_least, guarded
+
+from vlberts.errors import VlbertsError
 from vlberts.world.build import build_world
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=10_000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=None, help="default: CPU count")
+    ap.add_argument("--images", type=at_least(1), default=10_000)
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--workers", type=at_least(1), default=None, help="default: CPU count")
     ap.add_argument("--out", type=Path, default=None, help="a new directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the world written to --out")
     args = ap.parse_args()
 
     tmp = None
     out = args.out
+    if out is not None and (out.exists() or out.is_symlink()):
+        raise VlbertsError("--out must be a new directory (this benchmark removes what it writes unless --keep)",
+                           path=out)
     if out is None:
         tmp = Path(tempfile.mkdtemp(prefix="vlberts-world-bench-"))
         out = tmp / "world"
@@ -51,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -471,3 +471,15 @@ def test_the_settings_a_config_of_changes_may_name_are_those_the_translators_rea
                    visual_embedding_dim=16)
     visualbert_config_from_hf(vb)
     assert vb.read == set(HF_VISUALBERT_SETTINGS)
+
+
+def test_a_hugging_face_loader_given_a_vlberts_directory_names_the_loader_it_needs(tiny_pretrained):
+    """`load_hf_visualbert("runs/pt/model")` said "config.json lacks vocab_size" (and LXMERT's "lacks l_layers")
+    of a directory vlberts wrote; it now says what the directory is and which function loads it."""
+    from vlberts.models.convert_hf import load_hf_visualbert
+    from vlberts.models.convert_hf_lxmert import load_hf_lxmert
+
+    for load in (load_hf_visualbert, load_hf_lxmert):
+        with pytest.raises(VlbertsError, match=r"config.json: a vlberts model directory, not a Hugging Face one: load "
+                                               r"it with vlberts.training.checkpoint.load_pretraining_model"):
+            load(tiny_pretrained)

@@ -7,6 +7,7 @@ labelled evaluation file, and `--flag=true` for the on/off options of the comman
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import os
@@ -69,6 +70,34 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 def test_settings_outside_their_range_are_one_line_errors(override, message):
     with pytest.raises(VlbertsError, match=message.replace("(", r"\(")):
         apply_overrides(FinetuneVQAConfig(), [override])
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(grad_accum=0), "PretrainConfig.grad_accum: must be at least 1, got 0"),
+    (dict(log_every=0), "PretrainConfig.log_every: must be at least 1, got 0"),
+    (dict(batch_size=0), "PretrainConfig.batch_size: must be at least 1, got 0"),
+    (dict(seed=-1), "PretrainConfig.seed: must be at least 0, got -1"),
+    (dict(mlm_prob=1.5), "PretrainConfig.mlm_prob: must be at most 1, got 1.5"),
+    (dict(steps=-5), "PretrainConfig.steps: must be at least 0, got -5"),
+    (dict(steps="8"), None),  # converted as the command line converts it
+])
+def test_a_config_built_in_python_is_checked_as_the_command_lines(tiny_world, tiny_pretrained, tmp_path, setting,
+                                                                  message):
+    """`recipes.common.start_recipe`: `pretrain(PretrainConfig(grad_accum=0))` from Python stopped deep in
+    training with a traceback (or, for mlm_prob=1.5, steps=-5, trained and wrote a model); every recipe now
+    checks its config as `from_dict` does, before it writes anything."""
+    cfg = cfg_for(tiny_world, tmp_path / "run", steps=2, **{k: v for k, v in setting.items() if k != "steps"})
+    if "steps" in setting:
+        cfg = dataclasses.replace(cfg, steps=setting["steps"])
+    if message is None:
+        assert pretrain(cfg) is not None and (tmp_path / "run" / "model").is_dir()
+        return
+    with pytest.raises(VlbertsError, match=re.escape(message) + "$"):
+        pretrain(cfg)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(VlbertsError, match=re.escape("FinetuneNLVR2Config.lr: must be more than 0, got -1") + "$"):
+        finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, tmp_path / "nlvr2", lr=-1.0))
+    assert not (tmp_path / "nlvr2").exists()
 
 
 def test_a_default_of_zero_stays_allowed_where_it_means_the_runs_own():
@@ -356,6 +385,26 @@ def test_on_off_options_also_take_a_value():
     assert _flags_with_values(["world", "build", "--overwrite=yes", "--out=w"]) == ["world", "build", "--overwrite", "--out=w"]
     # run configs take --key=value as it is
     assert _flags_with_values(["finetune", "vqa", "--skip_bad=true"]) == ["finetune", "vqa", "--skip_bad=true"]
+
+
+def test_show_config_lists_only_what_the_command_takes():
+    """`vlberts show-config extract` listed --nms, --max_steps and --batch_images, which `vlberts extract` did not
+    take ("No such option"), and --feature_dim=0, which it refused (min 1). Each command `show-config` describes
+    that is not a run config (options declared one by one) now takes every setting, with the same default."""
+    import importlib
+
+    from vlberts.cli import SHOW
+
+    commands = typer.main.get_command(cli_app).commands
+    for name, module in SHOW.items():
+        command = commands.get(name)
+        if command is None or command.context_settings.get("allow_extra_args"):
+            continue  # a run config: --key=value for every field
+        params = {p.name: p for p in command.params}
+        for f in dataclasses.fields(importlib.import_module(module).CONFIG_CLASS):
+            assert f.name in params, (name, f.name)
+            default = params[f.name].default
+            assert default == f.default or (default is None and f.default == ""), (name, f.name, default, f.default)
 
 
 def test_options_are_spelt_with_underscores_as_settings_are():

@@ -2,6 +2,7 @@
 `benchmarks/gpu_throughput.py` (the numerator of its MFU) against `torch.utils.flop_counter` on tiny
 models, forward and backward, and its refusal to run without a GPU."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -203,3 +204,63 @@ def test_tied_decoder_counts_the_table_sized_additions_of_each_layout():
     finally:
         MLMHead.forward = tied_decoder.OURS
     assert counted == {"ours": ["aten::add_"], "F.linear": ["aten::add"]}
+
+
+def test_count_arguments_and_bad_input_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """`timing.at_least` and `timing.guarded`, which every script uses: `--repeats 0` failed after minutes of
+    set-up in a median of nothing, and bad input (a world directory that is not one) was a traceback."""
+    import argparse
+
+    from timing import at_least, guarded
+
+    from vlberts.errors import VlbertsError
+
+    assert at_least(1)("3") == 3
+    for bad, message in (("0", "must be at least 1, got 0"), ("x", "expected an integer, got 'x'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            at_least(1)(bad)
+
+    def bad_input() -> None:
+        raise VlbertsError("not a world directory", path=tmp_path)
+
+    with pytest.raises(SystemExit) as e:
+        guarded(bad_input)
+    assert e.value.code == 1 and capsys.readouterr().err == f"error: {tmp_path}: not a world directory\n"
+
+
+def test_world_build_never_removes_a_directory_it_did_not_create(tmp_path, monkeypatch, capsys):
+    """`benchmarks/world_build.py --out DIR` removed DIR after `build_world` refused to write into it (its
+    `finally` cleaned up what it took for its own): an existing folder and its files were deleted."""
+    import world_build
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("mine")
+    monkeypatch.setattr(sys, "argv", ["world_build.py", "--images", "4", "--out", str(precious)])
+    with pytest.raises(SystemExit) as e:
+        world_build.guarded(world_build.main)
+    assert e.value.code == 1 and "--out must be a new directory" in capsys.readouterr().err
+    assert (precious / "notes.txt").read_text() == "mine"
+    monkeypatch.setattr(sys, "argv", ["world_build.py", "--images", "4", "--out", str(tmp_path / "new")])
+    world_build.main()
+    assert not (tmp_path / "new").exists()  # made by the run, removed by it (no --keep)
+
+
+def test_grounding_speed_gives_a_verdict_only_at_the_targets_size(monkeypatch):
+    """A 30-image, width-96 run printed "PASS" against a target set for 1,000 images of a base model."""
+    import argparse
+
+    # The script sets these for its own process when imported; this one keeps its own.
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "2"))
+    monkeypatch.setenv("GOMP_SPINCOUNT", os.environ.get("GOMP_SPINCOUNT", "1000"))
+    import grounding_speed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        target = argparse.Namespace(images=1000, width=768)
+        assert grounding_speed.verdict(target, 12, 12, 100.0) == "PASS"
+        assert grounding_speed.verdict(target, 12, 12, 130.0) == "FAIL"
+        assert grounding_speed.verdict(argparse.Namespace(images=30, width=96), 12, 12, 1.0).startswith("n/a")
+    finally:
+        torch.set_num_threads(threads)

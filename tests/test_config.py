@@ -1,6 +1,7 @@
 """Typed run configs: strict loading, `--key=value` overrides."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -52,3 +53,25 @@ def test_a_bare_on_off_setting_means_true():
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PretrainConfig().steps = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name, setting, message", [
+    ("visualbert-tiny", dict(hidden_size=0), "VisualBertConfig.hidden_size: must be at least 1, got 0"),
+    ("visualbert-tiny", dict(layer_norm_eps=0.0), "VisualBertConfig.layer_norm_eps: must be more than 0, got 0"),
+    ("visualbert-tiny", dict(type_vocab_size=0), "VisualBertConfig.type_vocab_size: must be at least 1, got 0"),
+    ("visualbert-tiny", dict(hidden_size=32.0), "VisualBertConfig.hidden_size: expected an integer, got 32.0"),
+    ("visualbert-tiny", dict(hidden_size="32"), "VisualBertConfig.hidden_size: expected an integer, got '32'"),
+    ("visualbert-tiny", dict(hidden_dropout=1.5), "VisualBertConfig.hidden_dropout: must be at most 1, got 1.5"),
+    ("visualbert-tiny", dict(initializer_range=-1.0), "VisualBertConfig.initializer_range: must be at least 0, got -1"),
+    ("vlbert-tiny", dict(num_region_classes=-1), "VLBertConfig.num_region_classes: must be at least 0, got -1"),
+    ("wvisualbert-tiny", dict(num_object_labels=-1), "WVisualBertConfig.num_object_labels: must be at least 0, got -1"),
+    ("vilbert-tiny", dict(v_hidden_size=0), "ViLBertConfig.v_hidden_size: must be at least 1, got 0"),
+])
+def test_a_model_config_built_in_python_is_checked_where_it_is_written(name, setting, message):
+    """`config.check_values` in `BertTextConfig.__post_init__`: a model configuration made in Python gets the
+    checks a config.json read through `from_dict` gets. Before, `hidden_size=0` or `layer_norm_eps=0` built a
+    model that `save_model_dir` wrote and `load_pretraining_model` then refused; 32.0 failed inside torch."""
+    from vlberts.models.builders import model_config
+
+    with pytest.raises(VlbertsError, match=re.escape(message) + "$"):
+        model_config(name, **setting)

@@ -15,6 +15,7 @@ import torch
 
 from vlberts.analysis.entities import SkipCounts, entity_captions, grounding_inputs, region_confidence
 from vlberts.analysis.grounding import GroundingAccumulator, GroundingResult
+from vlberts.analysis.syntactic import SyntacticResult
 from vlberts.data.flickr_entities import EntityBoxes, ground_sentences, parse_entity_sentence, FlickrEntitiesImage
 from vlberts.errors import VlbertsError
 from vlberts.features.record import RegionRecord
@@ -573,6 +574,13 @@ def test_a_store_without_detection_confidences_runs_with_baseline_none(tiny_worl
     data = json.loads((tmp_path / "none" / "grounding.json").read_text())
     assert data["baseline_accuracy"] is None and np.isnan(GroundingResult.from_dict(data).baseline_accuracy)
     assert all(row["baseline"] is None for row in data["syntactic_grounding"]["table2"])
+    # The results' own to_dict is JSON-ready too (it had NaN, which only the recipe's writer turned into null),
+    # and from_dict its inverse.
+    for result, cls in ((rep.result, GroundingResult), (rep.syntactic, SyntacticResult)):
+        d = result.to_dict()
+        assert json.loads(json.dumps(d, allow_nan=False)) == d
+        assert cls.from_dict(d).to_dict() == d
+    assert rep.result.to_dict()["baseline_accuracy"] is None
     md = (tmp_path / "none" / "grounding.md").read_text()
     assert "- baseline (most confident region): n/a (no detection confidences read: --baseline=none)" in md
     assert "| n/a |" in md and "nan" not in md

@@ -76,6 +76,7 @@ def test_lxmert_matches_hugging_face(tmp_path, cls_name):
     hf = _random_hf(cls_name)
     hf.save_pretrained(tmp_path)
     ours = load_hf_lxmert(tmp_path).eval()
+    assert ours.left_out_head is None  # as every converter's model says which head it left out (none here)
     x = _inputs()
     with torch.no_grad():
         ref = _hf_forward(hf, x)

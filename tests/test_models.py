@@ -397,7 +397,7 @@ def test_pretrain_attention_kernel_is_recorded_and_may_change_on_resume(tiny_wor
     out = tmp_path / "run"
     assert pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, stop_after=2, attention_kernel="math")) is None
     assert blocks.attention_kernel() == "math"
-    assert json.loads((out / "run_config.json").read_text())["attention_kernel"] == "math"
+    assert json.loads((out / "run_config.json").read_text())["attention_kernel"] == ["math"]  # as the command line records it
     pretrain(cfg_for(tiny_world, out, steps=4, ckpt_every=2, attention_kernel="auto"))
     assert blocks.attention_kernel() == "auto"
     assert [r["step"] for r in MetricsLog.read(out / "metrics.jsonl")] == [1, 2, 3, 4]
@@ -427,6 +427,32 @@ def test_to_reads_which_key_sets_are_complete_off_the_host_masks():
                           image_ids=torch.arange(2)).to("cpu")
     assert (batch.inputs.text_complete, batch.inputs.regions_complete) == (True, True)
     assert dataclasses.replace(full, region_mask=full.region_mask.clone()).to("cpu").regions_complete is True
+
+
+@pytest.mark.parametrize("arch", ["visualbert", "lxmert"])
+def test_a_mask_edited_after_to_is_read_as_it_is(arch):
+    """A mask edited in place (or replaced) after `to` (an ablation: hide some regions of a moved batch)
+    makes the copy's fact unknown, so the model reads the mask as it is now: the same outputs as inputs
+    built with that mask. Before, the fact read at `to` ("every region real") left the mask out."""
+    from vlberts.models.builders import lxmert_tiny
+
+    torch.manual_seed(0)
+    cfg = visualbert_tiny(visual_spatial="6d") if arch == "visualbert" else lxmert_tiny()
+    model = build_pretraining_model(cfg).eval()
+    x = _inputs()
+    x.attention_mask[:] = True
+    x.region_mask[:] = True
+    moved = x.to("cpu")
+    assert (moved.text_complete, moved.regions_complete) == (True, True)
+    moved.region_mask[:, 2:] = False  # in place, after the copy (on a CPU `to` shares the tensors)
+    moved.attention_mask = torch.tensor([[True] * 5 + [False] * 2, [True] * 7])  # replaced
+    assert (moved.text_complete, moved.regions_complete) == (None, None)
+    fresh = VLInputs(x.input_ids, x.token_type_ids, moved.attention_mask.clone(), x.region_feats, x.region_boxes,
+                     moved.region_mask.clone())
+    with torch.no_grad():
+        got, want = model(moved), model(fresh)
+    torch.testing.assert_close(got.mlm_logits, want.mlm_logits, atol=0, rtol=0)
+    assert moved.to("cpu").regions_complete is False  # a new copy reads the edited mask
 
 
 @pytest.mark.parametrize("arch", ["visualbert", "lxmert", "vilbert", "vlbert", "wvisualbert"])
@@ -593,3 +619,29 @@ def test_encoder_pooled_alone_equals_the_whole_forwards_pooled_output(arch):
     assert ga.keys() == gb.keys() and len(ga) > 10
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("name", ["visualbert-tiny", "lxmert-tiny", "vilbert-tiny", "vlbert-tiny", "wvisualbert-tiny"])
+def test_region_inputs_are_read_in_the_models_dtype(name):
+    """The layer that first reads the region features casts them (and the box encoding) to its weights'
+    dtype, in every architecture: float64 features (`torch.from_numpy` of a float64 array) give the float32
+    outputs, and a bf16 model reads the float32 features `Batch.to` hands it. Before, four of the five
+    architectures stopped in a matrix multiply ("must have the same dtype"); W-VisualBERT cast already."""
+    from vlberts.models.builders import model_config
+
+    cfg = model_config(name)
+    torch.manual_seed(0)
+    model = build_pretraining_model(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    B, T, R = 2, 6, 5
+    feats, boxes = torch.randn(B, R, cfg.visual_dim, generator=g, dtype=torch.float64), torch.rand(B, R, 4, generator=g)
+    x64 = VLInputs(torch.randint(5, 50, (B, T), generator=g), torch.zeros(B, T, dtype=torch.long),
+                   torch.ones(B, T, dtype=torch.bool), feats, boxes.double(), torch.ones(B, R, dtype=torch.bool))
+    x32 = dataclasses.replace(x64, region_feats=feats.float(), region_boxes=boxes)
+    with torch.no_grad():
+        out64, out32 = model.encode(x64), model.encode(x32)
+        assert out64.text.dtype == torch.float32
+        # The [IMG] / whole-image mean of ViLBERT and VL-BERT is taken before the cast, in float64.
+        torch.testing.assert_close(out64.text, out32.text, atol=1e-6, rtol=0)
+        half = model.to(torch.bfloat16).encode(x32.to("cpu"))
+    assert half.text.dtype == torch.bfloat16 and torch.isfinite(half.text.float()).all()

@@ -259,10 +259,13 @@ def extract(
     min_boxes: int = typer.Option(10, min=0, help="Keep at least this many boxes per image (BUTD MIN_BOXES)."),
     max_boxes: int = typer.Option(36, min=1, help="Keep at most this many boxes per image (BUTD MAX_BOXES)."),
     conf_thresh: float = typer.Option(0.2, min=0.0, max=1.0, help="Keep boxes whose max class confidence after NMS reaches this."),
-    feature_dim: Optional[int] = typer.Option(None, min=1, help="Region-feature width of a trained detector (default 128; a loaded one keeps its own)."),
+    nms: float = typer.Option(0.3, min=0.0, max=1.0, help="Per-class NMS IoU threshold (BUTD cfg.TEST.NMS)."),
+    feature_dim: int = typer.Option(0, min=0, help="Region-feature width of a trained detector (0: 128; a loaded one keeps its own)."),
     order: str = typer.Option("confidence", help="Kept boxes by confidence, or 'butd': RoI order between min and max boxes."),
     seed: int = typer.Option(0, help="Seed of detector training and proposals."),
     epochs: int = typer.Option(3, min=1, help="Detector training epochs over the train split."),
+    max_steps: int = typer.Option(900, min=1, help="Cap on detector updates (keeps big worlds within about a minute)."),
+    batch_images: int = typer.Option(64, min=1, help="Images per backbone pass during extraction."),
     overwrite: bool = typer.Option(False, help="Replace an existing OUT (only once extraction has succeeded)."),
     boxes: str = typer.Option("detected", help="detected: proposals after box selection; gold: exactly the world's "
                                                "object boxes (RefCOCO+'s ground-truth regions; pass --detector)."),
@@ -281,8 +284,8 @@ def extract(
 
     cfg = ExtractConfig(
         world=str(world), out=str(out), detector=str(detector or ""), tsv=tsv, float16=float16, min_boxes=min_boxes,
-        max_boxes=max_boxes, conf_thresh=conf_thresh, order=order, feature_dim=feature_dim or 0,
-        seed=seed, epochs=epochs, overwrite=overwrite, boxes=boxes,
+        max_boxes=max_boxes, conf_thresh=conf_thresh, nms=nms, order=order, feature_dim=feature_dim, seed=seed,
+        epochs=epochs, max_steps=max_steps, batch_images=batch_images, overwrite=overwrite, boxes=boxes,
     )
     typer.echo(run_extract(cfg).summary())
 

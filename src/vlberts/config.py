@@ -7,6 +7,7 @@ keys are errors that list the valid ones, so a typo never silently falls back to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -130,6 +131,9 @@ _MODEL_COUNTS = ("hidden_size", "num_heads", "intermediate_size", "num_layers", 
                  "type_vocab_size", "visual_dim", "v_hidden_size", "v_num_heads", "v_intermediate_size",
                  "bi_hidden_size", "bi_num_heads")
 _MODEL_DEPTHS = ("v_num_layers", "language_layers", "relation_layers", "cross_layers")  # 0: ViLBERT's single stream
+# Head sizes where 0 leaves the head out (LXMERT's object, attribute and answer heads; ViLBERT's and VL-BERT's
+# region classes; W-VisualBERT's object labels).
+_MODEL_HEAD_SIZES = ("num_object_labels", "num_attr_labels", "num_qa_labels", "num_region_classes")
 # Layer counts past this are a damaged or mistyped config (the papers' deepest stack is 24), not a model: building
 # a million layers would take minutes before anything could say the weights do not fit.
 MAX_LAYERS = 1000
@@ -139,6 +143,8 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "num_layers": (1, MAX_LAYERS, False),
     **{name: (0, 1, False) for name in _FRACTIONS + _MODEL_FRACTIONS},
     **{name: (0, MAX_LAYERS, False) for name in _MODEL_DEPTHS},
+    **{name: (0, None, False) for name in _MODEL_HEAD_SIZES},
+    "initializer_range": (0, None, False),
     "steps": (0, None, False),  # `pretrain --steps=0`: the untrained network, the no-pre-training control
     "layer_norm_eps": (0, None, True),
     "seed": (0, 2**63 - 1, False),  # numpy's generators take non-negative seeds only, torch's 64-bit ones
@@ -174,6 +180,24 @@ def _check_range(name: str, value: Any, default: Any, where: str) -> None:
         raise VlbertsError(f"{where}: must be {'more than' if open_low else 'at least'} {_num(low)}{also}, got {_num(value)}")
     if high is not None and value > high:
         raise VlbertsError(f"{where}: must be at most {_num(high)}, got {_num(value)}")
+
+
+def check_values(cfg: Any) -> None:
+    """The checks `from_dict` makes of each value (an integer where the field is `int`, a number where it is
+    `float`, `SETTING_RANGES`), for a config dataclass built in Python: the model configurations run it in
+    `__post_init__`, so that `hidden_size=0` is refused where it is written, not when a model is built."""
+    name = type(cfg).__name__
+    hints = _type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, tp = getattr(cfg, f.name), hints[f.name]
+        if tp in (int, float) and (isinstance(value, bool) or not isinstance(value, int if tp is int else (int, float))):
+            raise VlbertsError(f"{name}.{f.name}: expected {'an integer' if tp is int else 'a number'}, got {value!r}")
+        _check_range(f.name, value, f.default, f"{name}.{f.name}")
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _num(x: float) -> str:
@@ -299,6 +323,13 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def checked(cfg: C) -> C:
+    """`cfg` as `from_dict` would have built it from its own values: a config dataclass made in Python
+    (`PretrainConfig(steps=-5)`) gets the checks and conversions of one read from the command line or a
+    file, and the same one-line errors."""
+    return from_dict(type(cfg), to_dict(cfg), where=type(cfg).__name__)
 
 
 def apply_overrides(cfg: C, args: list[str] | dict[str, Any]) -> C:

@@ -140,6 +140,18 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+def nan_as_null(obj: Any) -> Any:
+    """`obj` with every NaN float (e.g. the baseline of an analysis without one) as None, JSON's null: json
+    writes NaN as a bare `NaN`, which is not JSON."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: nan_as_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [nan_as_null(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
     """Write JSON atomically."""
     with atomic_open(path) as f:

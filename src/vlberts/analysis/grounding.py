@@ -35,6 +35,7 @@ import numpy as np
 from vlberts.analysis.boxes import as_boxes, box_iou, union_box
 from vlberts.config import from_dict as _options_from_dict
 from vlberts.config import to_dict as _options_to_dict
+from vlberts.io import nan_as_null
 
 TokenChoice = Literal["last", "first", "head_mean", "mean"]
 IouRule = Literal["any", "union"]
@@ -438,9 +439,10 @@ class GroundingResult:
         return self.accuracy.mean(axis=1)  # (L,)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready. Per-head arrays are nested lists [layer][head]; derived fields are included."""
+        """JSON-ready (a baseline not computed, NaN, as None). Per-head arrays are nested lists [layer][head];
+        derived fields are included."""
         best_active = self.best_active_head
-        return {
+        return nan_as_null({
             "options": self.options.to_dict(),
             "n_entities": self.n_entities,
             "n_captions": self.n_captions,
@@ -458,7 +460,7 @@ class GroundingResult:
             "best_per_layer": [h.to_dict() for h in self.best_per_layer],
             "layer_max": self.layer_max.tolist(),
             "layer_mean": self.layer_mean.tolist(),
-        }
+        })
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GroundingResult:

@@ -72,6 +72,7 @@ from vlberts.analysis.grounding import (
     token_weights,
 )
 from vlberts.data.conllu import ConlluSentence
+from vlberts.io import nan_as_null
 
 Direction = Literal["dep->head", "head->dep"]
 DIRECTIONS: tuple[Direction, ...] = ("dep->head", "head->dep")
@@ -338,7 +339,7 @@ class SyntacticResult:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; per relation the `GroundingResult.to_dict` fields with `n_entities` renamed
+        """JSON-ready (NaN baselines as None); per relation the `GroundingResult.to_dict` fields with `n_entities` renamed
         `n_instances`; Table 2 (pooled and per direction) included as derived rows."""
 
         def rel(r: GroundingResult) -> dict[str, Any]:
@@ -347,7 +348,7 @@ class SyntacticResult:
             d["n_instances"] = d.pop("n_entities")
             return d
 
-        return {
+        return nan_as_null({
             "options": self.options.to_dict(),
             "n_captions": self.n_captions,
             "n_arcs": self.n_arcs,
@@ -363,7 +364,7 @@ class SyntacticResult:
             if self.by_direction else [],
             "relations": {k: rel(v) for k, v in self.relations.items()},
             "by_direction": {k: rel(v) for k, v in self.by_direction.items()},
-        }
+        })
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SyntacticResult:

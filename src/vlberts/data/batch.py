@@ -20,20 +20,24 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     it does not change their values."""
     changes = {}
     for f in dataclasses.fields(obj):
+        if not f.init:
+            continue  # host facts: set below, bound to the copy's tensors
         v = getattr(obj, f.name)
         if isinstance(v, Tensor):
             changes[f.name] = fn(v)
         elif dataclasses.is_dataclass(v):
             changes[f.name] = _map_tensors(v, fn)
     out = dataclasses.replace(obj, **changes)
-    for k, v in (obj.host_facts() if isinstance(obj, Batch) else {}).items():
-        setattr(out, k, v)
+    if isinstance(obj, Batch):
+        out.bind_host_facts(obj.host_facts())
     return out
 
 
 def _tensors(obj: Any) -> Iterator[Tensor]:
     """Every tensor field of dataclass `obj`, recursively, in `_map_tensors`'s order."""
     for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
         v = getattr(obj, f.name)
         if isinstance(v, Tensor):
             yield v
@@ -74,8 +78,29 @@ class Batch:
     def host_facts(self) -> dict[str, Any]:
         """Facts about the batch's values that a model uses and that are free to read where the tensors
         are on the host but would cost a wait for the GPU on the device; `to` and `pin_memory` set them on
-        the copy they return (fields outside `__init__`). None here."""
+        the copy they return (`bind_host_facts`). None here."""
         return {}
+
+    def bind_host_facts(self, facts: dict[str, Any]) -> None:
+        """Keep `host_facts()` of the batch this one was copied from, for this one's tensors."""
+
+
+@dataclass(frozen=True)
+class MaskFact:
+    """Whether every entry of `mask` was True, read on the host, and the mask's state then: the tensor
+    object and its `_version` (which every in-place edit bumps)."""
+
+    mask: Tensor
+    version: int
+    complete: bool
+
+    def about(self, mask: Tensor) -> bool | None:
+        """`complete` if `mask` is still the tensor it was read off, unedited; else None (unknown). A
+        compiled graph takes the fact as it was traced (dynamo cannot guard on `_version`); the training
+        step it compiles reads batches fresh from `to`."""
+        if torch.compiler.is_compiling():
+            return self.complete
+        return self.complete if mask is self.mask and mask._version == self.version else None
 
 
 @dataclass
@@ -97,13 +122,22 @@ class VLInputs(Batch):
     # (B, 3, H, W) float image pixels, normalised as the model's CNN expects; region_boxes are relative to
     # this H, W. Only end-to-end models (VL-BERT `end_to_end`) read it; None everywhere else.
     pixels: Tensor | None = None
-    # Whether every text token / every region of every example is real (no padding). Read off the host
-    # masks by `to` (and `pin_memory`) into the copy it returns; None on inputs built or changed since
-    # (`dataclasses.replace`), which then keep their masks. A model leaves the attention mask out for a
-    # key set known to be complete (`models.blocks.key_bias`), so that SDPA may run the flash kernel,
-    # which takes none; reading the mask on the GPU instead would make the host wait for it every step.
-    text_complete: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-    regions_complete: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # Whether every text token / every region of every example is real (no padding): `text_complete`,
+    # `regions_complete`. Read off the host masks by `to` (and `pin_memory`) into the copy it returns;
+    # None (unknown) on inputs built or changed since (`dataclasses.replace`, a mask edited in place or
+    # replaced), which then keep their masks. A model leaves the attention mask out for a key set known to
+    # be complete (`models.blocks.key_bias`), so that SDPA may run the flash kernel, which takes none;
+    # reading the mask on the GPU instead would make the host wait for it every step.
+    text_fact: MaskFact | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    regions_fact: MaskFact | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def text_complete(self) -> bool | None:
+        return self.text_fact.about(self.attention_mask) if self.text_fact is not None else None
+
+    @property
+    def regions_complete(self) -> bool | None:
+        return self.regions_fact.about(self.region_mask) if self.regions_fact is not None else None
 
     def host_facts(self) -> dict[str, Any]:
         """`text_complete` and `regions_complete`: read off the masks when they are on the host, as they
@@ -112,6 +146,12 @@ class VLInputs(Batch):
             return bool(mask.all()) if mask.device.type == "cpu" else known
         return {"text_complete": complete(self.attention_mask, self.text_complete),
                 "regions_complete": complete(self.region_mask, self.regions_complete)}
+
+    def bind_host_facts(self, facts: dict[str, Any]) -> None:
+        def fact(mask: Tensor, complete: bool | None) -> MaskFact | None:
+            return None if complete is None else MaskFact(mask, mask._version, complete)
+        self.text_fact = fact(self.attention_mask, facts["text_complete"])
+        self.regions_fact = fact(self.region_mask, facts["regions_complete"])
 
     @property
     def batch_size(self) -> int:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vlberts.config import check_values
 from vlberts.data.batch import TokenSelection, as_selection
 from vlberts.errors import VlbertsError
 
@@ -81,6 +82,7 @@ class BertTextConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
+        check_values(self)  # types and ranges, as a config.json read through `from_dict` gets them
         if self.num_heads < 1 or self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         pad = getattr(self, "pad_token_id", 0)  # the subclasses that have one (not LXMERT)

@@ -71,7 +71,8 @@ from vlberts.io import read_json_object
 from vlberts.models.convert_hf_lxmert import load_hf_lxmert as load_hf_lxmert  # re-export
 from vlberts.models.spatial import SPATIAL_DIMS
 from vlberts.models.visualbert import VisualBertConfig, VisualBertForPreTraining, VisualBertForVQA
-from vlberts.models.weights import dim_of, layer_count, load_into, read_state_dict, rename_key, rename_keys
+from vlberts.models.weights import (dim_of, hf_setting_missing, layer_count, load_into, read_state_dict, rename_key,
+                                    rename_keys)
 
 HF_VISUALBERT_RULES = [
     (r"^visual_bert\.", "bert."),
@@ -137,7 +138,7 @@ def visualbert_config_from_hf(hf: dict, where: str = "HF VisualBERT config") -> 
             visual_spatial=hf.get("visual_spatial", "none"),  # ours, not Hugging Face's (`load_original_visualbert`)
         )
     except KeyError as e:
-        raise VlbertsError(f"{where} lacks {e.args[0]}") from None
+        raise hf_setting_missing(hf, where, e.args[0]) from None
     return from_dict(VisualBertConfig, settings, where=where)
 
 

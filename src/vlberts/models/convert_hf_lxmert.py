@@ -44,7 +44,8 @@ from vlberts.errors import VlbertsError
 from vlberts.config import from_dict, require_known_keys
 from vlberts.io import read_json_object
 from vlberts.models.lxmert import LxmertConfig, LxmertForPreTraining
-from vlberts.models.weights import dim_of, layer_count, leave_out, load_into, read_state_dict, rename_key
+from vlberts.models.weights import (dim_of, hf_setting_missing, layer_count, leave_out, load_into, read_state_dict,
+                                    rename_key)
 
 HF_LXMERT_RULES = [
     (r"^(embeddings|encoder|pooler)\.", r"lxmert.\1."),  # 1
@@ -102,7 +103,7 @@ def lxmert_config_from_hf(hf: dict, where: str = "HF LXMERT config") -> LxmertCo
             num_qa_labels=hf.get("num_qa_labels", 9500) if hf.get("task_qa", True) else 0,
         )
     except KeyError as e:
-        raise VlbertsError(f"{where} lacks {e.args[0]}") from None
+        raise hf_setting_missing(hf, where, e.args[0]) from None
     return from_dict(LxmertConfig, settings, where=where)
 
 
@@ -182,4 +183,5 @@ def _load(cfg: LxmertConfig, state: dict, source: Path, names: dict[str, str] | 
     absent = tuple(p for p in _HEAD_PREFIXES if not any(k.startswith(p) for k in sd))
     load_into(model, sd, source=source, allow_missing=lambda k: k.startswith(absent), file_names=file_names)
     model.tie_weights()
+    model.left_out_head = None  # as every converter's model says (`load_original_lxmert` names a task head)
     return model

@@ -139,6 +139,7 @@ class LxmertObjectEmbeddings(nn.Module):
 
     def forward(self, feats: Tensor, boxes: Tensor) -> Tensor:
         """feats (B, R, F), boxes (B, R, 4) normalised xyxy -> (B, R, D)."""
+        feats = feats.to(self.visn_fc.weight.dtype)  # in the model's dtype (a float64 array's, a .half() model)
         pos = spatial_encoding(boxes, "4d").to(feats.dtype)  # (B, R, 4)
         f = self.visn_layer_norm(self.visn_fc(feats))  # (B, R, D)
         p = self.box_layer_norm(self.box_fc(pos))  # (B, R, D)
@@ -381,9 +382,9 @@ class LxmertForPreTraining(nn.Module):
 class LxmertForVQA(nn.Module):
     """LXMERT fine-tuned on VQA (§4, released `src/tasks/vqa_model.py`): the question alone, `[CLS] question
     [SEP]`, and the cross-modality output (the pooled language [CLS], §2.3) through the answer head of
-    §3.1.3 (`LxmertAnswerHead`: Linear(D, 2D), GeLU, LayerNorm, Linear(2D, A)). The head starts new: the
-    release can copy the pre-training QA head's rows for answers both tables share (`--loadLXMERTQA`), but
-    our pre-training heads carry no answer names to match. Class attributes: see `VisualBertForVQA`."""
+    §3.1.3 (`LxmertAnswerHead`: Linear(D, 2D), GeLU, LayerNorm, Linear(2D, A)). Fine-tuning starts the head
+    from the pre-training QA head where that head's answers are named (config.json's `qa_answers`: LXMERT's
+    `--loadLXMERTQA`, `recipes.finetune_qa.copy_qa_head`), else new. Class attributes: see `VisualBertForVQA`."""
 
     text_format: ClassVar[str] = "question"  # [CLS] question [SEP]
     encoder_name: ClassVar[str] = "lxmert"

@@ -121,7 +121,7 @@ class VLOutput:
 
     text: Tensor  # (B, T, D) final hidden states at the text positions
     vision: Tensor  # (B, R, Dv) final hidden states at the region positions
-    pooled: Tensor  # (B, D) pooled output used by the classification heads
+    pooled: Tensor  # (B, P) pooled output read by the classification heads; P = D (ViLBERT: bi_hidden_size)
     attentions: AttentionMaps | None = None
     image: Tensor | None = None  # (B, Dv) final state of a whole-image element (ViLBERT's h_IMG), if any
 

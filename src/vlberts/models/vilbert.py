@@ -242,6 +242,8 @@ class ViLBertImageEmbeddings(nn.Module):
 
     def forward(self, feats: Tensor, loc: Tensor) -> Tensor:
         """feats (B, R', F), loc (B, R', 5) -> (B, R', Dv)."""
+        dtype = self.image_embeddings.weight.dtype  # the model's (a float64 array's features, a .half() model)
+        feats, loc = feats.to(dtype), loc.to(dtype)
         return self.dropout(self.LayerNorm(self.image_embeddings(feats) + self.image_location_embeddings(loc)))
 
 

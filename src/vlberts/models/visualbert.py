@@ -99,7 +99,7 @@ class VisualBertEmbeddings(nn.Module):
             + self.position_embeddings(pos)[None]
         )  # (B, T, D)
 
-        feats = x.region_feats
+        feats = x.region_feats.to(self.visual_projection.weight.dtype)  # (B, R, F) in the model's dtype
         if self.spatial != "none":
             feats = torch.cat([feats, spatial_encoding(x.region_boxes, self.spatial).to(feats.dtype)], dim=-1)
         R = feats.shape[1]

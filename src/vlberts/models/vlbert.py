@@ -235,6 +235,7 @@ class VLBertEmbeddings(nn.Module):
 
     def visual_feature(self, appearance: Tensor, boxes: Tensor) -> Tensor:
         """appearance (B, K, F), boxes (B, K, 4) normalised xyxy -> visual feature embedding (B, K, D)."""
+        appearance = appearance.to(self.visual_fc.weight.dtype)  # the model's (float64 arrays, a .half() model)
         geo = geometry_embedding(boxes, self.cfg.geometry_dim, self.cfg.geometry_box).to(appearance.dtype)
         return F.relu(self.visual_fc(self.visual_dropout(torch.cat([appearance, geo], dim=-1))))
 

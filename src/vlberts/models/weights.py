@@ -83,6 +83,15 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return sd
 
 
+def hf_setting_missing(hf: Mapping, where: str, key: str) -> VlbertsError:
+    """The error for a Hugging Face config.json without `key`; a vlberts model directory's config.json (which
+    a Hugging Face loader was given by mistake) is told apart, with the loader it needs."""
+    if str(hf.get("format", "")).startswith("vlberts/"):
+        return VlbertsError(f"{where}: a vlberts model directory, not a Hugging Face one: load it with "
+                            "vlberts.training.checkpoint.load_pretraining_model (or load_attention_model)")
+    return VlbertsError(f"{where} lacks {key}")
+
+
 def rename_keys(sd: dict[str, Tensor], rules: list[tuple[str, str]]) -> dict[str, Tensor]:
     """Apply regex substitutions in order to every key; a rule mapping to "" drops the key."""
     out = {}

@@ -334,9 +334,10 @@ class WVisualBertForPreTraining(nn.Module):
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
 
     def encode(
-        self, x: VLInputs, need_attn: bool = False, tags: TagInputs | None = None, maps_only: bool = False
+        self, x: VLInputs, need_attn: bool = False, maps_only: bool = False, *, tags: TagInputs | None = None
     ) -> WVisualBertOutput:
-        """The encoder alone (no heads): what the analyses read."""
+        """The encoder alone (no heads): what the analyses read. The other architectures' arguments in their
+        order, and the detector tags by name."""
         return self.bert(x, tags, need_attn, maps_only)
 
     def forward(

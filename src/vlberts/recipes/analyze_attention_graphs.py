@@ -65,7 +65,7 @@ from vlberts.io import atomic_open, write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.recipes.analyze_grounding import (analysis_images, image_bytes, load_parses, missing_images, resolve_images,
                                               resolve_parses)
-from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, start_recipe, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 from vlberts.world.relations import scene_geometry
@@ -154,7 +154,7 @@ def pick_captions(cfg: AttentionGraphsConfig, captions: list[EntityCaption]) -> 
 
 def analyze_attention_graphs(cfg: AttentionGraphsConfig) -> AttentionGraphsReport:
     """Run the analysis (module docstring) and write its outputs."""
-    set_threads()
+    cfg = start_recipe(cfg)
     for key in ("model", "entities", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"analyze attention-graphs needs --{key}")

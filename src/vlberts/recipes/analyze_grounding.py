@@ -91,9 +91,9 @@ from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_open, require_file, write_json
+from vlberts.io import atomic_open, nan_as_null, require_file, write_json
 from vlberts.models.builders import reads_tags
-from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import autocast, fit_text_len, opt, progress, resolve_device, start_recipe, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -288,7 +288,7 @@ def analyze_grounding(cfg: GroundingConfig, nlp=None) -> GroundingReport:
 
     nlp: with `--parser`, a parser to use instead of loading the named spaCy pipeline (any callable text ->
     tokens with spaCy's Token interface, `vlberts.data.spacy_parse.SpacyToken`); tests pass a stand-in."""
-    set_threads()
+    cfg = start_recipe(cfg)
     for key in ("model", "entities", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"analyze grounding needs --{key}")
@@ -464,18 +464,6 @@ BASELINES = ("confidence", "none")  # --baseline
 
 # What `analyze grounding` may write into OUT besides grounding.json/md and entity_grounding.png (always written)
 OPTIONAL_OUTPUTS = ("syntactic_grounding.png", "explorer.html", "qualitative")
-
-
-def nan_as_null(obj: Any) -> Any:
-    """`obj` with every NaN float (the baseline of a run without one) as None, JSON's null: json writes NaN as a
-    bare `NaN`, which is not JSON."""
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, dict):
-        return {k: nan_as_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [nan_as_null(v) for v in obj]
-    return obj
 
 
 def clear_stale_outputs(out: Path, paths: dict[str, Path]) -> None:

@@ -54,7 +54,7 @@ from vlberts.io import write_json
 from vlberts.models.builders import arch_of, reads_tags
 from vlberts.models.encoders import ENCODER_PREFIX
 from vlberts.recipes.analyze_grounding import analysis_images
-from vlberts.recipes.common import fit_text_len, opt, progress, resolve_device, set_threads, write_run_config
+from vlberts.recipes.common import fit_text_len, opt, progress, resolve_device, start_recipe, write_run_config
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import load_attention_model
 
@@ -208,7 +208,7 @@ def collect(model: torch.nn.Module, captions: list[EntityCaption], instances: li
 
 def analyze_representations(cfg: RepresentationsConfig) -> RepresentationsReport:
     """Run the analysis (module docstring) and write its outputs."""
-    set_threads()
+    cfg = start_recipe(cfg)
     for key in ("model", "entities", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"analyze representations needs --{key}")

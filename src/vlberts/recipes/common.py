@@ -11,19 +11,21 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vlberts.config import to_dict
+from vlberts.config import checked, to_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json
 from vlberts.io import write_run_config as write_settings
 from vlberts.models.builders import max_text_positions
 from vlberts.training.loop import auto_device_type, precision_in_effect
+
+C = TypeVar("C")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,6 +132,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def start_recipe(cfg: C) -> C:
+    """What every recipe does first: its settings checked as the command line checks them (`checked`: a
+    config built in Python gets the same errors), and torch's threads set (`set_threads`). A recipe is a
+    run: it also seeds Python's, NumPy's and torch's global generators from its seed and selects the
+    attention kernel for the process (`--attention_kernel`), which later models in the same process keep."""
+    cfg = checked(cfg)
+    set_threads()
+    return cfg
 
 
 def set_threads() -> None:

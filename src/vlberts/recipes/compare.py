@@ -36,7 +36,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import VlbertsError
 from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.builders import ARCHS
-from vlberts.recipes.common import opt, set_threads
+from vlberts.recipes.common import opt, start_recipe
 from vlberts.recipes.demo import (DemoConfig, StepTimes, build_inputs, check_choices, prepare_out, run_model, run_procs,
                                   run_settings)
 from vlberts.recipes.finetune_gqa import FinetuneGQAConfig, finetune_gqa
@@ -343,7 +343,7 @@ def compare_settings(cfg: CompareConfig) -> dict[str, Any]:
 
 def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the world and features once, run every architecture on them; returns what results.json holds."""
-    set_threads()
+    cfg = start_recipe(cfg)
     archs, tasks, seeds = arch_list(cfg), task_list(cfg), seed_list(cfg)  # bad names fail before any work
     out = Path(cfg.out)
     check_choices(cfg, out / "world")

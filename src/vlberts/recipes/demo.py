@@ -46,7 +46,7 @@ from vlberts.features.store import RegionStore
 from vlberts.io import atomic_open, read_json, write_json
 from vlberts.models.builders import ARCHS, arch_of, model_config, reads_tags
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
-from vlberts.recipes.common import opt, resolve_device, save_run_config, set_threads
+from vlberts.recipes.common import opt, resolve_device, save_run_config, start_recipe
 from vlberts.recipes.extract import ExtractConfig, extract
 from vlberts.recipes.finetune_vqa import FinetuneVQAConfig, finetune_vqa
 from vlberts.recipes.finetune_qa import check_loss
@@ -278,7 +278,7 @@ def model_name(cfg: DemoConfig) -> str:
 
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the whole main job; returns the summary (also written to OUT/summary.json)."""
-    set_threads()
+    cfg = start_recipe(cfg)
     model_config(model_name(cfg))  # an unknown architecture, model, vocabulary or device fails before any work
     resolve_device(cfg.device)
     out = Path(cfg.out)
@@ -320,8 +320,9 @@ def build_inputs(cfg: DemoConfig, out: Path, log: Callable[[str], None] = print,
 def run_procs(run: Callable[[Any], Any], cfg: Any, command: list[str], procs: int, out: Path, name: str) -> None:
     """Run the recipe `run(cfg)` in this process, or, with `procs` > 1 on CPU, as `vlberts COMMAND
     --config=OUT/NAME_config.yaml` in that many torchrun processes (DDP, `training/distributed.py`;
-    log OUT/NAME.log): small models use 2 single-threaded processes better than one process with 2
-    threads (benchmarks/ddp_cpu.py: 1.26x the updates per second on 2 cores)."""
+    log OUT/NAME.log): small models use 2 single-threaded processes at least as well as one process with
+    2 threads (benchmarks/ddp_cpu.py on 2 cores: 1.26x the updates per second on an AVX2 AMD EPYC, 0.84-1.09x,
+    the same within noise, on an AVX-512 Intel Xeon; README, "Training across processes and machines")."""
     if procs <= 1 or resolve_device(cfg.device).type != "cpu":
         run(cfg)
         return

@@ -53,7 +53,7 @@ from vlberts.features.world_detector import (
     weights_bytes,
 )
 from vlberts.features.world_scenes import read_world_scenes
-from vlberts.recipes.common import opt, progress, set_threads
+from vlberts.recipes.common import opt, progress, start_recipe
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def _validate(cfg: ExtractConfig) -> SelectionConfig:
 
 def extract(cfg: ExtractConfig) -> ExtractResult:
     """Run the recipe (module docstring); returns what was written and how well the detector did."""
-    set_threads()
+    cfg = start_recipe(cfg)
     sel = _validate(cfg)
     out = Path(cfg.out)
     paths = companion_paths(out)

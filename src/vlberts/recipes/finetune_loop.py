@@ -43,7 +43,7 @@ from vlberts.errors import BadRecords, VlbertsError
 from vlberts.features.identity import warn_feature_mismatch
 from vlberts.features.store import RegionStore
 from vlberts.models.blocks import DEFAULT_ATTENTION_KERNEL, AttentionKernel, use_attention_kernel
-from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, OPTIMIZER_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, set_threads
+from vlberts.recipes.common import ATTENTION_KERNEL_HELP, BIAS_CORRECTION_HELP, CLIP_PER_TENSOR_HELP, COMPILE_HELP, COMPILE_MODE_HELP, DECAY_ALL_HELP, FLOAT16_BATCHES_HELP, FSDP_HELP, OPTIMIZER_HELP, PRECISION_HELP, PREFETCH_HELP, TENSORBOARD_HELP, WARMUP_HELP, CompileMode, autocast, compile_model, fit_text_len, float16_batches, opt, own_gradients, progress, replays_cuda_graphs, require_compiler, resolve_device, start_recipe
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.models.weights import find_weights
 from vlberts.training.checkpoint import TrainState, load_built, read_model_config, save_checkpoint, save_model_dir
@@ -116,7 +116,7 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, P
     against the position table of the model at `cfg.init` before any data is read (`fit_text_len`: the
     task's default capped at a shorter table, another value beyond it an error). Returns (cfg, out, device,
     dist), cfg with the text length the run uses (and records in OUT/run_config.json)."""
-    set_threads()
+    cfg = start_recipe(cfg)
     device = resolve_device(cfg.device)
     require_compiler(cfg.compile, device)
     use_attention_kernel(cfg.attention_kernel)  # a bad setting stops the run here; compiled graphs keep the kernel

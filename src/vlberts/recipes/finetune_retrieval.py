@@ -57,7 +57,7 @@ from vlberts.io import atomic_open, read_json, require_file, require_unique, wri
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
-from vlberts.recipes.common import autocast, fit_text_len, opt, resolve_device, seed_everything, set_threads, write_run_config
+from vlberts.recipes.common import autocast, fit_text_len, opt, resolve_device, seed_everything, start_recipe, write_run_config
 from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
@@ -339,7 +339,7 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
     """Rank the evaluation split with a fine-tuned model, or (`zero_shot`) a pre-training model's matching
     head, or re-score a saved matrix; writes OUT/metrics.json (and the matrix when scoring) and returns the
     metrics."""
-    set_threads()
+    cfg = start_recipe(cfg)
     out = Path(cfg.out)
     if cfg.scores:
         if cfg.init:

@@ -27,7 +27,7 @@ from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
 from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
-                                    resolve_device, set_threads, write_run_config)
+                                    resolve_device, start_recipe, write_run_config)
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
 
@@ -55,7 +55,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
     for key in ("model", "statements", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"predict nlvr2 needs --{key}")
-    set_threads()
+    cfg = start_recipe(cfg)
     model_dir, out = Path(cfg.model), Path(cfg.out)
     model, tok = load_nlvr2_model(model_dir)
     bad = BadRecords(skip=cfg.skip_bad)

@@ -27,7 +27,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
 from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
-                                    resolve_device, set_threads, write_run_config)
+                                    resolve_device, start_recipe, write_run_config)
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
@@ -58,7 +58,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     for key in ("model", "questions", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"predict {task} needs --{key}")
-    set_threads()
+    cfg = start_recipe(cfg)
     qa = TASKS[task]
     model_dir, out = Path(cfg.model), Path(cfg.out)
     model, vocab, tok = load_qa_model(model_dir, qa.name)

@@ -33,7 +33,7 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
-from vlberts.recipes.common import (PredictConfig, opt, predict_text_len, prediction_store, resolve_device, set_threads,
+from vlberts.recipes.common import (PredictConfig, opt, predict_text_len, prediction_store, resolve_device, start_recipe,
                                     write_run_config)
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
 from vlberts.tasks.vcr import SubmissionRow, write_submission
@@ -70,7 +70,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
     for key in ("qa_model", "qar_model", "questions", "features"):
         if not getattr(cfg, key):
             raise VlbertsError(f"predict vcr needs --{key}")
-    set_threads()
+    cfg = start_recipe(cfg)
     device = resolve_device(cfg.device)
     runs = {"qa": _load(cfg.qa_model, "qa", "qa_model"), "qar": _load(cfg.qar_model, "qar", "qar_model")}
     store, mismatch = prediction_store(cfg, cfg.features, {cfg.qa_model: runs["qa"][0], cfg.qar_model: runs["qar"][0]})
