@@ -7,6 +7,7 @@ labelled evaluation file, and `--flag=true` for the on/off options of the comman
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -220,6 +221,11 @@ def test_resuming_from_a_checkpoint_with_nan_names_the_tensor_and_the_earlier_ch
         pretrain(cfg_for(tiny_world, out))
     assert str(err.value) == (f"{damaged}: tensor {name} holds NaN or inf (a damaged checkpoint); "
                               "write step_00000003 into checkpoints/latest to resume from it")
+    # A file cut short (a machine's crash before the file reached the disk) gives the same advice.
+    damaged.write_bytes(damaged.read_bytes()[:5])
+    with pytest.raises(VlbertsError, match=re.escape(f"{damaged}: cannot read weights: ") + ".*; write "
+                       "step_00000003 into checkpoints/latest to resume from it$"):
+        pretrain(cfg_for(tiny_world, out))
     (ckpts / "latest").write_text("step_00000003\n")  # the advice works: the run resumes and finishes
     assert pretrain(cfg_for(tiny_world, out)) == out / "model"
 
@@ -280,6 +286,50 @@ def test_stopping_before_the_first_checkpoint_does_not_promise_a_resume(tiny_wor
                                          f"nothing was saved, so running again starts over ({tmp_path / 'a'})")
     code, out, _ = run_cli([*args, "--stop_after=4", f"--out={tmp_path / 'b'}"], capsys)
     assert code == 0 and out.strip() == f"stopped early at --stop_after; run again to resume ({tmp_path / 'b'})"
+
+
+def test_a_killed_runs_forked_workers_do_not_keep_its_directory(tmp_path):
+    """A rank killed while its DataLoader workers (forked) lived kept DIR/.vlberts.lock held through their
+    inherited descriptors, so torchrun's restart of it was refused ("another vlberts run (pid of the dead
+    rank)"). Forked children now close them: the lock ends with the process that took it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from vlberts.io import lock_run_directory
+
+    out = tmp_path / "run"
+    script = (
+        "import os, sys, time\n"
+        "from vlberts.io import lock_run_directory\n"
+        f"lock = lock_run_directory({str(out)!r})\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60); os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        with pytest.raises(VlbertsError, match="another vlberts run"):
+            lock_run_directory(out)  # the run is alive: refused
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        os.kill(child, 0)  # its forked child still lives
+        deadline = time.monotonic() + 5
+        while True:  # the lock goes with the killed process, not with its child
+            try:
+                held = lock_run_directory(out)
+                break
+            except VlbertsError:
+                assert time.monotonic() < deadline, "the dead run's forked child kept the directory locked"
+                time.sleep(0.05)
+        held.release()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused(tiny_world, tmp_path, capsys):
@@ -573,3 +623,47 @@ def test_an_error_quoting_a_huge_value_stays_a_readable_line(tmp_path, capsys):
     code, _, err = run_cli(["evaluate", "vqa", f"--predictions={preds}", f"--questions={tmp_path / 'q.json'}",
                             f"--annotations={tmp_path / 'a.json'}", f"--out={tmp_path / 'e'}"], capsys)
     assert code == 2 and len(err) < MAX_MESSAGE + 200 and err.count("\n") == 1 and "characters left out" in err
+
+
+def test_a_killed_writers_temporaries_are_removed_when_the_path_is_written_again(tmp_path):
+    """`io.atomic_path` / `atomic_dir`: a writer killed mid-write left `.NAME.*.tmp` beside its target for good
+    (a store-sized `.features.h5.*.tmp`, half a world directory), swept only inside checkpoints/. Temporaries
+    now carry their writer's pid and machine, and the next writer of the same path removes those of a dead
+    process on this machine; a live writer's, another machine's and foreign names stay."""
+    import subprocess
+    import sys
+
+    from vlberts.io import _HOST, atomic_dir, atomic_open
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale_file = tmp_path / f".out.json.{dead}@{_HOST}-abc123.tmp"
+    stale_file.write_text("half")
+    stale_dir = tmp_path / f".world.{dead}@{_HOST}-def456.tmp"
+    (stale_dir / "images").mkdir(parents=True)
+    kept = [tmp_path / f".out.json.{os.getpid()}@{_HOST}-live.tmp",  # a live writer (this process)
+            tmp_path / f".out.json.{dead}@00000000-other.tmp",  # another machine's
+            tmp_path / ".out.json.xyz.tmp"]  # not ours
+    for p in kept:
+        p.write_text("keep")
+    with atomic_open(tmp_path / "out.json") as f:
+        f.write("{}")
+    with atomic_dir(tmp_path / "world") as d:
+        (d / "a").write_text("x")
+    assert not stale_file.exists() and not stale_dir.exists()
+    assert all(p.exists() for p in kept) and (tmp_path / "out.json").read_text() == "{}"
+
+
+def test_ctrl_c_says_how_to_go_on(tiny_world, tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended any command with exit status 130 and not a word (typer's way); it now says that the same
+    command continues a training run."""
+    import vlberts.recipes.pretrain as recipe
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "pretrain", interrupted)
+    code, _, err = run_cli(["pretrain", f"--captions={tiny_world.captions_train}", f"--features={tiny_world.store}",
+                            f"--out={tmp_path / 'run'}"], capsys)
+    assert code == 130
+    assert err.strip() == "interrupted: the same command again continues a training run from its last checkpoint"

@@ -187,3 +187,31 @@ def test_the_four_checks_at_their_boundaries():
     assert checks(grounding_best_layer=3) == [True, True, True, False]  # layer 3 of 6: the lower half
     assert checks(grounding_best_layer=3, num_layers=5)[3] and not checks(grounding_best_layer=2, num_layers=5)[3]
     assert checks(grounding_best_layer=2, num_layers=2)[3] and not checks(grounding_best_layer=1, num_layers=2)[3]
+
+
+def test_a_replacement_stopped_half_way_leaves_a_directory_the_next_run_replaces(tmp_path, monkeypatch):
+    """`prepare_out` removed an earlier demo's OUT with one rmtree, its marker among the first files: Ctrl-C
+    in a large OUT left a directory every later run refused ("was not made by `vlberts demo`"). The marker
+    now goes last."""
+    from vlberts.recipes import demo
+
+    out = tmp_path / "out"
+    demo.prepare_out(out, {"command": "demo", "seed": 0})
+    for name in ("a", "b", "c"):
+        (out / name).mkdir()
+        (out / name / "f.txt").write_text("x")
+    rmtree, calls = demo.shutil.rmtree, []
+
+    def interrupted(path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(demo.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        demo.prepare_out(out, {"command": "demo", "seed": 1})
+    monkeypatch.setattr(demo.shutil, "rmtree", rmtree)
+    assert (out / demo.MARKER).is_file()
+    assert demo.prepare_out(out, {"command": "demo", "seed": 1}) is False
+    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, demo.SETTINGS])

@@ -219,7 +219,8 @@ def test_the_peers_of_a_rank_that_failed_say_so_in_one_line(tiny_world, tmp_path
     # Rank 1 says so in one line (torchrun may also stop it first, with SIGTERM: then it says nothing).
     assert "[rank1]: Traceback" not in proc.stderr and "Connection closed by peer" not in proc.stderr
     assert set(worker_lines) <= {f"error: {taken / 'tokenizer'}: is a file, where the output path needs a folder",
-                                 "error: rank 1 stopped: another rank failed (its error is above)"}
+                                 "error: rank 1 stopped: another rank failed (its error is above, unless it was "
+                                 "killed: then torchrun's report names the signal)"}
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
@@ -257,6 +258,48 @@ def test_a_failed_launch_is_a_one_line_error_naming_its_log(tmp_path):
     with pytest.raises(VlbertsError, match=r"2-process run failed: .*missing.json: file not found \(full log\)"):
         launch(["pretrain", f"--captions={tmp_path / 'missing.json'}", f"--features={tmp_path / 'f.h5'}"], 2, log)
     assert log.is_file()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_takes_its_torchrun_workers_with_it(tiny_world, tmp_path):
+    """`launch` (the demo's and compare's 2-process steps) ran torchrun with subprocess.run: the demo killed,
+    torchrun and its ranks ran on under init, writing into OUT, and the next run met their lock. torchrun
+    now gets SIGTERM when its launcher dies (even by SIGKILL) and stops its workers."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = _pretrain_args(tiny_world, out, "--steps=100000", "--ckpt_every=100000")
+    script = ("import sys\nfrom pathlib import Path\nfrom vlberts.training.distributed import launch\n"
+              f"launch({args!r}, 2, Path({str(tmp_path / 'run.log')!r}))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+
+    def ours() -> list[int]:  # torchrun and the ranks: every process naming this run's directory
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if proc.name.isdigit() and int(proc.name) != launcher.pid and str(out).encode() in cmdline:
+                pids.append(int(proc.name))
+        return pids
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file():  # both ranks are training
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()
+            time.sleep(0.2)
+        assert len(ours()) >= 3  # torchrun + 2 ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while ours():
+            assert time.monotonic() < deadline, f"torchrun's processes outlived their launcher: {ours()}"
+            time.sleep(0.2)
+    finally:
+        for pid in ours():
+            os.kill(pid, signal.SIGKILL)
 
 
 def _finetune_args(world, init: Path, out: Path, *extra: str) -> list[str]:

@@ -726,3 +726,51 @@ def test_the_shard_writer_writes_what_tarfile_and_np_save_write(tmp_path):
                 b[off + 329:off + 345] = bytes(16)
         assert blanked[0] == blanked[1]
     assert _sample_key("a" * 80, 7) == "a" * 80 and _sample_key("a" * 81, 7) == "sample000000007"
+
+
+def test_an_interrupted_overwrite_leaves_no_index_over_a_mix_of_sets(tiny_world, tmp_path, monkeypatch):
+    """`--overwrite` replaced the shards one by one and wrote the new index last: stopped in between, the old
+    index read the new set's first shards with the old set's last ones (another detector's features) as one
+    set, and `--check` found nothing. The old index now goes before the first new shard is written; a set
+    refused before anything was written (captions of an image the store lacks) keeps its index."""
+    from vlberts.data import shards
+    from vlberts.data.coco import CaptionRef
+
+    refs = read_caption_refs(tiny_world.captions_train)
+    out = tmp_path / "s"
+    index = write_shards(tiny_world.store, refs, out, shard_size=10)
+    old = index.read_text()
+    with pytest.raises(VlbertsError, match="not in the store"):
+        write_shards(tiny_world.store, [*refs, CaptionRef("no-such-image", "a caption")], out, shard_size=10,
+                     overwrite=True)
+    assert index.read_text() == old  # refused before writing: the old set stands
+
+    class Stop(Exception):
+        pass
+
+    add, calls = shards._ShardWriter.add, []
+
+    def stopping(self, *args, **kw):  # the run stopped while writing its third shard
+        calls.append(1)
+        if len(calls) == 25:
+            raise Stop
+        return add(self, *args, **kw)
+
+    monkeypatch.setattr(shards._ShardWriter, "add", stopping)
+    with pytest.raises(Stop):
+        write_shards(tiny_world.store, refs, out, shard_size=10, overwrite=True)
+    assert not index.exists() and (out / "shard-000001.tar").exists()
+
+
+def test_ctrl_c_on_the_shard_writer_is_one_line(tiny_world, tmp_path, capsys, monkeypatch):
+    """Ctrl-C on `python -m vlberts.data.shards` printed a 20-line KeyboardInterrupt traceback."""
+    from vlberts.data import shards
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards, "write_shards", interrupted)
+    code = main(["--store", str(tiny_world.store), "--captions", str(tiny_world.captions_train), "--out",
+                 str(tmp_path / "s")])
+    assert code == 130
+    assert capsys.readouterr().err == f"interrupted: no shard index written in {tmp_path / 's'}; run the command again\n"

@@ -354,3 +354,17 @@ def test_a_world_without_its_images_folder_names_the_folder(world_dir, tmp_path,
     assert _run_bad(w, out, capsys=capsys) == (
         f"error: {w / 'images'}: record image {first.image_id}: images folder is empty: scenes.jsonl names "
         f"{first.file_name} in it")
+
+
+def test_a_replaced_store_keeps_no_tsv_of_the_old_one(world_dir, extracted, tmp_path):
+    """`extract --overwrite` published the new store, then wrote the TSVs: stopped in between (or run without
+    --tsv) it left the old store's TSVs beside a store they do not describe. They now go as the new store
+    replaces the old one, and --tsv writes the new ones after."""
+    out = tmp_path / "w.h5"
+    first = extract(ExtractConfig(world=str(world_dir), out=str(out), tsv=True, detector=str(extracted.detector),
+                                  max_boxes=24))
+    assert all(p.is_file() for p in first.tsv)
+    again = extract(ExtractConfig(world=str(world_dir), out=str(out), detector=str(extracted.detector), max_boxes=12,
+                                  overwrite=True))
+    assert again.tsv == [] and not any(p.exists() for p in first.tsv)
+    assert RegionStore(out).get(RegionStore(out).ids()[0]).num_boxes <= 12

@@ -1131,6 +1131,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ok = False
     try:
         code = app(args=_flags_with_values(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
+        if code == 130:  # Ctrl-C (typer's exit status for it, which it gives without a word)
+            typer.echo("interrupted: the same command again continues a training run from its last checkpoint",
+                       err=True)
         sys.exit(code if isinstance(code, int) else 0)
     except SystemExit as e:
         ok = e.code in (0, None)
@@ -1159,7 +1162,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not _peer_failed(e):
             raise
         rank = os.environ.get("RANK", "?")
-        typer.echo(f"error: rank {rank} stopped: another rank failed (its error is above)", err=True)
+        typer.echo(f"error: rank {rank} stopped: another rank failed (its error is above, unless it was killed: "
+                   "then torchrun's report names the signal)", err=True)
         sys.exit(EXIT_BAD_INPUT)
     finally:
         _leave_process_group(ok)

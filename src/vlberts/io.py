@@ -8,10 +8,14 @@ one go (a world, a report) are built under a temporary name and swapped in at th
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -28,6 +32,41 @@ def _umask() -> int:
     return mask
 
 
+def _temp_prefix(path: Path) -> str:
+    """The name of a temporary for `path`: `.NAME.PID@HOST-` then mkstemp's random part and `.tmp`. The writer's
+    process and machine in it let a later writer of the same path remove what a killed one left
+    (`_sweep_stale`)."""
+    return f".{path.name}.{os.getpid()}@{_HOST}-"
+
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # this machine, in temporaries' names
+
+
+def _sweep_stale(path: Path) -> None:
+    """Remove the temporaries of `path` whose writer, on this machine, is no longer alive (killed while
+    writing: a store-sized `.features.h5.*.tmp`, a half-built world directory), before writing it again. Ones
+    of a live process or of another machine (a shared file system) are left alone."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)@{_HOST}-[^/]*\.tmp")
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        match = pattern.fullmatch(tmp.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed. A
@@ -36,7 +75,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     if path.is_dir():
         raise VlbertsError("is a directory, where a file is written: give a file name", path=path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _sweep_stale(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -64,11 +104,29 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
 LOCK_NAME = ".vlberts.lock"
 
 
+# The lock files this process holds. A forked child (a DataLoader worker) inherits their descriptors, and
+# an flock lasts while any process holds one: a rank killed with live workers kept its directory locked until
+# they noticed, and torchrun's restart of it was refused ("another vlberts run"). Children close them at once.
+_HELD_LOCKS: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for fd in list(_HELD_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the child's copy only: the parent's lock stays
+    _HELD_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 class RunLock:
     """An exclusive lock on DIR/.vlberts.lock (`lock_run_directory`), held until `release`."""
 
     def __init__(self, directory: Path, file: IO[str], made: bool):
         self.directory, self.file, self.made = directory, file, made
+        _HELD_LOCKS.add(file.fileno())
 
     def release(self, failed: bool = False) -> None:
         """Let the directory go. One this lock made is removed again when nothing else filled it (a run
@@ -78,6 +136,7 @@ class RunLock:
         names = {p.name for p in self.directory.iterdir()} if self.directory.is_dir() else set()
         if self.made and (names == {LOCK_NAME} or (failed and not names & {"checkpoints", "metrics.jsonl"})):
             shutil.rmtree(self.directory, ignore_errors=True)
+        _HELD_LOCKS.discard(self.file.fileno())
         self.file.close()
 
 
@@ -123,7 +182,8 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     if path.exists() and not overwrite and any(path.iterdir()):
         raise VlbertsError("already exists and is not empty (pass --overwrite to replace it)", path=path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    _sweep_stale(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())

@@ -135,6 +135,11 @@ class _ShardWriter:
     def add(self, key: str, members: dict[str, bytes], kind: str) -> None:
         if self._file is None or self.shards[-1]["samples"] >= self.shard_size:
             self._close_shard()
+            if not self.shards:
+                # Before the first shard of an overwrite replaces the old set's: its index goes, so that an
+                # interrupted overwrite leaves no index over a mix of new and old shards (which read as one
+                # set, every check passing); a set refused before anything was written keeps its index.
+                (self.out_dir / f"{self.prefix}-index.json").unlink(missing_ok=True)
             name = f"{self.prefix}-{len(self.shards):06d}.tar"
             self._atomic = atomic_path(self.out_dir / name)
             self._file = open(self._atomic.__enter__(), "wb")
@@ -1159,6 +1164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VlbertsError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # the shards finished so far stay (no index: not a set); the one in progress is gone
+        print(f"interrupted: no shard index written in {args.out}; run the command again", file=sys.stderr)
+        return 130
     obj = read_json(index)
     print(json.dumps({"index": str(index), "shards": len(obj["shards"]), "samples": obj["samples"], "kinds": obj["kinds"]}))
     return 0

@@ -363,9 +363,9 @@ def run_compare(cfg: CompareConfig, log: Callable[[str], None] = print) -> dict[
     # seconds: this invocation's (a continued comparison's rows keep their steps' first seconds)
     result = {"settings": settings, "inputs_seconds": dict(inputs), "seconds": round(time.perf_counter() - t0, 1),
               "archs": rows}
-    write_json(out / RESULTS_JSON, result)
     with atomic_open(out / RESULTS_MD) as f:
         f.write(markdown_table(result) + "\n")
+    write_json(out / RESULTS_JSON, result)  # last: it marks the comparison finished (`prepare_out`)
     return result
 
 

@@ -179,7 +179,12 @@ def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", fini
                                "rerun with those or choose another --out", path=out)
         if resume == "true" or (resume == "auto" and earlier == settings and not (out / finished).is_file()):
             return True
-        shutil.rmtree(out)
+        # Everything but the marker first: stopped half-way (Ctrl-C in a large OUT), OUT still says who made
+        # it, and the next run replaces it rather than refusing a directory "not made by vlberts".
+        for entry in out.iterdir():
+            if entry.name != MARKER:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        (out / MARKER).unlink()
     out.mkdir(parents=True, exist_ok=True)
     with atomic_open(out / MARKER) as f:
         f.write(f"made by vlberts {command}; `vlberts demo` and `vlberts compare` replace this directory\n")
@@ -449,11 +454,11 @@ def run_model(
         "timings": dict(timings),
         "seconds": round(time.perf_counter() - t0 + timings.kept, 1),
     }
-    write_json(out / "summary.json", summary)
     from vlberts.analysis.html_report import write_demo_report
 
     write_demo_report(out, summary, probe=probe, grounding=g, vqa=vqa_metrics, pretrain_log=out / "pretrain" / "metrics.jsonl")
     summary["seconds"] = round(time.perf_counter() - t0 + timings.kept, 1)
+    # Last: summary.json marks the run finished (`prepare_out`), so a run stopped before it continues.
     write_json(out / "summary.json", summary)
     return summary
 

@@ -227,6 +227,11 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
             if trained:
                 info.val = val
                 save_detector(detector_path, model, info, data)
+            # The new store replaces the old as this block ends: the old one's TSVs go first, so that none is
+            # left beside a store it does not describe (stopped before --tsv writes the new ones, or without
+            # --tsv). Stopped here, the old store stands without them.
+            for key in ("butd_tsv", "lxmert_tsv"):
+                paths[key].unlink(missing_ok=True)
         timings["extract"] = time.perf_counter() - t1
 
     tsv_paths = []

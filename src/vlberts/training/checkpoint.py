@@ -322,9 +322,22 @@ def _require_finite_tensors(tensors: dict[str, torch.Tensor], *, path: Path) -> 
     damaged file; resuming from it would fail only at the next log step, blaming the learning rate."""
     key = first_nonfinite(tensors)
     if key is not None:
-        earlier = sorted(q.name for q in path.parent.parent.glob("step_*") if q.name < path.parent.name)
-        hint = f"write {earlier[-1]} into checkpoints/latest to resume from it" if earlier else "start a new run"
-        raise VlbertsError(f"tensor {key} holds NaN or inf (a damaged checkpoint); {hint}", path=path)
+        raise VlbertsError(f"tensor {key} holds NaN or inf (a damaged checkpoint); {_earlier_hint(path)}", path=path)
+
+
+def _earlier_hint(path: Path) -> str:
+    """For a damaged file of checkpoint step_N (`path`): how to resume from the one before it."""
+    earlier = sorted(q.name for q in path.parent.parent.glob("step_*") if q.name < path.parent.name)
+    return f"write {earlier[-1]} into checkpoints/latest to resume from it" if earlier else "start a new run"
+
+
+def _read_checkpoint_file(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file; one that cannot be read (cut short by a crash of the machine) is an
+    error saying how to resume from the checkpoint before it."""
+    try:
+        return read_safetensors(path)
+    except VlbertsError as e:
+        raise VlbertsError(f"{e.message}; {_earlier_hint(path)}", path=path) from None
 
 
 def restore_checkpoint(
@@ -333,8 +346,8 @@ def restore_checkpoint(
     """Load weights, optimizer, scheduler and RNG states from a training checkpoint directory. A sharded
     model (and its optimizer) takes this rank's shards of the whole tensors every rank reads."""
     path = Path(path)
-    weights = read_safetensors(path / "model.safetensors")
-    tensors = read_safetensors(path / "optimizer.safetensors")
+    weights = _read_checkpoint_file(path / "model.safetensors")
+    tensors = _read_checkpoint_file(path / "optimizer.safetensors")
     for name, stored in (("model.safetensors", weights), ("optimizer.safetensors", tensors)):
         _require_finite_tensors(stored, path=path / name)
     if is_sharded(model):

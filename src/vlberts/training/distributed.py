@@ -496,6 +496,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_with(parent: int) -> Callable[[], None] | None:
+    """For `launch`'s torchrun, run in the child before it starts: SIGTERM to it when `parent` dies, however
+    it dies (SIGKILL included: Linux's PR_SET_PDEATHSIG), so that torchrun stops its workers rather than
+    leaving them to run on. None where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: nothing would send it
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
 def launch(args: list[str], procs: int, log_file: Path) -> None:
     """Run `vlberts ARGS` as `procs` processes on this machine through torchrun (each with cores/procs
     threads), its output going to `log_file`; a failure is an error quoting the log's last line."""
@@ -507,7 +528,16 @@ def launch(args: list[str], procs: int, log_file: Path) -> None:
            "-m", "vlberts.cli", *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cpu_cores() // procs))}
     with open(log_file, "w", encoding="utf-8") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_stop_with(os.getpid()))
+        try:
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C or a signal to this process alone: torchrun stops its workers on SIGTERM
+            proc.terminate()  # (SIGKILL, subprocess.run's way, left them running, still writing into OUT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     if rc != 0:
         lines = [ln for ln in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
         ours = [ln for ln in lines if ln.startswith("error: ")]  # a rank's own one-line error, if it gave one
