@@ -53,7 +53,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     ("--grad_accum=0", "grad_accum: must be at least 1"),
     ("--log_every=0", "log_every: must be at least 1"),
     ("--ckpt_every=-5", "ckpt_every: must be at least 1"),
-    ("--lr=-1", "lr: must be more than 0, got -1"),
+    ("--lr=-1", "lr: must be at least 0, got -1"),
     ("--lr=nan", "lr: must be a finite number, got nan"),
     ("--epochs=inf", "epochs: must be a finite number"),
     ("--epochs=0", "epochs: must be more than 0"),
@@ -96,7 +96,7 @@ def test_a_config_built_in_python_is_checked_as_the_command_lines(tiny_world, ti
     with pytest.raises(VlbertsError, match=re.escape(message) + "$"):
         pretrain(cfg)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(VlbertsError, match=re.escape("FinetuneNLVR2Config.lr: must be more than 0, got -1") + "$"):
+    with pytest.raises(VlbertsError, match=re.escape("FinetuneNLVR2Config.lr: must be at least 0, got -1") + "$"):
         finetune_nlvr2(nlvr2_cfg(tiny_world, tiny_pretrained, tmp_path / "nlvr2", lr=-1.0))
     assert not (tmp_path / "nlvr2").exists()
 

@@ -367,8 +367,8 @@ def test_finetune_vcr_with_mirrored_questions(tiny_world, tiny_pretrained, tmp_p
         first[p] = next(r["loss"] for r in log if "loss" in r)
     assert first[0.0] != first[1.0]
     cfg = vcr_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", flip_prob=1.5, train_file=str(tmp_path / "missing.jsonl"))
-    with pytest.raises(VlbertsError, match=r"--flip_prob must be a probability in \[0, 1\], got 1.5"):
-        finetune_vcr(cfg)
+    with pytest.raises(VlbertsError, match=r"FinetuneVCRConfig.flip_prob: must be at most 1, got 1.5$"):
+        finetune_vcr(cfg)  # checked as the command line checks it (`start_recipe`), before any file is read
 
 
 def _iou(a, b) -> float:

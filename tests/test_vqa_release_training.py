@@ -147,7 +147,7 @@ def test_finetuning_with_mirrored_questions(tiny_world, pretrained, tmp_path):  
     assert first[0.0] != first[1.0]
     cfg = {**vars(short_cfg(tiny_world, pretrained["lxmert"], tmp_path / "bad")), "flip_prob": -0.1,
            "train_questions": str(tmp_path / "missing.json")}
-    with pytest.raises(VlbertsError, match="--flip_prob must be a probability"):
+    with pytest.raises(VlbertsError, match=r"FinetuneVQAConfig.flip_prob: must be at least 0, got -0.1$"):
         finetune_vqa(FinetuneVQAConfig(**cfg))
     cfg = {**cfg, "flip_prob": 1.0, "init": str(_without_left(pretrained["lxmert"], tmp_path / "no_left"))}
     with pytest.raises(VlbertsError, match="'left' is not a token of the model's vocabulary"):
@@ -209,7 +209,7 @@ def test_finetuning_refcoco_with_mirrored_expressions(tiny_world, pretrained, tm
     # Bad settings stop the run before the refs are read: a value that is no probability, and a model whose
     # vocabulary cannot swap the words.
     missing = {**vars(cfg), "refs": str(tmp_path / "missing.p")}
-    with pytest.raises(VlbertsError, match=r"--flip_prob must be a probability in \[0, 1\], got 1.5"):
+    with pytest.raises(VlbertsError, match=r"FinetuneRefCocoConfig.flip_prob: must be at most 1, got 1.5$"):
         finetune_refcoco(FinetuneRefCocoConfig(**{**missing, "flip_prob": 1.5}))
     no_left = _without_left(pretrained["vlbert"], tmp_path / "no_left")
     with pytest.raises(VlbertsError, match="'left' is not a token of the model's vocabulary"):

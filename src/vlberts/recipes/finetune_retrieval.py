@@ -151,13 +151,16 @@ def score_matrix(
     dev = torch.device(device) if isinstance(device, str) else device
     images = split.image_ids
     mine = range(dist.rank, len(split.captions), dist.world)
-    cells = [(c, i) for c in mine for i in range(len(images))]  # row-major over this rank's rows
-    flat = np.empty(len(cells), dtype=np.float32)
-    for start in range(0, len(cells), batch_size):
-        chunk = cells[start : start + batch_size]
-        batch = collate_pairs([encoder.pair(c, images[i]) for c, i in chunk], encoder.pad_id).to(dev)
+    # Cells row-major over this rank's rows, by index (a list of every (caption, image) pair would hold
+    # 125M tuples for COCO's 5k test images before the first forward pass).
+    n_cells = len(mine) * len(images)
+    flat = np.empty(n_cells, dtype=np.float32)
+    for start in range(0, n_cells, batch_size):
+        stop = min(start + batch_size, n_cells)
+        pairs = [encoder.pair(mine[k // len(images)], images[k % len(images)]) for k in range(start, stop)]
+        batch = collate_pairs(pairs, encoder.pad_id).to(dev)
         with autocast(dev, precision):
-            flat[start : start + len(chunk)] = scorer(batch).float().cpu().numpy()
+            flat[start:stop] = scorer(batch).float().cpu().numpy()
     rows = flat.reshape(len(mine), len(images))  # (C / world, I)
     merged = merge_over_ranks({c: rows[k] for k, c in enumerate(mine)}, dist)
     return np.stack([merged[c] for c in range(len(split.captions))]) if split.captions else np.zeros((0, len(images)), np.float32)
