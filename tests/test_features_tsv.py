@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -380,3 +381,19 @@ def test_a_zipped_tsv_says_to_unzip_it(tmp_path):
         z.writestr("train2014_obj36.tsv", "x\ty\n")
     with pytest.raises(VlbertsError, match=r"train2014_obj36.zip: is a zip archive, not a TSV: unzip it"):
         import_features(tmp_path / "train2014_obj36.zip", "lxmert-tsv", tmp_path / "s.h5")
+
+
+def test_cli_import_keeps_its_progress_in_a_log_with_vlberts_progress(tmp_path):
+    """`features import` drew its bar on a terminal only, and ignored VLBERTS_PROGRESS, which every other
+    command's bars honour: a scheduler's log of a long import (BUTD's tens of GB) showed nothing until the
+    last line."""
+    src = tmp_path / "f.tsv"
+    src.write_text("\r\n".join(_butd_lines(tmp_path)))
+    env = {**os.environ, "VLBERTS_PROGRESS": "1"}
+    proc = subprocess.run([str(VLBERTS), "features", "import", str(src), "--format", "butd-tsv", "--out",
+                           str(tmp_path / "s.h5")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "importing" in proc.stderr, proc.stderr
+    env.pop("VLBERTS_PROGRESS")
+    proc = subprocess.run([str(VLBERTS), "features", "import", str(src), "--format", "butd-tsv", "--out",
+                           str(tmp_path / "t.h5")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "importing" not in proc.stderr  # a log without it: the summary line only

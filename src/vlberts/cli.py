@@ -148,8 +148,10 @@ def features_import(
     console = Console(stderr=True)
     size = sum(s.stat().st_size for s in src) if all(s.is_file() for s in src) else None
     columns = (TextColumn("importing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    # No bar when stderr is not a terminal: logs get the summary line only.
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+    # No bar when stderr is not a terminal (logs get the summary line only), unless VLBERTS_PROGRESS is set, as
+    # for every other command's bars (`recipes.common.progress`): a scheduler's log of a long import.
+    quiet = not console.is_terminal and not os.environ.get("VLBERTS_PROGRESS")
+    with Progress(*columns, console=console, transient=console.is_terminal, disable=quiet) as bar:
         task = bar.add_task("import", total=size)
         common = dict(dtype="float16" if float16 else "float32", metadata=meta, overwrite=overwrite,
                       progress=lambda n: bar.advance(task, n), ids=ids, images=images)
