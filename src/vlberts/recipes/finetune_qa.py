@@ -48,7 +48,7 @@ from vlberts.models.visualbert import VisualBertForVQA
 from vlberts.models.vlbert import ANSWER_CLASSIFIERS, VLBertForVQA
 from vlberts.models.weights import first_nonfinite, load_into, read_safetensors
 from vlberts.models.wvisualbert import WVisualBertForVQA
-from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, resolve_device, seed_everything
+from vlberts.recipes.common import FLIP_PROB_HELP, autocast, opt, progress, resolve_device, seed_everything
 from vlberts.recipes.finetune_loop import (all_labelled, check_features, labelled_evaluation, open_features, require_eval_examples, require_train_examples, finetune_loop, FinetuneConfig, load_task_weights, num_updates,
                                            read_task_model, start_finetune)
 from vlberts.tasks.predictions import excluded_images, last_questions, without_images
@@ -316,13 +316,16 @@ def predict_qa(
     data = qa_data(model, mine, regions, tok, vocab, max_text_len=max_text_len, max_regions=max_regions,
                    target=no_targets)
     preds: dict = {}
-    for start in range(0, len(data), batch_size):
-        stop = min(start + batch_size, len(data))
-        batch = collate_vqa([data[i] for i in range(start, stop)], len(vocab), tok.pad_id).to(dev)
-        with autocast(dev, precision):
-            logits = model.answer_logits(batch)
-        for ex, a in zip(mine[start:stop], logits.argmax(-1).tolist()):  # rows are the examples in order
-            preds[ex.question_id] = vocab.answers[a]
+    with progress(disable=None if dist.main else True) as bar:  # rank 0's share stands for all
+        task = bar.add_task("predict", total=len(data), info="")
+        for start in range(0, len(data), batch_size):
+            stop = min(start + batch_size, len(data))
+            batch = collate_vqa([data[i] for i in range(start, stop)], len(vocab), tok.pad_id).to(dev)
+            with autocast(dev, precision):
+                logits = model.answer_logits(batch)
+            for ex, a in zip(mine[start:stop], logits.argmax(-1).tolist()):  # rows are the examples in order
+                preds[ex.question_id] = vocab.answers[a]
+            bar.advance(task, stop - start)
     return merge_over_ranks(preds, dist)
 
 

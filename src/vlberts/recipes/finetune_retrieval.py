@@ -57,7 +57,8 @@ from vlberts.io import atomic_open, read_json, require_file, require_unique, wri
 from vlberts.models.encoders import load_encoder_weights
 from vlberts.models.retrieval import NO_MATCH_HEAD, RetrievalModel, four_way_loss, match_head_weights
 from vlberts.models.weights import read_state_dict
-from vlberts.recipes.common import autocast, fit_text_len, opt, resolve_device, seed_everything, start_recipe, write_run_config
+from vlberts.recipes.common import (autocast, fit_text_len, opt, progress, resolve_device, seed_everything, start_recipe,
+                                    write_run_config)
 from vlberts.recipes.finetune_loop import check_features, open_features, finetune_loop, FinetuneConfig, load_task_weights, num_updates, read_task_model, start_finetune
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
@@ -155,12 +156,15 @@ def score_matrix(
     # 125M tuples for COCO's 5k test images before the first forward pass).
     n_cells = len(mine) * len(images)
     flat = np.empty(n_cells, dtype=np.float32)
-    for start in range(0, n_cells, batch_size):
-        stop = min(start + batch_size, n_cells)
-        pairs = [encoder.pair(mine[k // len(images)], images[k % len(images)]) for k in range(start, stop)]
-        batch = collate_pairs(pairs, encoder.pad_id).to(dev)
-        with autocast(dev, precision):
-            flat[start:stop] = scorer(batch).float().cpu().numpy()
+    with progress(disable=None if dist.main else True) as bar:  # rank 0's share stands for all
+        task = bar.add_task("score pairs", total=n_cells, info="")
+        for start in range(0, n_cells, batch_size):
+            stop = min(start + batch_size, n_cells)
+            pairs = [encoder.pair(mine[k // len(images)], images[k % len(images)]) for k in range(start, stop)]
+            batch = collate_pairs(pairs, encoder.pad_id).to(dev)
+            with autocast(dev, precision):
+                flat[start:stop] = scorer(batch).float().cpu().numpy()
+            bar.advance(task, stop - start)
     rows = flat.reshape(len(mine), len(images))  # (C / world, I)
     merged = merge_over_ranks({c: rows[k] for k, c in enumerate(mine)}, dist)
     return np.stack([merged[c] for c in range(len(split.captions))]) if split.captions else np.zeros((0, len(images)), np.float32)
