@@ -96,10 +96,19 @@ def read_lxmert_corpus(paths: str | Path) -> list[LxmertSentence]:
     """Every sentence of LXMERT's corpus files (one path, or several comma-separated), file by file, image by
     image, in each image's source order. A damaged record is a one-line error naming the file and the record
     (``[i] (img_id X)``, with the field: ``.sentf.vqa``, ``.labelf.vqa[3]``)."""
-    out: list[LxmertSentence] = []
+    return [s for _, sentences in read_lxmert_files(paths) for s in sentences]
+
+
+def read_lxmert_files(paths: str | Path) -> list[tuple[str, list[LxmertSentence]]]:
+    """`read_lxmert_corpus`'s sentences file by file: (each name as given, its sentences), with the same checks
+    (an image's record in two files is an error). Read once where a run takes both the captions and the
+    questions of the corpus (`vlberts pretrain --qa_lxmert`: LXMERT's 9.18M sentences in every rank)."""
+    out: list[tuple[str, list[LxmertSentence]]] = []
     seen: dict[str, tuple[int, Path, int]] = {}  # img_id -> (file, record) where it was: one record an image
-    for k, name in enumerate(p for p in str(paths).split(",") if p):
+    for k, name in enumerate(p.strip() for p in str(paths).split(",") if p.strip()):
         path = Path(name)
+        sentences: list[LxmertSentence] = []
+        out.append((name, sentences))
         data = read_json(path)
         if not isinstance(data, list):
             raise VlbertsError("expected a JSON list of image records {img_id, sentf, labelf} (LXMERT's "
@@ -115,8 +124,8 @@ def read_lxmert_corpus(paths: str | Path) -> list[LxmertSentence]:
                                    "twice", path=path, record=where)
             if isinstance(img, str):
                 seen[img] = (k, path, i)
-            out.extend(_image_sentences(rec, path=path, record=where))
-    if not out:
+            sentences.extend(_image_sentences(rec, path=path, record=where))
+    if not any(sentences for _, sentences in out):
         raise VlbertsError("no sentence in LXMERT's corpus files", path=paths)
     return out
 

@@ -43,11 +43,12 @@ CAPTION_FORMATS = ("coco", "vqa", "gqa", "nlvr2", "vcr", "lxmert")
 
 def task_caption_refs(path: str | Path, fmt: str = "coco", *, split: str = "train",
                       image_map: str | Path | None = None, join: str | None = None,
-                      questions: bool = True) -> list[CaptionRef]:
+                      questions: bool = True, sentences: list | None = None) -> list[CaptionRef]:
     """The (image id, text) pairs of `path` read as `fmt` (module docstring).
 
     join: with ``vcr``, how a multi-object reference is written (`data.vcr_dataset.JOIN`); None: VisualBERT's.
-    questions: with ``lxmert``, False leaves the corpus's questions out."""
+    questions: with ``lxmert``, False leaves the corpus's questions out.
+    sentences: with ``lxmert``, the file's sentences already read (`data.lxmert_corpus.read_lxmert_files`)."""
     if fmt not in CAPTION_FORMATS:
         raise VlbertsError(f"unknown captions format {fmt!r}; valid: {', '.join(CAPTION_FORMATS)}")
     if image_map and fmt != "nlvr2":
@@ -70,7 +71,8 @@ def task_caption_refs(path: str | Path, fmt: str = "coco", *, split: str = "trai
     if fmt == "lxmert":
         from vlberts.data.lxmert_corpus import read_lxmert_corpus
 
-        return [CaptionRef(s.image_id, s.text) for s in read_lxmert_corpus(path) if questions or s.label is None]
+        read = read_lxmert_corpus(path) if sentences is None else sentences
+        return [CaptionRef(s.image_id, s.text) for s in read if questions or s.label is None]
     from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 
     names = read_image_map(image_map) if image_map else None

@@ -424,10 +424,12 @@ def end_to_end_pixels(cfg: PretrainConfig, end_to_end: bool, image_ids: list[str
     return loader
 
 
-def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None) -> PretrainQA | None:
+def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None,
+             lxmert: dict[str, list] | None = None) -> PretrainQA | None:
     """LXMERT's image-QA pre-training data when the run names question files (or `--qa_lxmert`), else None.
     A streamed run (`shards`) reads the questions its shards hold as they stream (`QuestionRef`): here only
-    the joint table, from `--qa_answers` or counted from the index's counts, and no sentences."""
+    the joint table, from `--qa_answers` or counted from the index's counts, and no sentences. `lxmert`: the
+    corpus's sentences by file, where the run has read them already (`read_lxmert_files`)."""
     if not (cfg.qa_vqa_questions or cfg.qa_vqa_annotations or cfg.qa_gqa_questions or cfg.qa_lxmert
             or cfg.qa_answers or cfg.qa_answer_sets):
         return None
@@ -453,7 +455,8 @@ def image_qa(cfg: PretrainConfig, arch: str, shards: ShardCorpus | None = None) 
                                "and no --qa_vqa_questions / --qa_gqa_questions")
         from vlberts.data.lxmert_corpus import lxmert_image_qa, read_lxmert_corpus
 
-        return lxmert_image_qa(read_lxmert_corpus(cfg.captions), cfg.captions, cfg.qa_min_answer_count, answers)
+        sentences = [s for ss in lxmert.values() for s in ss] if lxmert else read_lxmert_corpus(cfg.captions)
+        return lxmert_image_qa(sentences, cfg.captions, cfg.qa_min_answer_count, answers)
     return read_pretrain_qa(cfg.qa_vqa_questions, cfg.qa_vqa_annotations, cfg.qa_gqa_questions,
                             min_count=cfg.qa_min_answer_count, answers=answers)
 
@@ -647,7 +650,14 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         raise VlbertsError(f"--mismatch_replace must be one of {', '.join(MISMATCH_REPLACE)}, got {cfg.mismatch_replace!r}")
     recipe = replace(RECIPES[arch], roi_target=cfg.roi_target)
     corpus = ShardCorpus(cfg.shards) if streamed else None
-    qa = image_qa(cfg, arch, corpus)
+    # LXMERT's corpus gives both the captions and the image-QA questions: read once (9.18M sentences in LXMERT's
+    # own run; it was read twice, in every rank).
+    lxmert: dict[str, list] = {}
+    if cfg.qa_lxmert and not streamed and cfg.captions_format == "lxmert":
+        from vlberts.data.lxmert_corpus import read_lxmert_files
+
+        lxmert = dict(read_lxmert_files(cfg.captions))
+    qa = image_qa(cfg, arch, corpus, lxmert)
     if corpus is not None:
         if cfg.batch_size % dist.world:
             raise VlbertsError(f"with --shards each of the {dist.world} ranks streams batch_size / ranks examples: "
@@ -659,7 +669,8 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     else:
         # VCR's texts are written as this architecture's VCR fine-tuning writes them (its join of names).
         parts = [(path, task_caption_refs(path, cfg.captions_format, split=cfg.split, image_map=cfg.image_map,
-                                          join=VCR_JOIN[arch], questions=not cfg.qa_lxmert))  # (QA questions join below)
+                                          join=VCR_JOIN[arch], questions=not cfg.qa_lxmert,  # (QA questions join below)
+                                          sentences=lxmert.get(path)))
                  for path in caption_files(cfg.captions)]
         require_distinct_caption_files(parts, cfg.captions_format)
         captions = [c for _, refs in parts for c in refs]
