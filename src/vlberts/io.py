@@ -111,9 +111,17 @@ _HELD_LOCKS: set[int] = set()
 
 
 def _close_inherited_locks() -> None:
-    for fd in list(_HELD_LOCKS):
-        with contextlib.suppress(OSError):
-            os.close(fd)  # the child's copy only: the parent's lock stays
+    """In a forked child: each lock's descriptor pointed at /dev/null instead (dup2 closes the child's copy of
+    the locked file, the parent's lock stays). Not a bare close: the number stays taken, so the lock's file
+    object, if the child ever closes it, cannot close a file the child opened later under that number."""
+    if not _HELD_LOCKS:
+        return
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in list(_HELD_LOCKS):
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
+        os.close(null)
     _HELD_LOCKS.clear()
 
 
