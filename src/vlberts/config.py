@@ -150,7 +150,7 @@ SETTING_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "seed": (0, 2**63 - 1, False),  # numpy's generators take non-negative seeds only, torch's 64-bit ones
     **{name: (0, None, True) for name in ("pretrain_lr", "vqa_lr", "head_lr_mult", "bert_lr_mult",
                                            "perplexity", "vqa_epochs")},
-    "lr": (0, None, False),  # 0: no weight moves, the run saves where it started (a control; tests read it)
+    "lr": (0, None, False),  # 0: no weight moves, and the run saves the weights it started from (a control)
     **{name: (0, None, False) for name in ("clip", "weight_decay", "match_weight", "min_boxes",
                                            "figures", "qualitative", "explorer_examples", "hard_negatives",
                                            "length_group", "object_loss")},  # 0: none / off
