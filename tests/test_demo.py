@@ -200,7 +200,7 @@ def test_a_replacement_stopped_half_way_leaves_a_directory_the_next_run_replaces
     for name in ("a", "b", "c"):
         (out / name).mkdir()
         (out / name / "f.txt").write_text("x")
-    rmtree, calls = demo.shutil.rmtree, []
+    rmtree, calls = shutil.rmtree, []
 
     def interrupted(path, *a, **kw):
         calls.append(path)
@@ -208,10 +208,10 @@ def test_a_replacement_stopped_half_way_leaves_a_directory_the_next_run_replaces
             raise KeyboardInterrupt
         return rmtree(path, *a, **kw)
 
-    monkeypatch.setattr(demo.shutil, "rmtree", interrupted)
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
         demo.prepare_out(out, {"command": "demo", "seed": 1})
-    monkeypatch.setattr(demo.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
     assert (out / demo.MARKER).is_file()
     assert demo.prepare_out(out, {"command": "demo", "seed": 1}) is False
     assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, demo.SETTINGS])

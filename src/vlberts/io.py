@@ -49,12 +49,19 @@ def _sweep_stale(path: Path) -> None:
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)@{_HOST}-[^/]*\.tmp")
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         match = pattern.fullmatch(tmp.name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        if match is not None and not _alive(int(match.group(1))):
+            remove_path(tmp, ignore_errors=True)
+
+
+def remove_path(path: Path, ignore_errors: bool = False) -> None:
+    """Remove `path`: a directory with what it holds, a file or a link (never what a link points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+    elif ignore_errors:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    else:
+        path.unlink()
 
 
 def _alive(pid: int) -> bool:

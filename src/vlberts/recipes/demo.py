@@ -31,7 +31,6 @@ checkpoint; the probe, the grounding analysis and the report (seconds) are run a
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -43,7 +42,7 @@ from vlberts.config import apply_overrides, changed_settings, from_dict, to_dict
 from vlberts.data.coco import read_caption_refs
 from vlberts.errors import VlbertsError
 from vlberts.features.store import RegionStore
-from vlberts.io import atomic_open, read_json, write_json
+from vlberts.io import atomic_open, read_json, remove_path, write_json
 from vlberts.models.builders import ARCHS, arch_of, model_config, reads_tags
 from vlberts.recipes.analyze_grounding import GroundingConfig, analyze_grounding
 from vlberts.recipes.common import opt, resolve_device, save_run_config, start_recipe
@@ -183,7 +182,7 @@ def prepare_out(out: Path, settings: dict[str, Any], resume: str = "false", fini
         # it, and the next run replaces it rather than refusing a directory "not made by vlberts".
         for entry in out.iterdir():
             if entry.name != MARKER:
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                remove_path(entry)
         (out / MARKER).unlink()
     out.mkdir(parents=True, exist_ok=True)
     with atomic_open(out / MARKER) as f:

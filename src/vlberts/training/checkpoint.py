@@ -30,7 +30,8 @@ from torch import nn
 
 from vlberts.config import to_dict
 from vlberts.errors import VlbertsError
-from vlberts.io import atomic_dir, atomic_open, atomic_path, read_json, read_text, refuse_run_directory, write_json
+from vlberts.io import (atomic_dir, atomic_open, atomic_path, read_json, read_text, refuse_run_directory, remove_path,
+                        write_json)
 from vlberts.models.builders import arch_of, build_pretraining_model, config_from_dict, init_skipped
 from vlberts.models.encoders import ENCODER_PREFIX, load_encoder_module
 from vlberts.models.vlbert import require_region_features
@@ -296,10 +297,7 @@ def save_checkpoint(
     # Half-written leftovers of a writer killed mid-checkpoint (rank 0 is the only writer, so any other
     # temporary here is stale): never read (`latest` names complete ones only), removed now.
     for p in [*ckpt_root.glob(".step_*.tmp"), *ckpt_root.glob(".step_*.old"), *ckpt_root.glob(".latest.*.tmp")]:
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+        remove_path(p, ignore_errors=True)
     return ckpt_root / name
 
 
