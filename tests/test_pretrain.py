@@ -247,6 +247,24 @@ def test_accumulation_splits_make_the_same_update(tiny_world, tmp_path, monkeypa
                 assert b[key] == pytest.approx(a[key], rel=1e-4), (name, a["step"], key)
 
 
+def test_accumulation_splits_make_the_same_update_with_text_only_samples(tiny_world, tmp_path, monkeypatch):
+    """With --text_corpus the captions' and the documents' masked words are two means (`mlm`, `mlm_text`), each
+    over its own rows of the whole update, however the update is split into micro-batches."""
+    from vlberts.models import builders
+
+    monkeypatch.setitem(builders.MODEL_CONFIGS, "visualbert-tiny-nodrop",
+                        lambda **kw: builders.visualbert_tiny(hidden_dropout=0.0, attention_dropout=0.0, **kw))
+    logs = {}
+    for name, bs, acc in (("4x1", 4, 1), ("2x2", 2, 2)):
+        out = tmp_path / name
+        pretrain(cfg_for(tiny_world, out, model="visualbert-tiny-nodrop", steps=3, batch_size=bs, grad_accum=acc,
+                         ckpt_every=100, text_corpus=str(tiny_world.root / "text" / "documents.txt")))
+        logs[name] = MetricsLog.read(out / "metrics.jsonl")
+    for a, b in zip(logs["4x1"], logs["2x2"], strict=True):
+        for key in ("mlm_loss", "mlm_text_loss", "match_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)
+
+
 def test_task_specific_single_caption_mode(tiny_world, tmp_path):
     out = tmp_path / "mlm"
     pretrain(cfg_for(tiny_world, out, steps=2, pairs=False, ckpt_every=100))

@@ -61,7 +61,8 @@ def test_every_architecture_trains_its_paper_objectives(tiny_world, tmp_path, mo
 
     counted = []  # each update's (one micro-batch's) terms per loss, as the loop counts them
     count = recipe.loss_counts
-    monkeypatch.setattr(recipe, "loss_counts", lambda batch, names: counted.append(count(batch, names)) or counted[-1])
+    monkeypatch.setattr(recipe, "loss_counts", lambda batch, names, run_recipe=None: counted.append(
+        count(batch, names, run_recipe)) or counted[-1])
     out = tmp_path / model
     pretrain(cfg_for(tiny_world, out, model, steps=30, ckpt_every=100))
     log = MetricsLog.read(out / "metrics.jsonl")

@@ -5,6 +5,8 @@ else, next-sentence prediction on documents (W-VisualBERT footnote 4), H-VisualB
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 import subprocess
@@ -262,6 +264,16 @@ def test_a_text_only_sample_contributes_mlm_and_nothing_else(tiny_world):
         expected = (lp["mlm"].item() * n_p + lt["mlm"].item() * n_t) / (n_p + n_t)
         assert lm["mlm"].item() == pytest.approx(expected, rel=1e-5), arch
         assert loss_counts(bm, [k for k in weights if k != "mlm"]) == loss_counts(bp, [k for k in weights if k != "mlm"])
+        # A run with --text_corpus keeps the two apart (VL-BERT's released mlm_loss_wvc + mlm_loss_aux): the
+        # captions' mean is the pairs' alone, the documents' their own, each counted over its own words.
+        apart = replace(s.recipe, text_mlm_apart=True)
+        with torch.no_grad():
+            la = pretrain_losses(apart, run_model(apart, model, bm), bm, {**weights, "mlm_text": 1.0})
+            lpa = pretrain_losses(apart, run_model(apart, model, bp), bp, {"mlm": 1.0, "mlm_text": 1.0})
+        assert la["mlm"].item() == pytest.approx(lp["mlm"].item(), rel=1e-5), arch
+        assert la["mlm_text"].item() == pytest.approx(lt["mlm"].item(), rel=1e-5), arch
+        assert loss_counts(bm, ["mlm", "mlm_text"], apart) == {"mlm": n_p, "mlm_text": n_t}
+        assert lpa["mlm_text"].item() == 0.0 and loss_counts(bp, ["mlm", "mlm_text"], apart) == {"mlm": n_p, "mlm_text": 0}
 
 
 def test_image_only_samples_train_the_image_objectives_only(tiny_world):
@@ -346,6 +358,11 @@ def test_nsp_objective_needs_a_corpus_and_a_head(tiny_world, tmp_path):
             pretrain(_cfg(tiny_world, tmp_path / model, model, text_corpus=docs))
     with pytest.raises(VlbertsError, match="--unpaired_images is H-VisualBERT's"):
         pretrain(_cfg(tiny_world, tmp_path / "d", "vlbert-tiny", unpaired_images=str(tiny_world.root / "unpaired_images.txt")))
+    with pytest.raises(VlbertsError, match="objective mlm_text is the masked words of the text-only samples that "
+                                           "--text_corpus mixes into the caption batches: give --text_corpus"):
+        pretrain(_cfg(tiny_world, tmp_path / "t", "vlbert-tiny", objectives="mlm=1,mlm_text=1"))
+    with pytest.raises(VlbertsError, match="; W-VisualBERT's own text-only batches train mlm"):
+        pretrain(_cfg(tiny_world, tmp_path / "u", "wvisualbert-tiny", objectives="mlm=1,mlm_text=1", text_corpus=docs))
     with pytest.raises(VlbertsError, match=r"--text_ratio must be in \(0, 1\)"):
         pretrain(_cfg(tiny_world, tmp_path / "e", "vlbert-tiny", text_corpus=docs, text_ratio=1.0))
     (tmp_path / "bin.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
@@ -434,8 +451,9 @@ def test_losses_fall_with_text_only_samples_nsp_and_image_only_samples(tiny_worl
     out = tmp_path / "vlbert"
     pretrain(_cfg(tiny_world, out, "vlbert-tiny", steps=30, ckpt_every=100, text_corpus=docs, roi_target="hard"))
     log = MetricsLog.read(out / "metrics.jsonl")
-    for k in ("mlm_loss", "roi_cls_loss"):
+    for k in ("mlm_loss", "mlm_text_loss", "roi_cls_loss"):  # the captions' masked words and the documents'
         assert _falls([r[k] for r in log]), (k, [r[k] for r in log])
+    assert json.loads((out / "run_config.json").read_text())["objectives"] == ""  # mlm_text came with the corpus
     # NSP through VisualBERT's sentence-image head. On the world's documents a 2-layer model needs far more
     # than a short run to compare two sentences; on two-sentence documents the first thing it learns is that a
     # document's last sentence has no successor (always NotNext, as in BERT's data): the loss falls only if

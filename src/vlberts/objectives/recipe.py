@@ -22,7 +22,9 @@ trained when the run is given questions (`data.pretrain_qa`: questions as senten
 answer table), only for the last part of training (§3.3: the last 10 of 20 epochs; `qa_from_step`).
 A batch may mix pairs with text-only samples (VL-BERT §3.3, `--text_corpus`) and image-only samples
 (H-VisualBERT, `--unpaired_images`): each objective reads the rows of its modality (`pair_rows`,
-`image_rows`); `nsp` is next-sentence prediction on text documents through the matching head.
+`image_rows`); `nsp` is next-sentence prediction on text documents through the matching head. The text-only
+samples' masked words are a mean of their own, `mlm_text`, added to the captions' `mlm` (VL-BERT's released
+`mlm_loss_wvc + mlm_loss_aux`: each stream weighs 1 however many masked words it holds; `text_mlm_apart`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from vlberts.data.batch import PAIR, TEXT_ONLY, PretrainBatch, TokenSelection, select_tokens
@@ -51,6 +54,7 @@ from vlberts.objectives.regions import (
     region_kl_loss,
 )
 from vlberts.objectives.text import IS_NEXT, Source, tag_mlm_loss
+from vlberts.text.masking import IGNORE_INDEX
 
 Modality = Literal["text", "image", "pair"]
 
@@ -68,6 +72,8 @@ OBJECTIVES: dict[str, tuple[str, Modality]] = {
     "qa": ("LXMERT image QA over the joint answer table (needs questions; the last part of training)", "pair"),
     "nsp": ("BERT next-sentence prediction on text documents through the sentence-pair / matching head "
             "(W-VisualBERT footnote 4; needs --text_corpus)", "text"),
+    "mlm_text": ("masked language modelling of the text-only samples mixed into the batches (--text_corpus), a mean "
+                 "of its own beside the captions' (VL-BERT's released mlm_loss_aux; default: mlm's weight)", "text"),
 }
 
 # Store quantities a head's size is taken from (see `ArchRecipe.head_sizes`).
@@ -104,10 +110,13 @@ class ArchRecipe:
     # Objectives outside the paper recipe whose head every model of the architecture has (VisualBERT's
     # sentence-image head is BERT's NSP head, so `nsp` on text documents uses it).
     optional: tuple[str, ...] = ()
+    # This run mixes text-only samples into its caption batches (--text_corpus, not unpaired): `mlm` averages
+    # over the caption rows' masked words and `mlm_text` over the text-only rows' (set by the pretrain recipe).
+    text_mlm_apart: bool = False
 
     def available(self, model_cfg: Any) -> tuple[str, ...]:
         """The objectives this model has heads for, in recipe order."""
-        names = [*self.objectives, *self.optional, *self.head_switch]
+        names = [*self.objectives, *self.optional, *self.head_switch, "mlm_text"]
         return tuple(dict.fromkeys(n for n in names if getattr(model_cfg, self.head_switch.get(n, ""), True)))
 
     def unpaired(self, model_cfg: Any) -> bool:
@@ -230,7 +239,36 @@ def nsp_rows(batch: PretrainBatch) -> Tensor:
 
 def _mlm(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
     sel = mlm_tokens(batch)
-    return mlm_loss(out.mlm_logits, batch.mlm_labels[sel.example, sel.position])
+    labels = batch.mlm_labels[sel.example, sel.position]  # (N,)
+    if recipe.text_mlm_apart and batch.kind is not None:
+        return _mean_over(out.mlm_logits, labels.masked_fill(batch.kind[sel.example] == TEXT_ONLY, IGNORE_INDEX))
+    return mlm_loss(out.mlm_logits, labels)
+
+
+def _mlm_text(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
+    """The text-only rows' masked words, their own mean (`text_mlm_apart`); 0 in a batch without such rows."""
+    sel = mlm_tokens(batch)
+    if batch.kind is None:
+        return out.mlm_logits.sum() * 0.0
+    labels = batch.mlm_labels[sel.example, sel.position]  # (N,)
+    return _mean_over(out.mlm_logits, labels.masked_fill(batch.kind[sel.example] != TEXT_ONLY, IGNORE_INDEX))
+
+
+def _mean_over(logits: Tensor, labels: Tensor) -> Tensor:
+    """Cross-entropy averaged over the labels that are set (0, with the graph kept, when none is), with no
+    read back from the device (a count of zero is clamped, not tested on the host)."""
+    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _mlm_count(batch: PretrainBatch, recipe: ArchRecipe | None, text: bool) -> int:
+    """Masked words of the caption rows (`text` False) or of the text-only rows: `mlm`'s and `mlm_text`'s
+    denominators when a run keeps them apart, on the host batch."""
+    sel = mlm_tokens(batch)
+    if recipe is None or not recipe.text_mlm_apart or batch.kind is None:
+        return 0 if text else sel.count
+    real = batch.mlm_labels[sel.example, sel.position] != IGNORE_INDEX
+    return int((real & ((batch.kind[sel.example] == TEXT_ONLY) == text)).sum())
 
 
 def _match(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
@@ -279,7 +317,7 @@ def _qa(recipe: ArchRecipe, out: Any, batch: PretrainBatch) -> Tensor:
 
 
 LOSSES = {
-    "mlm": _mlm, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
+    "mlm": _mlm, "mlm_text": _mlm_text, "match": _match, "region_kl": _region_kl, "roi_cls": _roi_cls, "feat": _feat, "obj": _obj,
     "attr": _attr, "tag_mlm": _tag_mlm, "qa": _qa, "nsp": _nsp,
 }
 
@@ -289,8 +327,7 @@ LOSSES = {
 # total, so that 1 x 4, 4 x 1 and 2 ranks x 2 make the same update (`training.loop.loss_shares`). The
 # LXMERT-style region losses average over every (example, region) slot as the originals do, so theirs is
 # B x R (padding included: exact across splits when the parts pad to the same number of regions).
-COUNTS = {
-    "mlm": lambda batch: mlm_tokens(batch).count,
+COUNTS = {  # ("mlm" and "mlm_text" in `loss_counts`: they depend on the run's recipe)
     "match": lambda batch: batch.matched[pair_rows(batch)].numel(),
     "region_kl": lambda batch: batch.regions.masked.sum(),
     "roi_cls": lambda batch: batch.regions.masked.sum(),
@@ -303,9 +340,11 @@ COUNTS = {
 }
 
 
-def loss_counts(batch: PretrainBatch, names: Iterable[str]) -> dict[str, float]:
-    """The denominator of each named objective's loss in `batch` (`COUNTS`)."""
-    return {name: float(COUNTS[name](batch)) for name in names}
+def loss_counts(batch: PretrainBatch, names: Iterable[str], recipe: ArchRecipe | None = None) -> dict[str, float]:
+    """The denominator of each named objective's loss in `batch` (`COUNTS`; the masked words' by `recipe`, as the
+    run's: None counts every row's for `mlm`)."""
+    return {name: float(_mlm_count(batch, recipe, text=name == "mlm_text") if name in ("mlm", "mlm_text")
+                        else COUNTS[name](batch)) for name in names}
 
 
 def pretrain_losses(

@@ -746,6 +746,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
         compile_model(model, cfg.compile_mode, cfg.static_shapes)
     graphs = replays_cuda_graphs(cfg.compile, cfg.compile_mode, device)  # then each micro-batch's gradients are copied out
     weights = mix_weights(cfg, recipe, model_cfg, run_weights(cfg, recipe, model_cfg, with_qa=qa is not None))
+    recipe = replace(recipe, text_mlm_apart="mlm_text" in weights)  # the captions' and the documents' masked words
     qa_from = qa_from_step(cfg.steps, cfg.qa_last_fraction) if "qa" in weights else None
     unpaired = recipe.unpaired(model_cfg)
     if unpaired and "match" in weights:
@@ -898,7 +899,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
             active = [k for k in step_weights if applies(k, source)]
             # Each micro-batch's mean losses weighted by its share of the update's terms, over every rank:
             # the update is the same however it is split (`loss_shares`). Counted on the host batches.
-            shares = loss_shares([loss_counts(b, active) for b in micro], dist)
+            shares = loss_shares([loss_counts(b, active, recipe) for b in micro], dist)
             for i, batch in enumerate(micro):
                 batch = to_device(batch, device)  # on a GPU copied beside the previous update's kernels
                 if graphs:  # each forward starts a new step of the CUDA graphs (the loop keeps no output of the last)

@@ -101,10 +101,20 @@ def check_sources(cfg: Any, arch: str, model_cfg: Any, weights: dict[str, float]
 
 
 def mix_weights(cfg: Any, recipe: Any, model_cfg: Any, weights: dict[str, float]) -> dict[str, float]:
-    """The run's objectives with W-VisualBERT's default NSP added: with a document corpus, the paper's
-    recipe (empty --objectives) trains next-sentence prediction on it when the model has the head
-    (footnote 4: "when long documents are available")."""
-    if cfg.text_corpus and not cfg.objectives.strip() and recipe.unpaired(model_cfg) and "nsp" in recipe.available(model_cfg):
+    """The run's objectives with what its extra sources add. Text-only samples mixed into the caption batches
+    (--text_corpus) train `mlm_text`, a mean of their own masked words beside the captions' `mlm`, at mlm's
+    weight unless --objectives gives it (VL-BERT's released loss adds the two streams' means, `mlm_loss_wvc +
+    mlm_loss_aux`, so that the captions' few masked words are not outweighed by the documents' many).
+    W-VisualBERT's paper recipe (empty --objectives) trains next-sentence prediction on a document corpus when
+    the model has the head (footnote 4: "when long documents are available")."""
+    unpaired = recipe.unpaired(model_cfg)
+    if "mlm_text" in weights and (unpaired or not cfg.text_corpus):
+        raise VlbertsError("objective mlm_text is the masked words of the text-only samples that --text_corpus mixes "
+                           "into the caption batches" + ("; W-VisualBERT's own text-only batches train mlm" if unpaired
+                                                         else ": give --text_corpus"))
+    if cfg.text_corpus and not unpaired and "mlm" in weights and "mlm_text" not in weights:
+        weights = {**weights, "mlm_text": weights["mlm"]}
+    if cfg.text_corpus and not cfg.objectives.strip() and unpaired and "nsp" in recipe.available(model_cfg):
         return {**weights, "nsp": 1.0}
     return weights
 
