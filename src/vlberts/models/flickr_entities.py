@@ -7,6 +7,9 @@ prediction." `PhraseRegionAttention` is that block: its queries are the encoder'
 the phrases' last subwords, its keys the final region states; per head softmax(q k^T / sqrt(d)) over the
 real regions, then the mean over the heads is the phrase's distribution over the regions. Only the
 attention weights are used, so the block has no value/output projections (nothing would train them).
+VisualBERT's released code differs from its text here: its `FlickrAttention` sets `num_attention_heads = 1`
+(one head of width hidden/num_heads, so nothing is averaged). We follow the paper's words, the model's number
+of heads averaged (where paper and code disagree the paper decides, as for every system here).
 
 Every architecture reads it through `VLEncoder`: single-stream models (VisualBERT, VL-BERT,
 W-VisualBERT) give their text and region states from the joint sequence (`VLOutput.text`, `.vision`);

@@ -46,7 +46,10 @@ LXMERT_REGION_MASK = RegionMaskRule(prob=0.15, zero=0.8, random=0.1)
 # VL-BERT §3.2 Task #2: "each RoI is randomly masked out (with 15% probability)"; conceptual_captions.py
 # masks 90% (feature -> learned mask vector, done by the model from `corrupted`) and keeps 10%.
 VLBERT_REGION_MASK = RegionMaskRule(prob=0.15, zero=0.9, random=0.0)
-# W-VisualBERT (lxmert_data.py): the LXMERT rule with the random feature drawn from the same batch.
+# W-VisualBERT (lxmert_data.py): the LXMERT rule, its code drawing the random feature from another example of
+# the same batch (`inbatch_random`). Ours comes from a random other image of the whole set, as LXMERT's
+# (`ArchRecipe.replace_from_other_image`): the same distribution of replacements, drawn where the example is
+# built rather than when the batch is collated.
 WVISUALBERT_REGION_MASK = LXMERT_REGION_MASK
 
 
@@ -75,8 +78,9 @@ def corrupt_regions(
     (< zero + random), keep otherwise. One action draw and one pool index per region are always taken,
     so the random stream does not depend on which regions were selected.
 
-    `pool` is where replacement features come from: LXMERT draws from another image (`random_feat`),
-    W-VisualBERT from the batch; without one, another region of this image is used.
+    `pool` is where replacement features come from: LXMERT and W-VisualBERT draw from another image (LXMERT's
+    `random_feat`; W-VisualBERT's code from another example of the batch); without one, another region of this
+    image is used.
     """
     feats = np.asarray(feats)
     selected = np.asarray(selected, dtype=bool)
