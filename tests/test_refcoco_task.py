@@ -26,12 +26,15 @@ from vlberts.models.builders import model_config
 from vlberts.models.refcoco import LinearRegionScorer, RefCocoModel, VLBertRegionScorer, region_bce_loss
 from vlberts.models.vlbert import start_from_roi_transform
 from vlberts.recipes.extract import ExtractConfig, companion_paths, extract
+from vlberts.data.refcoco_dataset import DetectedThenGold
 from vlberts.recipes.finetune_refcoco import (
     FinetuneRefCocoConfig,
     finetune_refcoco,
     load_refcoco_model,
     predict_refcoco,
+    ref_data,
 )
+from vlberts.text.tokenizer import TextTokenizer
 from vlberts.recipes.pretrain import PretrainConfig, pretrain
 from vlberts.world import refcoco as world_refcoco
 from vlberts.world.build import make_image
@@ -281,6 +284,36 @@ def test_ground_truth_track_on_a_gold_box_store(tiny_world, tiny_pretrained, tmp
     # a detected-region store is refused for the gt track, with what to do
     with pytest.raises(VlbertsError, match="--boxes gold"):
         finetune_refcoco(ref_cfg(tiny_world, tiny_pretrained, tmp_path / "bad", track="gt"))
+
+    # ViLBERT's training candidates: each training image's detected regions, then its instance boxes, at most
+    # --max_regions of the two; the evaluation splits read the detected regions alone.
+    detected = RegionStore(tiny_world.store)
+    train = data.expressions("train")
+    image = str(train[0].image_id)
+    mixed = DetectedThenGold(detected, store)
+    rec = mixed.get(image)
+    n_det = len(detected.get(image).boxes)
+    assert mixed.num_boxes(image) == len(rec.boxes) == n_det + len(store.get(image).boxes)
+    assert rec.boxes.tolist() == detected.get(image).boxes.tolist() + store.get(image).boxes.tolist()
+    assert rec.features.tolist() == detected.get(image).features.tolist() + store.get(image).features.tolist()
+    model = load_refcoco_model(tmp_path / "gt" / "model")[0]
+    tok = TextTokenizer.load(tiny_pretrained)
+    room = max(len(detected.get(str(e.image_id)).boxes) for e in train) + 10  # every instance box fits
+    plain = ref_data(model, train, detected, tok, max_text_len=24, max_regions=room)
+    with_gold = ref_data(model, train, detected, tok, max_text_len=24, max_regions=room, gold=store)
+    assert all(max(with_gold[i]["targets"]) == 1.0 for i in range(len(train)))  # the gold box is a candidate
+    assert sum(max(plain[i]["targets"]) == 1.0 for i in range(len(train))) < len(train)
+    capped = ref_data(model, train, detected, tok, max_text_len=24, max_regions=n_det + 1, gold=store)
+    assert len(capped[0]["regions"].feats) == n_det + 1  # ViLBERT's cap counts both
+    finetune_refcoco(ref_cfg(tiny_world, tiny_pretrained, tmp_path / "mix", epochs=0.2, train_gt_features=str(gold)))
+    mix = json.loads((tmp_path / "mix" / "metrics.json").read_text())
+    assert mix["train_gt_features"] == str(gold) and mix["track"] == "detected"
+    assert all(m["upper_bound"] < 100.0 for m in mix["splits"].values())  # evaluated on detections only
+    with pytest.raises(VlbertsError, match="with --track=gt the candidates are already those boxes"):
+        finetune_refcoco(ref_cfg(tiny_world, tiny_pretrained, tmp_path / "bad2", features=str(gold), track="gt",
+                                 train_gt_features=str(gold)))
+    with pytest.raises(VlbertsError, match="--train_gt_features needs a store whose regions are exactly each image's"):
+        finetune_refcoco(ref_cfg(tiny_world, tiny_pretrained, tmp_path / "bad3", train_gt_features=str(tiny_world.store)))
 
 
 # --------------------------------------------------------------------------- bad input

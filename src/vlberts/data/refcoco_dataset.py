@@ -11,6 +11,11 @@ detector tags (§3.2) come along when `tag_subwords` is given (`data.vqa_dataset
 With `flip_prob` a training item may be mirrored (VL-BERT's RefCOCO+ config, `data.mirror`): its boxes flipped
 and "left" / "right" swapped in the expression; its targets stay (IoU does not change under the flip).
 
+ViLBERT's code trains on more candidates than it evaluates on (its `refer_expression_dataset`: in the train
+split the detected boxes and the image's ground-truth boxes, concatenated, at most `max_region_num` of them;
+the others splits the detected ones alone): `DetectedThenGold` is that region source, read by `RefData` as
+any other (`vlberts finetune refcoco --train_gt_features`).
+
 Letters: B batch, T text length, R regions.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,10 +32,46 @@ from torch import Tensor
 from vlberts.data.batch import Batch, TagInputs, VLInputs
 from vlberts.data.mirror import Flip
 from vlberts.data.refcoco import RefExpression
+from vlberts.errors import VlbertsError
+from vlberts.features.record import RegionRecord
 from vlberts.data.regions import RegionSource, detected_classes, load_regions, length_keys, mirrored, pad_regions, pad_sequences, region_counts
 from vlberts.models.wvisualbert import collate_tags, tag_tokens
 from vlberts.tasks.refcoco import region_targets
 from vlberts.text.tokenizer import TextTokenizer
+
+
+class DetectedThenGold:
+    """A region source whose record of an image is its regions in the `detected` store followed by those in the
+    `gold` store (ViLBERT's RefCOCO+ training candidates, module docstring). `load_regions` keeps the first
+    `max_regions` of the two together, as ViLBERT's cap does. A field one of the stores lacks (e.g. `obj_conf`)
+    is left out of the record."""
+
+    def __init__(self, detected: Any, gold: Any):
+        self.detected, self.gold = detected, gold
+        self.path = getattr(detected, "path", None)
+
+    def __contains__(self, image_id: object) -> bool:
+        return image_id in self.detected and image_id in self.gold
+
+    def num_boxes(self, image_id: str | int) -> int:
+        return self.detected.num_boxes(image_id) + self.gold.num_boxes(image_id)
+
+    def get(self, image_id: str | int) -> RegionRecord:
+        d, g = self.detected.get(str(image_id)), self.gold.get(str(image_id))
+        if (d.image_w, d.image_h) != (g.image_w, g.image_h):
+            raise VlbertsError(f"image {image_id} is {d.image_w}x{d.image_h} in the detected store ({self.path}) but "
+                               f"{g.image_w}x{g.image_h} here: the two stores must come from the same images",
+                               path=getattr(self.gold, "path", None), record=f"image {image_id}")
+
+        def both(name: str) -> np.ndarray | None:
+            a, b = getattr(d, name), getattr(g, name)
+            if a is None or b is None or (a.ndim == 2 and a.shape[1] != b.shape[1]):
+                return None
+            return np.concatenate([a, b.astype(a.dtype, copy=False)])
+
+        return RegionRecord(image_id=d.image_id, image_w=d.image_w, image_h=d.image_h, boxes=both("boxes"),
+                            features=both("features"), cls_prob=both("cls_prob"), obj_id=both("obj_id"),
+                            obj_conf=both("obj_conf"), attr_id=both("attr_id"), attr_conf=both("attr_conf"))
 
 
 @dataclass

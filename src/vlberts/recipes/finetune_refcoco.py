@@ -10,6 +10,9 @@ Tracks (VL-BERT Table 3): the candidates are the regions of the --features store
             detector's proposals after box selection, the store `vlberts extract` writes)
   gt        the images' instance boxes: a store whose regions are exactly the instances.json boxes of
             every image (``vlberts extract --boxes gold``); checked per image before training
+With --train_gt_features=GOLD.h5 (such a store) the detected track trains as ViLBERT's code does: each
+training image's candidates are its detected regions followed by its instance boxes, --max_regions of them
+together (`data.refcoco_dataset.DetectedThenGold`); evaluation reads the detected ones alone.
 Next to the accuracy, metrics.json gives per split the upper bound (expressions with any candidate at
 IoU >= 0.5) and the trivial baseline: the region the detector is most confident about (the store's
 ``obj_conf``), which knows nothing of the expression.
@@ -37,10 +40,10 @@ import torch
 from vlberts.config import apply_overrides, from_dict
 from vlberts.data.mirror import check_flip
 from vlberts.data.refcoco import RefCocoData, RefExpression, read_refcoco, xywh_to_xyxy
-from vlberts.data.refcoco_dataset import RefData, collate_refcoco
+from vlberts.data.refcoco_dataset import DetectedThenGold, RefData, collate_refcoco
 from vlberts.data.vqa_dataset import model_tag_subwords
 from vlberts.errors import BadRecords, VlbertsError
-from vlberts.features.identity import BOX_SELECTION
+from vlberts.features.identity import BOX_SELECTION, feature_identity, identity_difference
 from vlberts.features.store import RegionStore
 from vlberts.io import write_json
 from vlberts.models.encoders import load_encoder_weights
@@ -66,6 +69,10 @@ class FinetuneRefCocoConfig(FinetuneConfig):
     eval_splits: str = opt("val,testA,testB", "comma-separated refs splits to predict and score after training")
     track: str = opt("detected", "detected: the store's regions are detections; gt: they must be exactly the "
                                  "images' instance boxes (a store from `vlberts extract --boxes gold`)")
+    train_gt_features: str = opt("", "a store of the images' instance boxes (`vlberts extract --boxes gold`) whose "
+                                     "regions follow each training image's detected ones, --max_regions of the two "
+                                     "together (ViLBERT's code; raise --max_regions to make room: its config has "
+                                     "100); evaluation reads the detected regions alone")
     soft_iou: bool = opt(False, "soft targets: a region's IoU with the gold box when >= 0.5 (ViLBERT's code), "
                                 "instead of 1")
     flip_prob: float = opt(0.0, FLIP_PROB_HELP)
@@ -92,11 +99,12 @@ def load_refcoco_model(directory: str | Path) -> tuple[RefCocoModel, TextTokeniz
 
 def ref_data(model: RefCocoModel, expressions: list[RefExpression], store: RegionStore, tok: TextTokenizer,
              *, max_text_len: int, max_regions: int, soft: bool = False, float16: bool = False,
-             flip_prob: float = 0.0, seed: int = 0) -> RefData:
+             flip_prob: float = 0.0, seed: int = 0, gold: RegionStore | None = None) -> RefData:
     """The expressions laid out for `model`, with detector tags from the store if it reads them; float16
-    features kept so with `float16` (`open_features`); training items mirrored with `flip_prob` (`data.mirror`)."""
+    features kept so with `float16` (`open_features`); training items mirrored with `flip_prob` (`data.mirror`);
+    with a `gold` store, each image's candidates are the store's regions followed by gold's (`DetectedThenGold`)."""
     tags = model_tag_subwords(model.reads_tags, store, tok)
-    return RefData(expressions, store, tok, max_text_len=max_text_len, max_regions=max_regions,
+    return RefData(expressions, store if gold is None else DetectedThenGold(store, gold), tok, max_text_len=max_text_len, max_regions=max_regions,
                    feature_dim=model.cfg.visual_dim, soft=soft, tag_subwords=tags, float16=float16,
                    flip_prob=flip_prob, seed=seed)
 
@@ -136,8 +144,10 @@ def _with_features(exprs: list[RefExpression], split: str, store: RegionStore, b
     return [e for e in exprs if e.image_id in store] if missing else exprs
 
 
-def check_gold_store(data: RefCocoData, image_ids: set[int], store: RegionStore, max_regions: int) -> None:
-    """Track gt: every image's store regions are exactly its instance boxes (any order, 0.5 px)."""
+def check_gold_store(data: RefCocoData, image_ids: set[int], store: RegionStore, max_regions: int,
+                     setting: str = "--track=gt") -> None:
+    """Track gt (or --train_gt_features' store, `setting`): every image's store regions are exactly its instance
+    boxes (any order, 0.5 px)."""
     for image_id in sorted(image_ids):
         want = sorted(xywh_to_xyxy(a.bbox) for a in data.image_annotations(image_id))
         boxes = store.get(str(image_id)).boxes
@@ -145,11 +155,34 @@ def check_gold_store(data: RefCocoData, image_ids: set[int], store: RegionStore,
         if len(boxes) > max_regions or len(got) != len(want) or any(
                 max(abs(p - q) for p, q in zip(g, w)) > 0.5 for g, w in zip(got, want)):
             raise VlbertsError(
-                f"--track=gt needs a store whose regions are exactly each image's instance boxes (at most "
+                f"{setting} needs a store whose regions are exactly each image's instance boxes (at most "
                 f"--max_regions={max_regions}); this image's {len(boxes)} regions are not its {len(want)} instance "
                 f"boxes (write such a store with `vlberts features extract --boxes instances.json` from your images, "
                 f"or `vlberts extract --boxes gold` on the world)", path=store.path,
                 record=f"image {image_id}")
+
+
+def gold_candidates(cfg: FinetuneRefCocoConfig, data: RefCocoData, store: RegionStore, train: list[RefExpression],
+                    bad: BadRecords, float16: bool) -> RegionStore | None:
+    """--train_gt_features' store, checked: the detected track only; its regions exactly each training image's
+    instance boxes; features of the same extractor and width as --features' (the box selection aside)."""
+    if not cfg.train_gt_features:
+        return None
+    if cfg.track != "detected":
+        raise VlbertsError("--train_gt_features adds the instance boxes to the detected track's training candidates; "
+                           "with --track=gt the candidates are already those boxes")
+    gold = RegionStore(cfg.train_gt_features, upcast=not float16)
+    if gold.feature_dim != store.feature_dim:
+        raise VlbertsError(f"its features are {gold.feature_dim}-d but --features' are {store.feature_dim}-d",
+                           path=cfg.train_gt_features)
+    differ = identity_difference(feature_identity(gold), feature_identity(store), ignore=BOX_SELECTION)
+    if differ:
+        raise VlbertsError(f"its features come from another extractor or settings than --features' ({differ}): the "
+                           "two stores' regions are scored side by side", path=cfg.train_gt_features)
+    ids = {e.image_id for e in train if e.image_id in gold}
+    check_gold_store(data, ids, gold, max_regions=max((gold.num_boxes(i) for i in ids), default=0),
+                     setting="--train_gt_features")
+    return gold
 
 
 def split_metrics(exprs: list[RefExpression], scores: dict[int, list[float]], store: RegionStore,
@@ -198,11 +231,15 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     data = read_refcoco(cfg.refs, cfg.instances, bad)
     store, float16 = open_features(cfg, device)
     train = _with_features(data.expressions(cfg.train_split), cfg.train_split, store, bad)
+    gold = gold_candidates(cfg, data, store, train, bad, float16)
+    if gold is not None:  # ViLBERT's training candidates: the images' instance boxes too
+        train = _with_features(train, cfg.train_split, gold, bad)
     evals = {s: _with_features(data.expressions(s), s, store, bad) for s in eval_splits}
     if bad.total and dist.main:  # first, so that an error below for an emptied split shows what was skipped
         print(bad.warning(), file=sys.stderr)
     if not train:
-        raise VlbertsError(f"no training expressions in split {cfg.train_split!r}", path=cfg.refs)
+        raise VlbertsError(f"no training expressions in split {cfg.train_split!r}"
+                           + (" with regions in both stores" if gold is not None else ""), path=cfg.refs)
     if sum(len(ex) for ex in evals.values()) != len({e.sent_id for ex in evals.values() for e in ex}):
         raise VlbertsError(f"--eval_splits={cfg.eval_splits} share expressions (e.g. test and testA); "
                            "name each split once")
@@ -223,8 +260,9 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
     # The gt track's store holds the gold boxes on purpose: only a difference in the features of a box warns.
     features, mismatch = check_features(store, cfg.init, dist, ignore=BOX_SELECTION if cfg.track == "gt" else ())
     train_data = ref_data(model, train, store, tok, max_text_len=cfg.max_text_len, max_regions=cfg.max_regions,
-                          soft=cfg.soft_iou, float16=float16, flip_prob=cfg.flip_prob, seed=cfg.seed)
-    extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou, "features": features}
+                          soft=cfg.soft_iou, float16=float16, flip_prob=cfg.flip_prob, seed=cfg.seed, gold=gold)
+    extra = {"task": "refcoco", "head": model.head, "track": cfg.track, "soft_iou": cfg.soft_iou, "features": features,
+             "train_gt_features": bool(gold)}
     final = finetune_loop(
         cfg, out=out, tokenizer=tok, model=model, model_cfg=model_cfg, data=train_data, device=device, dist=dist, extra=extra,
         collate=lambda items: collate_refcoco(items, tok.pad_id),
@@ -237,6 +275,7 @@ def finetune_refcoco(cfg: FinetuneRefCocoConfig) -> Path | None:
         return None
 
     metrics: dict = {"track": cfg.track, "head": model.head, "soft_iou": cfg.soft_iou,
+                     "train_gt_features": str(cfg.train_gt_features) if gold is not None else None,
                      **({"scorer_from_pretraining": scorer_started} if model.head == "vlbert_mlp" else {}),
                      "train_expressions": len(train), "train_refs": len({e.ref_id for e in train}),
                      "steps": num_updates(cfg, len(train_data)), "skipped_records": bad.to_dict(),
