@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -469,3 +470,66 @@ def test_loss_shares_sum_the_ranks_counts_in_flight_until_a_share_is_read(monkey
     assert calls[0].waited == 1 and list(shares) == [shares[0], shares[1]]  # waited for once
     # One process: nothing to sum, and a loss with no terms anywhere weighs 0.
     assert list(loss_shares([{"mlm": 4.0, "match": 0.0}])) == [{"mlm": 1.0, "match": 0.0}] and len(calls) == 1
+
+
+def _agree_worker(rank: int, world: int, init_file: str, root: str, case: str) -> None:
+    """Rank `rank` of a run whose two ranks differ as `case` says; writes what check_ranks_agree said."""
+    from vlberts.errors import VlbertsError
+    from vlberts.recipes.pretrain import PretrainConfig
+    from vlberts.training.distributed import check_ranks_agree
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    info = init_distributed("cpu")
+    out = Path(root) / ("run" if case != "own_out" or rank == 0 else f"run_on_machine_{rank}")
+    cfg = PretrainConfig(captions=str(Path(root) / "captions.json"), out=str(out),
+                         lr=2e-4 if case == "lr" and rank == 1 else 1e-3)
+    try:
+        check_ranks_agree(info, cfg, out)
+        said = "agree"
+    except VlbertsError as e:
+        said = str(e)
+    (Path(root) / f"said_{rank}.txt").write_text(said)
+    leave_process_group()
+
+
+@pytest.mark.parametrize("case", ["same", "own_out", "lr"])
+def test_ranks_started_apart_stop_at_once_with_the_same_line(tmp_path, case):
+    # Each machine starts its own ranks: an OUT on each machine's own disk, or a setting typed differently on one
+    # machine, went on silently (rank 1 found no vocabulary or checkpoint; its replica took its own rate).
+    (tmp_path / "captions.json").write_text("{}")
+    mp.spawn(_agree_worker, args=(2, str(tmp_path / "init"), str(tmp_path), case), nprocs=2, join=True)
+    said = [(tmp_path / f"said_{r}.txt").read_text() for r in range(2)]
+    # every rank stops with the same line (none waits in a collective for the others), each naming its own --out
+    assert said[0] == said[1].replace(str(tmp_path / "run_on_machine_1"), str(tmp_path / "run"))
+    host = socket.gethostname()
+    expected = {
+        "same": "agree",
+        "own_out": f"{tmp_path / 'run'}: --out is not one directory for every rank: rank(s) 1 (host {host}) do not find "
+                   f"the file rank 0 (host {host}) has just written there. OUT must be on a file system that every "
+                   "machine shares: every rank reads the run's vocabulary and resumes from its checkpoints",
+        "lr": f"rank 1 (host {host}) was started with other settings than rank 0 (host {host}): --lr=0.0002 against "
+              "--lr=0.001; every machine must run the same command",
+    }[case]
+    assert said[0] == expected
+    assert [p.name for p in (tmp_path / "run").iterdir()] == []  # rank 0's probe file is gone again
+
+
+def test_ranks_reading_other_data_are_named_with_the_setting():
+    from vlberts.training.distributed import ranks_disagree
+
+    def rank(host, inputs, lr=1e-3):
+        return {"host": host, "sees_out": True, "settings": {"lr": lr, "features": "/d/f.h5"}, "inputs": inputs}
+
+    store = {"features": {"extractor": "x"}, "images": 3, "image_ids_sha256": "a"}
+    other = {**store, "image_ids_sha256": "b"}
+    # Ranks on rank 0's machine (LOCAL_RANK > 0) fingerprint nothing: they read rank 0's files.
+    assert ranks_disagree([rank("a", {"features": store}), rank("a", None), rank("b", {"features": store})]) is None
+    assert ranks_disagree([rank("a", {"features": store}), rank("a", None), rank("b", {"features": other})]) == (
+        "rank 2 (host b) reads other data than rank 0 (host a): --features=/d/f.h5 holds other features or images; "
+        "every machine must read the same inputs (a file system every machine shares, or identical copies at the "
+        "same paths)")
+    assert "--features=/d/f.h5 is missing there;" in ranks_disagree([rank("a", {"features": store}), rank("b", {})])
+    blind = [rank("a", {}), *[{**rank("b", None), "sees_out": False}] * 3, rank("c", {}),
+             {**rank("d", None), "sees_out": False}]
+    assert ranks_disagree(blind).startswith("--out is not one directory for every rank: rank(s) 1-3, 5 (host b, d) do")

@@ -51,6 +51,7 @@ from vlberts.training.distributed import (
     DistInfo,
     GradientSync,
     broadcast_parameters,
+    check_ranks_agree,
     gather_for_inference,
     init_distributed,
     is_sharded,
@@ -121,6 +122,7 @@ def start_finetune(cfg: Any, task: str, required: Sequence[str]) -> tuple[Any, P
     require_compiler(cfg.compile, device)
     use_attention_kernel(cfg.attention_kernel)  # a bad setting stops the run here; compiled graphs keep the kernel
     dist = init_distributed(device.type)
+    check_ranks_agree(dist, cfg, Path(cfg.out))  # the same command, data and OUT on every machine
     device = local_device(device, dist)
     for key in required:
         if not getattr(cfg, key):

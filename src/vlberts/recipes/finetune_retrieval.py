@@ -63,7 +63,7 @@ from vlberts.recipes.finetune_loop import check_features, open_features, finetun
 from vlberts.tasks.retrieval import RECALL_AT, caption_image_index, score_retrieval
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.training.checkpoint import read_model_config
-from vlberts.training.distributed import DistInfo, barrier, init_distributed, local_device, merge_over_ranks
+from vlberts.training.distributed import DistInfo, barrier, check_ranks_agree, init_distributed, local_device, merge_over_ranks
 
 
 @dataclass(frozen=True)
@@ -361,6 +361,7 @@ def evaluate_retrieval(cfg: EvaluateRetrievalConfig) -> dict:
     cfg = fit_text_len(cfg, read_model_config(cfg.init)[0], cfg.init)  # before the split and the store are read
     device = resolve_device(cfg.device)
     dist = init_distributed(device.type)
+    check_ranks_agree(dist, cfg, None)  # the same command and data on every machine (only rank 0 writes OUT)
     device = local_device(device, dist)
     bad = BadRecords(skip=cfg.skip_bad)
     store = RegionStore(cfg.features)

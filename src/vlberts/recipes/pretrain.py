@@ -113,6 +113,7 @@ from vlberts.training.distributed import (
     GradientSync,
     barrier,
     broadcast_parameters,
+    check_ranks_agree,
     init_distributed,
     is_sharded,
     local_device,
@@ -612,6 +613,7 @@ def pretrain(cfg: PretrainConfig) -> Path | None:
     require_compiler(cfg.compile, device)
     use_attention_kernel(cfg.attention_kernel)  # a bad setting stops the run here; compiled graphs keep the kernel
     dist = init_distributed(device.type)  # torchrun: one process per rank (training/distributed.py)
+    check_ranks_agree(dist, cfg, out)  # the same command, data and OUT on every machine
     device = local_device(device, dist)
     streamed = bool(cfg.shards)
     float16 = float16_batches(cfg.float16_batches, device)

@@ -62,13 +62,13 @@ def fingerprint(path: Path) -> dict[str, Any]:
     return {"sha256": _sha256_file(path)} if size <= HASHED_BYTES else {"size": size}
 
 
-def fingerprints(cfg: Any) -> dict[str, dict[str, Any]]:
+def fingerprints(cfg: Any, skip: tuple[str, ...] = NOT_INPUTS) -> dict[str, dict[str, Any]]:
     """Setting name (with the path, for a setting naming several) -> fingerprint, for every existing path a
-    string setting of the run config `cfg` names."""
+    string setting of the run config `cfg` names, but those of the settings in `skip`."""
     out: dict[str, dict[str, Any]] = {}
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
-        if field.name in NOT_INPUTS or not isinstance(value, str) or not value:
+        if field.name in skip or not isinstance(value, str) or not value:
             continue
         paths = [p.strip() for p in value.split(",") if p.strip()]
         for p in paths:

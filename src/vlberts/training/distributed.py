@@ -80,6 +80,97 @@ def init_distributed(device_type: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def check_ranks_agree(info: DistInfo, cfg: Any, out: Path | None) -> None:
+    """Before a distributed run reads anything: every rank runs the same command on the same data, and sees
+    the same run directory. Each machine starts its own ranks with its own command line and files, so a
+    setting typed differently on one machine (its ranks took their own learning rate, and the replicas drifted
+    apart), a store or captions file that differs between machines (another extraction under the same path),
+    or an OUT on each machine's own disk (the ranks of the second machine found no vocabulary, or no
+    checkpoint, where rank 0 resumed from one) went on silently, or failed on one machine while the others
+    waited. One all-gather: every rank's settings (`out` aside), the fingerprints of the inputs they name
+    (`data_record.fingerprints`, once per machine: LOCAL_RANK 0), and whether it reads the file rank 0 has
+    just written into `out`. Any difference is the same one-line error on every rank."""
+    if not info.enabled:
+        return
+    import uuid
+
+    from vlberts.config import to_dict
+    from vlberts.errors import VlbertsError
+    from vlberts.training.data_record import fingerprints
+
+    token = [uuid.uuid4().hex if info.main else ""]
+    probe = None
+    if out is not None and info.main:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".vlberts-ranks-{token[0]}"
+        probe.write_text(token[0], encoding="utf-8")
+    dist.broadcast_object_list(token, src=0)  # (after rank 0's write: the others read it below)
+    sees_out = True
+    if out is not None:
+        try:
+            sees_out = (out / f".vlberts-ranks-{token[0]}").read_text(encoding="utf-8") == token[0]
+        except OSError:
+            sees_out = False
+    settings = {k: v for k, v in to_dict(cfg).items() if k != "out"}
+    inputs = fingerprints(cfg, skip=("out",)) if info.local_rank == 0 else None
+    mine = {"host": socket.gethostname(), "sees_out": sees_out, "settings": settings, "inputs": inputs}
+    ranks: list = [None] * info.world
+    dist.all_gather_object(ranks, mine)
+    if probe is not None:
+        probe.unlink(missing_ok=True)
+    problem = ranks_disagree(ranks)
+    if problem:
+        raise VlbertsError(problem, path=out if problem.startswith("--out") else None)
+
+
+def ranks_disagree(ranks: list[dict]) -> str | None:
+    """`check_ranks_agree`'s verdict on the gathered records (rank i at index i): the first difference from rank
+    0 as one line, or None."""
+    first = ranks[0]
+
+    def who(i: int) -> str:
+        return f"rank {i} (host {ranks[i]['host']})"
+
+    blind = [i for i, r in enumerate(ranks) if not r["sees_out"]]
+    if blind:
+        hosts = sorted({ranks[i]["host"] for i in blind})
+        return (f"--out is not one directory for every rank: rank(s) {_spans(blind)} (host {', '.join(hosts)}) do not "
+                f"find the file {who(0)} has just written there. OUT must be on a file system that every machine "
+                "shares: every rank reads the run's vocabulary and resumes from its checkpoints")
+    for i, r in enumerate(ranks[1:], start=1):
+        differ = sorted(k for k in first["settings"].keys() | r["settings"].keys()
+                        if first["settings"].get(k) != r["settings"].get(k))
+        if differ:
+            k = differ[0]
+            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+            return (f"{who(i)} was started with other settings than {who(0)}: --{k}={r['settings'].get(k)} against "
+                    f"--{k}={first['settings'].get(k)}{more}; every machine must run the same command")
+    for i, r in enumerate(ranks[1:], start=1):
+        if r["inputs"] is None:
+            continue
+        for key in sorted(first["inputs"].keys() | r["inputs"].keys()):
+            theirs, ours = r["inputs"].get(key), first["inputs"].get(key)
+            if theirs == ours:
+                continue
+            setting, _, named = key.partition(" ")
+            path = named or first["settings"].get(setting) or r["settings"].get(setting)
+            how = ("is missing there" if theirs is None else "is missing on rank 0's machine" if ours is None
+                   else "holds other features or images" if "features" in theirs else "holds other contents")
+            return (f"{who(i)} reads other data than {who(0)}: --{setting}={path} {how}; every machine must read the "
+                    "same inputs (a file system every machine shares, or identical copies at the same paths)")
+    return None
+
+
+def _spans(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
+
+
 def _elastic_store() -> dist.Store | None:
     """Under torchrun, the agent's store with a key prefix of its own for each (re)start of the workers.
 
