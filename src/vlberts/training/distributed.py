@@ -126,6 +126,8 @@ def check_ranks_agree(info: DistInfo, cfg: Any, out: Path | None) -> None:
 def ranks_disagree(ranks: list[dict]) -> str | None:
     """`check_ranks_agree`'s verdict on the gathered records (rank i at index i): the first difference from rank
     0 as one line, or None."""
+    from vlberts.config import changed_settings
+
     first = ranks[0]
 
     def who(i: int) -> str:
@@ -138,8 +140,7 @@ def ranks_disagree(ranks: list[dict]) -> str | None:
                 f"find the file {who(0)} has just written there. OUT must be on a file system that every machine "
                 "shares: every rank reads the run's vocabulary and resumes from its checkpoints")
     for i, r in enumerate(ranks[1:], start=1):
-        differ = sorted(k for k in first["settings"].keys() | r["settings"].keys()
-                        if first["settings"].get(k) != r["settings"].get(k))
+        differ = changed_settings(first["settings"], r["settings"])
         if differ:
             k = differ[0]
             more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
