@@ -13,7 +13,7 @@ and "left" / "right" swapped in the expression; its targets stay (IoU does not c
 
 ViLBERT's code trains on more candidates than it evaluates on (its `refer_expression_dataset`: in the train
 split the detected boxes and the image's ground-truth boxes, concatenated, at most `max_region_num` of them;
-the others splits the detected ones alone): `DetectedThenGold` is that region source, read by `RefData` as
+the other splits the detected ones alone): `DetectedThenGold` is that region source, read by `RefData` as
 any other (`vlberts finetune refcoco --train_gt_features`).
 
 Letters: B batch, T text length, R regions.
