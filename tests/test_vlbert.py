@@ -43,9 +43,16 @@ def _inputs(B=2, T=T, R=R, D=16, V=100, seed=0, pad=True):
                     pixels=torch.randn(B, 3, 32, 32, generator=g))
 
 
-def _model(cfg):
+def _model(cfg, as_built=False):
+    """The model in eval mode; its visual LayerNorms get random weights, as a trained model's are, unless
+    `as_built` (both start at weight 0, as the release's configs set them, which hides every visual feature)."""
     torch.manual_seed(0)
-    return build_pretraining_model(cfg).eval()
+    model = build_pretraining_model(cfg).eval()
+    if not as_built:
+        with torch.no_grad():
+            model.bert.embeddings.visual_ln_text.weight.normal_()
+            model.bert.embeddings.visual_ln_object.weight.normal_()
+    return model
 
 
 def _ln(v, ln):
@@ -131,10 +138,9 @@ def test_geometry_embedding_matches_a_hand_computation():
 def test_embeddings_by_hand():
     """Token + visual feature + segment + position for a text token, the whole image, a region, a masked
     region and [END] (positions: text 0..n-1, every visual element n, [END] n + 1)."""
-    model = _model(vlbert_tiny())
+    model = _model(vlbert_tiny())  # visual LayerNorm weights random: their terms visible
     emb = model.bert.embeddings
-    with torch.no_grad():  # make the text's visual term visible (it starts at LayerNorm weight 0)
-        emb.visual_ln_text.weight.normal_()
+    with torch.no_grad():
         emb.object_mask_visual_embedding.normal_()
     x = _inputs(B=1, pad=False)
     x.attention_mask[0, 6:] = False  # n = 6
@@ -278,11 +284,13 @@ def test_configs_builders_and_heads():
     assert (base.num_layers, base.hidden_size, base.num_heads, base.visual_dim, base.geometry_dim) == (12, 768, 12, 2048, 2048)
     assert (base.type_vocab_size, base.num_region_classes, base.with_match_head, base.end_to_end) == (3, 1601, False, False)
     assert model_config("vlbert-e2e-tiny").end_to_end
-    off, on = _model(vlbert_tiny()), _model(vlbert_tiny(with_match_head=True))
+    off, on = _model(vlbert_tiny(), as_built=True), _model(vlbert_tiny(with_match_head=True))
     assert not any("seq_relationship" in n for n, _ in off.named_parameters())
     assert on(_inputs()).match_logits.shape == (2, 2)
     assert off.cls.predictions.decoder.weight is off.bert.embeddings.word_embeddings.weight  # tied MLM head
-    assert torch.equal(off.bert.embeddings.visual_ln_text.weight, torch.zeros(32))  # released init
+    # Released init (pre-training configs): both visual LayerNorms at weight 0.
+    assert torch.equal(off.bert.embeddings.visual_ln_text.weight, torch.zeros(32))
+    assert torch.equal(off.bert.embeddings.visual_ln_object.weight, torch.zeros(32))
     for bad in (dict(geometry_dim=30), dict(geometry_box="xywh"), dict(type_vocab_size=2),
                 dict(end_to_end=True, cnn_channels=())):
         with pytest.raises(ValueError):

@@ -17,11 +17,10 @@ embedding LayerNorm and dropout:
   whole-image RoI's (§3.2 "for the non-visual elements ... features extracted on the whole input image").
   Text and visual elements each pass their visual feature embedding through their own LayerNorm; the text one
   starts with weight 0, so an initialisation from BERT starts as BERT on the text (released code:
-  `visual_ln_text`, `visual_scale_text_init=0`). The visual elements' LayerNorm starts at 1 here, where the
-  released pre-training configs set `visual_scale_object_init: 0.0` too (the class default of their code is
-  1). Measured with 0 (2026-12-01, `vlberts demo --arch=vlbert`, a scratch build): probe 66.33 / 15.71, VQA
-  78.30%, best head 6-2 59.80% (layer 6), all four checks, against 77.61 / 15.74, 84.02%, 5-3 55.66% at 1;
-  not yet the default, as every VL-BERT number in the README was measured at 1.
+  `visual_ln_text`, `visual_scale_text_init=0`). The visual elements' LayerNorm starts at weight 0 as well,
+  as the released pre-training configs set it (`visual_scale_object_init: 0.0`; the class default of their
+  code is 1): a visual element starts as its [IMG] token, segment and position, and its features enter as
+  the weight grows. Until 2026-12-01 ours started at 1 (docs/architecture-demos.md has the demo at both).
 - text-only samples (§3.3, the BooksCorpus/Wikipedia stream, input "<Text, ∅>"): "the visual feature
   embedding term is a learnable embedding shared for all words"; such a sample has no visual elements, so its
   whole-image element is masked out too (a sample with no real region is treated as text-only).
@@ -96,7 +95,7 @@ class VLBertConfig(BertTextConfig):
     geometry_box: Literal["cxcywh", "xyxy"] = "cxcywh"
     visual_dropout: float = 0.1  # before the visual feature FC (released code: Dropout(0.1) -> Linear -> ReLU)
     visual_scale_text_init: float = 0.0  # initial weight of the text elements' visual LayerNorm
-    visual_scale_object_init: float = 1.0  # initial weight of the visual elements' visual LayerNorm
+    visual_scale_object_init: float = 0.0  # initial weight of the visual elements' visual LayerNorm (release)
     num_region_classes: int = 1601  # masked RoI classification: detector classes incl. background
     # Sentence-image relationship head. Off: the paper (§4.3, Table 4) found the task harmful and the
     # released pre-training configs set WITH_REL_LOSS false.
