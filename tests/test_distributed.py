@@ -224,6 +224,21 @@ def test_the_peers_of_a_rank_that_failed_say_so_in_one_line(tiny_world, tmp_path
                                  "killed: then torchrun's report names the signal)"}
 
 
+def test_a_peer_on_several_machines_says_where_the_failed_ranks_error_is():
+    from vlberts.cli import _peer_failed_line
+
+    one = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert _peer_failed_line(one) == ("rank 1 stopped: another rank failed (its error is above, unless it was "
+                                      "killed: then torchrun's report names the signal)")
+    # The second of two machines with 2 ranks each holds ranks 2 and 3.
+    two = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    assert _peer_failed_line(two) == (
+        "rank 3 stopped: another rank failed. Its error is printed by the machine that ran it: above if it was one "
+        "of this machine's ranks 2-3, else on another of the job's machines (4 ranks in all), where torchrun's "
+        "report also names a rank that was killed")
+    assert _peer_failed_line({"RANK": "1"}).startswith("rank 1 stopped: another rank failed (its error is above")
+
+
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_torchrun_pretrain_logs_once_and_resumes_exactly(tiny_world, tmp_path):
     ref = tmp_path / "ref"

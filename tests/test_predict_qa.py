@@ -7,6 +7,7 @@ a count in predict.json."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from vlberts.recipes.finetune_gqa import finetune_gqa
 from vlberts.recipes.finetune_vqa import finetune_vqa
 from vlberts.recipes.predict_qa import PredictQAConfig, predict_file
 from vlberts.tasks.vqa import evaluate_predictions
+from vlberts.training.distributed import free_port
 
 VLBERTS = Path(sys.executable).with_name("vlberts")
 
@@ -83,6 +85,24 @@ def test_cli(tiny_world, vqa_run, tmp_path):
     assert run.stdout.strip() == f"wrote {tmp_path / 'p' / 'predictions.json'} and {tmp_path / 'p' / 'predict.json'}"
     run = subprocess.run([str(VLBERTS), "predict", "vqa", f"--questions={questions}"], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip() == "error: predict vqa needs --model"
+
+
+@pytest.mark.skipif(not VLBERTS.with_name("torchrun").exists(), reason="torchrun not installed")
+def test_two_processes_predict_each_question_once_and_write_what_one_process_writes(tiny_world, vqa_run, tmp_path):
+    # Under torchrun each rank answers every second question; rank 0 alone writes the merged file.
+    questions, _ = tiny_world.vqa("test")
+    args = ["predict", "vqa", f"--model={vqa_run / 'model'}", f"--questions={questions}",
+            f"--features={tiny_world.store}", "--device=cpu", "--batch_size=7"]
+    one = subprocess.run([str(VLBERTS), *args, f"--out={tmp_path / 'one'}"], capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([str(VLBERTS.with_name("torchrun")), "--nproc_per_node=2", f"--master_port={free_port()}",
+                          str(VLBERTS), *args, f"--out={tmp_path / 'two'}"],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert (tmp_path / "two" / "predictions.json").read_bytes() == (tmp_path / "one" / "predictions.json").read_bytes()
+    summary = json.loads((tmp_path / "two" / "predict.json").read_text())
+    assert summary["ranks"] == 2 and summary["answered"] == len(json.loads(questions.read_text())["questions"])
+    assert two.stdout.count("wrote ") == 1  # one rank reports
 
 
 def test_max_text_len_beyond_the_position_embeddings(tiny_world, vqa_run, tmp_path, capsys):

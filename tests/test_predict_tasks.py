@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,9 @@ from vlberts.recipes.predict_vcr import PredictVCRConfig
 from vlberts.recipes.predict_vcr import predict_file as predict_vcr_file
 from vlberts.text.tokenizer import TextTokenizer
 from vlberts.tasks.vcr import SUBMISSION_COLUMNS, SubmissionRow, read_submission, write_submission
+from vlberts.training.distributed import free_port
+
+VLBERTS = Path(sys.executable).with_name("vlberts")
 
 # --------------------------------------------------------------------------- NLVR2
 
@@ -156,6 +162,30 @@ def test_vcr_submission_holds_both_runs_predictions_and_scores_the_same(tiny_wor
     code, stdout, _ = run_cli(["evaluate", "vcr", f"--annotations={val_file}", f"--submission={path}"], capsys)
     assert code == 0 and json.loads(stdout) == by_files
     assert json.loads((tmp_path / "p" / "predict.json").read_text())["predicted"] == len(val)
+
+
+@pytest.mark.skipif(not VLBERTS.with_name("torchrun").exists(), reason="torchrun not installed")
+def test_vcr_submission_of_two_processes_equals_one_processs(tiny_world, vcr_runs, tmp_path):
+    # Under torchrun each rank scores every second question (5 passes: Q->A and QA->R per answer), rank 0
+    # writes the merged CSV.
+    qa, qar = vcr_runs
+    args = ["predict", "vcr", f"--qa_model={qa / 'model'}", f"--qar_model={qar / 'model'}",
+            f"--questions={tiny_world.root / 'vcr' / 'val.jsonl'}", f"--features={tiny_world.store}", "--device=cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([str(VLBERTS), *args, f"--out={tmp_path / 'one'}"], capture_output=True, text=True, env=env)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([str(VLBERTS.with_name("torchrun")), "--nproc_per_node=2", f"--master_port={free_port()}",
+                          str(VLBERTS), *args, f"--out={tmp_path / 'two'}"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    ids = [ex.annot_id for ex in read_vcr(tiny_world.root / "vcr" / "val.jsonl")]
+    rows1, rows2 = (read_submission(d / "submission.csv", ids) for d in (tmp_path / "one", tmp_path / "two"))
+    assert rows1.keys() == rows2.keys() and len(rows1) == len(ids) > 2
+    for k, row in rows1.items():
+        assert rows2[k].answers == pytest.approx(row.answers, abs=1e-5)
+        for got, want in zip(rows2[k].rationales, row.rationales, strict=True):
+            assert got == pytest.approx(want, abs=1e-5)
+    assert json.loads((tmp_path / "two" / "predict.json").read_text())["ranks"] == 2
 
 
 def test_vcr_rationale_column_k_is_scored_with_answer_k_as_the_context(tiny_world, vcr_runs, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import errno
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -358,7 +358,8 @@ def _predict(task: str, ctx: typer.Context, config: Optional[Path]) -> None:
     recipe = importlib.import_module(SHOW[f"predict-{task}"])
     cfg = _run_config(recipe, ctx, config)
     path = recipe.predict_file(cfg, task) if task in ("vqa", "gqa") else recipe.predict_file(cfg)
-    typer.echo(f"wrote {path} and {path.with_name('predict.json')}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 writes and reports
+        typer.echo(f"wrote {path} and {path.with_name('predict.json')}")
 
 
 @predict_app.command("vqa", context_settings=OVERRIDES)
@@ -1081,6 +1082,24 @@ def _peer_failed(err: RuntimeError) -> bool:
     return isinstance(err, getattr(td, "DistNetworkError", ())) or any(m in str(err) for m in _PEER_GONE)
 
 
+def _peer_failed_line(env: Mapping[str, str]) -> str:
+    """What a rank stopped by another rank's failure says, from torchrun's variables: where to read that
+    rank's error. torchrun numbers a machine's ranks consecutively (RANK - LOCAL_RANK onwards), and each
+    machine prints its own ranks' errors and its own report of a killed one."""
+    rank = env.get("RANK", "?")
+    try:
+        world, here = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+        first = int(env["RANK"]) - int(env["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        world = here = first = 0
+    if here == 0 or world <= here:
+        return (f"rank {rank} stopped: another rank failed (its error is above, unless it was killed: then "
+                "torchrun's report names the signal)")
+    return (f"rank {rank} stopped: another rank failed. Its error is printed by the machine that ran it: above if "
+            f"it was one of this machine's ranks {first}-{first + here - 1}, else on another of the job's "
+            f"machines ({world} ranks in all), where torchrun's report also names a rank that was killed")
+
+
 def _stopped_early(out: str | Path) -> str:
     """What a run stopped by --stop_after left: a checkpoint to resume from, or nothing yet."""
     if (Path(out) / "checkpoints" / "latest").is_file():
@@ -1163,9 +1182,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except RuntimeError as e:
         if not _peer_failed(e):
             raise
-        rank = os.environ.get("RANK", "?")
-        typer.echo(f"error: rank {rank} stopped: another rank failed (its error is above, unless it was killed: "
-                   "then torchrun's report names the signal)", err=True)
+        typer.echo(f"error: {_peer_failed_line(os.environ)}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     finally:
         _leave_process_group(ok)

@@ -144,6 +144,19 @@ def start_recipe(cfg: C) -> C:
     return cfg
 
 
+def start_prediction(cfg: Any) -> tuple[torch.device, Any]:
+    """The device and process group of a `vlberts predict` run. Under torchrun every rank predicts its share
+    of the examples (`examples[rank::world]`, merged as a fine-tuning run's evaluation merges them: each
+    example once) and rank 0 alone writes OUT; every rank first checks that all run the same command on the
+    same data (`check_ranks_agree`). One process: the device and no group."""
+    from vlberts.training.distributed import check_ranks_agree, init_distributed, local_device
+
+    device = resolve_device(cfg.device)
+    dist = init_distributed(device.type)
+    check_ranks_agree(dist, cfg, None)  # only rank 0 writes OUT, so it need not be shared
+    return local_device(device, dist), dist
+
+
 def set_threads() -> None:
     """Use every core we were given (CI: 2), shared among the processes torchrun started on this machine,
     unless the user pinned a number (OMP_NUM_THREADS; torchrun sets 1 unless told otherwise)."""

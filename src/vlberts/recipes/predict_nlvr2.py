@@ -27,9 +27,10 @@ from vlberts.data.nlvr2 import read_image_map, read_nlvr2
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
 from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
-                                    resolve_device, start_recipe, write_run_config)
+                                    start_prediction, start_recipe, write_run_config)
 from vlberts.recipes.finetune_nlvr2 import load_nlvr2_model, predict_nlvr2, resolve_images
 from vlberts.tasks.nlvr2 import write_predictions
+from vlberts.training.distributed import barrier
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
         if not getattr(cfg, key):
             raise VlbertsError(f"predict nlvr2 needs --{key}")
     cfg = start_recipe(cfg)
+    device, dist = start_prediction(cfg)
     model_dir, out = Path(cfg.model), Path(cfg.out)
     model, tok = load_nlvr2_model(model_dir)
     bad = BadRecords(skip=cfg.skip_bad)
@@ -63,23 +65,27 @@ def predict_file(cfg: PredictNLVR2Config) -> Path:
     store, mismatch = prediction_store(cfg, cfg.features, {model_dir: model})
     image_map = read_image_map(cfg.image_map) if cfg.image_map else None
     statements, images = resolve_images(statements, cfg.statements, store, cfg.features, image_map, cfg.image_map, bad)
-    if bad.total:
+    if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
     if not statements:
         raise VlbertsError("no statement to label", path=cfg.statements)
     max_text_len = predict_text_len(cfg.max_text_len, model.cfg, model_dir, 40)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
-    write_run_config(out, cfg)
+    if dist.main:
+        write_run_config(out, cfg)
     preds = predict_nlvr2(model, tok, statements, images, store, max_regions=max_regions, max_text_len=max_text_len,
-                          batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
-    out.mkdir(parents=True, exist_ok=True)
+                          batch_size=cfg.batch_size, device=device, precision=cfg.precision, dist=dist)
     path = out / "predictions.csv"
-    write_predictions(path, ((ex.identifier, preds[ex.identifier]) for ex in statements))
-    write_json(out / "predict.json", {
-        "task": "nlvr2", "model": str(model_dir), "statements": cfg.statements, "features": cfg.features,
-        "encoding": model.encoding, "predicted": len(statements), "max_text_len": max_text_len,
-        "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
-    })
+    if dist.main:  # every rank holds every prediction; one writes
+        out.mkdir(parents=True, exist_ok=True)
+        write_predictions(path, ((ex.identifier, preds[ex.identifier]) for ex in statements))
+        write_json(out / "predict.json", {
+            "task": "nlvr2", "model": str(model_dir), "statements": cfg.statements, "features": cfg.features,
+            "encoding": model.encoding, "predicted": len(statements), "max_text_len": max_text_len,
+            "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
+            "ranks": dist.world,
+        })
+    barrier(dist)
     return path
 
 

@@ -27,10 +27,11 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
 from vlberts.recipes.common import (PredictConfig, fine_tuning_setting, opt, predict_text_len, prediction_store,
-                                    resolve_device, start_recipe, write_run_config)
+                                    start_prediction, start_recipe, write_run_config)
 from vlberts.recipes.finetune_gqa import GQA
 from vlberts.recipes.finetune_qa import QATask, examples_with_features, load_qa_model, predict_qa
 from vlberts.recipes.finetune_vqa import VQA
+from vlberts.training.distributed import barrier
 
 TASKS: dict[str, QATask] = {"vqa": VQA, "gqa": GQA}
 
@@ -59,6 +60,7 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
         if not getattr(cfg, key):
             raise VlbertsError(f"predict {task} needs --{key}")
     cfg = start_recipe(cfg)
+    device, dist = start_prediction(cfg)
     qa = TASKS[task]
     model_dir, out = Path(cfg.model), Path(cfg.out)
     model, vocab, tok = load_qa_model(model_dir, qa.name)
@@ -66,23 +68,27 @@ def predict_file(cfg: PredictQAConfig, task: str) -> Path:
     examples = qa.read_questions(cfg.questions, bad)
     store, mismatch = prediction_store(cfg, cfg.features, {model_dir: model})
     examples = examples_with_features(examples, cfg.questions, store, cfg.features, bad)
-    if bad.total:
+    if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
     if not examples:
         raise VlbertsError("no question to answer", path=cfg.questions)
     max_text_len = predict_text_len(cfg.max_text_len, model.cfg, model_dir, 32)
     max_regions = cfg.max_regions or fine_tuning_setting(model_dir, "max_regions", 36)
-    write_run_config(out, cfg)
+    if dist.main:
+        write_run_config(out, cfg)
     preds = predict_qa(model, vocab, tok, examples, store, max_regions=max_regions, max_text_len=max_text_len,
-                       batch_size=cfg.batch_size, device=resolve_device(cfg.device), precision=cfg.precision)
-    out.mkdir(parents=True, exist_ok=True)
+                       batch_size=cfg.batch_size, device=device, precision=cfg.precision, dist=dist)
     path = out / "predictions.json"
-    qa.write_predictions(path, ((ex.question_id, preds[ex.question_id]) for ex in examples))
-    write_json(out / "predict.json", {
-        "task": qa.name, "model": str(model_dir), "questions": str(cfg.questions), "features": str(cfg.features),
-        "answered": len(examples), "answer_classes": len(vocab), "max_text_len": max_text_len,
-        "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
-    })
+    if dist.main:  # every rank holds every prediction; one writes
+        out.mkdir(parents=True, exist_ok=True)
+        qa.write_predictions(path, ((ex.question_id, preds[ex.question_id]) for ex in examples))
+        write_json(out / "predict.json", {
+            "task": qa.name, "model": str(model_dir), "questions": str(cfg.questions), "features": str(cfg.features),
+            "answered": len(examples), "answer_classes": len(vocab), "max_text_len": max_text_len,
+            "max_regions": max_regions, "skipped_records": bad.to_dict(), "feature_mismatch": mismatch,
+            "ranks": dist.world,
+        })
+    barrier(dist)
     return path
 
 

@@ -33,10 +33,11 @@ from vlberts.config import apply_overrides, from_dict
 from vlberts.data.vcr import NUM_CHOICES
 from vlberts.errors import BadRecords, VlbertsError
 from vlberts.io import write_json
-from vlberts.recipes.common import (PredictConfig, opt, predict_text_len, prediction_store, resolve_device, start_recipe,
+from vlberts.recipes.common import (PredictConfig, opt, predict_text_len, prediction_store, start_prediction, start_recipe,
                                     write_run_config)
 from vlberts.recipes.finetune_vcr import load_vcr_model, predict_vcr, read_vcr_file, usable_examples, vcr_data
 from vlberts.tasks.vcr import SubmissionRow, write_submission
+from vlberts.training.distributed import barrier
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
         if not getattr(cfg, key):
             raise VlbertsError(f"predict vcr needs --{key}")
     cfg = start_recipe(cfg)
-    device = resolve_device(cfg.device)
+    device, dist = start_prediction(cfg)
     runs = {"qa": _load(cfg.qa_model, "qa", "qa_model"), "qar": _load(cfg.qar_model, "qar", "qar_model")}
     store, mismatch = prediction_store(cfg, cfg.features, {cfg.qa_model: runs["qa"][0], cfg.qar_model: runs["qar"][0]})
 
@@ -81,11 +82,12 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
     examples = read_vcr_file(cfg.questions, bad, require_labels=False)
     for rule in sorted({meta["object_regions"] for _, meta, _ in runs.values()}):
         examples = usable_examples(examples, cfg.questions, store, cfg.features, rule, metadata_dir, bad)
-    if bad.total:
+    if bad.total and dist.main:
         print(bad.warning(), file=sys.stderr)
     if not examples:
         raise VlbertsError("no question to predict", path=cfg.questions)
-    write_run_config(cfg.out, cfg)
+    if dist.main:
+        write_run_config(cfg.out, cfg)
 
     def scores(mode: str, questions: list) -> dict[str, list[float]]:
         model, meta, tok = runs[mode]
@@ -93,23 +95,25 @@ def predict_file(cfg: PredictVCRConfig) -> Path:
         data = vcr_data(model, questions, mode, store, tok, metadata_dir=metadata_dir,
                         max_text_len=predict_text_len(cfg.max_text_len, model.cfg, model_dir, 80),
                         object_regions=meta["object_regions"])
-        return predict_vcr(model, data, batch_size=cfg.batch_size, device=device, precision=cfg.precision)
+        return predict_vcr(model, data, batch_size=cfg.batch_size, device=device, precision=cfg.precision, dist=dist)
 
     answers = scores("qa", examples)
     # QA->R with answer k as the context, for every k (the leaderboard's rationale_conditioned_on_a{k})
     rationales = [scores("qar", [dataclasses.replace(ex, answer_label=k) for ex in examples])
                   for k in range(NUM_CHOICES)]
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "submission.csv"
-    write_submission(path, ((ex.annot_id, SubmissionRow(tuple(answers[ex.annot_id]),
-                                                        tuple(tuple(r[ex.annot_id]) for r in rationales)))
-                            for ex in examples))
-    write_json(out / "predict.json", {
-        "task": "vcr", "qa_model": cfg.qa_model, "qar_model": cfg.qar_model, "questions": cfg.questions,
-        "features": cfg.features, "predicted": len(examples), "skipped_records": bad.to_dict(),
-        "feature_mismatch": mismatch,
-    })
+    if dist.main:  # every rank holds every score; one writes
+        out.mkdir(parents=True, exist_ok=True)
+        write_submission(path, ((ex.annot_id, SubmissionRow(tuple(answers[ex.annot_id]),
+                                                            tuple(tuple(r[ex.annot_id]) for r in rationales)))
+                                for ex in examples))
+        write_json(out / "predict.json", {
+            "task": "vcr", "qa_model": cfg.qa_model, "qar_model": cfg.qar_model, "questions": cfg.questions,
+            "features": cfg.features, "predicted": len(examples), "skipped_records": bad.to_dict(),
+            "feature_mismatch": mismatch, "ranks": dist.world,
+        })
+    barrier(dist)
     return path
 
 
