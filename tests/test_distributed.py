@@ -236,6 +236,8 @@ def test_a_peer_on_several_machines_says_where_the_failed_ranks_error_is():
         "rank 3 stopped: another rank failed. Its error is printed by the machine that ran it: above if it was one "
         "of this machine's ranks 2-3, else on another of the job's machines (4 ranks in all), where torchrun's "
         "report also names a rank that was killed")
+    alone = {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}  # one rank per machine
+    assert "above if it was this machine's rank 1, else on another" in _peer_failed_line(alone)
     assert _peer_failed_line({"RANK": "1"}).startswith("rank 1 stopped: another rank failed (its error is above")
 
 

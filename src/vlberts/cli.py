@@ -1095,9 +1095,10 @@ def _peer_failed_line(env: Mapping[str, str]) -> str:
     if here == 0 or world <= here:
         return (f"rank {rank} stopped: another rank failed (its error is above, unless it was killed: then "
                 "torchrun's report names the signal)")
+    mine = f"this machine's rank {first}" if here == 1 else f"one of this machine's ranks {first}-{first + here - 1}"
     return (f"rank {rank} stopped: another rank failed. Its error is printed by the machine that ran it: above if "
-            f"it was one of this machine's ranks {first}-{first + here - 1}, else on another of the job's "
-            f"machines ({world} ranks in all), where torchrun's report also names a rank that was killed")
+            f"it was {mine}, else on another of the job's machines ({world} ranks in all), where torchrun's "
+            "report also names a rank that was killed")
 
 
 def _stopped_early(out: str | Path) -> str:
