@@ -224,6 +224,19 @@ def test_the_peers_of_a_rank_that_failed_say_so_in_one_line(tiny_world, tmp_path
                                  "killed: then torchrun's report names the signal)"}
 
 
+def test_restarts_over_several_machines_through_the_shared_store_are_warned_about():
+    from vlberts.training.distributed import restart_warning
+
+    env = {"TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    line = restart_warning(env)
+    assert line.startswith("warning: torchrun --max_restarts=3 over 2 machines shares one store with every restart")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and "\n" not in line
+    for safe in ({"TORCHELASTIC_MAX_RESTARTS": "0"}, {"GROUP_WORLD_SIZE": "1"},
+                 {"TORCHELASTIC_USE_AGENT_STORE": "False"}):  # no restart, one machine, a fresh store per round
+        assert restart_warning({**env, **safe}) is None
+    assert restart_warning({}) is None  # not under torchrun
+
+
 def test_a_peer_on_several_machines_says_where_the_failed_ranks_error_is():
     from vlberts.cli import _peer_failed_line
 

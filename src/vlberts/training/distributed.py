@@ -71,6 +71,11 @@ def init_distributed(device_type: str) -> DistInfo:
         # On GPUs, NCCL for CUDA tensors (gradients, parameters) and gloo for the CPU ones the recipes
         # reduce too (`sum_over_ranks`' logged totals, `merge_over_ranks`' objects): NCCL has no CPU path.
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        advice = restart_warning(os.environ)
+        # Once on each machine at its first start (again only after restarts its agent did not count).
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if advice is not None and first_start and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(advice, file=sys.stderr)
         store = _elastic_store()
         if store is None:
             dist.init_process_group(backend=backend)
@@ -78,6 +83,25 @@ def init_distributed(device_type: str) -> DistInfo:
             dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=launched_world_size())
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def restart_warning(env: Mapping[str, str]) -> str | None:
+    """What to say when torchrun may restart ranks over several machines through the store its agents share
+    with the workers. That store outlives the stopped group (c10d's rendezvous keeps its TCP store across rounds,
+    the static one its own), and the machines' agents count restarts each on their own (a machine whose workers
+    were healthy restarts them without counting), so no key prefix the workers could compute is sure to agree:
+    a restarted group can read the stopped group's gloo addresses and hang. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, c10d's rendezvous gives each round a fresh store (its rank 0 starts
+    one): restarts then resumed exactly (README, "Training across processes and machines"). None when nothing
+    can restart, on one machine (`_elastic_store` prefixes the keys there) or without the shared store."""
+    if (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0 or int(env.get("GROUP_WORLD_SIZE", "1") or 1) <= 1
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+        return None
+    return (f"warning: torchrun --max_restarts={env['TORCHELASTIC_MAX_RESTARTS']} over {env['GROUP_WORLD_SIZE']} "
+            "machines shares one store with every restart, where a restarted group can read the stopped one's "
+            "addresses and hang; start torchrun with --rdzv_backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "in its environment on every machine for a fresh store per restart (README, \"Training across "
+            "processes and machines\")")
 
 
 def check_ranks_agree(info: DistInfo, cfg: Any, out: Path | None) -> None:
